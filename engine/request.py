@@ -1,0 +1,90 @@
+"""What goes into the engine and what comes out: requests, sampling parameters, usage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True, frozen=True)
+class SegmentSpan:
+    """A tagged segment's token span ``[start, end)`` within the prompt."""
+
+    tag: str
+    start: int
+    end: int
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    namespace: str = ""  # cache namespace (tenant + salt), derived by the server
+    priority: int = 0  # lower value = more important (vLLM's convention); preempted last
+    segments: list[SegmentSpan] | None = None
+
+
+@dataclass(slots=True)
+class SegmentUsage:
+    tag: str
+    tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the cache (incl. copy-on-write tokens)
+    computed_prompt_tokens: int = 0  # prompt tokens whose KV this request computed
+    completion_tokens: int = 0
+    segments: list[SegmentUsage] | None = None
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One delta of a request's stream. The last one has ``finished`` set and carries usage."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
