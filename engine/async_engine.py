@@ -1,0 +1,253 @@
+"""``AsyncEngine``: the engine loop on its own thread, an asyncio API for the sidecar.
+
+The event loop never runs model code. Requests and admin calls go to the engine thread as
+commands; each step's outputs come back to the loop in one ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .loader import LoadedModel
+from .request import EngineRequest, RequestOutput, SamplingParams
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("prefixcache.engine")
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class WarmResult:
+    tokens: int
+    cached_tokens: int  # of those, already cached before warming
+    pinned_blocks: int
+
+
+class EngineNotReadyError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self._loaded = loaded
+        self._engine: LLMEngine | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._stats: dict[str, Any] = {}
+        self._ids = itertools.count()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the model (off the event loop) and start the engine thread."""
+        if self._engine is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        engine = await asyncio.to_thread(LLMEngine, self.config, self._loaded)
+        self._stats = engine.cache_stats()
+        self._engine = engine
+        self._thread = threading.Thread(target=self._run, name="prefixcache-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        for request_id, stream in list(self._streams.items()):
+            stream.put_nowait(_aborted(request_id, "engine shut down"))
+
+    @property
+    def is_ready(self) -> bool:
+        return self._engine is not None and not self._stopping
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise EngineNotReadyError("the engine is still loading")
+        return self._engine
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.loaded.name
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_seq_len
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        return self.engine.metrics.registry
+
+    @property
+    def num_waiting(self) -> int:
+        return self._engine.num_waiting if self._engine else 0
+
+    @property
+    def num_running(self) -> int:
+        return self._engine.num_running if self._engine else 0
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Leaving the loop early (or being cancelled) aborts it."""
+        engine = self.engine
+        request_id = request.request_id
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = stream
+        arrival = time.monotonic()
+        finished = False
+        try:
+            await self._call(lambda: engine.add_request(request, arrival))
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Free everything the request holds. Safe from any thread; unknown ids are ignored."""
+        self._submit(lambda: self._abort(request_id))
+
+    # -- cache admin -------------------------------------------------------------------------
+
+    async def warm(
+        self, token_ids: list[int], namespace: str = "", pin: bool = False
+    ) -> WarmResult:
+        """Compute and cache a prefix (its full blocks), optionally pinning them."""
+        request = EngineRequest(
+            f"warm-{next(self._ids)}-{time.monotonic_ns()}",
+            list(token_ids),
+            SamplingParams(max_tokens=1, ignore_eos=True),
+            namespace=namespace,
+        )
+        final = None
+        async for out in self.generate(request):
+            final = out
+        assert final is not None and final.usage is not None
+        pinned = await self._call(lambda: self.engine.pin(token_ids, namespace)) if pin else 0
+        return WarmResult(len(token_ids), final.usage.cached_tokens, pinned)
+
+    async def unpin(self, token_ids: list[int], namespace: str = "") -> int:
+        return await self._call(lambda: self.engine.unpin(token_ids, namespace))
+
+    async def evict_all(self) -> int:
+        return await self._call(self.engine.evict_all)
+
+    def cache_stats(self) -> dict[str, Any]:
+        """The latest snapshot, refreshed by the engine thread after every step and command."""
+        return self._stats
+
+    # -- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            self._drain_commands()
+            if engine.has_unfinished:
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # a bug must not take the server down: fail the batch
+                    log.exception("engine step failed")
+                    outputs = self._fail_all(engine, f"internal engine error: {exc}")
+                self._stats = engine.cache_stats()
+                self._publish(outputs)
+            else:
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _abort(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        self._stats = self.engine.cache_stats()
+        if out is not None:
+            self._publish([out])
+
+    def _fail_all(self, engine: LLMEngine, message: str) -> list[RequestOutput]:
+        outputs = []
+        for seq in [*engine.scheduler.running, *engine.scheduler.waiting]:
+            out = engine.abort_request(seq.request_id)
+            if out is not None:
+                out.finish_reason, out.error = "error", message
+                outputs.append(out)
+        return outputs
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if outputs and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread and await its result (or exception)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if future.cancelled():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        def command() -> None:
+            try:
+                result, error = fn(), None
+            except Exception as exc:
+                result, error = None, exc
+            self._stats = self.engine.cache_stats()  # visible before the caller resumes
+            loop.call_soon_threadsafe(settle, result, error)
+
+        self._submit(command)
+        return await future
+
+
+def _aborted(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(request_id, [], "", finished=True, finish_reason="abort", error=message)

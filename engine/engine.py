@@ -1,0 +1,361 @@
+"""The engine loop: admit requests, run scheduled steps through the model, sample, stream out.
+
+``LLMEngine`` is synchronous and single-threaded; ``AsyncEngine`` runs it on its own thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .attention import create_backend
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .kv_cache import KVCache
+from .loader import LoadedModel, load_model
+from .metrics import EngineMetrics
+from .model_runner import BatchEntry, ModelRunner
+from .request import (
+    EngineRequest,
+    RequestOutput,
+    SamplingParams,
+    SegmentUsage,
+    TokenLogprob,
+    Usage,
+)
+from .sampler import Sampler
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import Sequence
+from .tokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    usage: Usage
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device)
+        self.tokenizer = self.loaded.tokenizer
+        spec = self.loaded.kv_cache_spec(config.block_size)
+        num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_memory_bytes)
+        self.kv_cache = KVCache(spec, num_blocks)
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            identity=self.cache_identity(self.loaded),
+            copy_slots=self.kv_cache.copy_slots,
+            enable_caching=config.enable_prefix_caching,
+        )
+        backend = create_backend(config.attention_backend, self.loaded.device)
+        self.runner = ModelRunner(self.loaded, self.kv_cache, backend, config.enable_cascade)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler()
+        self.metrics = EngineMetrics()
+        model_len = self.loaded.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        # A sequence never outgrows the pool, so a lone request can always make progress.
+        self.max_seq_len = min(self.max_model_len, num_blocks * config.block_size)
+        self._sequences: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._stop_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._last_stats = self.block_manager.stats()
+
+    @staticmethod
+    def cache_identity(loaded: LoadedModel) -> bytes:
+        """Root of every namespace: blocks never match across models, tokenizers or dtypes."""
+        key = f"{loaded.fingerprint}|{loaded.tokenizer.fingerprint}|{loaded.dtype}"
+        return hashlib.sha256(key.encode()).digest()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def validate(self, request: EngineRequest) -> None:
+        """Raise ValueError with a message a client can act on; changes nothing."""
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if request.request_id in self._sequences:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        vocab = self.loaded.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) >= self.max_seq_len:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; this engine accepts at most "
+                f"{self.max_seq_len - 1} (context {self.max_model_len} tokens, KV pool "
+                f"{self.block_manager.num_blocks * self.config.block_size} tokens)"
+            )
+        for span in request.segments or ():
+            if not 0 <= span.start <= span.end <= len(prompt):
+                raise ValueError(f"segment {span.tag!r} span is outside the prompt")
+
+    def add_request(self, request: EngineRequest, arrival_time: float | None = None) -> None:
+        self.validate(request)
+        seq = Sequence(
+            request=request,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            arrival_order=next(self._arrivals),
+            arrival_step=self.scheduler.num_steps,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
+        )
+        self._sequences[request.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Free everything the request holds; returns its final output, or None if unknown."""
+        seq = self._sequences.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, "abort")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        self.metrics.preemptions.inc(len(out.preempted))
+        outputs: list[RequestOutput] = []
+        if out.chunks:
+            logits = self.runner.execute(self._batch(out))
+            self.metrics.prompt_tokens_computed.inc(self.scheduler.on_step_done(out))
+            self._count_cache_stats()
+            ready = [c.seq for c in out.chunks if c.seq.num_uncomputed_tokens == 0]
+            assert logits.shape[0] == len(ready)
+            tokens, logprobs = self.sampler.sample(
+                logits, [s.request.sampling for s in ready], [s.request_id for s in ready]
+            )
+            now = time.monotonic()
+            for seq, token, logprob in zip(ready, tokens, logprobs, strict=True):
+                outputs.append(self._append_token(seq, token, logprob, now))
+        self._update_gauges()
+        return outputs
+
+    def _batch(self, out: SchedulerOutput) -> list[BatchEntry]:
+        batch = []
+        for chunk in out.chunks:
+            seq, start = chunk.seq, chunk.seq.num_computed_tokens
+            end = start + chunk.num_tokens
+            batch.append(
+                BatchEntry(
+                    token_ids=seq.token_ids[start:end],
+                    start_pos=start,
+                    block_table=seq.table.block_ids,
+                    compute_logits=end == seq.num_tokens,
+                )
+            )
+        return batch
+
+    def _append_token(
+        self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float
+    ) -> RequestOutput:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.metrics.ttft.observe(now - seq.arrival_time)
+        else:
+            self.metrics.inter_token_latency.observe(now - (seq.last_token_time or now))
+        seq.last_token_time = now
+        self.metrics.generation_tokens.inc()
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+
+        params = seq.request.sampling
+        reason = None
+        if token in params.stop_token_ids or (
+            token in self._stop_token_ids and not params.ignore_eos
+        ):
+            reason = "stop"
+        else:
+            seq.pending_text += seq.detokenizer.push(token)
+            if params.stop and _cut_at_stop(seq, params):
+                reason = "stop"
+        if reason is None and (
+            seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_seq_len
+        ):
+            reason = "length"
+        if reason is not None:
+            final = self._finish(seq, reason)
+            final.new_token_ids = [token]
+            final.logprobs = [logprob] if logprob is not None else None
+            return final
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            text_delta=_release_text(seq, params),
+            logprobs=[logprob] if logprob is not None else None,
+        )
+
+    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+        self.scheduler.finish(seq, reason)
+        self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
+        self._sequences.pop(seq.request_id, None)
+        self.sampler.forget(seq.request_id)
+        delta = seq.pending_text
+        seq.text += delta
+        seq.pending_text = ""
+        self.metrics.requests_finished.labels(reason).inc()
+        if seq.first_token_time is not None:
+            self.metrics.e2e_latency.observe(time.monotonic() - seq.arrival_time)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[],
+            text_delta=delta,
+            finished=True,
+            finish_reason=reason,
+            usage=self.usage_of(seq),
+        )
+
+    def usage_of(self, seq: Sequence) -> Usage:
+        cached = seq.num_cached_tokens or 0
+        segments = None
+        if seq.request.segments is not None:
+            segments = [
+                SegmentUsage(
+                    tag=s.tag,
+                    tokens=s.end - s.start,
+                    cached_tokens=max(0, min(cached, s.end) - s.start),
+                )
+                for s in seq.request.segments
+            ]
+        return Usage(
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=cached,
+            computed_prompt_tokens=seq.num_computed_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            segments=segments,
+        )
+
+    def _count_cache_stats(self) -> None:
+        stats = self.block_manager.stats()
+        last, self._last_stats = self._last_stats, stats
+        self.metrics.prefix_cache_queries.inc(stats.query_tokens - last.query_tokens)
+        self.metrics.prefix_cache_hits.inc(stats.hit_tokens - last.hit_tokens)
+        self.metrics.evictions.inc((stats.evicted_tokens - last.evicted_tokens) // stats.block_size)
+
+    def _update_gauges(self) -> None:
+        manager = self.block_manager
+        self.metrics.requests_running.set(self.num_running)
+        self.metrics.requests_waiting.set(self.num_waiting)
+        self.metrics.kv_blocks.labels("in_use").set(manager.num_used_blocks)
+        self.metrics.kv_blocks.labels("cached_idle").set(manager.num_cached_idle_blocks)
+        self.metrics.kv_blocks.labels("free").set(manager.num_free_blocks)
+
+    # -- cache admin -------------------------------------------------------------------------
+
+    def pin(self, token_ids: list[int], namespace: str) -> int:
+        return self.block_manager.pin(token_ids, namespace)
+
+    def unpin(self, token_ids: list[int], namespace: str) -> int:
+        return self.block_manager.unpin(token_ids, namespace)
+
+    def evict_all(self) -> int:
+        evicted = self.block_manager.evict_all()
+        self.metrics.evictions.inc(evicted)
+        self._last_stats = self.block_manager.stats()
+        self._update_gauges()
+        return evicted
+
+    def cache_stats(self) -> dict:
+        s = self.block_manager.stats()
+        return {
+            "block_size": s.block_size,
+            "blocks": {
+                "total": s.num_blocks,
+                "free": s.num_free_blocks,
+                "cached_idle": s.num_cached_idle_blocks,
+                "in_use": s.num_used_blocks,
+                "pinned": s.num_pinned_blocks,
+            },
+            "tokens": {
+                "queries": s.query_tokens,
+                "hits": s.hit_tokens,
+                "inserted": s.inserted_tokens,
+                "evicted": s.evicted_tokens,
+            },
+            "hit_rate": s.hit_tokens / s.query_tokens if s.query_tokens else 0.0,
+        }
+
+    # -- scripts and tests -------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Iterable[list[int] | EngineRequest],
+        sampling: SamplingParams | None = None,
+    ) -> list[GenerationResult]:
+        """Run prompts to completion (blocking) and return their results in order."""
+        requests = []
+        for prompt in prompts:
+            if isinstance(prompt, EngineRequest):
+                requests.append(prompt)
+            else:
+                rid = f"gen-{next(self._arrivals)}"
+                requests.append(EngineRequest(rid, list(prompt), sampling or SamplingParams()))
+        for request in requests:
+            self.add_request(request)
+        results: dict[str, GenerationResult] = {
+            r.request_id: GenerationResult(
+                r.request_id, list(r.prompt_token_ids), [], "", "", Usage()
+            )
+            for r in requests
+        }
+        pending = set(results)
+        while pending:
+            if not self.has_unfinished:
+                raise RuntimeError("engine stopped with unfinished requests")
+            for out in self.step():
+                result = results.get(out.request_id)
+                if result is None:
+                    continue
+                result.token_ids.extend(out.new_token_ids)
+                result.text += out.text_delta
+                if out.logprobs:
+                    result.logprobs.extend(out.logprobs)
+                if out.finished:
+                    result.finish_reason = out.finish_reason or ""
+                    result.usage = out.usage or Usage()
+                    pending.discard(out.request_id)
+        return [results[r.request_id] for r in requests]
+
+
+def _cut_at_stop(seq: Sequence, params: SamplingParams) -> bool:
+    """If a stop string appears in the held-back text, cut the text before it."""
+    hits = [i for i in (seq.pending_text.find(s) for s in params.stop if s) if i >= 0]
+    if not hits:
+        return False
+    seq.pending_text = seq.pending_text[: min(hits)]
+    return True
+
+
+def _release_text(seq: Sequence, params: SamplingParams) -> str:
+    """Text that can no longer become part of a stop string; the rest stays held back."""
+    hold = max((len(s) for s in params.stop), default=1) - 1
+    cut = len(seq.pending_text) - hold
+    if cut <= 0:
+        return ""
+    delta, seq.pending_text = seq.pending_text[:cut], seq.pending_text[cut:]
+    seq.text += delta
+    return delta

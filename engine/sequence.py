@@ -1,0 +1,79 @@
+"""A request's life inside the engine: its tokens, its block table and its progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .request import EngineRequest, TokenLogprob
+
+if TYPE_CHECKING:
+    from .block_manager import BlockTable
+    from .tokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request: EngineRequest
+    token_ids: list[int]  # prompt followed by generated tokens
+    num_prompt_tokens: int
+    arrival_order: int  # admission tie-breaker and the preemption order (newest first)
+    arrival_step: int  # the step it (re-)entered the waiting queue: the age bound counts from here
+    arrival_time: float
+    detokenizer: IncrementalDetokenizer | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    table: BlockTable | None = None
+    num_computed_tokens: int = 0  # tokens whose KV is written in the table's blocks
+    num_cached_tokens: int | None = None  # prompt tokens hit at the first admission
+    num_computed_prompt_tokens: int = 0  # prompt tokens this request computed (incl. recompute)
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # of token_ids' full blocks
+    text: str = ""  # generated text released so far
+    pending_text: str = ""  # generated text held back while it may start a stop string
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def namespace(self) -> str:
+        return self.request.namespace
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
