@@ -1,0 +1,394 @@
+"""AsyncClient: send prompts to a prefixcache sidecar or any OpenAI-compatible server.
+
+Runs on asyncio and trio (httpx + anyio). One core does every request: build the body, send,
+retry while no byte of a stream has been handed out, map errors to typed exceptions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+import anyio
+import httpx
+import msgspec
+
+from . import errors
+from .prompt import Prompt
+from .sse import SSEDecoder
+from .types import (
+    CacheReport,
+    CacheStats,
+    ChatCompletion,
+    Completion,
+    Delta,
+    Usage,
+    WarmResult,
+    to_completion,
+    to_delta,
+)
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+RETRY_STATUS = frozenset({408, 429, 502, 503, 504})
+MAX_RETRY_AFTER = 60.0  # seconds; a longer Retry-After is not waited for
+PromptLike = Prompt | Sequence[Mapping[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Seconds (None: no limit). ``first_token``: from sending a streamed request to its first
+    text; ``total``: the whole call, retries and waits included."""
+
+    connect: float | None = 10.0
+    first_token: float | None = 120.0
+    total: float | None = 600.0
+
+
+class AsyncClient:
+    """``base_url`` defaults to $PREFIXCACHE_BASE_URL, then http://127.0.0.1:8000/v1;
+    ``api_key`` to $PREFIXCACHE_API_KEY.
+
+    ``send_segments=True`` sends a ``Prompt`` as the sidecar's ``segments``; set it False for
+    other OpenAI-compatible servers, which then get plain ``messages`` (plus
+    ``prompt_cache_key`` unless ``prompt_cache_key=False``). Plain message lists always go as
+    ``messages``.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        model: str | None = None,
+        timeouts: Timeouts | None = None,
+        max_retries: int = 2,
+        retry_backoff: float = 0.5,
+        send_segments: bool = True,
+        prompt_cache_key: bool = True,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url or os.environ.get("PREFIXCACHE_BASE_URL") or DEFAULT_BASE_URL
+        self.model = model
+        self.timeouts = timeouts or Timeouts()
+        self.max_retries = max_retries
+        self.retry_backoff = retry_backoff
+        self.send_segments = send_segments
+        self.prompt_cache_key = prompt_cache_key
+        api_key = api_key or os.environ.get("PREFIXCACHE_API_KEY")
+        all_headers = {"User-Agent": "prefixcache-sdk/0.1", **(headers or {})}
+        if api_key:
+            all_headers["Authorization"] = f"Bearer {api_key}"
+        t = self.timeouts.connect
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url.rstrip("/") + "/",
+            headers=all_headers,
+            timeout=httpx.Timeout(connect=t, read=None, write=t, pool=t),
+            transport=transport,
+        )
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # --- generation --------------------------------------------------------------------
+
+    async def complete(self, prompt: PromptLike, **params: Any) -> Completion:
+        """Generate a whole answer. ``params``: model, max_tokens, temperature, top_p, stop,
+        seed, cache_salt, ... (None values are dropped), and ``timeouts``."""
+        timeouts = params.pop("timeouts", None) or self.timeouts
+        body = self._chat_body(prompt, stream=False, params=params)
+        deadline = _deadline(timeouts.total)
+        response = await self._send("POST", "chat/completions", body, deadline, stream=False)
+        return to_completion(_decode(response, ChatCompletion))
+
+    def stream(self, prompt: PromptLike, **params: Any) -> CompletionStream:
+        """Stream an answer: ``async for delta in client.stream(p)``, or ``async with`` to
+        close it early. Same ``params`` as ``complete``."""
+        timeouts = params.pop("timeouts", None) or self.timeouts
+        params.setdefault("stream_options", {"include_usage": True})
+        body = self._chat_body(prompt, stream=True, params=params)
+        return CompletionStream(self, body, timeouts)
+
+    # --- cache admin -------------------------------------------------------------------
+
+    async def warm(
+        self, prompt: PromptLike, pin: bool = False, cache_salt: str | None = None
+    ) -> WarmResult:
+        """Compute and cache the prompt's stable part (dynamic segments are left out)."""
+        body = self._cache_body(prompt, pin=pin, cache_salt=cache_salt)
+        response = await self._admin("POST", "cache/warm", body)
+        return _decode(response, WarmResult)
+
+    async def unpin(self, prompt: PromptLike, cache_salt: str | None = None) -> int:
+        body = self._cache_body(prompt, cache_salt=cache_salt)
+        response = await self._admin("POST", "cache/unpin", body)
+        return int(_decode(response, dict).get("unpinned_blocks", 0))
+
+    async def evict(self) -> int:
+        response = await self._admin("POST", "cache/evict", {})
+        return int(_decode(response, dict).get("evicted_blocks", 0))
+
+    async def cache_stats(self) -> CacheStats:
+        response = await self._admin("GET", "cache/stats", None)
+        return _decode(response, CacheStats)
+
+    async def models(self) -> list[str]:
+        response = await self._admin("GET", "models", None)
+        data = _decode(response, dict).get("data") or []
+        return [m["id"] for m in data if isinstance(m, dict) and "id" in m]
+
+    # --- the core ----------------------------------------------------------------------
+
+    def _chat_body(
+        self, prompt: PromptLike, *, stream: bool, params: dict[str, Any]
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {}
+        model = params.pop("model", None) or self.model
+        if model is not None:
+            body["model"] = model
+        if isinstance(prompt, Prompt):
+            if self.send_segments:
+                body["segments"] = prompt.to_segments()
+            else:
+                through = "shared" if self.prompt_cache_key else None
+                body.update(prompt.to_openai(cache_key_through=through))
+        else:
+            body["messages"] = [dict(m) for m in prompt]
+        body.update({k: v for k, v in params.items() if v is not None})
+        body["stream"] = stream
+        return body
+
+    def _cache_body(self, prompt: PromptLike, **fields: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {}
+        if self.model is not None:
+            body["model"] = self.model
+        if isinstance(prompt, Prompt):
+            body["segments"] = prompt.to_segments()
+        else:
+            body["messages"] = [dict(m) for m in prompt]
+        body.update({k: v for k, v in fields.items() if v is not None})
+        return body
+
+    async def _admin(self, method: str, path: str, body: Any) -> httpx.Response:
+        deadline = _deadline(self.timeouts.total)
+        return await self._send(method, path, body, deadline, stream=False)
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        body: Any,
+        deadline: float | None,
+        *,
+        stream: bool,
+        deadline_kind: str = "total",
+    ) -> httpx.Response:
+        """A 2xx response (body unread when ``stream``), retrying what is safe to retry.
+
+        Retried: connection failures before anything was sent, and 408/429/502/503/504,
+        waiting ``Retry-After`` when the server gives one (up to 60 s), else exponential
+        backoff from ``retry_backoff`` seconds with jitter. Never retried: anything after a
+        2xx response arrived.
+        """
+        attempt = 0
+        while True:
+            request = self._http.build_request(method, path, json=body)
+            response: httpx.Response | None = None
+            try:
+                with anyio.fail_after(_remaining(deadline)):
+                    response = await self._http.send(request, stream=stream)
+            except TimeoutError:
+                raise errors.APITimeoutError(
+                    f"{deadline_kind} timeout exceeded", kind=deadline_kind
+                ) from None
+            except httpx.ConnectTimeout:
+                error: errors.APIError = errors.APITimeoutError(
+                    "timed out connecting to the server", kind="connect"
+                )
+            except httpx.ConnectError as exc:
+                error = errors.APIConnectionError(f"cannot connect to {self.base_url}: {exc}")
+            except httpx.TimeoutException as exc:
+                kind = type(exc).__name__.removesuffix("Timeout").lower()
+                raise errors.APITimeoutError(str(exc) or "timed out", kind=kind) from exc
+            except httpx.TransportError as exc:
+                raise errors.APIConnectionError(f"connection failed: {exc!r}") from exc
+            else:
+                if response.is_success:
+                    return response
+                if stream:
+                    await response.aread()
+                    await response.aclose()
+                error = errors.status_error(response)
+                if response.status_code not in RETRY_STATUS:
+                    raise error
+            if attempt >= self.max_retries:
+                raise error
+            wait = _retry_wait(attempt, response, self.retry_backoff)
+            if deadline is not None and anyio.current_time() + wait > deadline:
+                raise error
+            await anyio.sleep(wait)
+            attempt += 1
+
+
+class CompletionStream:
+    """Deltas of one streamed answer. After iteration: ``text``, ``finish_reason``,
+    ``usage``, ``cache`` and ``ttft`` (seconds from sending to the first text)."""
+
+    def __init__(self, client: AsyncClient, body: dict[str, Any], timeouts: Timeouts) -> None:
+        self._client = client
+        self._body = body
+        self._timeouts = timeouts
+        self._iter = self._run()
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self.cache: CacheReport | None = None
+        self.ttft: float | None = None
+
+    def __aiter__(self) -> CompletionStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        return await self._iter.__anext__()
+
+    async def __aenter__(self) -> CompletionStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._iter.aclose()
+
+    async def _run(self) -> AsyncIterator[Delta]:
+        start = anyio.current_time()
+        deadline = _deadline(self._timeouts.total)
+        first = self._timeouts.first_token
+        first_deadline = None if first is None else start + first
+        limit = _earliest(deadline, first_deadline)
+        response = await self._client._send(
+            "POST",
+            "chat/completions",
+            self._body,
+            limit,
+            stream=True,
+            deadline_kind="first_token" if limit == first_deadline else "total",
+        )
+        try:
+            if "json" in response.headers.get("content-type", ""):
+                # a server that ignored stream=true answered with one JSON body
+                await response.aread()
+                delta = self._parse(response.text, response)
+                self.ttft = anyio.current_time() - start
+                yield delta
+                return
+            lines = response.aiter_lines()
+            decoder = SSEDecoder()
+            while True:
+                waiting_first = self.ttft is None
+                limit = _earliest(deadline, first_deadline if waiting_first else None)
+                ended = False
+                try:
+                    with anyio.fail_after(_remaining(limit)):
+                        line = await lines.__anext__()
+                except StopAsyncIteration:
+                    ended, sse = True, decoder.flush()  # ended without a blank line / [DONE]
+                except TimeoutError:
+                    kind = "first_token" if waiting_first and limit == first_deadline else "total"
+                    raise errors.APITimeoutError(f"{kind} timeout exceeded", kind=kind) from None
+                except httpx.TransportError as exc:  # the stream started: never retried
+                    raise errors.APIConnectionError(f"stream interrupted: {exc!r}") from exc
+                else:
+                    sse = decoder.feed(line.rstrip("\r\n"))
+                if sse is not None:
+                    if sse.data == "[DONE]":
+                        return
+                    delta = self._parse(sse.data, response)
+                    if self.ttft is None and (delta.text or delta.finish_reason):
+                        self.ttft = anyio.current_time() - start
+                    yield delta
+                if ended:
+                    return
+        finally:
+            await response.aclose()
+
+    def _parse(self, data: str, response: httpx.Response) -> Delta:
+        try:
+            payload = json.loads(data)
+        except ValueError as exc:
+            raise errors.ResponseFormatError(
+                f"stream event is not JSON: {data[:200]!r}", response=response
+            ) from exc
+        if isinstance(payload, dict) and payload.get("error") is not None:
+            raise errors.stream_error(payload, response)
+        try:
+            delta = to_delta(msgspec.convert(payload, ChatCompletion))
+        except msgspec.ValidationError as exc:
+            raise errors.ResponseFormatError(f"bad stream chunk: {exc}", response=response) from exc
+        self.text += delta.text
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.usage = delta.usage or self.usage
+        self.cache = delta.cache or self.cache
+        return delta
+
+
+def _decode(response: httpx.Response, type_: Any) -> Any:
+    try:
+        return msgspec.json.decode(response.content, type=type_)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise errors.ResponseFormatError(
+            f"unexpected response from {response.request.url}: {exc}",
+            status_code=response.status_code,
+            response=response,
+        ) from exc
+
+
+def _retry_wait(attempt: int, response: httpx.Response | None, base: float) -> float:
+    if response is not None:
+        after = _retry_after(response.headers.get("retry-after"))
+        if after is not None and 0.0 <= after <= MAX_RETRY_AFTER:
+            return after
+    return min(base * 2**attempt, 16 * base) * (1.0 - 0.25 * random.random())
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header: a number of seconds or an HTTP date."""
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return (when - datetime.now(UTC)).total_seconds()
+
+
+def _deadline(seconds: float | None) -> float | None:
+    return None if seconds is None else anyio.current_time() + seconds
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - anyio.current_time())

@@ -1,0 +1,249 @@
+"""Prompts made of tagged segments, rendered stable-first.
+
+A segment has a role, text content (structured data is serialized canonically), a unique tag
+and a stability class. Rendering orders segments static → shared → session → dynamic, keeping
+the declared order within a class, so the longest possible prefix stays the same from one
+request to the next.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from .canonical import canonical_json, to_text
+from .fingerprint import Fingerprint, compute_fingerprint
+
+if TYPE_CHECKING:
+    from .lint import Finding
+
+Role = Literal["system", "user", "assistant"]
+Stability = Literal["static", "shared", "session", "dynamic"]
+SharedOrder = Literal["declared", "tag"]
+
+STABILITIES: tuple[Stability, ...] = get_args(Stability)
+RANK: dict[str, int] = {s: i for i, s in enumerate(STABILITIES)}
+TOOLS_TAG = "tools"  # the pseudo-segment that carries tool schemas (see Prompt.tools)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One tagged piece of a prompt. ``content`` may be text or JSON-like data."""
+
+    role: Role
+    content: str
+    tag: str
+    stability: Stability = "dynamic"
+
+    def __init__(
+        self, role: Role, content: Any, tag: str, stability: Stability = "dynamic"
+    ) -> None:
+        if role not in get_args(Role):
+            raise ValueError(f"role must be one of {get_args(Role)}, got {role!r}")
+        if stability not in STABILITIES:
+            raise ValueError(f"stability must be one of {STABILITIES}, got {stability!r}")
+        if not isinstance(tag, str) or not tag:
+            raise ValueError("segment tag must be a non-empty string")
+        text = to_text(content)
+        if not text:
+            raise ValueError(f"segment {tag!r} has empty content")
+        object.__setattr__(self, "role", role)
+        object.__setattr__(self, "content", text)
+        object.__setattr__(self, "tag", tag)
+        object.__setattr__(self, "stability", stability)
+
+    @property
+    def is_stable(self) -> bool:
+        return self.stability != "dynamic"
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """A function tool schema. ``parameters`` is a JSON Schema object, stored canonically."""
+
+    name: str
+    description: str
+    parameters_json: str
+
+    def __init__(self, name: str, description: str, parameters: Mapping[str, Any]) -> None:
+        if not name:
+            raise ValueError("tool name must be non-empty")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "description", description)
+        object.__setattr__(self, "parameters_json", canonical_json(parameters))
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        return json.loads(self.parameters_json)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """An immutable prompt: segments in declared order, optional tools, shared-segment order.
+
+    ``tools`` count as static material placed before every segment. ``shared_order="tag"``
+    sorts shared segments by tag so that the same documents always render in the same order,
+    whatever order retrieval returned them in.
+    """
+
+    segments: tuple[Segment, ...]
+    tools: tuple[Tool, ...] = ()
+    shared_order: SharedOrder = "declared"
+    _rendered: tuple[Segment, ...] = field(init=False, repr=False, compare=False)
+
+    def __init__(
+        self,
+        segments: Iterable[Segment] = (),
+        tools: Iterable[Tool] = (),
+        shared_order: SharedOrder = "declared",
+    ) -> None:
+        segs = tuple(segments)
+        tool_list = tuple(tools)
+        if shared_order not in get_args(SharedOrder):
+            raise ValueError(f"shared_order must be 'declared' or 'tag', got {shared_order!r}")
+        tags = [s.tag for s in segs]
+        if len(set(tags)) != len(tags):
+            dupes = sorted({t for t in tags if tags.count(t) > 1})
+            raise ValueError(f"segment tags must be unique; repeated: {dupes}")
+        if tool_list and TOOLS_TAG in tags:
+            raise ValueError(f"tag {TOOLS_TAG!r} is reserved for the tool schemas")
+        names = [t.name for t in tool_list]
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        object.__setattr__(self, "segments", segs)
+        object.__setattr__(self, "tools", tool_list)
+        object.__setattr__(self, "shared_order", shared_order)
+        object.__setattr__(self, "_rendered", _order(segs, shared_order))
+
+    @staticmethod
+    def builder() -> PromptBuilder:
+        return PromptBuilder()
+
+    @classmethod
+    def from_messages(
+        cls, messages: Iterable[Mapping[str, Any]], stability: Stability = "dynamic"
+    ) -> Prompt:
+        """Wrap plain chat messages; tags are ``m0``, ``m1``, ... in order."""
+        segs = [
+            Segment(m["role"], m["content"], f"m{i}", stability) for i, m in enumerate(messages)
+        ]
+        return cls(segs)
+
+    # --- derived values -----------------------------------------------------------------
+
+    def rendered(self) -> tuple[Segment, ...]:
+        """Segments in render order: static → shared → session → dynamic."""
+        return self._rendered
+
+    def segment(self, tag: str) -> Segment:
+        for s in self.segments:
+            if s.tag == tag:
+                return s
+        raise KeyError(tag)
+
+    def fingerprint(self) -> Fingerprint:
+        """Chained digests of the tools and the stable segments, in render order."""
+        return compute_fingerprint(self)
+
+    def lint(self, previous: Prompt | None = None) -> list[Finding]:
+        """Cache-breakers in this prompt; ``previous`` adds checks across two renders."""
+        from .lint import lint
+
+        return lint(self, previous)
+
+    # --- new prompts from this one ------------------------------------------------------
+
+    def append(self, *segments: Segment) -> Prompt:
+        return Prompt((*self.segments, *segments), self.tools, self.shared_order)
+
+    def without(self, *tags: str) -> Prompt:
+        drop = set(tags)
+        missing = drop - {s.tag for s in self.segments}
+        if missing:
+            raise KeyError(f"no segment tagged {sorted(missing)}")
+        kept = [s for s in self.segments if s.tag not in drop]
+        return Prompt(kept, self.tools, self.shared_order)
+
+    def without_dynamic(self) -> Prompt:
+        return Prompt([s for s in self.segments if s.is_stable], self.tools, self.shared_order)
+
+    def with_shared_order(self, order: SharedOrder) -> Prompt:
+        return Prompt(self.segments, self.tools, order)
+
+    def replace_content(self, tag: str, content: Any) -> Prompt:
+        self.segment(tag)  # KeyError if absent
+        segs = [replace(s, content=to_text(content)) if s.tag == tag else s for s in self.segments]
+        return Prompt(segs, self.tools, self.shared_order)
+
+    # --- renderers ----------------------------------------------------------------------
+
+    def to_segments(self) -> list[dict[str, str]]:
+        """The ``segments`` field of a prefixcache sidecar request (tools become a segment)."""
+        from .render_sidecar import render_segments
+
+        return render_segments(self)
+
+    def to_messages(self) -> list[dict[str, Any]]:
+        """Plain OpenAI chat messages in render order (tools are not included)."""
+        return [{"role": s.role, "content": s.content} for s in self._rendered]
+
+    def to_openai(self, **params: Any) -> dict[str, Any]:
+        from .render_openai import render_openai
+
+        return render_openai(self, **params)
+
+    def to_anthropic(self, **params: Any) -> dict[str, Any]:
+        from .render_anthropic import render_anthropic
+
+        return render_anthropic(self, **params)
+
+
+def _order(segs: tuple[Segment, ...], shared_order: SharedOrder) -> tuple[Segment, ...]:
+    out: list[Segment] = []
+    for stability in STABILITIES:
+        group = [s for s in segs if s.stability == stability]
+        if stability == "shared" and shared_order == "tag":
+            group.sort(key=lambda s: s.tag)
+        out.extend(group)
+    return tuple(out)
+
+
+class PromptBuilder:
+    """Fluent construction: ``Prompt.builder().static(...).shared(...).dynamic(...).build()``."""
+
+    def __init__(self) -> None:
+        self._segments: list[Segment] = []
+        self._tools: list[Tool] = []
+        self._shared_order: SharedOrder = "declared"
+
+    def add(self, segment: Segment) -> PromptBuilder:
+        self._segments.append(segment)
+        return self
+
+    def static(self, content: Any, *, tag: str, role: Role = "system") -> PromptBuilder:
+        return self.add(Segment(role, content, tag, "static"))
+
+    def shared(self, content: Any, *, tag: str, role: Role = "user") -> PromptBuilder:
+        return self.add(Segment(role, content, tag, "shared"))
+
+    def session(self, content: Any, *, tag: str, role: Role = "user") -> PromptBuilder:
+        return self.add(Segment(role, content, tag, "session"))
+
+    def dynamic(self, content: Any, *, tag: str, role: Role = "user") -> PromptBuilder:
+        return self.add(Segment(role, content, tag, "dynamic"))
+
+    def tool(self, name: str, description: str, parameters: Mapping[str, Any]) -> PromptBuilder:
+        self._tools.append(Tool(name, description, parameters))
+        return self
+
+    def order_shared_by_tag(self) -> PromptBuilder:
+        self._shared_order = "tag"
+        return self
+
+    def build(self) -> Prompt:
+        return Prompt(self._segments, self._tools, self._shared_order)

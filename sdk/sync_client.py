@@ -1,0 +1,85 @@
+"""Client: a blocking wrapper for scripts. It runs an ``AsyncClient`` on an event loop in a
+background thread (an anyio blocking portal), so both share one implementation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from anyio.from_thread import start_blocking_portal
+
+from .client import AsyncClient, CompletionStream, PromptLike
+from .types import CacheStats, Completion, Delta, WarmResult
+
+_END = object()
+
+
+class Client:
+    """Same arguments and methods as ``AsyncClient``, blocking. Close it (or use ``with``)."""
+
+    def __init__(self, *args: Any, backend: str = "asyncio", **kwargs: Any) -> None:
+        self._portal_cm = start_blocking_portal(backend)
+        self._portal = self._portal_cm.__enter__()
+        try:
+            self._async: AsyncClient = self._portal.call(lambda: AsyncClient(*args, **kwargs))
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._portal_cm is None:
+            return
+        try:
+            self._portal.call(self._async.aclose)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+            self._portal_cm = None
+
+    @property
+    def base_url(self) -> str:
+        return self._async.base_url
+
+    def complete(self, prompt: PromptLike, **params: Any) -> Completion:
+        return self._portal.call(lambda: self._async.complete(prompt, **params))
+
+    def stream(self, prompt: PromptLike, **params: Any) -> Iterator[Delta]:
+        """Yield deltas as they arrive (closing the generator early closes the stream)."""
+        stream: CompletionStream = self._async.stream(prompt, **params)
+        try:
+            while True:
+                item = self._portal.call(_next, stream)
+                if item is _END:
+                    return
+                yield item
+        finally:
+            self._portal.call(stream.aclose)
+
+    def warm(
+        self, prompt: PromptLike, pin: bool = False, cache_salt: str | None = None
+    ) -> WarmResult:
+        return self._portal.call(lambda: self._async.warm(prompt, pin, cache_salt))
+
+    def unpin(self, prompt: PromptLike, cache_salt: str | None = None) -> int:
+        return self._portal.call(lambda: self._async.unpin(prompt, cache_salt))
+
+    def evict(self) -> int:
+        return self._portal.call(self._async.evict)
+
+    def cache_stats(self) -> CacheStats:
+        return self._portal.call(self._async.cache_stats)
+
+    def models(self) -> list[str]:
+        return self._portal.call(self._async.models)
+
+
+async def _next(stream: CompletionStream) -> Any:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return _END

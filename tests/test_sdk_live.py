@@ -1,0 +1,98 @@
+"""The SDK against a real sidecar on loopback (``sidecar_url`` comes from tests/conftest.py).
+
+Each test uses its own static text, so that one test's cached blocks never serve another's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import anyio
+
+from prefixcache.sdk import AsyncClient, Client, Prompt
+
+RULES = (
+    "You are a patient librarian who answers questions about the catalogue. Keep answers "
+    "short, cite the shelf code of every book you mention, and say when you do not know. "
+)
+
+
+def _prompt(name: str, question: str = "Which shelf holds atlases?") -> Prompt:
+    return (
+        Prompt.builder()
+        .static(f"[{name}] " + RULES * 4, tag="rules")
+        .shared("Shelf A: atlases and maps. Shelf B: poetry. Shelf C: cookery. " * 3, tag="doc")
+        .dynamic(question, tag="q")
+        .build()
+    )
+
+
+def _run(fn: Callable[[AsyncClient], Awaitable[None]], url: str) -> None:
+    async def main() -> None:
+        async with AsyncClient(url) as client:
+            await fn(client)
+
+    anyio.run(main)
+
+
+def test_complete(sidecar_url: str) -> None:
+    async def check(client: AsyncClient) -> None:
+        out = await client.complete(_prompt("complete"), max_tokens=4, temperature=0.0)
+        assert isinstance(out.text, str) and out.finish_reason in ("stop", "length")
+        assert out.usage.completion_tokens and 1 <= out.usage.completion_tokens <= 4
+        assert out.cache is not None
+        assert [s.tag for s in out.cache.segments] == ["rules", "doc", "q"]
+        assert out.cache.prompt_tokens == out.usage.prompt_tokens
+
+    _run(check, sidecar_url)
+
+
+def test_stream(sidecar_url: str) -> None:
+    async def check(client: AsyncClient) -> None:
+        stream = client.stream(_prompt("stream"), max_tokens=4, temperature=0.0)
+        deltas = [d async for d in stream]
+        assert stream.finish_reason in ("stop", "length")
+        assert stream.text == "".join(d.text for d in deltas)
+        assert stream.cache is not None and len(stream.cache.segments) == 3
+        assert stream.usage is not None and stream.usage.prompt_tokens == stream.cache.prompt_tokens
+        assert stream.ttft is not None and stream.ttft > 0
+
+    _run(check, sidecar_url)
+
+
+def test_warm_then_request_reports_cached_tokens(sidecar_url: str) -> None:
+    async def check(client: AsyncClient) -> None:
+        prompt = _prompt("warm")
+        warmed = await client.warm(prompt)
+        assert 0 <= warmed.cached_tokens < warmed.tokens  # only a template start can be cached
+        out = await client.complete(prompt, max_tokens=2, temperature=0.0)
+        # everything warmed is reused, give or take the block the dynamic tail starts in
+        block = (await client.cache_stats()).block_size
+        assert out.usage.cached_tokens >= warmed.tokens - block
+        assert out.cache is not None and out.cache.segment("rules").cached_tokens > 0
+
+    _run(check, sidecar_url)
+
+
+def test_per_segment_report_on_second_request(sidecar_url: str) -> None:
+    async def check(client: AsyncClient) -> None:
+        first = await client.complete(_prompt("segments", "Where is poetry?"), max_tokens=2)
+        second = await client.complete(_prompt("segments", "Where is cookery?"), max_tokens=2)
+        assert first.cache is not None and second.cache is not None
+        rules, doc = second.cache.segment("rules"), second.cache.segment("doc")
+        assert rules.cached_tokens > 0 and doc.cached_tokens > 0
+        assert rules.cached_tokens <= rules.tokens and doc.cached_tokens <= doc.tokens
+        assert sum(s.cached_tokens for s in second.cache.segments) == second.cache.cached_tokens
+        assert second.cache.cached_tokens == second.usage.cached_tokens
+        assert second.cache.cached_tokens > first.cache.cached_tokens
+
+    _run(check, sidecar_url)
+
+
+def test_cache_stats_with_the_sync_client(sidecar_url: str) -> None:
+    with Client(sidecar_url) as client:
+        client.complete(_prompt("stats"), max_tokens=1)
+        stats = client.cache_stats()
+    assert stats.block_size > 0 and stats.blocks.total > 0
+    assert stats.blocks.free + stats.blocks.cached_idle + stats.blocks.in_use <= stats.blocks.total
+    assert stats.tokens.queries > 0 and 0.0 <= stats.hit_rate <= 1.0
