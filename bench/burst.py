@@ -30,19 +30,21 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
         )
     first_token: set[str] = set()
     computed = 0
-    peak_blocks = 0
     all_first_s = math.nan
     while engine.has_unfinished:
         for out in engine.step():
             first_token.add(out.request_id)
             if out.finished:
                 computed += out.usage.computed_prompt_tokens
-        peak_blocks = max(peak_blocks, engine.block_manager.num_used_blocks)
         if len(first_token) == len(prompts) and math.isnan(all_first_s):
             all_first_s = time.perf_counter() - start
     engine.block_manager.check_invariants()
     assert engine.block_manager.num_used_blocks == 0
-    return {"all_first_token_s": all_first_s, "computed": computed, "peak_blocks": peak_blocks}
+    return {
+        "all_first_token_s": all_first_s,
+        "computed": computed,
+        "peak_blocks": engine.peak_used_blocks,
+    }
 
 
 def main() -> None:

@@ -71,6 +71,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._stop_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._last_stats = self.block_manager.stats()
+        self.peak_used_blocks = 0  # high-water mark of blocks held by requests, for benchmarks
 
     @staticmethod
     def cache_identity(loaded: LoadedModel) -> bytes:
@@ -138,6 +139,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         self.metrics.preemptions.inc(len(out.preempted))
+        self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         outputs: list[RequestOutput] = []
         if out.chunks:
             logits = self.runner.execute(self._batch(out))

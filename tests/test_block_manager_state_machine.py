@@ -1,0 +1,283 @@
+"""Random interleavings of allocate, prefill, decode, commit, fork, free, evict, pin and unpin.
+
+A fake KV store holds one int per token slot. Each sequence writes, into the slots it owns, a
+value derived from its namespace and its whole token history up to that position (so token id,
+position and prefix). After every step, reading a sequence's block table back must give exactly
+its own history: wrong sharing, a block handed out twice, a bad copy-on-write or a dedupe that
+frees before re-pointing all show up as a wrong value, not only as a leak.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from prefixcache.engine.block_manager import BlockManager, BlockTable, OutOfBlocksError
+
+BS = 4
+NUM_BLOCKS = 20
+MAX_SEQS = 4
+NAMESPACES = ("tenant-a", "tenant-b")
+_rng = random.Random(7)
+BASES = [[_rng.randrange(6) for _ in range(24)] for _ in range(2)]
+MOD = (1 << 61) - 1
+
+
+def history_values(namespace: str, tokens: list[int]) -> list[int]:
+    """Value of slot p: a rolling hash of (namespace, tokens[: p + 1]); depends on the position."""
+    h = zlib.crc32(namespace.encode()) + 1
+    out = []
+    for tok in tokens:
+        h = (h * 1_000_003 + tok + 1) % MOD
+        out.append(h)
+    return out
+
+
+@dataclass(eq=False)  # identity: twin sequences are equal by value
+class Seq:
+    table: BlockTable
+    tokens: list[int]
+    num_computed: int
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = np.zeros((NUM_BLOCKS, BS), dtype=np.int64)
+        self.bm = BlockManager(NUM_BLOCKS, BS, b"model|tok|fp32", self.copy_slots)
+        self.seqs: list[Seq] = []
+        self.pins: list[tuple[list[int], str]] = []
+
+    def copy_slots(self, src: int, dst: int, k: int) -> None:
+        assert src != dst and 0 < k <= BS
+        self.kv[dst, :k] = self.kv[src, :k]
+
+    def write(self, seq: Seq, start: int, end: int) -> None:
+        values = history_values(seq.table.namespace, seq.tokens[:end])
+        for pos in range(start, end):
+            block = seq.table.block_ids[pos // BS]
+            # a sequence writes only into its private blocks: shared ones are read-only
+            assert pos // BS >= seq.table.num_committed_blocks or self.bm.ref_count(block) == 1
+            self.kv[block, pos % BS] = values[pos]
+
+    def counters(self) -> tuple[int, int, int, int]:
+        bm = self.bm
+        return (
+            bm.num_free_blocks,
+            bm.num_cached_idle_blocks,
+            bm.num_used_blocks,
+            bm.num_pinned_blocks,
+        )
+
+    def pinned_idle(self) -> list[int]:
+        return self.bm._pool.idle_order(pinned=True)
+
+    def check_pinned_evicted_last(self, pinned_idle: list[int], exempt: int | None = None) -> None:
+        """If this step evicted a pinned block, no unpinned idle block may be left."""
+        if any(self.bm._tree.node_of(b) is None for b in pinned_idle):
+            event("pinned block evicted")
+            assert set(self.bm._pool.idle_order(pinned=False)) <= {exempt}
+
+    # ---- rules
+
+    prompts = st.builds(
+        lambda base, n, suffix: base[:n] + suffix,
+        st.sampled_from(BASES),
+        st.integers(0, 24),
+        st.lists(st.integers(0, 5), max_size=6),
+    ).filter(bool)
+
+    @precondition(lambda self: len(self.seqs) < MAX_SEQS)
+    @rule(prompt=prompts, namespace=st.sampled_from(NAMESPACES), chunk=st.integers(1, 32))
+    def allocate(self, prompt: list[int], namespace: str, chunk: int) -> None:
+        self._allocate(prompt, namespace, chunk)
+
+    @precondition(lambda self: len(self.seqs) < MAX_SEQS - 1)
+    @rule(prompt=prompts, namespace=st.sampled_from(NAMESPACES))
+    def allocate_twins(self, prompt: list[int], namespace: str) -> None:
+        """Two sequences compute the same blocks before either commits: the dedupe path."""
+        self._allocate(prompt, namespace, len(prompt))
+        self._allocate(prompt, namespace, len(prompt))
+
+    def _allocate(self, prompt: list[int], namespace: str, chunk: int) -> None:
+        match = self.bm.match(prompt, namespace, len(prompt) - 1)
+        assert match.num_tokens <= len(prompt) - 1
+        assert match.partial_tokens < BS
+        # what the match points at really is this prompt's history
+        expected = history_values(namespace, prompt)
+        for pos in range(match.num_tokens):
+            block = match.blocks[pos // BS] if pos // BS < len(match.blocks) else None
+            block = match.partial_block if block is None else block
+            assert self.kv[block, pos % BS] == expected[pos]
+        if not self.bm.can_allocate(match, len(prompt)):
+            before = self.counters()
+            with pytest.raises(OutOfBlocksError):
+                self.bm.allocate(prompt, namespace, match, len(prompt))
+            assert self.counters() == before
+            event("allocate refused")
+            return
+        evicted = self.bm.stats().evicted_tokens
+        pinned_idle = self.pinned_idle()
+        table = self.bm.allocate(prompt, namespace, match, len(prompt))
+        self.check_pinned_evicted_last(pinned_idle, exempt=match.partial_block)
+        if self.bm.stats().evicted_tokens > evicted:
+            event("allocate evicted")
+        if table.num_cached_tokens % BS:
+            event("partial block copied")
+        assert table.num_slots >= len(prompt)
+        assert table.num_cached_tokens in (match.num_tokens, len(match.blocks) * BS)
+        assert table.block_ids[: len(match.blocks)] == match.blocks
+        seq = Seq(table, list(prompt), table.num_cached_tokens)
+        self.seqs.append(seq)
+        self.compute(seq, chunk)
+
+    def compute(self, seq: Seq, chunk: int) -> None:
+        end = min(len(seq.tokens), seq.num_computed + chunk)
+        self.write(seq, seq.num_computed, end)
+        seq.num_computed = end
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), chunk=st.integers(1, 16), token=st.integers(0, 5), commit=st.booleans())
+    def step(self, data: st.DataObject, chunk: int, token: int, commit: bool) -> None:
+        """Prefill the next chunk, or decode one token once the prompt is done."""
+        seq = data.draw(st.sampled_from(self.seqs))
+        self._step(seq, chunk, token)
+        if commit:
+            self.bm.commit(seq.table, seq.tokens, seq.num_computed)
+
+    def _step(self, seq: Seq, chunk: int, token: int) -> None:
+        if seq.num_computed < len(seq.tokens):
+            self.compute(seq, chunk)
+            return
+        n = len(seq.tokens) + 1
+        if not self.bm.can_grow(seq.table, n):
+            before = self.counters()
+            with pytest.raises(OutOfBlocksError):
+                self.bm.grow(seq.table, n)
+            assert self.counters() == before
+            return
+        pinned_idle = self.pinned_idle()
+        self.bm.grow(seq.table, n)
+        self.check_pinned_evicted_last(pinned_idle)
+        seq.tokens.append(token)
+        self.compute(seq, 1)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def commit(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(self.seqs))
+        before = list(seq.table.block_ids)
+        self.bm.commit(seq.table, seq.tokens, seq.num_computed)
+        if before != seq.table.block_ids:
+            event("commit deduped")
+        assert seq.table.num_committed_blocks == seq.num_computed // BS
+        assert len(seq.table.hashes) == seq.table.num_committed_blocks
+        hashes = self.bm.block_hashes(seq.tokens[: seq.num_computed], seq.table.namespace)
+        assert seq.table.hashes == hashes
+
+    @precondition(lambda self: 0 < len(self.seqs) < MAX_SEQS)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(self.seqs))
+        if not self.bm.can_fork(seq.table):
+            return
+        pinned_idle = self.pinned_idle()
+        table = self.bm.fork(seq.table, seq.tokens, seq.num_computed)
+        self.check_pinned_evicted_last(pinned_idle)
+        assert table.num_slots == seq.table.num_slots
+        shared = seq.table.num_committed_blocks
+        assert table.block_ids[:shared] == seq.table.block_ids[:shared]
+        assert not set(table.block_ids[shared:]) & set(seq.table.block_ids)
+        self.seqs.append(Seq(table, list(seq.tokens), seq.num_computed))
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), commit=st.booleans())
+    def free(self, data: st.DataObject, commit: bool) -> None:
+        seq = data.draw(st.sampled_from(self.seqs))
+        if commit:
+            self.bm.commit(seq.table, seq.tokens, seq.num_computed)
+        self.seqs.remove(seq)
+        self.bm.free(seq.table)
+        assert seq.table.block_ids == []
+
+    @rule()
+    def evict_all(self) -> None:
+        pinned_before = self.bm.num_pinned_blocks
+        used_before = self.bm.num_used_blocks
+        idle_before = self.bm.num_cached_idle_blocks
+        evicted = self.bm.evict_all()
+        assert evicted == idle_before - self.bm.num_cached_idle_blocks
+        assert self.bm.num_pinned_blocks == pinned_before
+        assert self.bm.num_used_blocks == used_before
+        assert self.bm.evict_all() == 0
+
+    @rule(data=st.data(), namespace=st.sampled_from(NAMESPACES))
+    def pin(self, data: st.DataObject, namespace: str) -> None:
+        choices = [(s.tokens, s.table.namespace) for s in self.seqs]
+        choices += [(b, namespace) for b in BASES]
+        tokens, ns = data.draw(st.sampled_from(choices))
+        if self.bm.pin(tokens, ns):
+            self.pins.append((list(tokens), ns))
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        tokens, namespace = data.draw(st.sampled_from(self.pins))
+        self.pins.remove((tokens, namespace))
+        pinned_before = self.bm.num_pinned_blocks
+        if self.bm.unpin(tokens, namespace) == 0:
+            event("pinned prefix was evicted")
+        assert self.bm.num_pinned_blocks <= pinned_before
+
+    # ---- invariants, checked after every step
+
+    @invariant()
+    def pool_adds_up(self) -> None:
+        self.bm.check_invariants()
+        free, idle, used, _ = self.counters()
+        assert free + idle + used == NUM_BLOCKS
+
+    @invariant()
+    def ref_counts_match_live_tables(self) -> None:
+        refs: Counter[int] = Counter()
+        for seq in self.seqs:
+            assert len(set(seq.table.block_ids)) == len(seq.table.block_ids)
+            refs.update(seq.table.block_ids)
+        for block in range(NUM_BLOCKS):
+            assert self.bm.ref_count(block) == refs[block], block
+        assert self.bm.num_used_blocks == len(refs)
+
+    @invariant()
+    def only_committed_blocks_are_shared(self) -> None:
+        owners: dict[int, list[tuple[Seq, int]]] = {}
+        for seq in self.seqs:
+            for i, block in enumerate(seq.table.block_ids):
+                owners.setdefault(block, []).append((seq, i))
+        for users in owners.values():
+            if len(users) > 1:
+                assert all(i < seq.table.num_committed_blocks for seq, i in users)
+
+    @invariant()
+    def every_table_reads_back_its_own_history(self) -> None:
+        for seq in self.seqs:
+            expected = history_values(seq.table.namespace, seq.tokens[: seq.num_computed])
+            for pos, value in enumerate(expected):
+                assert self.kv[seq.table.block_ids[pos // BS], pos % BS] == value, pos
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(
+    max_examples=100,
+    stateful_step_count=50,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
