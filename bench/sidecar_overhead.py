@@ -1,0 +1,326 @@
+"""What the HTTP sidecar adds on top of the engine, and how it holds 200 concurrent streams.
+
+One engine, with the sidecar served by uvicorn on a background event loop. The same chat
+requests go, in rotating order,
+1. directly to the engine (pre-tokenized, timed inside the engine's event loop),
+2. to the sidecar app as a plain ASGI call in that loop (validation, template rendering,
+   tokenization, admission, JSON; no HTTP transport), and
+3. through HTTP from an httpx client in its own process (adds uvicorn's h11 parser, sockets
+   and the client; the client's own cost counts as added too, so this is an upper bound).
+Added = median of the paired differences to (1), so CPU noise hits every path alike. Target:
+<= 2 ms added at p50. Then N concurrent streaming requests through HTTP: throughput, errors.
+
+    .venv/bin/python bench/sidecar_overhead.py [--requests 100] [--streams 200] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import socket
+import statistics
+import threading
+import time
+from multiprocessing.connection import Connection
+
+import httpx
+import uvicorn
+
+from prefixcache.engine.async_engine import AsyncEngine
+from prefixcache.engine.config import EngineConfig
+from prefixcache.engine.request import EngineRequest, SamplingParams
+from prefixcache.sidecar.app import create_app
+from prefixcache.sidecar.rendering import PromptRenderer
+
+SYSTEM = "You are a concise assistant for a train timetable service. " * 12
+
+
+def messages(i: int) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"When does train {i % 8} leave?"},
+    ]
+
+
+def chat_body(i: int, max_tokens: int) -> dict:
+    return {"messages": messages(i), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class Bench:
+    """The engine and the sidecar on one background loop; requests from the main thread."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.engine = AsyncEngine(
+            EngineConfig(model=args.model, kv_memory_bytes=args.kv_memory_mib * 1024**2)
+        )
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NODELAY
+        sock.bind(("127.0.0.1", 0))
+        self.base = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        self.app = create_app(self.engine)
+        config = uvicorn.Config(self.app, log_level="error", access_log=False)
+        self.server = uvicorn.Server(config)
+        self.serving = asyncio.run_coroutine_threadsafe(
+            self.server.serve(sockets=[sock]), self.loop
+        )
+        deadline = time.monotonic() + 300
+        while not self.engine.is_ready:
+            if self.serving.done() or time.monotonic() > deadline:
+                raise RuntimeError("the sidecar did not start")
+            time.sleep(0.1)
+        renderer = PromptRenderer(self.engine.tokenizer)
+        self.prompts = [renderer.render_messages(messages(i)).token_ids for i in range(8)]
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.serving.result(timeout=60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    def direct(self, i: int) -> float:
+        async def timed() -> float:
+            request = EngineRequest(
+                f"direct-{i}",
+                self.prompts[i % 8],
+                SamplingParams(max_tokens=self.args.max_tokens, ignore_eos=True),
+            )
+            start = time.perf_counter()
+            async for _ in self.engine.generate(request):
+                pass
+            return time.perf_counter() - start
+
+        return asyncio.run_coroutine_threadsafe(timed(), self.loop).result()
+
+    def asgi(self, i: int) -> float:
+        """The sidecar app called as ASGI in its own loop: everything but the HTTP transport."""
+        body = json.dumps(chat_body(i, self.args.max_tokens)).encode()
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.4"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/chat/completions",
+            "raw_path": b"/v1/chat/completions",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2),
+        }
+
+        async def timed() -> float:
+            finished = asyncio.Event()
+            pending = [{"type": "http.request", "body": body, "more_body": False}]
+            statuses = []
+
+            async def receive() -> dict:
+                if pending:
+                    return pending.pop()
+                await finished.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict) -> None:
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+
+            start = time.perf_counter()
+            await self.app(scope, receive, send)
+            elapsed = time.perf_counter() - start
+            finished.set()
+            assert statuses == [200], statuses
+            return elapsed
+
+        return asyncio.run_coroutine_threadsafe(timed(), self.loop).result()
+
+    def latencies(self, client: Connection) -> dict[str, list[float]]:
+        def http(i: int) -> float:
+            client.send(("one", i))
+            return client.recv()
+
+        paths = {"direct": self.direct, "asgi": self.asgi, "http": http}
+        names = list(paths)
+        timings: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(self.args.warmup + self.args.requests):
+            order = names[i % 3 :] + names[: i % 3]  # rotate which path goes first
+            for name in order:
+                elapsed = paths[name](i)
+                if i >= self.args.warmup:
+                    timings[name].append(elapsed)
+        return timings
+
+
+def client_process(conn: Connection, base: str, args: argparse.Namespace) -> None:
+    """The HTTP client, in its own process so that it never competes for our GIL."""
+    with httpx.Client(base_url=base, timeout=120) as client:
+        while True:
+            command, i = conn.recv()
+            if command == "stop":
+                return
+            if command == "streams":
+                conn.send(asyncio.run(concurrent_streams(base, args)))
+                continue
+            if command == "floor":  # GET /health: what uvicorn + h11 + httpx cost by themselves
+                times = []
+                for _ in range(i):
+                    start = time.perf_counter()
+                    client.get(base.removesuffix("/v1") + "/health").raise_for_status()
+                    times.append(time.perf_counter() - start)
+                conn.send(statistics.median(times))
+                continue
+            start = time.perf_counter()
+            response = client.post("/chat/completions", json=chat_body(i, args.max_tokens))
+            elapsed = time.perf_counter() - start
+            response.raise_for_status()
+            conn.send(elapsed)
+
+
+async def concurrent_streams(base: str, args: argparse.Namespace) -> dict:
+    errors: list[str] = []
+    tokens = 0
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        nonlocal tokens
+        body = {
+            "messages": messages(i),
+            "max_tokens": args.stream_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        try:
+            async with client.stream("POST", "/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    errors.append(f"HTTP {response.status_code}")
+                    return
+                done = False
+                async for line in response.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            errors.append(chunk["error"]["message"])
+                        elif chunk.get("usage"):
+                            tokens += chunk["usage"]["completion_tokens"]
+                if not done:
+                    errors.append("stream ended without [DONE]")
+        except httpx.HTTPError as exc:
+            errors.append(type(exc).__name__)
+
+    limits = httpx.Limits(max_connections=args.streams + 8)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(one(client, i) for i in range(args.streams)))
+        wall = time.perf_counter() - start
+    return {
+        "streams": args.streams,
+        "stream_errors": len(errors),
+        "stream_error_kinds": sorted(set(errors))[:5],
+        "stream_wall_s": round(wall, 3),
+        "stream_tokens_per_s": round(tokens / wall, 1),
+        "stream_requests_per_s": round(args.streams / wall, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--requests", type=int, default=100, help="timed requests per path")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--max-tokens", type=int, default=2)
+    parser.add_argument("--streams", type=int, default=200, help="concurrent streams")
+    parser.add_argument("--stream-tokens", type=int, default=16)
+    parser.add_argument("--kv-memory-mib", type=int, default=256)
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    args = parser.parse_args()
+
+    bench = Bench(args)
+    ours, theirs = multiprocessing.get_context("spawn").Pipe()
+    client = multiprocessing.get_context("spawn").Process(
+        target=client_process, args=(theirs, bench.base, args), daemon=True
+    )
+    client.start()
+    try:
+        timings = bench.latencies(ours)
+        ours.send(("floor", args.requests))
+        floor = ours.recv()
+        streams = {}
+        if args.streams:
+            ours.send(("streams", 0))
+            streams = ours.recv()
+        ours.send(("stop", 0))
+        client.join(30)
+    finally:
+        if client.is_alive():
+            client.kill()
+        bench.close()
+
+    result: dict = {"bench": "sidecar_overhead", "requests": args.requests}
+    result["max_tokens"] = args.max_tokens
+    for name, values in timings.items():
+        result[f"{name}_p50_ms"] = ms(statistics.median(values))
+        result[f"{name}_p99_ms"] = ms(percentile(values, 0.99))
+    direct = timings["direct"]
+    for name in ("asgi", "http"):  # median of paired differences: noise cancels out
+        paired = [t - d for t, d in zip(timings[name], direct, strict=True)]
+        result[f"{name}_added_p50_ms"] = ms(statistics.median(paired))
+        result[f"{name}_added_p99_ms"] = ms(
+            result[f"{name}_p99_ms"] / 1000 - percentile(direct, 0.99)
+        )
+    result["http_floor_p50_ms"] = ms(floor)
+    result["ratio_p50_http_vs_direct"] = round(result["http_p50_ms"] / result["direct_p50_ms"], 3)
+    result["target_added_p50_ms"] = 2.0
+    result.update(streams)
+    result["meets_target"] = (
+        result["http_added_p50_ms"] <= 2.0 and result.get("stream_errors", 0) == 0
+    )
+
+    print(f"{'path':<34} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10}")
+    rows = [
+        ("direct to the engine", "direct"),
+        ("sidecar app, no HTTP (ASGI call)", "asgi"),
+        ("through HTTP (client process)", "http"),
+    ]
+    for label, name in rows:
+        added = (
+            ""
+            if name == "direct"
+            else (
+                f"{result[f'{name}_added_p50_ms']:>10.2f} {result[f'{name}_added_p99_ms']:>10.2f}"
+            )
+        )
+        print(
+            f"{label:<34} {result[f'{name}_p50_ms']:>8.2f} {result[f'{name}_p99_ms']:>8.2f} {added}"
+        )
+    print(
+        f"bare HTTP round trip (GET /health): {result['http_floor_p50_ms']:.2f} ms; "
+        f"HTTP/direct p50 ratio {result['ratio_p50_http_vs_direct']:.3f}; target: added p50 <= 2 ms"
+    )
+    if streams:
+        print(
+            f"{args.streams} concurrent streams: {streams['stream_wall_s']:.2f} s, "
+            f"{streams['stream_tokens_per_s']:.0f} tokens/s, "
+            f"{streams['stream_requests_per_s']:.1f} requests/s, "
+            f"{streams['stream_errors']} errors"
+        )
+    if args.json:
+        print(json.dumps(result))
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+if __name__ == "__main__":
+    main()

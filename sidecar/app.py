@@ -1,0 +1,502 @@
+"""The Starlette app: OpenAI-compatible routes, the segment extension and cache admin.
+
+``create_app(engine, settings)`` takes any object with the AsyncEngine interface
+(docs/internals.md, "Engine"), so tests can inject one. Every check runs before the engine sees
+a request: auth, readiness, body size, JSON types, prompt rendering, context length, queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from prefixcache.engine.request import EngineRequest, SamplingParams, SegmentSpan, Usage
+
+from . import protocol as p
+from .admission import Admission, EngineStream
+from .errors import (
+    APIError,
+    bad_request,
+    from_validation,
+    not_found,
+    not_ready,
+    server_error,
+    too_large,
+)
+from .http_metrics import HTTPMetrics
+from .rendering import PromptRenderer, RenderedPrompt, TemplateError
+from .responses import cache_report, chat_logprobs, completion_logprobs, usage_info
+from .streaming import DONE, ClientGone, SSEResponse, run_until_disconnect, sse_event
+from .tenancy import KeyStore, Tenant, cache_namespace
+
+log = logging.getLogger("prefixcache.sidecar")
+S = TypeVar("S")
+
+
+@dataclass(slots=True)
+class SidecarSettings:
+    keys: KeyStore = field(default_factory=KeyStore)
+    secret: bytes = field(default_factory=lambda: os.urandom(32))  # namespace HMAC key
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_waiting: int = 1024  # admitted requests without output yet; over it: 429
+    retry_after_s: int = 1
+    manage_engine: bool = True  # start the engine on app start-up, shut it down at the end
+
+
+@dataclass(slots=True)
+class Collected:
+    text: str
+    finish_reason: str
+    usage: Usage
+    logprobs: list[Any]
+
+
+@dataclass(slots=True)
+class Job:
+    """One admitted generation request and what its responses need."""
+
+    id: str
+    kind: str  # "chat" | "completion"
+    model: str
+    created: int
+    spans: list[SegmentSpan]
+    stream: EngineStream
+    want_logprobs: bool
+    include_usage: bool
+
+
+def create_app(engine: Any, settings: SidecarSettings | None = None) -> Starlette:
+    sidecar = Sidecar(engine, settings or SidecarSettings())
+    app = Starlette(
+        routes=sidecar.routes(),
+        middleware=[
+            Middleware(HTTPMetrics, paths=sidecar.paths(), registry=sidecar.metrics_registry)
+        ],
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            ClientGone: _client_gone,
+            Exception: _internal_error,
+        },
+        lifespan=sidecar.lifespan,
+    )
+    app.state.sidecar = sidecar
+    return app
+
+
+class Sidecar:
+    def __init__(self, engine: Any, settings: SidecarSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.keys = settings.keys
+        self.admission = Admission(engine, settings.max_waiting, settings.retry_after_s)
+        self.metrics_registry = CollectorRegistry()
+        self.created = int(time.time())
+        self.start_error: str | None = None
+        self._renderer: PromptRenderer | None = None
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/cache/stats", self.cache_stats, methods=["GET"]),
+            Route("/v1/cache/warm", self.cache_warm, methods=["POST"]),
+            Route("/v1/cache/unpin", self.cache_unpin, methods=["POST"]),
+            Route("/v1/cache/evict", self.cache_evict, methods=["POST"]),
+        ]
+
+    def paths(self) -> list[str]:
+        return [route.path for route in self.routes()]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        if not self.settings.manage_engine:
+            yield
+            return
+        # Start in the background: the server answers /health (503) while the model loads.
+        starting = asyncio.create_task(self._start_engine())
+        try:
+            yield
+        finally:
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            await self.engine.shutdown()
+
+    async def _start_engine(self) -> None:
+        try:
+            await self.engine.start()
+        except Exception as exc:
+            self.start_error = f"{type(exc).__name__}: {exc}"
+            log.exception("engine failed to start")
+
+    # --- plain routes ---------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.is_ready:
+            return JSONResponse({"status": "ok"})
+        if self.start_error is not None:
+            return JSONResponse({"status": "failed", "error": self.start_error}, 503)
+        headers = {"Retry-After": str(self.settings.retry_after_s)}
+        return JSONResponse({"status": "starting"}, 503, headers=headers)
+
+    async def metrics(self, request: Request) -> Response:
+        body = generate_latest(self.metrics_registry)
+        registry = getattr(self.engine, "registry", None)
+        if registry is not None:
+            body = generate_latest(registry) + body
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        self.keys.authenticate(request.headers.get("authorization"))
+        self._require_ready()
+        card = p.ModelCard(id=self.engine.model_name, created=self.created)
+        return _json(p.ModelList(data=[card]))
+
+    # --- generation -----------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response | SSEResponse:
+        tenant = self.keys.authenticate(request.headers.get("authorization"))
+        self._require_ready()
+        req = await self._read(request, p.ChatCompletionRequest)
+        _check(p.check_chat, req)
+        self._check_model(req.model)
+        prompt = self._render(lambda r: r.render_chat(req.messages, req.segments))
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        job = self._submit(
+            "chat", f"chatcmpl-{uuid.uuid4().hex}", req, tenant, prompt, max_tokens, top
+        )
+        return await self._respond(job, req.stream, request)
+
+    async def completions(self, request: Request) -> Response | SSEResponse:
+        tenant = self.keys.authenticate(request.headers.get("authorization"))
+        self._require_ready()
+        req = await self._read(request, p.CompletionRequest)
+        _check(p.check_completion, req)
+        self._check_model(req.model)
+        prompt = RenderedPrompt(self._completion_tokens(p.completion_prompt(req)), [])
+        job = self._submit(
+            "completion",
+            f"cmpl-{uuid.uuid4().hex}",
+            req,
+            tenant,
+            prompt,
+            req.max_tokens,
+            req.logprobs,
+        )
+        return await self._respond(job, req.stream, request)
+
+    def _submit(
+        self,
+        kind: str,
+        request_id: str,
+        req: p.SamplingFields,
+        tenant: Tenant,
+        prompt: RenderedPrompt,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> Job:
+        num_prompt = len(prompt.token_ids)
+        context = self.engine.max_model_len
+        if num_prompt >= context:
+            raise bad_request(
+                f"The prompt is {num_prompt} tokens; the model's context length is {context} "
+                "tokens and at least one must be left to generate",
+                "messages" if kind == "chat" else "prompt",
+                "context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = context - num_prompt
+        elif num_prompt + max_tokens > context:
+            raise bad_request(
+                f"max_tokens={max_tokens} plus the prompt's {num_prompt} tokens exceeds the "
+                f"model's context length of {context} tokens (at most {context - num_prompt})",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_k=req.top_k,
+                top_p=req.top_p,
+                seed=req.seed,
+                stop=req.stop_list,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        engine_request = EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt.token_ids,
+            sampling=sampling,
+            namespace=cache_namespace(self.settings.secret, tenant.name, req.cache_salt),
+            segments=prompt.spans or None,
+        )
+        return Job(
+            id=request_id,
+            kind=kind,
+            model=self.engine.model_name,
+            created=int(time.time()),
+            spans=prompt.spans,
+            stream=self.admission.admit(engine_request),  # 429 here when the queue is full
+            want_logprobs=logprobs is not None,
+            include_usage=req.include_usage,
+        )
+
+    async def _respond(self, job: Job, stream: bool, request: Request) -> Response | SSEResponse:
+        if stream:
+            return SSEResponse(self._events(job), on_close=job.stream.aclose)
+        try:
+            result = await run_until_disconnect(self._collect(job), request.receive)
+        finally:
+            await job.stream.aclose()  # aborts the engine request if it is still running
+        usage = usage_info(result.usage)
+        report = cache_report(result.usage, job.spans)
+        decode = self._decode_token
+        if job.kind == "chat":
+            logprobs = chat_logprobs(result.logprobs, decode) if job.want_logprobs else None
+            message = p.ChatMessage("assistant", result.text)
+            choice = p.ChatChoice(0, message, result.finish_reason, logprobs)
+            return _json(p.ChatCompletion(job.id, job.created, job.model, [choice], usage, report))
+        logprobs = completion_logprobs(result.logprobs, decode) if job.want_logprobs else None
+        choice = p.CompletionChoice(0, result.text, result.finish_reason, logprobs)
+        return _json(p.Completion(job.id, job.created, job.model, [choice], usage, report))
+
+    async def _collect(self, job: Job) -> Collected:
+        parts: list[str] = []
+        logprobs: list[Any] = []
+        num_tokens = 0
+        async for out in job.stream:
+            _raise_engine_error(out.error, out.finish_reason)
+            parts.append(out.text_delta)
+            num_tokens += len(out.new_token_ids)
+            logprobs.extend(out.logprobs or ())
+            if out.finished:
+                usage = out.usage or self._fallback_usage(job, num_tokens)
+                return Collected("".join(parts), out.finish_reason or "stop", usage, logprobs)
+        raise server_error("the engine ended the request without a final output")
+
+    async def _events(self, job: Job) -> AsyncIterator[bytes]:
+        """SSE frames of one request. Errors after the first frame go in-band, then [DONE]."""
+        obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+
+        def frame(choices: list, **extra: Any) -> bytes:
+            return sse_event(p.StreamChunk(job.id, obj, job.created, job.model, choices, **extra))
+
+        if job.kind == "chat":
+            yield frame([p.ChatChunkChoice(0, p.ChatDelta(role="assistant", content=""))])
+        num_tokens = 0
+        offset = 0
+        try:
+            async for out in job.stream:
+                _raise_engine_error(out.error, out.finish_reason)
+                num_tokens += len(out.new_token_ids)
+                logprobs = None
+                if job.want_logprobs and out.logprobs:
+                    if job.kind == "chat":
+                        logprobs = chat_logprobs(out.logprobs, self._decode_token)
+                    else:
+                        logprobs = completion_logprobs(out.logprobs, self._decode_token, offset)
+                offset += len(out.text_delta)
+                if out.text_delta or logprobs is not None:
+                    yield frame([self._delta_choice(job, out.text_delta, None, logprobs)])
+                if out.finished:
+                    usage = out.usage or self._fallback_usage(job, num_tokens)
+                    final = self._delta_choice(job, None, out.finish_reason or "stop", None)
+                    yield frame([final], prefixcache=cache_report(usage, job.spans))
+                    if job.include_usage:
+                        yield frame([], usage=usage_info(usage))
+                    break
+        except APIError as exc:
+            yield sse_event(exc.body())
+        except Exception as exc:
+            log.exception("stream %s failed", job.id)
+            yield sse_event(server_error(f"generation failed: {type(exc).__name__}").body())
+        yield DONE
+
+    @staticmethod
+    def _delta_choice(job: Job, text: str | None, finish: str | None, logprobs: Any) -> Any:
+        if job.kind == "chat":
+            return p.ChatChunkChoice(0, p.ChatDelta(content=text), finish, logprobs)
+        return p.CompletionChoice(0, text or "", finish, logprobs)
+
+    @staticmethod
+    def _fallback_usage(job: Job, num_tokens: int) -> Usage:
+        num_prompt = len(job.stream.request.prompt_token_ids)
+        return Usage(num_prompt, 0, num_prompt, num_tokens)
+
+    # --- cache admin ----------------------------------------------------------------------
+
+    async def cache_stats(self, request: Request) -> Response:
+        self.keys.authenticate_admin(request.headers.get("authorization"))
+        self._require_ready()
+        return _json(self.engine.cache_stats())
+
+    async def cache_warm(self, request: Request) -> Response:
+        token_ids, namespace, req = await self._cache_target(request)
+        result = await self.engine.warm(token_ids, namespace, req.pin)
+        return _json(p.WarmResponse(result.tokens, result.cached_tokens, result.pinned_blocks))
+
+    async def cache_unpin(self, request: Request) -> Response:
+        token_ids, namespace, _ = await self._cache_target(request)
+        return _json(p.UnpinResponse(await self.engine.unpin(token_ids, namespace)))
+
+    async def cache_evict(self, request: Request) -> Response:
+        self.keys.authenticate_admin(request.headers.get("authorization"))
+        self._require_ready()
+        body = await self._read_bytes(request)
+        if body.strip():
+            self._decode(body, dict)
+        return _json(p.EvictResponse(await self.engine.evict_all()))
+
+    async def _cache_target(self, request: Request) -> tuple[list[int], str, p.CacheRequest]:
+        """Token ids and namespace of a warm/unpin body: the stable part, as chat renders it."""
+        tenant = self.keys.authenticate_admin(request.headers.get("authorization"))
+        self._require_ready()
+        req = await self._read(request, p.CacheRequest)
+        _check(p.check_prompt_source, req.messages, req.segments)
+        self._check_model(req.model)
+        prompt = self._render(lambda r: r.render_stable(req.messages, req.segments))
+        if not prompt.token_ids:
+            raise bad_request("nothing to cache: every segment is dynamic", "segments")
+        if len(prompt.token_ids) > self.engine.max_model_len:
+            raise bad_request(
+                f"the prefix is {len(prompt.token_ids)} tokens, longer than the model's "
+                f"context length of {self.engine.max_model_len}",
+                code="context_length_exceeded",
+            )
+        namespace = cache_namespace(self.settings.secret, tenant.name, req.cache_salt)
+        return prompt.token_ids, namespace, req
+
+    # --- request helpers ------------------------------------------------------------------
+
+    def _require_ready(self) -> None:
+        if not self.engine.is_ready:
+            raise not_ready(self.settings.retry_after_s)
+
+    def _check_model(self, model: str | None) -> None:
+        if model and model != self.engine.model_name:
+            raise not_found(
+                f"Unknown model; this server serves '{self.engine.model_name}'",
+                code="model_not_found",
+            )
+
+    async def _read(self, request: Request, type_: type[S]) -> S:
+        return self._decode(await self._read_bytes(request), type_)
+
+    async def _read_bytes(self, request: Request) -> bytes:
+        """The body, refused as soon as it is known to exceed the limit."""
+        limit = self.settings.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            raise too_large(limit) if length.isdigit() else bad_request("invalid Content-Length")
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone from None
+        return b"".join(chunks)
+
+    @staticmethod
+    def _decode(body: bytes, type_: type[S]) -> S:
+        try:
+            return msgspec.json.decode(body, type=type_)
+        except msgspec.ValidationError as exc:
+            raise from_validation(exc) from None
+        except UnicodeDecodeError:
+            raise bad_request("The request body is not valid UTF-8", code="invalid_utf8") from None
+        except msgspec.DecodeError as exc:
+            raise bad_request(f"Malformed JSON: {exc}", code="invalid_json") from None
+
+    @property
+    def renderer(self) -> PromptRenderer:
+        if self._renderer is None:
+            self._renderer = PromptRenderer(self.engine.tokenizer)
+        return self._renderer
+
+    def _render(self, render: Callable[[PromptRenderer], RenderedPrompt]) -> RenderedPrompt:
+        try:
+            return render(self.renderer)
+        except TemplateError as exc:
+            raise bad_request(str(exc), code="template_not_incremental") from None
+
+    def _completion_tokens(self, prompt: str | list[int]) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if isinstance(prompt, str):
+            ids = tokenizer.encode(prompt, add_special_tokens=False)
+            bos = tokenizer.bos_token_id
+            return [bos, *ids] if bos is not None and ids[:1] != [bos] else ids
+        vocab = getattr(tokenizer, "vocab_size", None)
+        if vocab is not None and max(prompt) >= vocab:
+            raise bad_request(f"token ids must be below the vocabulary size {vocab}", "prompt")
+        return prompt
+
+    def _decode_token(self, token_ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+def _check(check: Callable[..., None], *args: Any) -> None:
+    try:
+        check(*args)
+    except p.Error as exc:
+        raise bad_request(str(exc), exc.param) from None
+
+
+def _raise_engine_error(error: str | None, finish_reason: str | None) -> None:
+    if finish_reason == "abort":  # e.g. the engine is shutting down
+        message = f"the request was aborted: {error or 'by the engine'}"
+        raise APIError(503, message, type="server_error", code="aborted")
+    if error is not None or finish_reason == "error":
+        raise server_error(f"generation failed: {error or 'engine error'}")
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status, media_type="application/json")
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return not_found(f"No route {request.method} {request.url.path[:200]}").response()
+    error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return APIError(exc.status_code, str(exc.detail), type=error_type).response()
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nobody reads it; the status shows up in metrics
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return server_error("internal server error").response()

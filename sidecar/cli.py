@@ -1,0 +1,188 @@
+"""``prefixcache serve``: the sidecar over the embedded engine, served by uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+MIB = 1024**2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefixcache",
+        description="Prefix-caching LLM server: an OpenAI-compatible sidecar over the embedded "
+        "engine. Requests that start with the same tokens share their cached KV blocks.",
+        epilog="Run 'prefixcache serve --help' for every server option. Docs: docs/sidecar.md.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="run the OpenAI-compatible server",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /v1/cache/*, "
+        "/health and /metrics over the embedded engine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_argument(
+        "--model",
+        default="demo",
+        help="'demo' (the built-in small model, made locally on first use) or the path of a "
+        "local Hugging Face folder (config.json, *.safetensors, tokenizer.json)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    serve.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per KV block (a power of two); prefixes are shared in whole blocks",
+    )
+    serve.add_argument(
+        "--kv-memory-mib",
+        type=int,
+        default=512,
+        help="memory for the KV block pool in MiB; more blocks keep more prefixes cached",
+    )
+    serve.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV pool size in blocks (wins over --kv-memory-mib)",
+    )
+    serve.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one engine step; long prompts are prefilled in chunks of this size",
+    )
+    serve.add_argument(
+        "--max-num-seqs", type=int, default=256, help="sequences that run at the same time"
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length limit (default: the model's own)",
+    )
+    serve.add_argument(
+        "--queue-limit",
+        type=int,
+        default=1024,
+        help="requests allowed to wait for the engine; beyond it the server answers 429 with "
+        "Retry-After",
+    )
+    serve.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "flashinfer"],
+        default="auto",
+        help="attention kernels: flashinfer needs CUDA; torch runs anywhere; auto picks",
+    )
+    serve.add_argument(
+        "--device", default=None, help="torch device, e.g. cpu or cuda (default: cuda if present)"
+    )
+    serve.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)",
+    )
+    serve.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="turn prefix caching off (every request computes its whole prompt)",
+    )
+    serve.add_argument(
+        "--api-keys-file",
+        type=Path,
+        default=None,
+        help='JSON file {"keys": [{"key": "sk-...", "tenant": "acme", "admin": false}]}; each '
+        "key's tenant gets its own cache namespace; admin keys may use /v1/cache/*. Without "
+        "it, no key is needed and all clients share one namespace",
+    )
+    serve.add_argument(
+        "--secret-file",
+        type=Path,
+        default=None,
+        help="file holding the server secret that cache namespaces are derived from (HMAC); "
+        "default: $PREFIXCACHE_SECRET, else random per start",
+    )
+    serve.add_argument(
+        "--max-body-mib",
+        type=float,
+        default=4.0,
+        help="largest request body accepted, in MiB; larger ones get 413",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="log verbosity",
+    )
+    return parser
+
+
+def read_secret(path: Path | None) -> bytes:
+    if path is not None:
+        secret = path.read_bytes().strip()
+        if len(secret) < 16:
+            raise SystemExit(f"{path}: the secret must be at least 16 bytes")
+        return secret
+    from_env = os.environ.get("PREFIXCACHE_SECRET")
+    return from_env.encode() if from_env else os.urandom(32)
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from prefixcache.engine.async_engine import AsyncEngine
+    from prefixcache.engine.config import EngineConfig
+
+    from .app import SidecarSettings, create_app
+    from .tenancy import KeyStore
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            attention_backend=args.attention_backend,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            kv_memory_bytes=args.kv_memory_mib * MIB,
+            max_num_batched_tokens=args.max_batch_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            max_waiting=args.queue_limit,
+            enable_prefix_caching=not args.no_prefix_caching,
+        )
+        keys = KeyStore.from_file(args.api_keys_file) if args.api_keys_file else KeyStore()
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"prefixcache serve: {exc}") from None
+    settings = SidecarSettings(
+        keys=keys,
+        secret=read_secret(args.secret_file),
+        max_body_bytes=int(args.max_body_mib * MIB),
+        max_waiting=args.queue_limit,
+    )
+    app = create_app(AsyncEngine(config), settings)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        serve(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,301 @@
+"""Wire types: OpenAI-compatible requests and responses plus the segment extension.
+
+Requests are decoded straight into these Structs, so a wrong type or an out-of-range value is
+rejected by msgspec with the JSON path of the offending field. Checks that span several fields
+(exactly one of messages/segments, unique tags, ...) live in ``check_*`` functions below.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+Role = Literal["system", "user", "assistant"]
+Stability = Literal["static", "shared", "session", "dynamic"]
+STABILITY_ORDER: dict[str, int] = {"static": 0, "shared": 1, "session": 2, "dynamic": 3}
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+CacheSalt = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+$")
+]
+Tag = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+StopList = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=16)]
+Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+
+class Error(ValueError):
+    """A request that decoded but makes no sense as a whole; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# --- requests -------------------------------------------------------------------------------
+
+
+class TextPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text"]
+    text: str
+
+
+class Message(msgspec.Struct):
+    role: Role
+    content: str | list[TextPart] | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class Segment(msgspec.Struct):
+    role: Role
+    content: str
+    tag: Tag
+    stability: Stability = "dynamic"
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and completions requests."""
+
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
+    n: PositiveInt = 1
+    stop: Annotated[str, msgspec.Meta(min_length=1)] | StopList | None = None
+    seed: Seed | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    ignore_eos: bool = False
+    user: str | None = None
+    cache_salt: CacheSalt | None = None
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[Message] | None = None
+    segments: list[Segment] | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # str, token ids, or a one-element batch of either (msgspec unions allow one list type)
+    prompt: (
+        str
+        | list[Annotated[int, msgspec.Meta(ge=0)] | str | list[Annotated[int, msgspec.Meta(ge=0)]]]
+    )
+    max_tokens: PositiveInt | None = 16
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: PositiveInt | None = None
+
+
+class CacheRequest(msgspec.Struct, kw_only=True):
+    """Body of /v1/cache/warm and /v1/cache/unpin."""
+
+    model: str | None = None
+    messages: list[Message] | None = None
+    segments: list[Segment] | None = None
+    pin: bool = False
+    cache_salt: CacheSalt | None = None
+
+
+def check_sampling(req: SamplingFields) -> None:
+    if req.n != 1:
+        raise Error("only n=1 is supported", "n")
+    if req.presence_penalty != 0.0:
+        raise Error("presence_penalty is not supported (must be 0)", "presence_penalty")
+    if req.frequency_penalty != 0.0:
+        raise Error("frequency_penalty is not supported (must be 0)", "frequency_penalty")
+    if req.stream_options is not None and not req.stream:
+        raise Error("stream_options is only allowed with stream=true", "stream_options")
+
+
+def check_prompt_source(messages: list[Message] | None, segments: list[Segment] | None) -> None:
+    """Exactly one of ``messages`` / ``segments``, non-empty, with unique non-empty tags."""
+    if (messages is None) == (segments is None):
+        raise Error("give exactly one of 'messages' or 'segments'", "messages")
+    if messages is not None and not messages:
+        raise Error("'messages' must not be empty", "messages")
+    if segments is not None:
+        if not segments:
+            raise Error("'segments' must not be empty", "segments")
+        tags = [s.tag for s in segments]
+        if len(set(tags)) != len(tags):
+            raise Error("segment tags must be unique", "segments")
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    check_sampling(req)
+    check_prompt_source(req.messages, req.segments)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise Error("top_logprobs requires logprobs=true", "top_logprobs")
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The single prompt of a completions request: text or token ids."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and any(not isinstance(p, int) for p in prompt):
+        if len(prompt) != 1:
+            raise Error("only one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+        if isinstance(prompt, list) and any(not isinstance(p, int) for p in prompt):
+            raise Error("'prompt' must be a string or a list of token ids", "prompt")
+    if not prompt:
+        raise Error("'prompt' must not be empty", "prompt")
+    return prompt  # type: ignore[return-value]
+
+
+def check_completion(req: CompletionRequest) -> None:
+    check_sampling(req)
+    completion_prompt(req)
+    if req.echo:
+        raise Error("echo is not supported", "echo")
+    if req.suffix:
+        raise Error("suffix is not supported", "suffix")
+    if req.best_of not in (None, 1):
+        raise Error("only best_of=1 is supported", "best_of")
+
+
+# --- responses ------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class SegmentReport(msgspec.Struct):
+    tag: str
+    tokens: int
+    cached_tokens: int
+
+
+class CacheReport(msgspec.Struct):
+    cached_tokens: int
+    prompt_tokens: int
+    computed_tokens: int
+    segments: list[SegmentReport]
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessage
+    finish_reason: str | None
+    logprobs: dict | None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prefixcache: CacheReport
+    object: str = "chat.completion"
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: dict | None = None
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict | None = None
+
+
+class Completion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    prefixcache: CacheReport
+    object: str = "text_completion"
+
+
+class StreamChunk(msgspec.Struct, omit_defaults=True):
+    """One SSE chunk of either endpoint (``object`` says which)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list  # ChatChunkChoice or CompletionChoice
+    usage: UsageInfo | None = None
+    prefixcache: CacheReport | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    object: str = "model"
+    owned_by: str = "prefixcache"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class WarmResponse(msgspec.Struct):
+    tokens: int
+    cached_tokens: int
+    pinned_blocks: int
+
+
+class UnpinResponse(msgspec.Struct):
+    unpinned_blocks: int
+
+
+class EvictResponse(msgspec.Struct):
+    evicted_blocks: int

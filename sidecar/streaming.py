@@ -1,0 +1,101 @@
+"""SSE responses and client-disconnect detection, in plain ASGI.
+
+Starlette's convenience layers can hide a disconnect until the next write; a request still
+waiting in the engine queue writes nothing. So both helpers here race the work against
+``receive()`` returning ``http.disconnect`` and cancel the work when the client goes first.
+Cancelling closes the engine iterator, which aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import msgspec
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+T = TypeVar("T")
+
+DONE = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The client disconnected before the work finished."""
+
+
+def sse_event(payload: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Returns once the client has gone. Call only after the request body was read."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(work: Coroutine[Any, Any, T], receive: Receive) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we are cancelled ourselves (server shutting down)
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ClientGone
+    return task.result()
+
+
+class SSEResponse:
+    """An ASGI response that streams ``events`` (already-encoded SSE frames)."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        on_close: Callable[[], Awaitable[None]] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.events = events
+        self.on_close = on_close  # runs in every case, even if no event was produced
+        self.headers = headers or {}
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        headers = {
+            "content-type": "text/event-stream; charset=utf-8",
+            "cache-control": "no-cache",
+            "x-accel-buffering": "no",
+            **self.headers,
+        }
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+                }
+            )
+            with contextlib.suppress(ClientGone):
+                await run_until_disconnect(self._produce(send), receive)
+        finally:
+            if self.on_close is not None:
+                await self.on_close()
+
+    async def _produce(self, send: Send) -> None:
+        async with contextlib.aclosing(self.events) as events:  # type: ignore[type-var]
+            try:
+                async for frame in events:
+                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+            except OSError:  # the transport went away mid-write
+                return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

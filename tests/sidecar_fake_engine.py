@@ -1,0 +1,152 @@
+"""A tiny in-process stand-in for AsyncEngine, for the sidecar's fast validation tests.
+
+Byte-level tokenizer, a simple chat template, a block-granular prefix cache per namespace and
+a deterministic "model" that echoes the prompt's bytes back. It follows the AsyncEngine
+interface of docs/internals.md so the app cannot tell the difference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter
+
+from prefixcache.engine.request import EngineRequest, RequestOutput, SegmentUsage, Usage
+
+BOS, EOS, OFFSET = 1, 2, 3
+
+
+class FakeTokenizer:
+    bos_token_id = BOS
+    eos_token_ids = (EOS,)
+    vocab_size = 256 + OFFSET
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = [b + OFFSET for b in text.encode()]
+        return [BOS, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+@dataclass(slots=True)
+class WarmResult:
+    tokens: int
+    cached_tokens: int
+    pinned_blocks: int
+
+
+class FakeEngine:
+    def __init__(self, block_size: int = 4, max_model_len: int = 512, delay: float = 0.0):
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.model_name = "fake"
+        self.tokenizer = FakeTokenizer()
+        self.registry = CollectorRegistry()
+        self.steps = Counter("fake_engine_steps", "steps", registry=self.registry)
+        self.delay = delay  # seconds per generated token
+        self.is_ready = False
+        self.num_waiting = 0
+        self.num_running = 0
+        self.cached: set[bytes] = set()
+        self.pinned: set[bytes] = set()
+        self.queries = self.hits = 0
+        self.received: list[EngineRequest] = []  # everything that reached the engine
+
+    async def start(self) -> None:
+        self.is_ready = True
+
+    async def shutdown(self) -> None:
+        self.is_ready = False
+
+    def _digests(self, ids: list[int], namespace: str) -> list[bytes]:
+        out, parent = [], namespace.encode()
+        for i in range(len(ids) // self.block_size):
+            block = ids[i * self.block_size : (i + 1) * self.block_size]
+            parent = hashlib.sha256(parent + bytes(str(block), "ascii")).digest()
+            out.append(parent)
+        return out
+
+    def _hit(self, ids: list[int], namespace: str) -> int:
+        hit = 0
+        for digest in self._digests(ids[:-1], namespace):
+            if digest not in self.cached:
+                break
+            hit += self.block_size
+        return hit
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        self.received.append(request)
+        ids, sampling = request.prompt_token_ids, request.sampling
+        cached = self._hit(ids, request.namespace)
+        self.queries += len(ids)
+        self.hits += cached
+        self.cached.update(self._digests(ids, request.namespace))
+        self.num_running += 1
+        try:
+            produced = 0
+            while produced < sampling.max_tokens:
+                await asyncio.sleep(self.delay)
+                token = ids[produced % len(ids)]
+                produced += 1
+                last = produced == sampling.max_tokens
+                usage = None
+                if last:
+                    segments = [
+                        SegmentUsage(s.tag, s.end - s.start, max(0, min(s.end, cached) - s.start))
+                        for s in request.segments or []
+                    ]
+                    usage = Usage(len(ids), cached, len(ids) - cached, produced, segments or None)
+                text = self.tokenizer.decode([token])
+                yield RequestOutput(
+                    request.request_id,
+                    [token],
+                    text,
+                    finished=last,
+                    finish_reason="length" if last else None,
+                    usage=usage,
+                )
+        finally:
+            self.num_running -= 1
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    async def warm(self, token_ids: list[int], namespace: str, pin: bool = False) -> WarmResult:
+        cached = self._hit([*token_ids, 0], namespace)
+        digests = self._digests(token_ids, namespace)
+        self.cached.update(digests)
+        if pin:
+            self.pinned.update(digests)
+        return WarmResult(len(token_ids), cached, len(digests) if pin else 0)
+
+    async def unpin(self, token_ids: list[int], namespace: str) -> int:
+        digests = set(self._digests(token_ids, namespace)) & self.pinned
+        self.pinned -= digests
+        return len(digests)
+
+    async def evict_all(self) -> int:
+        evicted = len(self.cached - self.pinned)
+        self.cached &= self.pinned
+        return evicted
+
+    def cache_stats(self) -> dict:
+        return {
+            "block_size": self.block_size,
+            "blocks": {
+                "total": 64,
+                "free": 64 - len(self.cached),
+                "cached_idle": len(self.cached),
+                "in_use": self.num_running,
+                "pinned": len(self.pinned),
+            },
+            "tokens": {"queries": self.queries, "hits": self.hits, "inserted": 0, "evicted": 0},
+            "hit_rate": self.hits / self.queries if self.queries else 0.0,
+        }

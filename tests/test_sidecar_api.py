@@ -1,0 +1,281 @@
+"""The sidecar over the real engine on the demo model, through httpx and the openai client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from conftest import Server, wait_for_idle_blocks
+
+SYSTEM = (
+    "You are the support assistant of a small bakery. Answer in one short sentence. "
+    "Opening hours are seven to three, Tuesday to Sunday. We bake sourdough, rye and "
+    "brioche every morning, and cakes to order with two days' notice. "
+)
+
+
+def system_prompt(name: str) -> str:
+    """A long system prompt unique to one test, so no other test has cached it."""
+    return f"[{name}] " + SYSTEM * 3
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    events = []
+    for line in response.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: ") :]
+        events.append({"done": True} if data == "[DONE]" else json.loads(data))
+    return events
+
+
+@pytest.fixture(scope="module")
+def client(sidecar_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=sidecar_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(sidecar_url: str) -> str:
+    return httpx.get(f"{sidecar_url}/models").json()["data"][0]["id"]
+
+
+def test_models_and_health(sidecar_server: Server, client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["demo"]
+    assert models.data[0].owned_by == "prefixcache"
+    assert httpx.get(f"{sidecar_server.root}/health").json() == {"status": "ok"}
+
+
+def test_second_request_with_the_same_system_prompt_is_cached(
+    client: openai.OpenAI, model: str
+) -> None:
+    system = system_prompt("cached")
+    usages = []
+    for question in ("When do you open?", "Do you bake rye bread on Mondays?"):
+        response = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+            max_tokens=4,
+            temperature=0,
+        )
+        assert response.object == "chat.completion"
+        assert response.choices[0].message.role == "assistant"
+        assert response.choices[0].finish_reason in ("stop", "length")
+        usages.append((response.usage, response.model_extra["prefixcache"]))
+    (cold, cold_report), (warm, warm_report) = usages
+    # Only the template's opening tokens can be shared with other tests' prompts.
+    assert cold.prompt_tokens_details.cached_tokens < 16
+    assert cold_report["segments"] == []
+    # The whole system message is a token prefix of the second prompt.
+    assert warm.prompt_tokens_details.cached_tokens >= 100
+    assert warm.prompt_tokens_details.cached_tokens < warm.prompt_tokens
+    assert warm_report["cached_tokens"] == warm.prompt_tokens_details.cached_tokens
+    assert warm_report["computed_tokens"] == warm.prompt_tokens - warm_report["cached_tokens"]
+    assert warm.total_tokens == warm.prompt_tokens + warm.completion_tokens
+
+
+def test_chat_stream_matches_non_stream(client: openai.OpenAI, model: str) -> None:
+    messages = [
+        {"role": "system", "content": system_prompt("stream")},
+        {"role": "user", "content": "What cakes do you make?"},
+    ]
+    whole = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=6, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["prefixcache"]["prompt_tokens"] > 0
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # second time round
+
+
+def test_completions_stream_and_not(client: openai.OpenAI, sidecar_url: str, model: str) -> None:
+    prompt = "The prefix cache keeps the key and value state of a prompt in"
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=5, temperature=0)
+    assert whole.object == "text_completion"
+    assert whole.usage.completion_tokens >= 1
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=5, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
+    # Token ids are accepted too, and the cache reports the hit on the same text.
+    body = {"prompt": [0, 12, 40, 41, 42, 43, 44, 45, 46, 47] * 4, "max_tokens": 3}
+    first = httpx.post(f"{sidecar_url}/completions", json=body, timeout=60).json()
+    second = httpx.post(f"{sidecar_url}/completions", json=body, timeout=60).json()
+    assert first["usage"]["prompt_tokens"] == 40
+    # At least the first request's two full blocks; never the last prompt token.
+    assert 32 <= second["usage"]["prompt_tokens_details"]["cached_tokens"] <= 39
+
+
+def test_segments_report_which_segment_broke_reuse(sidecar_url: str) -> None:
+    def send(shared: str, question: str) -> dict:
+        segments = [  # deliberately out of order: the server sorts by stability
+            {"role": "user", "content": question, "tag": "question", "stability": "dynamic"},
+            {"role": "system", "content": shared, "tag": "policy", "stability": "shared"},
+            {
+                "role": "system",
+                "content": system_prompt("segments"),
+                "tag": "rules",
+                "stability": "static",
+            },
+        ]
+        body = {"segments": segments, "max_tokens": 3, "temperature": 0}
+        response = httpx.post(f"{sidecar_url}/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["prefixcache"]
+
+    policy = "Refunds within seven days with a receipt."
+    cold = send(policy, "Can I return a cake?")
+    assert [s["tag"] for s in cold["segments"]] == ["rules", "policy", "question"]
+    # Only the template's opening tokens can be shared with other tests' prompts.
+    assert cold["segments"][0]["cached_tokens"] < 16
+    assert [s["cached_tokens"] for s in cold["segments"][1:]] == [0, 0]
+    assert cold["prompt_tokens"] > sum(s["tokens"] for s in cold["segments"])  # + gen prompt
+
+    warm = send(policy, "Do you sell bread?")
+    rules, shared, question = warm["segments"]
+    assert rules["cached_tokens"] == rules["tokens"] > 0
+    assert shared["cached_tokens"] == shared["tokens"] > 0
+    assert question["cached_tokens"] < question["tokens"]
+
+    changed = send("Refunds within thirty days, no receipt needed.", "Do you sell bread?")
+    rules, shared, question = changed["segments"]
+    assert rules["cached_tokens"] == rules["tokens"]
+    assert shared["cached_tokens"] < shared["tokens"]  # the policy broke reuse
+    assert question["cached_tokens"] == 0
+
+
+def test_greedy_outputs_equal_with_cache_on_and_off(
+    sidecar_url: str, nocache_server: Server
+) -> None:
+    system = system_prompt("greedy")
+    for question in ("Are you open on Monday?", "Are you open on Sunday?", "Is brioche daily?"):
+        body = {
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        cached = httpx.post(f"{sidecar_url}/chat/completions", json=body, timeout=60).json()
+        plain = httpx.post(f"{nocache_server.url}/chat/completions", json=body, timeout=60).json()
+        assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert (
+            cached["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+        )
+        assert cached["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"] == 8
+    assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the check had hits
+
+
+def test_stream_sends_prefixcache_on_the_finish_chunk_and_done(sidecar_url: str) -> None:
+    body = {
+        "segments": [
+            {
+                "role": "system",
+                "content": system_prompt("sse"),
+                "tag": "sys",
+                "stability": "static",
+            },
+            {"role": "user", "content": "Hello?", "tag": "q", "stability": "dynamic"},
+        ],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", f"{sidecar_url}/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == {"done": True}
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    finish = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(finish) == 1
+    assert [s["tag"] for s in finish[0]["prefixcache"]["segments"]] == ["sys", "q"]
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+
+
+def test_cache_admin_warm_pin_unpin_evict(sidecar_server: Server) -> None:
+    root = sidecar_server.root
+    segments = [
+        {
+            "role": "system",
+            "content": system_prompt("admin"),
+            "tag": "rules",
+            "stability": "static",
+        },
+        {"role": "user", "content": "Any gluten-free bread?", "tag": "q", "stability": "dynamic"},
+    ]
+    warm = httpx.post(f"{root}/v1/cache/warm", json={"segments": segments, "pin": True}).json()
+    assert warm["tokens"] > 100 and warm["cached_tokens"] < 16
+    assert warm["pinned_blocks"] == warm["tokens"] // 16  # every full block of the prefix
+    assert httpx.get(f"{root}/v1/cache/stats").json()["blocks"]["pinned"] >= warm["pinned_blocks"]
+
+    evicted = httpx.post(f"{root}/v1/cache/evict", json={}).json()["evicted_blocks"]
+    assert evicted >= 0
+    body = {"segments": segments, "max_tokens": 2}
+    report = httpx.post(f"{root}/v1/chat/completions", json=body, timeout=60).json()["prefixcache"]
+    # Pinned full blocks survive the eviction (a partial last block is never cached).
+    assert report["segments"][0]["cached_tokens"] == warm["pinned_blocks"] * 16
+
+    unpinned = httpx.post(f"{root}/v1/cache/unpin", json={"segments": segments}).json()
+    assert unpinned["unpinned_blocks"] == warm["pinned_blocks"]
+    httpx.post(f"{root}/v1/cache/evict", json={})
+    report = httpx.post(f"{root}/v1/chat/completions", json=body, timeout=60).json()["prefixcache"]
+    assert report["cached_tokens"] == 0  # unpinned blocks were evicted this time
+    stats = httpx.get(f"{root}/v1/cache/stats").json()
+    assert set(stats) == {"block_size", "blocks", "tokens", "hit_rate"}
+    assert set(stats["blocks"]) == {"total", "free", "cached_idle", "in_use", "pinned"}
+
+
+def test_metrics_expose_http_and_engine_series(sidecar_server: Server) -> None:
+    httpx.get(f"{sidecar_server.url}/models")
+    httpx.get(f"{sidecar_server.root}/no/such/path")
+    text = httpx.get(f"{sidecar_server.root}/metrics").text
+    assert 'prefixcache:http_requests_total{method="GET",route="/v1/models",status="200"}' in text
+    assert 'route="other",status="404"' in text
+    assert "prefixcache:http_request_duration_seconds_bucket" in text
+    engine_series = [
+        line
+        for line in text.splitlines()
+        if line.startswith("prefixcache:") and not line.startswith("prefixcache:http_")
+    ]
+    assert engine_series, "the engine registry is missing from /metrics"
+
+
+def test_no_block_in_use_when_idle(sidecar_server: Server) -> None:
+    assert wait_for_idle_blocks(sidecar_server.root)["blocks"]["in_use"] == 0
+
+
+def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
+    response = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0.0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)  # greedy

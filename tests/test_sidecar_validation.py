@@ -1,0 +1,227 @@
+"""Bad input never reaches the engine: every item of the corpus gets a 4xx in OpenAI shape.
+
+The corpus runs against the app over the fake engine (which records every request that
+reaches it) and against the real server on the demo model (which must stay healthy with no
+KV block in use afterwards).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from conftest import Server, wait_for_idle_blocks
+
+MARK = "SECRET-MARK-7f3a"  # must never come back in an error message
+USER = {"role": "user", "content": f"hello {MARK}"}
+
+
+def chat(**fields) -> bytes:
+    return json.dumps({"messages": [USER], "max_tokens": 4, **fields}).encode()
+
+
+def completion(**fields) -> bytes:
+    return json.dumps({"prompt": f"hi {MARK}", "max_tokens": 4, **fields}).encode()
+
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+# (name, method, path, body, expected status)
+CORPUS: list[tuple[str, str, str, bytes | None, int]] = [
+    (
+        "malformed json",
+        "POST",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "x' + MARK.encode(),
+        400,
+    ),
+    ("empty body", "POST", CHAT, b"", 400),
+    ("not an object", "POST", CHAT, b"[1, 2, 3]", 400),
+    ("messages not a list", "POST", CHAT, json.dumps({"messages": MARK}).encode(), 400),
+    ("max_tokens as string", "POST", CHAT, chat(max_tokens="10"), 400),
+    ("temperature as string", "POST", CHAT, chat(temperature="hot"), 400),
+    ("stream as string", "POST", CHAT, chat(stream="yes"), 400),
+    (
+        "content as number",
+        "POST",
+        CHAT,
+        json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(),
+        400,
+    ),
+    (
+        "unknown role",
+        "POST",
+        CHAT,
+        json.dumps({"messages": [{"role": MARK, "content": "x"}]}).encode(),
+        400,
+    ),
+    ("empty messages", "POST", CHAT, json.dumps({"messages": []}).encode(), 400),
+    ("no messages or segments", "POST", CHAT, json.dumps({"max_tokens": 3}).encode(), 400),
+    (
+        "messages and segments",
+        "POST",
+        CHAT,
+        chat(segments=[{"role": "user", "content": "x", "tag": "t"}]),
+        400,
+    ),
+    ("negative max_tokens", "POST", CHAT, chat(max_tokens=-1), 400),
+    ("zero max_tokens", "POST", CHAT, chat(max_tokens=0), 400),
+    ("huge max_tokens", "POST", CHAT, chat(max_tokens=10**9), 400),
+    ("max_tokens beyond int64", "POST", CHAT, chat(max_tokens=10**30), 400),
+    ("huge max_completion_tokens", "POST", CHAT, chat(max_completion_tokens=10**6), 400),
+    ("negative temperature", "POST", CHAT, chat(temperature=-0.5), 400),
+    ("temperature too high", "POST", CHAT, chat(temperature=7), 400),
+    ("top_p zero", "POST", CHAT, chat(top_p=0), 400),
+    ("top_p above one", "POST", CHAT, chat(top_p=1.5), 400),
+    ("negative top_k", "POST", CHAT, chat(top_k=-3), 400),
+    ("n=2", "POST", CHAT, chat(n=2), 400),
+    ("top_logprobs too many", "POST", CHAT, chat(logprobs=True, top_logprobs=50), 400),
+    ("presence_penalty", "POST", CHAT, chat(presence_penalty=0.5), 400),
+    ("negative seed", "POST", CHAT, chat(seed=-1), 400),
+    ("too many stops", "POST", CHAT, chat(stop=[f"s{i}" for i in range(20)]), 400),
+    ("empty stop string", "POST", CHAT, chat(stop=""), 400),
+    (
+        "stream_options without stream",
+        "POST",
+        CHAT,
+        chat(stream_options={"include_usage": True}),
+        400,
+    ),
+    (
+        "over-context prompt",
+        "POST",
+        CHAT,
+        json.dumps({"messages": [{"role": "user", "content": "hello world " * 1200}]}).encode(),
+        400,
+    ),
+    (
+        "invalid utf-8",
+        "POST",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "\xff\xfe\xfa"}]}',
+        400,
+    ),
+    (
+        "lone surrogate",
+        "POST",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        400,
+    ),
+    ("salt with space", "POST", CHAT, chat(cache_salt="two words"), 400),
+    ("empty salt", "POST", CHAT, chat(cache_salt=""), 400),
+    ("salt too long", "POST", CHAT, chat(cache_salt="x" * 300), 400),
+    ("salt non-ascii", "POST", CHAT, chat(cache_salt="sälz"), 400),
+    ("salt as number", "POST", CHAT, chat(cache_salt=12), 400),
+    (
+        "duplicate tags",
+        "POST",
+        CHAT,
+        json.dumps(
+            {
+                "segments": [
+                    {"role": "system", "content": "a", "tag": "t"},
+                    {"role": "user", "content": "b", "tag": "t"},
+                ]
+            }
+        ).encode(),
+        400,
+    ),
+    (
+        "empty tag",
+        "POST",
+        CHAT,
+        json.dumps({"segments": [{"role": "user", "content": "a", "tag": ""}]}).encode(),
+        400,
+    ),
+    (
+        "bad stability",
+        "POST",
+        CHAT,
+        json.dumps(
+            {"segments": [{"role": "user", "content": "a", "tag": "t", "stability": "forever"}]}
+        ).encode(),
+        400,
+    ),
+    ("unknown model", "POST", CHAT, chat(model="gpt-" + MARK), 404),
+    ("empty prompt", "POST", COMPLETIONS, completion(prompt=""), 400),
+    ("empty token list", "POST", COMPLETIONS, completion(prompt=[]), 400),
+    ("several prompts", "POST", COMPLETIONS, completion(prompt=["a", "b"]), 400),
+    ("negative token id", "POST", COMPLETIONS, completion(prompt=[1, -5]), 400),
+    ("token id over vocab", "POST", COMPLETIONS, completion(prompt=[1, 10**8]), 400),
+    ("completion echo", "POST", COMPLETIONS, completion(echo=True), 400),
+    ("completion huge max_tokens", "POST", COMPLETIONS, completion(max_tokens=10**9), 400),
+    ("unknown route", "POST", "/v1/embeddings", chat(), 404),
+    ("wrong method", "GET", CHAT, None, 405),
+    (
+        "warm: all dynamic",
+        "POST",
+        "/v1/cache/warm",
+        json.dumps({"segments": [{"role": "user", "content": "a", "tag": "t"}]}).encode(),
+        400,
+    ),
+    (
+        "warm: bad salt",
+        "POST",
+        "/v1/cache/warm",
+        json.dumps({"messages": [USER], "cache_salt": "a/b"}).encode(),
+        400,
+    ),
+]
+
+
+def check_error_shape(response: httpx.Response, expected: int) -> None:
+    assert response.status_code == expected, response.text
+    assert MARK not in response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str)
+
+
+def run_corpus(server: Server, max_body: int) -> None:
+    with httpx.Client(base_url=server.root, timeout=30) as client:
+        for name, method, path, body, expected in CORPUS:
+            headers = {"content-type": "application/json"}
+            response = client.request(method, path, content=body, headers=headers)
+            try:
+                check_error_shape(response, expected)
+            except AssertionError as exc:
+                raise AssertionError(f"corpus item {name!r}: {exc}") from None
+        # A body over the limit is refused with 413 without being read to the end.
+        big = b'{"messages": [{"role": "user", "content": "' + b"x" * (10 * 1024**2) + b'"}]}'
+        assert len(big) > max_body
+        check_error_shape(client.post(CHAT, content=big), 413)
+        assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_bad_inputs_never_reach_the_engine(fake_server: Server) -> None:
+    engine = fake_server.app.state.sidecar.engine
+    run_corpus(fake_server, max_body=65536)
+    assert engine.received == []
+    # Control: a valid request does reach it (so the assertion above can fail).
+    ok = httpx.post(f"{fake_server.url}/chat/completions", content=chat(), timeout=10)
+    assert ok.status_code == 200 and len(engine.received) == 1
+
+
+@pytest.mark.timeout(120)
+def test_bad_inputs_leave_the_real_server_healthy(sidecar_server: Server) -> None:
+    run_corpus(sidecar_server, max_body=4 * 1024**2)
+    stats = wait_for_idle_blocks(sidecar_server.root)
+    assert stats["blocks"]["in_use"] == 0
+    ok = httpx.post(f"{sidecar_server.url}/chat/completions", content=chat(), timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_chunked_body_over_the_limit_is_refused_while_reading(fake_server: Server) -> None:
+    """No Content-Length: the limit is enforced on the bytes as they arrive."""
+
+    def chunks():
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(40):
+            yield b"x" * 4096  # 160 KiB in all, the fake server's limit is 64 KiB
+        yield b'"}]}'
+
+    response = httpx.post(f"{fake_server.url}/chat/completions", content=chunks(), timeout=10)
+    check_error_shape(response, 413)
