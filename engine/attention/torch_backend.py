@@ -1,0 +1,294 @@
+"""Paged attention in plain torch: the CPU backend and the GPU fallback.
+
+Same math as FlashInfer (bottom-right causal alignment, base-2 LSE), organised so that no
+``[Lq, Lk]`` mask is ever built and no Python loop runs per token:
+
+- prefill of a sequence with ``start`` cached tokens = (queries vs the cached part, no mask)
+  merged by LSE with (queries vs the new tokens, causal square);
+- plain decodes = one padded gather (whole blocks) + one batched kernel call with a
+  key-padding mask;
+- a cascade group = the whole group's queries vs the shared prefix in one call (the prefix
+  KV is gathered and read once), merged by LSE with each member's suffix (a padded decode).
+
+New K/V are written through the layer viewed as rows ``[num_blocks * 2 * block_size, Hk, D]``:
+K of (block b, slot s) is row ``b*2*bs + s`` and its V is ``bs`` rows further.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import AttentionBackend, AttentionShape
+from .metadata import AttentionMetadata
+
+LOG2E = 1.0 / math.log(2.0)
+_QUERY_CHUNK = 1024  # query rows per product in the generic (non-CPU) path
+_GATHER_TOKENS = 1 << 18  # padded decode batch gathers at most this many K (and V) rows
+
+
+def merge_states(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention results over disjoint key sets (LSEs in base 2).
+
+    ``o_*`` ``[N, H, D]``, ``lse_*`` float32 ``[N, H]``. Two empty states (-inf) merge to 0.
+    """
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w_a = torch.exp2(lse_a - m)
+    w_b = torch.exp2(lse_b - m)
+    total = w_a + w_b
+    denom = torch.where(total > 0, total, torch.ones_like(total))
+    o = (o_a.float() * w_a[..., None] + o_b.float() * w_b[..., None]) / denom[..., None]
+    return o.to(o_a.dtype), m + torch.log2(total)
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` ``[Lq, Hq, D]`` over contiguous ``k``/``v`` ``[Lk, Hk, D]``.
+
+    ``causal`` requires ``Lq == Lk`` (the square of new tokens). Returns the output
+    ``[Lq, Hq, D]`` (q's dtype) and the base-2 LSE ``[Lq, Hq]`` (float32).
+    """
+    lq, hq, d = q.shape
+    lk, hk, _ = k.shape
+    g = hq // hk
+    if lk == 0:
+        return q.new_zeros(q.shape), q.new_full((lq, hq), -math.inf, dtype=torch.float32)
+    if q.device.type == "cpu":
+        if causal:
+            assert lq == lk
+            if g > 1:
+                k = k.repeat_interleave(g, dim=1)
+                v = v.repeat_interleave(g, dim=1)
+            qh, kh, vh = (t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v))
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qh, kh, vh, 0.0, True, scale=scale
+            )
+            return o[0].permute(1, 0, 2), lse[0].transpose(0, 1) * LOG2E
+        # Non-causal: fold the g query heads of a kv head into the row axis, so K/V are not
+        # expanded and are read once per kv head.
+        qh = q.view(lq, hk, g, d).permute(1, 2, 0, 3).reshape(1, hk, g * lq, d)
+        kh, vh = k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qh, kh, vh, 0.0, False, scale=scale
+        )
+        o = o.view(hk, g, lq, d).permute(2, 0, 1, 3).reshape(lq, hq, d)
+        lse = lse.view(hk, g, lq).permute(2, 0, 1).reshape(lq, hq) * LOG2E
+        return o, lse
+    return _dense_attention_generic(q, k, v, scale, causal)
+
+
+def _dense_attention_generic(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lq, hq, d = q.shape
+    lk, hk, _ = k.shape
+    g = hq // hk
+    kf = k.float().permute(1, 2, 0)  # [Hk, D, Lk]
+    vf = v.float().permute(1, 0, 2)  # [Hk, Lk, D]
+    out = torch.empty(lq, hq, d, dtype=q.dtype, device=q.device)
+    lse_out = torch.empty(lq, hq, dtype=torch.float32, device=q.device)
+    for a in range(0, lq, _QUERY_CHUNK):
+        b = min(lq, a + _QUERY_CHUNK)
+        qc = q[a:b].float().view(b - a, hk, g, d).permute(1, 2, 0, 3)  # [Hk, g, n, D]
+        s = torch.matmul(qc.reshape(hk, g * (b - a), d), kf).view(hk, g, b - a, lk) * scale
+        if causal:
+            rows = torch.arange(a, b, device=q.device)[:, None]
+            cols = torch.arange(lk, device=q.device)[None, :]
+            s = s.masked_fill(cols > rows + (lk - lq), -math.inf)
+        lse = torch.logsumexp(s, dim=-1)  # [Hk, g, n]
+        p = torch.exp(s - lse[..., None])
+        o = torch.matmul(p.view(hk, g * (b - a), lk), vf).view(hk, g, b - a, d)
+        out[a:b] = o.permute(2, 0, 1, 3).reshape(b - a, hq, d).to(q.dtype)
+        lse_out[a:b] = lse.permute(2, 0, 1).reshape(b - a, hq) * LOG2E
+    return out, lse_out
+
+
+def padded_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per sequence over its own keys, batched with padding.
+
+    ``q`` ``[B, Hq, D]``; ``k``/``v`` ``[B, L, Hk, D]`` (rows past ``lens[b]`` are padding).
+    Returns ``o`` ``[B, Hq, D]`` and the base-2 LSE ``[B, Hq]`` (float32).
+    """
+    b, hq, d = q.shape
+    length, hk = k.shape[1], k.shape[2]
+    g = hq // hk
+    pad = torch.arange(length, device=q.device)[None, :] >= lens[:, None]  # [B, L]
+    qh = q.view(b, hk, g, d)
+    kh, vh = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [B, Hk, L, D] views
+    if q.device.type == "cpu":
+        mask = torch.zeros(b, 1, 1, length, dtype=q.dtype).masked_fill_(
+            pad[:, None, None, :], -math.inf
+        )
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qh, kh, vh, 0.0, False, attn_mask=mask, scale=scale
+        )
+        return o.reshape(b, hq, d), lse.reshape(b, hq) * LOG2E
+    return _padded_decode_generic(qh, kh, vh, pad, scale)
+
+
+def _padded_decode_generic(
+    qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, pad: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, hk, g, d = qh.shape
+    hq = hk * g
+    s = torch.matmul(qh.float(), kh.float().transpose(-1, -2)) * scale  # [B, Hk, g, L]
+    s.masked_fill_(pad[:, None, None, :], -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.matmul(torch.exp(s - lse[..., None]), vh.float())
+    return o.reshape(b, hq, d).to(qh.dtype), lse.reshape(b, hq) * LOG2E
+
+
+@dataclass(slots=True)
+class _PrefillPlan:
+    q_begin: int
+    q_end: int
+    num_cached: int  # tokens already in the cache (start_pos)
+    cached_blocks: torch.Tensor  # int64 [ceil(start_pos / bs)]
+
+
+@dataclass(slots=True)
+class _DecodePlan:
+    q_begin: int
+    q_end: int
+    blocks: torch.Tensor  # int64 [n, max blocks]: each sequence's own blocks, padded with 0
+    lens: torch.Tensor  # int64 [n]: valid tokens in those blocks
+    shared_blocks: torch.Tensor | None = None  # cascade: int64 [S], the group's prefix
+
+
+def _decode_chunks(kv_lens: list[int], block_size: int) -> list[tuple[int, int]]:
+    """Split consecutive decodes so that one padded gather stays under _GATHER_TOKENS."""
+    chunks: list[tuple[int, int]] = []
+    begin, width = 0, 0
+    for i, n in enumerate(kv_lens):
+        w = max(width, -(-n // block_size) * block_size)
+        if i > begin and (i - begin + 1) * w > _GATHER_TOKENS:
+            chunks.append((begin, i))
+            begin, w = i, -(-n // block_size) * block_size
+        width = w
+    if kv_lens:
+        chunks.append((begin, len(kv_lens)))
+    return chunks
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    out = torch.zeros(len(tables), max(1, max(len(t) for t in tables)), dtype=torch.int64)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = torch.as_tensor(t, dtype=torch.int64)
+    return out
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._shape: AttentionShape | None = None
+        self._write_rows = torch.empty(0, dtype=torch.int64)
+        self._prefills: list[_PrefillPlan] = []
+        self._decodes: list[_DecodePlan] = []
+        # Gather buffers, reused across layers and steps: fresh multi-MB allocations on CPU
+        # cost more in page faults than the copy itself.
+        self._scratch: dict[str, torch.Tensor] = {}
+
+    def plan(self, meta: AttentionMetadata, shape: AttentionShape) -> None:
+        bs = meta.block_size
+        dev = meta.positions.device
+        tables = [list(s.block_table) for s in meta.seqs]
+        qo = meta.qo_indptr.tolist()
+
+        # Slot of every new token: page kv_indices[kv_indptr[b] + pos // bs], offset pos % bs.
+        pos = meta.positions
+        page_of = meta.kv_indptr.long()[meta.batch_indices.long()] + pos // bs
+        self._write_rows = meta.kv_indices.long()[page_of] * (2 * bs) + pos % bs
+
+        self._prefills = []
+        for i in range(meta.num_prefills):
+            start = meta.seqs[i].start_pos
+            blocks = torch.as_tensor(tables[i][: -(-start // bs)], dtype=torch.int64)
+            self._prefills.append(_PrefillPlan(qo[i], qo[i + 1], start, blocks.to(dev)))
+
+        self._decodes = []
+        lo, hi = meta.decode_begin, meta.cascade_begin
+        for a, b in _decode_chunks([s.kv_len for s in meta.seqs[lo:hi]], bs):
+            seqs = meta.seqs[lo + a : lo + b]
+            own = [tables[i][: -(-s.kv_len // bs)] for i, s in enumerate(seqs, lo + a)]
+            lens = torch.tensor([s.kv_len for s in seqs], dtype=torch.int64)
+            self._decodes.append(
+                _DecodePlan(qo[lo + a], qo[lo + b], _padded(own).to(dev), lens.to(dev))
+            )
+        for g in meta.cascade_groups:
+            n_shared = g.num_shared_blocks
+            seqs = meta.seqs[g.begin : g.end]
+            own = [tables[i][n_shared : -(-s.kv_len // bs)] for i, s in enumerate(seqs, g.begin)]
+            lens = torch.tensor([s.kv_len - n_shared * bs for s in seqs], dtype=torch.int64)
+            shared = torch.as_tensor(tables[g.begin][:n_shared], dtype=torch.int64)
+            self._decodes.append(
+                _DecodePlan(
+                    qo[g.begin], qo[g.end], _padded(own).to(dev), lens.to(dev), shared.to(dev)
+                )
+            )
+        self._meta, self._shape = meta, shape
+
+    def _gather(
+        self, kv_layer: torch.Tensor, blocks: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks, ``[len(blocks) * bs, Hk, D]`` each (scratch memory)."""
+        _, _, bs, hk, d = kv_layer.shape
+        n = blocks.numel()
+        out = []
+        for j, name in enumerate(("k", "v")):
+            buf = self._scratch.get(name)
+            if buf is None or buf.numel() < n * bs * hk * d or buf.dtype != kv_layer.dtype:
+                buf = torch.empty(n * bs * hk * d, dtype=kv_layer.dtype, device=kv_layer.device)
+                self._scratch[name] = buf
+            view = buf[: n * bs * hk * d].view(n, bs, hk, d)
+            torch.index_select(kv_layer[:, j], 0, blocks, out=view)
+            out.append(view.view(n * bs, hk, d))
+        return out[0], out[1]
+
+    @torch.inference_mode()
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        assert self._meta is not None and self._shape is not None, "plan() first"
+        bs = self._meta.block_size
+        scale = self._shape.scale
+        num_blocks, _, _, hk, d = kv_layer.shape
+        kv_rows = kv_layer.view(num_blocks * 2 * bs, hk, d)
+        kv_rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
+        kv_rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
+
+        out = torch.empty_like(q)
+        for p in self._prefills:
+            qs = q[p.q_begin : p.q_end]
+            o, lse = dense_attention(
+                qs, k[p.q_begin : p.q_end], v[p.q_begin : p.q_end], scale, causal=True
+            )
+            if p.num_cached:
+                ck, cv = self._gather(kv_layer, p.cached_blocks)
+                o_c, lse_c = dense_attention(
+                    qs, ck[: p.num_cached], cv[: p.num_cached], scale, causal=False
+                )
+                o, lse = merge_states(o_c, lse_c, o, lse)
+            out[p.q_begin : p.q_end] = o
+        for dp in self._decodes:
+            qs = q[dp.q_begin : dp.q_end]
+            n, width = dp.blocks.shape
+            ok, ov = self._gather(kv_layer, dp.blocks.reshape(-1))
+            o, lse = padded_decode_attention(
+                qs, ok.view(n, width * bs, hk, d), ov.view(n, width * bs, hk, d), dp.lens, scale
+            )
+            if dp.shared_blocks is not None:
+                sk, sv = self._gather(kv_layer, dp.shared_blocks)  # read once for the group
+                o_s, lse_s = dense_attention(qs, sk, sv, scale, causal=False)
+                o, lse = merge_states(o_s, lse_s, o, lse)
+            out[dp.q_begin : dp.q_end] = o
+        return out

@@ -1,0 +1,243 @@
+"""load_model(): a local Hugging Face folder (or the built-in ``demo``) -> LoadedModel.
+
+A folder holds config.json, model.safetensors or shards listed in model.safetensors.index.json,
+tokenizer.json, and optionally tokenizer_config.json / chat_template.jinja /
+generation_config.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .kv_cache import KVCacheSpec
+from .llama import LlamaForCausalLM
+from .model_config import ModelConfig, UnsupportedModelError
+from .tokenizer import Tokenizer
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+_FINGERPRINT_SAMPLE = 1 << 20  # bytes hashed from each end of every weight file
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint folder is incomplete or does not match its config."""
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    name: str
+    fingerprint: str
+    dtype: torch.dtype
+    device: torch.device
+    path: Path | None = None
+
+    def kv_cache_spec(self, block_size: int = 16) -> KVCacheSpec:
+        return KVCacheSpec(
+            num_layers=self.config.num_layers,
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            block_size=block_size,
+            dtype=self.dtype,
+            device=str(self.device),
+        )
+
+    @property
+    def identity(self) -> bytes:
+        """Model + tokenizer fingerprints + dtype: the prefix tree's identity key."""
+        return f"{self.fingerprint}|{self.tokenizer.fingerprint}|{self.dtype}".encode()
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = dtype.removeprefix("torch.").lower()
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}: use float32, bfloat16 or float16")
+    return _DTYPES[key]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(
+    name_or_path: str = "demo",
+    dtype: torch.dtype | str | None = None,
+    device: str | None = None,
+) -> LoadedModel:
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if name_or_path == "demo":
+        from .demo_model import DEMO_NAME, ensure_demo_model
+
+        folder, name = ensure_demo_model(), DEMO_NAME
+    else:
+        folder, name = Path(name_or_path).expanduser(), Path(name_or_path).name
+    return load_folder(folder, dt, dev, name=name)
+
+
+def load_folder(
+    folder: Path, dtype: torch.dtype, device: torch.device, name: str | None = None
+) -> LoadedModel:
+    if not folder.is_dir():
+        raise ModelLoadError(
+            f"model {str(folder)!r} not found: pass 'demo' or a local Hugging Face folder"
+        )
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{folder}: config.json not found")
+    raw_config = json.loads(config_file.read_text(encoding="utf-8"))
+    config = ModelConfig.from_dict(raw_config)
+    weight_files = find_weight_files(folder)
+
+    gen_eos = _generation_eos_ids(folder)
+    tokenizer = Tokenizer.from_folder(folder, extra_eos_ids=config.eos_token_ids + gen_eos)
+    if tokenizer.bos_token_id is None and config.bos_token_id is not None:
+        tokenizer.bos_token_id = config.bos_token_id
+
+    model = build_model(config, weight_files, dtype, device)
+    return LoadedModel(
+        model=model,
+        config=config,
+        tokenizer=tokenizer,
+        name=name or folder.name,
+        fingerprint=model_fingerprint(raw_config, weight_files),
+        dtype=dtype,
+        device=device,
+        path=folder,
+    )
+
+
+def find_weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{folder}: shards listed in {index.name} are missing: {missing}")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"{folder}: no weights found (model.safetensors, or shards with "
+            f"model.safetensors.index.json); only safetensors checkpoints are supported"
+        )
+    return files
+
+
+def build_model(
+    config: ModelConfig, weight_files: list[Path], dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+
+    state: dict[str, torch.Tensor] = {}
+    for f in weight_files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for key in sf.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if key.endswith("rotary_emb.inv_freq"):
+                    continue
+                if key == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                state[key] = sf.get_tensor(key)
+
+    if "lm_head.weight" in expected and "lm_head.weight" not in state:
+        warnings.warn(
+            "checkpoint has no lm_head.weight: tying it to the input embeddings", stacklevel=3
+        )
+        config.tie_word_embeddings = True
+        expected.pop("lm_head.weight")
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing tensors: {_short(missing)}")
+    if unexpected:
+        raise ModelLoadError(f"checkpoint has unexpected tensors: {_short(unexpected)}")
+    for key, shape in expected.items():
+        got = tuple(state[key].shape)
+        if got != shape:
+            raise ModelLoadError(
+                f"tensor {key} has shape {list(got)} but config.json implies {list(shape)}"
+            )
+
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.eval().requires_grad_(False)
+    return model
+
+
+def model_fingerprint(raw_config: dict, weight_files: list[Path]) -> str:
+    """sha256 over the canonical config and, per weight file, its name, size, safetensors
+    header (names, dtypes, shapes, offsets) and the first and last MiB of tensor data."""
+    h = hashlib.sha256(json.dumps(raw_config, sort_keys=True).encode())
+    for f in weight_files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            header_len = struct.unpack("<Q", fh.read(8))[0]
+            h.update(fh.read(header_len))
+            h.update(fh.read(_FINGERPRINT_SAMPLE))
+            fh.seek(max(8 + header_len, size - _FINGERPRINT_SAMPLE))
+            h.update(fh.read())
+    return h.hexdigest()[:32]
+
+
+def _generation_eos_ids(folder: Path) -> list[int]:
+    gen = folder / "generation_config.json"
+    if not gen.is_file():
+        return []
+    eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+
+
+def _short(names: list[str], limit: int = 6) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+__all__ = [
+    "LoadedModel",
+    "ModelLoadError",
+    "UnsupportedModelError",
+    "find_weight_files",
+    "load_model",
+    "model_fingerprint",
+    "resolve_device",
+    "resolve_dtype",
+]

@@ -1,0 +1,161 @@
+"""ModelConfig: the parts of a Hugging Face config.json that a Llama-family decoder needs.
+
+Checkpoints written by different tools and transformers versions spell the same thing in
+different ways (``torch_dtype`` vs ``dtype``, ``rope_scaling`` vs ``rope_parameters``, ``head_dim``
+present or derived, ``eos_token_id`` as an int or a list); ``from_dict`` accepts all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or one of its options is not supported."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # with "rope_type": linear | llama3
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projection bias (Qwen2: True)
+    mlp_bias: bool = False
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    sliding_window: int | None = None  # read, not applied (full attention); see docs/models.md
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return str(self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+            arch = by_type.get(raw.get("model_type", "")) if not archs else None
+        if arch is None:
+            supported = ", ".join(SUPPORTED_ARCHITECTURES)
+            got = archs or raw.get("model_type")
+            raise UnsupportedModelError(
+                f"unsupported architecture {got!r}: prefixcache supports {supported}"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r} (only silu)")
+
+        hidden = int(raw["hidden_size"])
+        num_heads = int(raw["num_attention_heads"])
+        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        if num_heads % num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads {num_heads} is not a multiple of "
+                f"num_key_value_heads {num_kv_heads}"
+            )
+
+        rope_params = raw.get("rope_parameters")
+        rope_scaling = raw.get("rope_scaling")
+        rope_theta = raw.get("rope_theta")
+        if isinstance(rope_params, dict):  # transformers >= 5 folds rope_theta in here
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_scaling is None:
+                rope_scaling = rope_params
+        scaling = _normalise_rope_scaling(rope_scaling)
+
+        model_type = SUPPORTED_ARCHITECTURES[arch]
+        window = raw.get("sliding_window")
+        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+            window = None
+        max_pos = int(raw.get("max_position_embeddings") or 4096)
+        if window is not None and int(window) < max_pos:
+            warnings.warn(
+                f"sliding_window={window} is not applied: attention is full, so outputs for "
+                f"sequences longer than {window} tokens differ from the reference model",
+                stacklevel=2,
+            )
+
+        eos = raw.get("eos_token_id")
+        eos_ids = (
+            [int(e) for e in eos] if isinstance(eos, list) else ([] if eos is None else [int(eos)])
+        )
+        bos = raw.get("bos_token_id")
+        if isinstance(bos, list):
+            bos = bos[0] if bos else None
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(head_dim),
+            max_position_embeddings=max_pos,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+            sliding_window=None if window is None else int(window),
+        )
+
+
+def _normalise_rope_scaling(scaling: Any) -> dict[str, Any] | None:
+    if not isinstance(scaling, dict):
+        return None
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported rope_scaling type {rope_type!r}: supported are "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return None
+    out = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta")}
+    out["rope_type"] = rope_type
+    return out

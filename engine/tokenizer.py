@@ -1,0 +1,167 @@
+"""Tokenizer (tokenizer.json via the ``tokenizers`` package), chat template, detokenizing.
+
+The chat template comes from ``chat_template.jinja`` (newer transformers) or the
+``chat_template`` field of ``tokenizer_config.json``, rendered in a sandboxed jinja2 env.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class TokenizerError(ValueError):
+    """The tokenizer files are missing or unusable."""
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_tokens: Sequence[str] = (),
+        extra_eos_ids: Sequence[int] = (),
+        fingerprint_source: bytes = b"",
+    ) -> None:
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.bos_token_id = None if bos_token is None else tokenizer.token_to_id(bos_token)
+        eos_ids = [tokenizer.token_to_id(t) for t in eos_tokens]
+        eos_ids += list(extra_eos_ids)
+        self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos_ids if i is not None))
+        self.eos_token = eos_tokens[0] if eos_tokens else None
+        self._template = None if chat_template is None else _compile_template(chat_template)
+        h = hashlib.sha256(fingerprint_source)
+        h.update(json.dumps([chat_template, bos_token, list(eos_tokens)]).encode())
+        h.update(json.dumps(self.eos_token_ids).encode())
+        self.fingerprint = h.hexdigest()[:32]
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, extra_eos_ids: Sequence[int] = ()) -> Tokenizer:
+        folder = Path(folder)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerError(
+                f"{folder}: tokenizer.json not found (a fast tokenizer file is required)"
+            )
+        raw = tok_file.read_bytes()
+        try:
+            tok = HFTokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:
+            raise TokenizerError(
+                f"{tok_file}: cannot be read by the tokenizers package: {e}"
+            ) from e
+        cfg: dict[str, Any] = {}
+        cfg_file = folder / "tokenizer_config.json"
+        if cfg_file.is_file():
+            cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+        template = _read_chat_template(folder, cfg)
+        bos = _token_str(cfg.get("bos_token"))
+        eos = _token_str(cfg.get("eos_token"))
+        return cls(
+            tok,
+            chat_template=template,
+            bos_token=bos,
+            eos_tokens=[eos] if eos else [],
+            extra_eos_ids=extra_eos_ids,
+            fingerprint_source=raw,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if self._template is None:
+            raise TokenizerError("this tokenizer has no chat template")
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):  # an AddedToken saved as {"content": ..., ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_chat_template(folder: Path, cfg: dict[str, Any]) -> str | None:
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _compile_template(source: str) -> Any:
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, indent: int | None = None) -> str:
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas that never split a UTF-8 character.
+
+    It decodes a short window of recent tokens twice (before and after the new id) and emits
+    only the stable new suffix; a delta ending in U+FFFD (an incomplete byte sequence) waits.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # window start: decoded with the next token for context
+        self._read = 0  # tokens whose text has been emitted
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Text still held back (e.g. an incomplete character at the end of the stream)."""
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return after[len(before) :] if len(after) > len(before) else ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

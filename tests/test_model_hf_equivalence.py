@@ -1,0 +1,139 @@
+"""Our Llama-family model, loaded through our loader, equals Hugging Face transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from prefixcache.engine.attention import create_backend  # noqa: E402
+from prefixcache.engine.demo_model import ASSETS  # noqa: E402
+from prefixcache.engine.kv_cache import KVCache  # noqa: E402
+from prefixcache.engine.loader import load_model  # noqa: E402
+from prefixcache.engine.model_runner import BatchEntry, ModelRunner  # noqa: E402
+
+BS = 16
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
+
+
+def save_checkpoint(model: torch.nn.Module, folder: Path, **save_kwargs: object) -> Path:
+    model.save_pretrained(folder, **save_kwargs)
+    shutil.copy(ASSETS / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    return folder
+
+
+def make_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg_kwargs = {**TINY, **overrides}
+    if kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg_kwargs))
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(
+            transformers.MistralConfig(sliding_window=None, **cfg_kwargs)
+        )
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg_kwargs))
+    with torch.no_grad():  # the default init leaves norms at 1 and biases at 0: perturb them
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def check_equivalence(hf: torch.nn.Module, folder: Path) -> None:
+    loaded = load_model(str(folder), dtype="float32", device="cpu")
+    cache = KVCache(loaded.kv_cache_spec(BS), num_blocks=64)
+    runner = ModelRunner(loaded, cache, create_backend("torch", "cpu"))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (1, 7, 33, 50)
+    ]
+    tables, next_block = [], 0
+    for p in prompts:
+        n = -(-(len(p) + 1) // BS)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    logits = runner.execute([BatchEntry(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    with torch.no_grad():
+        refs = [hf(torch.tensor([p])).logits[0, -1] for p in prompts]
+    torch.testing.assert_close(logits, torch.stack(refs), atol=1e-4, rtol=1e-4)
+
+    # One decode step each over the cached prompts (batched decode path).
+    nxt = [int(x) for x in logits.argmax(-1)]
+    step = runner.execute(
+        [BatchEntry([t], len(p), tb) for p, t, tb in zip(prompts, nxt, tables, strict=True)]
+    )
+    with torch.no_grad():
+        refs = [
+            hf(torch.tensor([[*p, t]])).logits[0, -1] for p, t in zip(prompts, nxt, strict=True)
+        ]
+    torch.testing.assert_close(step, torch.stack(refs), atol=1e-4, rtol=1e-4)
+
+
+def test_llama_equals_transformers(tmp_path: Path) -> None:
+    hf = make_hf("llama")
+    check_equivalence(hf, save_checkpoint(hf, tmp_path))
+
+
+def test_llama3_rope_scaling_equals_transformers(tmp_path: Path) -> None:
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    hf = make_hf("llama", seed=1, rope_scaling=scaling, rope_theta=500000.0)
+    folder = save_checkpoint(hf, tmp_path)
+    assert load_model(str(folder)).config.rope_type == "llama3"
+    check_equivalence(hf, folder)
+
+
+def test_linear_rope_scaling_equals_transformers(tmp_path: Path) -> None:
+    hf = make_hf("llama", seed=2, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    check_equivalence(hf, save_checkpoint(hf, tmp_path))
+
+
+def test_tied_embeddings_equal_transformers(tmp_path: Path) -> None:
+    hf = make_hf("llama", seed=3, tie_word_embeddings=True)
+    folder = save_checkpoint(hf, tmp_path)
+    loaded = load_model(str(folder))
+    assert loaded.config.tie_word_embeddings
+    assert (
+        loaded.model.lm_head.weight.data_ptr() == loaded.model.model.embed_tokens.weight.data_ptr()
+    )
+    check_equivalence(hf, folder)
+
+
+def test_sharded_checkpoint_equals_transformers(tmp_path: Path) -> None:
+    hf = make_hf("llama", seed=4)
+    folder = save_checkpoint(hf, tmp_path, max_shard_size="100KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    check_equivalence(hf, folder)
+
+
+def test_qwen2_equals_transformers(tmp_path: Path) -> None:
+    hf = make_hf("qwen2", seed=5)
+    folder = save_checkpoint(hf, tmp_path)
+    assert load_model(str(folder)).config.attention_bias
+    check_equivalence(hf, folder)
+
+
+def test_mistral_equals_transformers(tmp_path: Path) -> None:
+    hf = make_hf("mistral", seed=6)
+    check_equivalence(hf, save_checkpoint(hf, tmp_path))
