@@ -20,7 +20,7 @@ RULES = (
 def _prompt(name: str, question: str = "Which shelf holds atlases?") -> Prompt:
     return (
         Prompt.builder()
-        .static(f"[{name}] " + RULES * 4, tag="rules")
+        .static(f"[sdk-{name}] " + RULES * 4, tag="rules")
         .shared("Shelf A: atlases and maps. Shelf B: poetry. Shelf C: cookery. " * 3, tag="doc")
         .dynamic(question, tag="q")
         .build()
