@@ -187,6 +187,7 @@ class LLMEngine:
 
         params = seq.request.sampling
         reason = None
+        cut_at_stop_string = False
         if token in params.stop_token_ids or (
             token in self._stop_token_ids and not params.ignore_eos
         ):
@@ -194,12 +195,16 @@ class LLMEngine:
         else:
             seq.pending_text += seq.detokenizer.push(token)
             if params.stop and _cut_at_stop(seq, params):
-                reason = "stop"
+                reason, cut_at_stop_string = "stop", True
         if reason is None and (
             seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_seq_len
         ):
             reason = "length"
         if reason is not None:
+            if not cut_at_stop_string:  # release what the detokenizer still holds back
+                seq.pending_text += seq.detokenizer.flush()
+                if params.stop and _cut_at_stop(seq, params):
+                    reason = "stop"
             final = self._finish(seq, reason)
             final.new_token_ids = [token]
             final.logprobs = [logprob] if logprob is not None else None

@@ -239,3 +239,38 @@ def test_metrics_count_hits_and_tokens(loaded) -> None:
     assert registry.get_sample_value("prefixcache:generation_tokens_total") == 6
     assert registry.get_sample_value("prefixcache:time_to_first_token_seconds_count") == 2
     assert registry.get_sample_value("prefixcache:kv_blocks", {"state": "in_use"}) == 0
+
+
+def test_streamed_text_is_the_decoded_output(loaded) -> None:
+    """Text deltas, including what the detokenizer held back at the end, add up to the
+    decoded output: nothing is lost or doubled."""
+    engine = make_engine(loaded)
+    rng = random.Random(12)
+    prompts = [random_tokens(rng, 20, loaded.config.vocab_size) for _ in range(4)]
+    for result in engine.generate(prompts, greedy(12)):
+        assert result.text == loaded.tokenizer.decode(result.token_ids)
+
+
+def test_decodes_sharing_a_prefix_run_as_one_cascade_group(loaded) -> None:
+    rng = random.Random(13)
+    vocab = loaded.config.vocab_size
+    shared = random_tokens(rng, 100, vocab)
+    prompts = [shared + random_tokens(rng, 5, vocab) for _ in range(4)]
+    engine = make_engine(loaded)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(f"d{i}", prompt, greedy(6)))
+    groups_seen = []
+    while engine.has_unfinished:
+        engine.step()
+        meta = engine.runner.last_metadata
+        if meta.num_prefills == 0 and meta.num_seqs >= 2:  # a decode-only step of a group
+            groups_seen.append(
+                [(g.end - g.begin, g.num_shared_blocks) for g in meta.cascade_groups]
+            )
+    assert len(groups_seen) >= 3
+    assert all(len(groups) == 1 and groups[0][1] == 6 for groups in groups_seen), groups_seen
+    assert groups_seen[0] == [(4, 6)], "all four decodes share the prefix's six blocks"
+    uncascaded = make_engine(loaded, enable_cascade=False)
+    expected = [r.token_ids for r in uncascaded.generate(prompts, greedy(6))]
+    assert [r.token_ids for r in make_engine(loaded).generate(prompts, greedy(6))] == expected
+    assert_clean(engine)
