@@ -64,8 +64,11 @@ def main() -> None:
     rng = random.Random(0)
     vocab = loaded.config.vocab_size
     prefix = [rng.randrange(3, vocab) for _ in range(args.prefix)]
+    # Suffixes start with distinct tokens, so the only shared part is the prefix (the ideal).
+    firsts = rng.sample(range(3, vocab), args.n)
     prompts = [
-        prefix + [rng.randrange(3, vocab) for _ in range(args.suffix)] for _ in range(args.n)
+        prefix + [first] + [rng.randrange(3, vocab) for _ in range(args.suffix - 1)]
+        for first in firsts
     ]
     block_size = 16
     per_request = args.prefix + args.suffix + args.max_tokens

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import AttentionBackend, AttentionMetadata, AttentionShape, SeqSpec
-from .attention.metadata import plan_step_order
+from .attention.metadata import find_prefill_groups, plan_step_order
 from .kv_cache import KVCache
 from .loader import LoadedModel
 
@@ -61,8 +61,10 @@ class ModelRunner:
         bs = self.kv_cache.block_size
         seqs = [SeqSpec(e.start_pos, len(e.token_ids), e.block_table) for e in batch]
         order, groups = plan_step_order(seqs, bs, self.enable_cascade)
+        ordered = [seqs[i] for i in order]
+        prefill_groups = find_prefill_groups(ordered, bs) if self.enable_cascade else []
         meta = AttentionMetadata.build(
-            [seqs[i] for i in order], bs, self.device, cascade_groups=groups
+            ordered, bs, self.device, cascade_groups=groups, prefill_groups=prefill_groups
         )
         self.backend.plan(meta, self.shape)
         self.last_metadata = meta

@@ -117,3 +117,32 @@ def test_execute_rejects_bad_entries(loaded: LoadedModel) -> None:
         runner.execute([BatchEntry([loaded.config.vocab_size], 0, [0])])
     with pytest.raises(ValueError, match="outside the KV cache"):
         runner.execute([BatchEntry([1], 0, [10_000])])
+
+
+def test_prefills_after_one_cached_prefix_read_it_once_with_same_logits(
+    loaded: LoadedModel,
+) -> None:
+    """A burst over one cached prefix forms a prefill group; logits equal ungrouped runs."""
+    vocab = loaded.config.vocab_size
+    shared = tokens(96, 21, vocab)  # 6 full blocks
+    runner = make_runner(loaded)
+    runner.execute([BatchEntry(shared, 0, blocks(0, 96), compute_logits=False)])
+    extra = tokens(16, 22, vocab)  # one member also has its own cached block beyond the prefix
+    runner.execute([BatchEntry(extra, 96, [*blocks(0, 96), 6], compute_logits=False)])
+    suffixes = [tokens(n, 30 + n, vocab) for n in (5, 17, 9)]
+    batch = [
+        BatchEntry(suffixes[0], 96, [*blocks(0, 96), 10]),
+        BatchEntry(suffixes[1], 112, [*blocks(0, 96), 6, 11, 12]),
+        BatchEntry(tokens(12, 40, vocab), 0, [20]),  # unrelated cold prefill, not grouped
+        BatchEntry(suffixes[2], 96, [*blocks(0, 96), 13]),
+    ]
+    grouped = runner.execute(batch)
+    meta = runner.last_metadata
+    assert meta is not None and [g.num_shared_blocks for g in meta.prefill_groups] == [6]
+    assert meta.prefill_groups[0].end - meta.prefill_groups[0].begin == 3
+    runner.enable_cascade = False
+    plain = runner.execute(batch)
+    assert not runner.last_metadata.prefill_groups
+    torch.testing.assert_close(grouped, plain, atol=1e-5, rtol=1e-5)
+    one = make_runner(loaded).execute([BatchEntry(shared + extra + suffixes[1], 0, blocks(0, 129))])
+    torch.testing.assert_close(grouped[1:2], one, atol=1e-5, rtol=1e-5)

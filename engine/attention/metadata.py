@@ -12,6 +12,8 @@ so each kind of work is a contiguous slice of the flattened query rows. For sequ
 
 A cascade group is a run of decodes whose tables start with the same ``shared_blocks`` full
 blocks; attention reads that prefix once for the whole group, then each member's own suffix.
+Prefills that start after the same cached blocks (a burst of requests over one system prompt)
+form prefill groups the same way, inside the prefill slice.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class AttentionMetadata:
     num_prefills: int  # sequences [0, num_prefills) have qo_len > 1
     num_plain_decodes: int  # then this many decodes outside any cascade group
     cascade_groups: list[CascadeGroup] = field(default_factory=list)
+    prefill_groups: list[CascadeGroup] = field(default_factory=list)  # within the prefills
 
     @property
     def num_seqs(self) -> int:
@@ -85,6 +88,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         cascade_groups: Sequence[CascadeGroup] = (),
+        prefill_groups: Sequence[CascadeGroup] = (),
     ) -> AttentionMetadata:
         """Build from sequences already in runner order (prefills, plain decodes, groups)."""
         seqs = list(seqs)
@@ -98,6 +102,7 @@ class AttentionMetadata:
             assert g.end - g.begin >= 2 and g.num_shared_blocks >= 1
             assert g.begin == (groups[i - 1].end if i else cascade_begin)
         assert not groups or groups[-1].end == len(seqs)
+        assert all(g.end <= num_prefills for g in prefill_groups), "prefill groups hold prefills"
 
         qo_indptr, kv_indptr, kv_indices, last_lens = [0], [0], [], []
         positions: list[int] = []
@@ -133,6 +138,7 @@ class AttentionMetadata:
             num_prefills=num_prefills,
             num_plain_decodes=cascade_begin - num_prefills,
             cascade_groups=groups,
+            prefill_groups=list(prefill_groups),
         )
 
 
@@ -154,6 +160,8 @@ def plan_step_order(
     decodes = [i for i, s in enumerate(seqs) if s.num_new == 1]
     if not enable_cascade:
         return prefills + decodes, []
+    # Prefills after the same cached first block sit next to each other (prefill groups).
+    prefills.sort(key=lambda i: _first_cached_block(seqs[i], block_size))
 
     by_first: dict[int, list[int]] = {}
     for i in decodes:
@@ -166,14 +174,7 @@ def plan_step_order(
     for members in by_first.values():
         if len(members) < 2:
             continue
-        shared = min(seqs[i].start_pos // block_size for i in members)
-        ref = seqs[members[0]].block_table
-        for i in members[1:]:
-            table = seqs[i].block_table
-            n = 0
-            while n < shared and table[n] == ref[n]:
-                n += 1
-            shared = n
+        shared = _common_cached_blocks([seqs[i] for i in members], block_size)
         if shared >= max(1, min_shared_blocks):
             grouped.append((members, shared))
             taken = set(members)
@@ -185,3 +186,42 @@ def plan_step_order(
         groups.append(CascadeGroup(len(order), len(order) + len(members), shared))
         order.extend(members)
     return order, groups
+
+
+def _first_cached_block(s: SeqSpec, block_size: int) -> int:
+    return int(s.block_table[0]) if s.start_pos >= block_size else -1
+
+
+def find_prefill_groups(
+    seqs: Sequence[SeqSpec],
+    block_size: int,
+    min_shared_blocks: int = MIN_CASCADE_SHARED_BLOCKS,
+) -> list[CascadeGroup]:
+    """Runs of prefills (in ``plan_step_order``'s order) that start after the same cached full
+    blocks: their queries attend to that prefix in one product, reading its KV once."""
+    groups: list[CascadeGroup] = []
+    begin = 0
+    num_prefills = sum(1 for s in seqs if s.num_new > 1)
+    while begin < num_prefills:
+        first = _first_cached_block(seqs[begin], block_size)
+        end = begin + 1
+        while end < num_prefills and _first_cached_block(seqs[end], block_size) == first:
+            end += 1
+        if first >= 0 and end - begin >= 2:
+            shared = _common_cached_blocks(seqs[begin:end], block_size)
+            if shared >= max(1, min_shared_blocks):
+                groups.append(CascadeGroup(begin, end, shared))
+        begin = end
+    return groups
+
+
+def _common_cached_blocks(members: Sequence[SeqSpec], block_size: int) -> int:
+    """Leading blocks every member shares that lie fully before every member's new tokens."""
+    shared = min(s.start_pos // block_size for s in members)
+    ref = members[0].block_table
+    for s in members[1:]:
+        n = 0
+        while n < shared and s.block_table[n] == ref[n]:
+            n += 1
+        shared = n
+    return shared

@@ -8,7 +8,9 @@ Same math as FlashInfer (bottom-right causal alignment, base-2 LSE), organised s
 - plain decodes = one padded gather (whole blocks) + one batched kernel call with a
   key-padding mask;
 - a cascade group = the whole group's queries vs the shared prefix in one call (the prefix
-  KV is gathered and read once), merged by LSE with each member's suffix (a padded decode).
+  KV is gathered and read once), merged by LSE with each member's suffix (a padded decode);
+- a prefill group (prefills after the same cached blocks) works the same way: all members'
+  queries vs the shared prefix in one call, merged with each member's own part.
 
 New K/V are written through the layer viewed as rows ``[num_blocks * 2 * block_size, Hk, D]``:
 K of (block b, slot s) is row ``b*2*bs + s`` and its V is ``bs`` rows further.
@@ -150,8 +152,16 @@ def _padded_decode_generic(
 class _PrefillPlan:
     q_begin: int
     q_end: int
-    num_cached: int  # tokens already in the cache (start_pos)
-    cached_blocks: torch.Tensor  # int64 [ceil(start_pos / bs)]
+    num_cached: int  # cached tokens this sequence attends to on its own (after any group prefix)
+    cached_blocks: torch.Tensor  # int64: the blocks holding those tokens
+    group: int | None = None  # index of its prefill group, whose shared prefix comes first
+
+
+@dataclass(slots=True)
+class _PrefillGroupPlan:
+    q_begin: int
+    q_end: int
+    shared_blocks: torch.Tensor  # int64 [S]: the prefix every member starts after
 
 
 @dataclass(slots=True)
@@ -193,6 +203,7 @@ class TorchBackend(AttentionBackend):
         self._shape: AttentionShape | None = None
         self._write_rows = torch.empty(0, dtype=torch.int64)
         self._prefills: list[_PrefillPlan] = []
+        self._prefill_groups: list[_PrefillGroupPlan] = []
         self._decodes: list[_DecodePlan] = []
         # Gather buffers, reused across layers and steps: fresh multi-MB allocations on CPU
         # cost more in page faults than the copy itself.
@@ -209,11 +220,20 @@ class TorchBackend(AttentionBackend):
         page_of = meta.kv_indptr.long()[meta.batch_indices.long()] + pos // bs
         self._write_rows = meta.kv_indices.long()[page_of] * (2 * bs) + pos % bs
 
+        self._prefill_groups = []
+        group_of: dict[int, tuple[int, int]] = {}  # prefill index -> (group, shared blocks)
+        for gi, g in enumerate(meta.prefill_groups):
+            shared = torch.as_tensor(tables[g.begin][: g.num_shared_blocks], dtype=torch.int64)
+            self._prefill_groups.append(_PrefillGroupPlan(qo[g.begin], qo[g.end], shared.to(dev)))
+            group_of.update({i: (gi, g.num_shared_blocks) for i in range(g.begin, g.end)})
         self._prefills = []
         for i in range(meta.num_prefills):
             start = meta.seqs[i].start_pos
-            blocks = torch.as_tensor(tables[i][: -(-start // bs)], dtype=torch.int64)
-            self._prefills.append(_PrefillPlan(qo[i], qo[i + 1], start, blocks.to(dev)))
+            group, n_shared = group_of.get(i, (None, 0))
+            own = tables[i][n_shared : -(-start // bs)]
+            blocks = torch.as_tensor(own, dtype=torch.int64).to(dev)
+            plan = _PrefillPlan(qo[i], qo[i + 1], start - n_shared * bs, blocks, group)
+            self._prefills.append(plan)
 
         self._decodes = []
         lo, hi = meta.decode_begin, meta.cascade_begin
@@ -267,6 +287,10 @@ class TorchBackend(AttentionBackend):
         kv_rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
 
         out = torch.empty_like(q)
+        group_states = []
+        for gp in self._prefill_groups:  # the shared prefix is gathered and read once
+            sk, sv = self._gather(kv_layer, gp.shared_blocks)
+            group_states.append(dense_attention(q[gp.q_begin : gp.q_end], sk, sv, scale, False))
         for p in self._prefills:
             qs = q[p.q_begin : p.q_end]
             o, lse = dense_attention(
@@ -278,6 +302,11 @@ class TorchBackend(AttentionBackend):
                     qs, ck[: p.num_cached], cv[: p.num_cached], scale, causal=False
                 )
                 o, lse = merge_states(o_c, lse_c, o, lse)
+            if p.group is not None:
+                o_g, lse_g = group_states[p.group]
+                first = p.q_begin - self._prefill_groups[p.group].q_begin
+                rows = slice(first, first + p.q_end - p.q_begin)
+                o, lse = merge_states(o_g[rows], lse_g[rows], o, lse)
             out[p.q_begin : p.q_end] = o
         for dp in self._decodes:
             qs = q[dp.q_begin : dp.q_end]
