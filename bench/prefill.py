@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+from flops import prefill_flops
 
 from prefixcache.engine.attention import create_backend
 from prefixcache.engine.kv_cache import KVCache
@@ -49,19 +50,6 @@ def sized_model(base: LoadedModel, args: argparse.Namespace) -> LoadedModel:
             p.normal_(0, 0.02)
     model = model.to(base.dtype).eval().requires_grad_(False)
     return LoadedModel(model, config, base.tokenizer, "sized", "sized", base.dtype, base.device)
-
-
-def linear_flops_per_token(c: ModelConfig) -> float:
-    d, h = c.head_dim, c.hidden_size
-    attn = h * (c.num_heads * d) * 2 + h * (c.num_kv_heads * d) * 2
-    mlp = 3 * h * c.intermediate_size
-    return 2.0 * c.num_layers * (attn + mlp)
-
-
-def attention_flops(c: ModelConfig, first: int, last: int) -> float:
-    """Queries at positions [first, last), each over all keys up to and including itself."""
-    keys = (first + 1 + last) * (last - first) / 2  # sum of (pos + 1)
-    return 4.0 * c.num_layers * c.num_heads * c.head_dim * keys
 
 
 def prefill(runner: ModelRunner, tokens: list[int], start: int, chunk: int) -> torch.Tensor:
@@ -137,10 +125,8 @@ def main() -> None:
         warm_times.append(time.perf_counter() - t0)
 
     cold_s, warm_s = statistics.median(cold_times), statistics.median(warm_times)
-    lin = linear_flops_per_token(cfg)
-    head = 2.0 * cfg.hidden_size * cfg.vocab_size
-    flops_cold = lin * total + attention_flops(cfg, 0, total) + head
-    flops_warm = lin * args.suffix + attention_flops(cfg, args.prefix, total) + head
+    flops_cold = prefill_flops(cfg, 0, total)
+    flops_warm = prefill_flops(cfg, args.prefix, args.suffix)
     speedup = cold_s / warm_s
     ideal = flops_cold / flops_warm
     max_diff = float((cold_logits - warm_logits).abs().max())

@@ -168,7 +168,8 @@ class BlockManager:
         )
         src = match.partial_block
         if src is not None and match.partial_tokens > 0:
-            assert tree.node_of(src) is not None, "stale match: the partial block was evicted"
+            # A cached node, or a live table's partly filled block (its written slots are final).
+            assert tree.node_of(src) is not None or pool.ref_count[src] > 0, "stale partial source"
             pool.ref(src)  # keep it from being evicted into its own copy
             if pool.num_available > 0:
                 dst = self._take_block()

@@ -81,10 +81,12 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         manager = self.block_manager
         leaders = [s for s in self.running if s.num_computed_tokens < s.num_prompt_tokens]
+        tails = self._live_tails()
         for seq in self._admission_order():
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             match = self._match(seq)  # fresh: an earlier admission may have evicted blocks
+            match = self._extend_with_live_tail(seq, match, tails)
             if self._waits_for_leader(seq, match, leaders):
                 continue
             num_tokens = min(seq.num_tokens - match.num_tokens, budget)
@@ -116,21 +118,56 @@ class Scheduler:
         return sorted(self.waiting, key=key)
 
     def _waits_for_leader(self, seq: Sequence, match: PrefixMatch, leaders: list[Sequence]) -> bool:
-        """Burst dedupe: hold ``seq`` while a running sequence is still computing a prefix
-        (at least one block long) that ``seq`` shares beyond its cached match."""
+        """Burst dedupe: hold ``seq`` while a running sequence is still computing full blocks
+        that ``seq`` shares beyond its cached match; they are committed when the step ends.
+        (A shared remainder inside one block is not worth a step: it is copied from the
+        leader's live block when the leader still runs, else recomputed.)"""
         if not self._caching:
             return False
         for leader in leaders:
             if leader.namespace != seq.namespace:
                 continue
-            shared = self._common_prefix_len(seq, leader)
+            shared_blocks = self._common_prefix_len(seq, leader) // self.block_size
             if (
-                shared >= self.block_size
-                and shared > match.num_tokens
-                and leader.num_computed_tokens < shared
+                shared_blocks > len(match.blocks)
+                and leader.num_computed_tokens < shared_blocks * self.block_size
             ):
                 return True
         return False
+
+    def _live_tails(self) -> dict[tuple[str, bytes], list[Sequence]]:
+        """Running sequences by the digest before their partly filled block (b"" at the root)."""
+        tails: dict[tuple[str, bytes], list[Sequence]] = {}
+        for seq in self.running:
+            table = seq.table
+            committed = table.num_committed_blocks
+            if seq.num_computed_tokens > committed * self.block_size < table.num_slots:
+                parent = table.hashes[committed - 1] if committed else b""
+                tails.setdefault((seq.namespace, parent), []).append(seq)
+        return tails
+
+    def _extend_with_live_tail(
+        self, seq: Sequence, match: PrefixMatch, tails: dict[tuple[str, bytes], list[Sequence]]
+    ) -> PrefixMatch:
+        """Only full blocks enter the tree; a running sequence's partly filled block can still
+        lend the written slots it shares with ``seq`` (copied, like a partial hit). This keeps a
+        burst exact when the shared prefix does not end on a block boundary."""
+        if not self._caching or match.partial_tokens == self.block_size - 1:
+            return match
+        full, bs = len(match.blocks), self.block_size
+        parent = self._hashes(seq)[full - 1] if full else b""
+        best = match
+        limit = min(bs, seq.num_tokens - 1 - full * bs)  # at least one prompt token is computed
+        for other in tails.get((seq.namespace, parent), ()):
+            if other.table.num_committed_blocks != full:
+                continue
+            written = min(limit, other.num_computed_tokens - full * bs)
+            k = 0
+            while k < written and seq.token_ids[full * bs + k] == other.token_ids[full * bs + k]:
+                k += 1
+            if k > best.partial_tokens:
+                best = PrefixMatch(match.blocks, other.table.block_ids[full], k, bs)
+        return best
 
     def _common_prefix_len(self, a: Sequence, b: Sequence) -> int:
         ha, hb = self._hashes(a), self._hashes(b)

@@ -93,21 +93,35 @@ def test_caching_never_changes_greedy_outputs(loaded) -> None:
     assert_clean(uncached_engine)
 
 
-@pytest.mark.parametrize("prefix_len", [96, 101])
-def test_burst_computes_shared_prefix_once(loaded, prefix_len: int) -> None:
+@pytest.mark.parametrize(("prefix_len", "suffix_len"), [(96, 12), (101, 12), (100, 8)])
+def test_burst_computes_shared_prefix_once(loaded, prefix_len: int, suffix_len: int) -> None:
+    """N requests over one uncached prefix: P + N*S prompt tokens, all admitted together.
+    (100 + 8: the leader's last block never fills; followers copy it from the live leader.)"""
     rng = random.Random(prefix_len)
     vocab = loaded.config.vocab_size
     prefix = random_tokens(rng, prefix_len, vocab)
-    n, suffix_len = 8, 12
+    n = 8
+    firsts = rng.sample(range(3, vocab), n)  # suffixes share nothing, not even a first token
     engine = make_engine(loaded)
     requests = [
-        EngineRequest(f"b{i}", prefix + random_tokens(rng, suffix_len, vocab), greedy(2))
-        for i in range(n)
+        EngineRequest(
+            f"b{i}", prefix + [first] + random_tokens(rng, suffix_len - 1, vocab), greedy(2)
+        )
+        for i, first in enumerate(firsts)
     ]
-    results = engine.generate(requests)
-    computed = sum(r.usage.computed_prompt_tokens for r in results)
-    assert computed == prefix_len + n * suffix_len
-    assert all(r.usage.cached_tokens == prefix_len for r in results[1:])
+    for request in requests:
+        engine.add_request(request)
+    steps_to_first_tokens, first_tokens, usage = 0, set(), {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            first_tokens.add(out.request_id)
+            if out.finished:
+                usage[out.request_id] = out.usage
+        if len(first_tokens) < n:
+            steps_to_first_tokens += 1
+    assert sum(u.computed_prompt_tokens for u in usage.values()) == prefix_len + n * suffix_len
+    assert all(usage[f"b{i}"].cached_tokens == prefix_len for i in range(1, n))
+    assert steps_to_first_tokens <= 1, "followers are admitted together, right after the leader"
     assert_clean(engine)
 
 

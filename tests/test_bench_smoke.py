@@ -1,0 +1,65 @@
+"""Every benchmark runs at tiny sizes and ends with the JSON keys docs/benchmarks.md quotes.
+
+Figures are not asserted here (a benchmark measures; it is not a test), except the exact
+token count of the burst benchmark, which is a property of the scheduler, not of the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+CASES = {
+    "prefix_index.py": (
+        ["--repeats", "2", "--trace-prompts", "50"],
+        {"match_insert_us_20k", "ops_per_s"},
+    ),
+    "prefill.py": (
+        ["--prefix", "64", "--suffix", "16"],
+        {"cold_s", "warm_s", "speedup", "ideal_speedup", "efficiency"},
+    ),
+    "burst.py": (
+        ["--n", "6", "--prefix", "100", "--suffix", "8", "--max-tokens", "2"],
+        {
+            "prompt_tokens_computed",
+            "ideal_tokens",
+            "peak_blocks",
+            "ideal_blocks",
+            "speedup_vs_nocache",
+        },
+    ),
+    "ttft.py": (["--scale", "0.004"], {"cold_s", "warm_s", "speedup", "ideal_speedup"}),
+    "shared_decode.py": (
+        ["--batch", "4", "--prefix", "128", "--suffix", "8", "--repeat", "1"],
+        set(),
+    ),
+}
+
+
+def run_bench(name: str, args: list[str]) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / name), *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_benchmark_runs_and_reports(name: str) -> None:
+    args, keys = CASES[name]
+    result = run_bench(name, args)
+    assert keys <= result.keys(), keys - result.keys()
+    if name == "burst.py":
+        assert result["prompt_tokens_computed"] == result["ideal_tokens"]
+        assert result["peak_blocks"] <= result["ideal_blocks"] + 6
