@@ -114,8 +114,6 @@ def load_folder(
 
     gen_eos = _generation_eos_ids(folder)
     tokenizer = Tokenizer.from_folder(folder, extra_eos_ids=config.eos_token_ids + gen_eos)
-    if tokenizer.bos_token_id is None and config.bos_token_id is not None:
-        tokenizer.bos_token_id = config.bos_token_id
 
     model = build_model(config, weight_files, dtype, device)
     return LoadedModel(

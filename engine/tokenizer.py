@@ -1,22 +1,38 @@
 """Tokenizer (tokenizer.json via the ``tokenizers`` package), chat template, detokenizing.
 
 The chat template comes from ``chat_template.jinja`` (newer transformers) or the
-``chat_template`` field of ``tokenizer_config.json``, rendered in a sandboxed jinja2 env.
+``chat_template`` field of ``tokenizer_config.json``, rendered in a sandboxed jinja2 env that
+offers what transformers' ``apply_chat_template`` offers (loop controls, ``{% generation %}``,
+``strftime_now``, ``tojson``, ``raise_exception``, the special tokens).
+
+``encode(text, add_special_tokens=True)`` adds what ``AutoTokenizer(text)`` adds: whatever
+tokenizer.json's post-processor adds. Like transformers 5 when a tokenizer.json is present,
+``add_bos_token`` / ``add_eos_token`` in tokenizer_config.json are not consulted (transformers
+writes them into the post-processor when it saves the file).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tokenizers import Tokenizer as HFTokenizer
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback tokens
 
 
 class TokenizerError(ValueError):
     """The tokenizer files are missing or unusable."""
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the messages (raise_exception, an undefined value, ...)."""
 
 
 class Tokenizer:
@@ -28,10 +44,18 @@ class Tokenizer:
         eos_tokens: Sequence[str] = (),
         extra_eos_ids: Sequence[int] = (),
         fingerprint_source: bytes = b"",
+        special_tokens: dict[str, str] | None = None,
     ) -> None:
         self._tok = tokenizer
         self.chat_template = chat_template
         self.bos_token = bos_token
+        # What templates see as bos_token, eos_token, unk_token, pad_token, ...
+        self.special_tokens: dict[str, str] = dict(special_tokens or {})
+        self.special_tokens.setdefault("bos_token", bos_token or "")
+        self.special_tokens.setdefault("eos_token", eos_tokens[0] if eos_tokens else "")
+        self._byte_level = _is_byte_level(tokenizer)
+        self._byte_decoder = _gpt2_byte_decoder()
+        self._added_ids = set(tokenizer.get_added_tokens_decoder())
         self.bos_token_id = None if bos_token is None else tokenizer.token_to_id(bos_token)
         eos_ids = [tokenizer.token_to_id(t) for t in eos_tokens]
         eos_ids += list(extra_eos_ids)
@@ -40,6 +64,7 @@ class Tokenizer:
         self._template = None if chat_template is None else _compile_template(chat_template)
         h = hashlib.sha256(fingerprint_source)
         h.update(json.dumps([chat_template, bos_token, list(eos_tokens)]).encode())
+        h.update(json.dumps(self.special_tokens, sort_keys=True).encode())  # what templates see
         h.update(json.dumps(self.eos_token_ids).encode())
         self.fingerprint = h.hexdigest()[:32]
 
@@ -65,6 +90,7 @@ class Tokenizer:
         template = _read_chat_template(folder, cfg)
         bos = _token_str(cfg.get("bos_token"))
         eos = _token_str(cfg.get("eos_token"))
+        specials = {k: v for k in _SPECIAL_TOKEN_KEYS if (v := _token_str(cfg.get(k)))}
         return cls(
             tok,
             chat_template=template,
@@ -72,6 +98,7 @@ class Tokenizer:
             eos_tokens=[eos] if eos else [],
             extra_eos_ids=extra_eos_ids,
             fingerprint_source=raw,
+            special_tokens=specials,
         )
 
     @property
@@ -87,17 +114,38 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (part of a UTF-8 character for some tokens)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_level:
+            if all(c in self._byte_decoder for c in piece):
+                return bytes(self._byte_decoder[c] for c in piece)
+            return piece.encode()
+        if match := _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()  # SentencePiece's word marker
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
+        from jinja2.exceptions import TemplateError
+
         if self._template is None:
             raise TokenizerError("this tokenizer has no chat template")
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self.special_tokens,
+            )
+        except TemplateError as exc:
+            raise ChatTemplateError(str(exc) or type(exc).__name__) from exc
 
 
 def _token_str(value: Any) -> str | None:
@@ -117,19 +165,67 @@ def _read_chat_template(folder: Path, cfg: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _is_byte_level(tok: HFTokenizer) -> bool:
+    """GPT-2 style byte-level BPE: tokens are bytes spelled with the GPT-2 byte alphabet."""
+    decoder = json.loads(tok.to_str()).get("decoder") or {}
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    return any(isinstance(p, dict) and p.get("type") == "ByteLevel" for p in parts)
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """The GPT-2 byte alphabet, reversed: printable bytes stand for themselves, the other
+    bytes for code points 256, 257, ... in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    keep = set(printable)
+    shifted = [b for b in range(256) if b not in keep]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
+
+
 def _compile_template(source: str) -> Any:
+    from jinja2 import nodes
     from jinja2.exceptions import TemplateError
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """``{% generation %}...{% endgeneration %}`` marks assistant text for training
+        masks in transformers; here it renders its body unchanged."""
+
+        tags: ClassVar[set[str]] = {"generation"}
+
+        def parse(self, parser: Any) -> list[nodes.Node]:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    def tojson(value: Any, indent: int | None = None) -> str:
-        return json.dumps(value, ensure_ascii=False, indent=indent)
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
     return env.from_string(source)
 
 

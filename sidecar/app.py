@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
+from jinja2.exceptions import TemplateError as JinjaError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -27,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from prefixcache.engine.request import EngineRequest, SamplingParams, SegmentSpan, Usage
+from prefixcache.engine.tokenizer import ChatTemplateError
 
 from . import protocol as p
 from .admission import Admission, EngineStream
@@ -34,6 +37,7 @@ from .errors import (
     APIError,
     bad_request,
     from_validation,
+    model_not_found,
     not_found,
     not_ready,
     server_error,
@@ -79,6 +83,7 @@ class Job:
     stream: EngineStream
     want_logprobs: bool
     include_usage: bool
+    fingerprint: str  # system_fingerprint
 
 
 def create_app(engine: Any, settings: SidecarSettings | None = None) -> Starlette:
@@ -110,6 +115,7 @@ class Sidecar:
         self.created = int(time.time())
         self.start_error: str | None = None
         self._renderer: PromptRenderer | None = None
+        self._fingerprint: str | None = None
 
     def routes(self) -> list[Route]:
         return [
@@ -263,6 +269,7 @@ class Sidecar:
             stream=self.admission.admit(engine_request),  # 429 here when the queue is full
             want_logprobs=logprobs is not None,
             include_usage=req.include_usage,
+            fingerprint=self.system_fingerprint,
         )
 
     async def _respond(self, job: Job, stream: bool, request: Request) -> Response | SSEResponse:
@@ -274,15 +281,16 @@ class Sidecar:
             await job.stream.aclose()  # aborts the engine request if it is still running
         usage = usage_info(result.usage)
         report = cache_report(result.usage, job.spans)
-        decode = self._decode_token
+        head = (job.id, job.created, job.model)
         if job.kind == "chat":
-            logprobs = chat_logprobs(result.logprobs, decode) if job.want_logprobs else None
+            logprobs = self._chat_logprobs(result.logprobs) if job.want_logprobs else None
             message = p.ChatMessage("assistant", result.text)
             choice = p.ChatChoice(0, message, result.finish_reason, logprobs)
-            return _json(p.ChatCompletion(job.id, job.created, job.model, [choice], usage, report))
+            return _json(p.ChatCompletion(*head, [choice], usage, report, job.fingerprint))
+        decode = self._decode_token
         logprobs = completion_logprobs(result.logprobs, decode) if job.want_logprobs else None
         choice = p.CompletionChoice(0, result.text, result.finish_reason, logprobs)
-        return _json(p.Completion(job.id, job.created, job.model, [choice], usage, report))
+        return _json(p.Completion(*head, [choice], usage, report, job.fingerprint))
 
     async def _collect(self, job: Job) -> Collected:
         parts: list[str] = []
@@ -301,9 +309,14 @@ class Sidecar:
     async def _events(self, job: Job) -> AsyncIterator[bytes]:
         """SSE frames of one request. Errors after the first frame go in-band, then [DONE]."""
         obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+        no_usage = None if job.include_usage else msgspec.UNSET  # OpenAI: null until the last
 
         def frame(choices: list, **extra: Any) -> bytes:
-            return sse_event(p.StreamChunk(job.id, obj, job.created, job.model, choices, **extra))
+            extra.setdefault("usage", no_usage)
+            chunk = p.StreamChunk(
+                job.id, obj, job.created, job.model, job.fingerprint, choices, **extra
+            )
+            return sse_event(chunk)
 
         if job.kind == "chat":
             yield frame([p.ChatChunkChoice(0, p.ChatDelta(role="assistant", content=""))])
@@ -316,7 +329,7 @@ class Sidecar:
                 logprobs = None
                 if job.want_logprobs and out.logprobs:
                     if job.kind == "chat":
-                        logprobs = chat_logprobs(out.logprobs, self._decode_token)
+                        logprobs = self._chat_logprobs(out.logprobs)
                     else:
                         logprobs = completion_logprobs(out.logprobs, self._decode_token, offset)
                 offset += len(out.text_delta)
@@ -356,12 +369,15 @@ class Sidecar:
 
     async def cache_warm(self, request: Request) -> Response:
         token_ids, namespace, req = await self._cache_target(request)
-        result = await self.engine.warm(token_ids, namespace, req.pin)
+        with _engine_refusals():
+            result = await self.engine.warm(token_ids, namespace, bool(req.pin))
         return _json(p.WarmResponse(result.tokens, result.cached_tokens, result.pinned_blocks))
 
     async def cache_unpin(self, request: Request) -> Response:
         token_ids, namespace, _ = await self._cache_target(request)
-        return _json(p.UnpinResponse(await self.engine.unpin(token_ids, namespace)))
+        with _engine_refusals():
+            unpinned = await self.engine.unpin(token_ids, namespace)
+        return _json(p.UnpinResponse(unpinned))
 
     async def cache_evict(self, request: Request) -> Response:
         self.keys.authenticate_admin(request.headers.get("authorization"))
@@ -369,7 +385,9 @@ class Sidecar:
         body = await self._read_bytes(request)
         if body.strip():
             self._decode(body, dict)
-        return _json(p.EvictResponse(await self.engine.evict_all()))
+        with _engine_refusals():
+            evicted = await self.engine.evict_all()
+        return _json(p.EvictResponse(evicted))
 
     async def _cache_target(self, request: Request) -> tuple[list[int], str, p.CacheRequest]:
         """Token ids and namespace of a warm/unpin body: the stable part, as chat renders it."""
@@ -381,10 +399,11 @@ class Sidecar:
         prompt = self._render(lambda r: r.render_stable(req.messages, req.segments))
         if not prompt.token_ids:
             raise bad_request("nothing to cache: every segment is dynamic", "segments")
-        if len(prompt.token_ids) > self.engine.max_model_len:
+        if len(prompt.token_ids) >= self.engine.max_model_len:
             raise bad_request(
-                f"the prefix is {len(prompt.token_ids)} tokens, longer than the model's "
-                f"context length of {self.engine.max_model_len}",
+                f"the prefix is {len(prompt.token_ids)} tokens; a cached prefix must be shorter "
+                f"than the model's context length of {self.engine.max_model_len}",
+                "messages" if req.messages is not None else "segments",
                 code="context_length_exceeded",
             )
         namespace = cache_namespace(self.settings.secret, tenant.name, req.cache_salt)
@@ -398,10 +417,7 @@ class Sidecar:
 
     def _check_model(self, model: str | None) -> None:
         if model and model != self.engine.model_name:
-            raise not_found(
-                f"Unknown model; this server serves '{self.engine.model_name}'",
-                code="model_not_found",
-            )
+            raise model_not_found(self.engine.model_name)
 
     async def _read(self, request: Request, type_: type[S]) -> S:
         return self._decode(await self._read_bytes(request), type_)
@@ -441,18 +457,26 @@ class Sidecar:
             self._renderer = PromptRenderer(self.engine.tokenizer)
         return self._renderer
 
+    @property
+    def system_fingerprint(self) -> str:
+        """``fp_`` + 10 hex digits of the model, tokenizer and dtype identity (stable)."""
+        if self._fingerprint is None:
+            self._fingerprint = _system_fingerprint(self.engine)
+        return self._fingerprint
+
     def _render(self, render: Callable[[PromptRenderer], RenderedPrompt]) -> RenderedPrompt:
         try:
             return render(self.renderer)
         except TemplateError as exc:
-            raise bad_request(str(exc), code="template_not_incremental") from None
+            raise bad_request(str(exc), "segments", "template_not_incremental") from None
+        except (ChatTemplateError, JinjaError) as exc:
+            message = f"The chat template rejected the conversation: {exc}"
+            raise bad_request(message, "messages", "chat_template_error") from None
 
     def _completion_tokens(self, prompt: str | list[int]) -> list[int]:
         tokenizer = self.engine.tokenizer
-        if isinstance(prompt, str):
-            ids = tokenizer.encode(prompt, add_special_tokens=False)
-            bos = tokenizer.bos_token_id
-            return [bos, *ids] if bos is not None and ids[:1] != [bos] else ids
+        if isinstance(prompt, str):  # as AutoTokenizer(prompt): the tokenizer's special tokens
+            return tokenizer.encode(prompt, add_special_tokens=True)
         vocab = getattr(tokenizer, "vocab_size", None)
         if vocab is not None and max(prompt) >= vocab:
             raise bad_request(f"token ids must be below the vocabulary size {vocab}", "prompt")
@@ -461,12 +485,39 @@ class Sidecar:
     def _decode_token(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
 
+    def _token_bytes(self, token_id: int) -> bytes:
+        raw = getattr(self.engine.tokenizer, "token_bytes", None)
+        if raw is None:  # a tokenizer without raw bytes: the decoded text's
+            return self._decode_token([token_id]).encode()
+        return raw(token_id)
+
+    def _chat_logprobs(self, entries: list[Any]) -> dict:
+        return chat_logprobs(entries, self._decode_token, self._token_bytes)
+
 
 def _check(check: Callable[..., None], *args: Any) -> None:
     try:
         check(*args)
     except p.Error as exc:
         raise bad_request(str(exc), exc.param) from None
+
+
+@contextlib.contextmanager
+def _engine_refusals() -> Iterator[None]:
+    """The engine's own input checks raise ValueError: the request's fault, so 400."""
+    try:
+        yield
+    except ValueError as exc:
+        raise bad_request(f"the engine refused the request: {exc}") from None
+
+
+def _system_fingerprint(engine: Any) -> str:
+    try:
+        identity = engine.engine.cache_identity(engine.engine.loaded)
+    except Exception:  # not an AsyncEngine (tests inject others): name + tokenizer
+        tokenizer = getattr(engine.tokenizer, "fingerprint", type(engine.tokenizer).__name__)
+        identity = f"{engine.model_name}|{tokenizer}".encode()
+    return "fp_" + hashlib.sha256(identity).hexdigest()[:10]
 
 
 def _raise_engine_error(error: str | None, finish_reason: str | None) -> None:

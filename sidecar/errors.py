@@ -70,6 +70,16 @@ def not_found(message: str, code: str = "not_found") -> APIError:
     return APIError(404, message, type="not_found_error", code=code)
 
 
+def model_not_found(served: str) -> APIError:
+    """OpenAI's shape for an unknown model: an invalid request, HTTP 404."""
+    return APIError(
+        404,
+        f"The model does not exist; this server serves '{served}'",
+        param="model",
+        code="model_not_found",
+    )
+
+
 def unauthorized(message: str) -> APIError:
     return APIError(
         401,

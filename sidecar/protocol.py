@@ -1,13 +1,15 @@
 """Wire types: OpenAI-compatible requests and responses plus the segment extension.
 
 Requests are decoded straight into these Structs, so a wrong type or an out-of-range value is
-rejected by msgspec with the JSON path of the offending field. Checks that span several fields
-(exactly one of messages/segments, unique tags, ...) live in ``check_*`` functions below.
+rejected by msgspec with the JSON path of the offending field. Every optional OpenAI field
+also accepts an explicit ``null`` (= its default). Checks that span several fields (exactly
+one of messages/segments, unique tags, unsupported options, ...) live in ``check_*`` functions
+below.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -64,7 +66,14 @@ class Segment(msgspec.Struct):
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool | None = False
+
+
+def _fill_defaults(obj: msgspec.Struct, defaults: dict[str, Any]) -> None:
+    """An explicit ``null`` means the default (OpenAI allows null for optional fields)."""
+    for name, value in defaults.items():
+        if getattr(obj, name) is None:
+            setattr(obj, name, value)
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -72,19 +81,25 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     max_tokens: PositiveInt | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
-    n: PositiveInt = 1
+    temperature: Temperature | None = 1.0
+    top_p: TopP | None = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = 0  # -1 and 0: off (vLLM's convention)
+    n: PositiveInt | None = 1
     stop: Annotated[str, msgspec.Meta(min_length=1)] | StopList | None = None
     seed: Seed | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    ignore_eos: bool = False
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    ignore_eos: bool | None = False
     user: str | None = None
     cache_salt: CacheSalt | None = None
+    logit_bias: dict[str, float] | None = None  # refused unless empty (check_sampling)
+
+    def __post_init__(self) -> None:
+        _fill_defaults(self, _SAMPLING_DEFAULTS)
+        if self.top_k == -1:
+            self.top_k = 0
 
     @property
     def stop_list(self) -> list[str]:
@@ -94,15 +109,44 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+
+_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "n": 1,
+    "stream": False,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "ignore_eos": False,
+}
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[Message] | None = None
     segments: list[Segment] | None = None
     max_completion_tokens: PositiveInt | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    # OpenAI options this server does not implement: accepted by the decoder so that
+    # check_chat can refuse them by name instead of silently ignoring them.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    parallel_tool_calls: Any = None
+    modalities: Any = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    prediction: Any = None
+
+    def __post_init__(self) -> None:
+        SamplingFields.__post_init__(self)
+        if self.logprobs is None:
+            self.logprobs = False
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -113,9 +157,13 @@ class CompletionRequest(SamplingFields, kw_only=True):
     )
     max_tokens: PositiveInt | None = 16
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
     best_of: PositiveInt | None = None
+
+    def __post_init__(self) -> None:
+        SamplingFields.__post_init__(self)
+        _fill_defaults(self, {"max_tokens": 16, "echo": False})
 
 
 class CacheRequest(msgspec.Struct, kw_only=True):
@@ -124,11 +172,16 @@ class CacheRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     messages: list[Message] | None = None
     segments: list[Segment] | None = None
-    pin: bool = False
+    pin: bool | None = False
     cache_salt: CacheSalt | None = None
+
+    def __post_init__(self) -> None:
+        _fill_defaults(self, {"pin": False})
 
 
 def check_sampling(req: SamplingFields) -> None:
+    if req.logit_bias:
+        raise Error("'logit_bias' is not supported by this server", "logit_bias")
     if req.n != 1:
         raise Error("only n=1 is supported", "n")
     if req.presence_penalty != 0.0:
@@ -153,7 +206,29 @@ def check_prompt_source(messages: list[Message] | None, segments: list[Segment] 
             raise Error("segment tags must be unique", "segments")
 
 
+def _unsupported(req: ChatCompletionRequest) -> str | None:
+    """The first option that would change what the model must do but is not implemented."""
+    if req.tools:
+        return "tools"
+    if req.tool_choice not in (None, "none"):
+        return "tool_choice"
+    if req.functions:
+        return "functions"
+    if req.function_call not in (None, "none"):
+        return "function_call"
+    if req.response_format not in (None, {"type": "text"}):
+        return "response_format"
+    if req.modalities not in (None, ["text"]):
+        return "modalities"
+    for name in ("parallel_tool_calls", "audio", "reasoning_effort", "prediction"):
+        if getattr(req, name) is not None:
+            return name
+    return None
+
+
 def check_chat(req: ChatCompletionRequest) -> None:
+    if (field := _unsupported(req)) is not None:
+        raise Error(f"'{field}' is not supported by this server", field)
     check_sampling(req)
     check_prompt_source(req.messages, req.segments)
     if req.top_logprobs is not None and not req.logprobs:
@@ -215,6 +290,7 @@ class CacheReport(msgspec.Struct):
 class ChatMessage(msgspec.Struct):
     role: str
     content: str
+    refusal: None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -231,6 +307,7 @@ class ChatCompletion(msgspec.Struct):
     choices: list[ChatChoice]
     usage: UsageInfo
     prefixcache: CacheReport
+    system_fingerprint: str
     object: str = "chat.completion"
 
 
@@ -260,19 +337,22 @@ class Completion(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: UsageInfo
     prefixcache: CacheReport
+    system_fingerprint: str
     object: str = "text_completion"
 
 
-class StreamChunk(msgspec.Struct, omit_defaults=True):
-    """One SSE chunk of either endpoint (``object`` says which)."""
+class StreamChunk(msgspec.Struct):
+    """One SSE chunk of either endpoint (``object`` says which). UNSET fields are left out;
+    ``usage`` is null on every chunk but the last when include_usage is set (as OpenAI)."""
 
     id: str
     object: str
     created: int
     model: str
+    system_fingerprint: str
     choices: list  # ChatChunkChoice or CompletionChoice
-    usage: UsageInfo | None = None
-    prefixcache: CacheReport | None = None
+    usage: UsageInfo | msgspec.UnsetType | None = msgspec.UNSET
+    prefixcache: CacheReport | msgspec.UnsetType = msgspec.UNSET
 
 
 class ModelCard(msgspec.Struct):

@@ -1,13 +1,19 @@
 """Messages and segments → prompt token ids with per-segment spans.
 
-Each message is rendered through the model's chat template *incrementally*: message i's text is
-``render(messages[:i+1]) - render(messages[:i])`` and is tokenized on its own, so its tokens
-never depend on what follows. A long system message is therefore a token prefix of every
-request that starts with it, whatever comes after. The generation prompt is its own last piece.
+Plain ``messages`` are rendered once through the chat template and the text is encoded once
+without special tokens: exactly what transformers' ``apply_chat_template(tokenize=True)``
+does, so the ids equal vLLM's.
+
+Tagged ``segments`` are rendered *incrementally*: segment i's text is
+``render(m[:i+1]) - render(m[:i])`` and is tokenized on its own, so its tokens never depend on
+what follows (the segment contract). The generation prompt is its own last piece.
 
     render(m[:1])        |<- piece 0 ->|
     render(m[:2])        |<- piece 0 ->|<- piece 1 ->|
     render(m, gen=True)  |<- piece 0 ->|<- piece 1 ->|<- gen ->|
+
+For templates whose pieces meet at special tokens (Llama-3, ChatML) both paths give the same
+ids; for SentencePiece templates without them a piece boundary can tokenize differently.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ class ChatTokenizer(Protocol):
 
 
 class TemplateError(ValueError):
-    """The chat template does not render messages incrementally (a prefix changed)."""
+    """The chat template does not render segments incrementally (a prefix changed)."""
 
 
 @dataclass(slots=True)
@@ -53,9 +59,18 @@ class PromptRenderer:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
     def render_messages(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> RenderedPrompt:
+        """The whole conversation rendered once and encoded once (transformers' way)."""
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt
+        )
+        return RenderedPrompt(self.tokenizer.encode(text, add_special_tokens=False), [])
+
+    def render_pieces(
         self,
         messages: list[dict[str, str]],
-        tags: list[str] | None = None,
+        tags: list[str],
         add_generation_prompt: bool = True,
     ) -> RenderedPrompt:
         """Tokenize ``messages`` piece by piece; ``tags[i]`` names message i's span."""
@@ -68,8 +83,7 @@ class PromptRenderer:
             piece = _difference(previous, text, i)
             start = len(token_ids)
             token_ids.extend(self._encode(piece))
-            if tags is not None:
-                spans.append(SegmentSpan(tags[i], start, len(token_ids)))
+            spans.append(SegmentSpan(tags[i], start, len(token_ids)))
             previous = text
         if add_generation_prompt:
             text = template(messages, add_generation_prompt=True)
@@ -82,12 +96,9 @@ class PromptRenderer:
         """A chat request's prompt, ending with the generation prompt."""
         if segments is not None:
             ordered = order_segments(segments)
-            return self.render_messages(
-                [{"role": s.role, "content": s.content} for s in ordered],
-                tags=[s.tag for s in ordered],
-            )
+            return self.render_pieces(_dicts(ordered), [s.tag for s in ordered])
         assert messages is not None
-        return self.render_messages([{"role": m.role, "content": m.text} for m in messages])
+        return self.render_messages(_dicts(messages))
 
     def render_stable(
         self, messages: list[Message] | None, segments: list[Segment] | None
@@ -95,22 +106,25 @@ class PromptRenderer:
         """What /v1/cache/warm caches: no dynamic segments and no generation prompt."""
         if segments is not None:
             ordered = [s for s in order_segments(segments) if s.stability != "dynamic"]
-            return self.render_messages(
-                [{"role": s.role, "content": s.content} for s in ordered],
-                tags=[s.tag for s in ordered],
-                add_generation_prompt=False,
+            return self.render_pieces(
+                _dicts(ordered), [s.tag for s in ordered], add_generation_prompt=False
             )
         assert messages is not None
-        return self.render_messages(
-            [{"role": m.role, "content": m.text} for m in messages], add_generation_prompt=False
-        )
+        return self.render_messages(_dicts(messages), add_generation_prompt=False)
+
+
+def _dicts(messages: list[Message] | list[Segment]) -> list[dict[str, str]]:
+    return [
+        {"role": m.role, "content": m.text if isinstance(m, Message) else m.content}
+        for m in messages
+    ]
 
 
 def _difference(shorter: str, longer: str, index: int) -> str:
     if not longer.startswith(shorter):
         raise TemplateError(
-            "the model's chat template does not render incrementally: adding message "
-            f"{index} changed the text of the messages before it, so a shared prefix cannot "
-            "be tokenized on its own"
+            "the model's chat template does not render segments incrementally: adding segment "
+            f"{index} changed the text of the segments before it, so they cannot be tokenized "
+            "on their own; send 'messages' instead"
         )
     return longer[len(shorter) :]

@@ -9,6 +9,7 @@ from prefixcache.engine.request import SegmentSpan, TokenLogprob, Usage
 from .protocol import CacheReport, PromptTokensDetails, SegmentReport, UsageInfo
 
 Decode = Callable[[list[int]], str]
+TokenBytes = Callable[[int], bytes]
 
 
 def usage_info(usage: Usage) -> UsageInfo:
@@ -40,10 +41,16 @@ def _overlap(span: SegmentSpan, cached_tokens: int) -> int:
     return max(0, min(span.end, cached_tokens) - span.start)
 
 
-def chat_logprobs(entries: list[TokenLogprob], decode: Decode) -> dict:
+def chat_logprobs(entries: list[TokenLogprob], decode: Decode, token_bytes: TokenBytes) -> dict:
+    """``token`` is the decoded text (U+FFFD for part of a character, as OpenAI); ``bytes``
+    are the token's raw bytes, so joining them rebuilds the exact UTF-8 output."""
+
     def item(token_id: int, logprob: float) -> dict:
-        token = decode([token_id])
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        return {
+            "token": decode([token_id]),
+            "logprob": logprob,
+            "bytes": list(token_bytes(token_id)),
+        }
 
     content = []
     for entry in entries:

@@ -212,3 +212,12 @@ def test_incremental_detokenizer_never_splits_characters(tmp_path: Path) -> None
     assert len(emoji) > 1
     det = IncrementalDetokenizer(tok)
     assert [det.push(i) for i in emoji][:-1] == [""] * (len(emoji) - 1)
+
+
+def test_no_bos_is_invented_from_config_json(tmp_path: Path) -> None:
+    """Completions follow tokenizer.json: a tokenizer without BOS gets none from config.json."""
+    folder = write_folder(tmp_path / "nobos", {**CONFIG, "bos_token_id": 1})
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    tokenizer = load_model(str(folder)).tokenizer
+    assert tokenizer.bos_token_id is None
+    assert tokenizer.encode("hi there", add_special_tokens=True) == tokenizer.encode("hi there")

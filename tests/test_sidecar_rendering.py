@@ -62,9 +62,14 @@ class NonIncremental(FakeTokenizer):
         return text + f"<{len(messages)} messages>"
 
 
-def test_a_template_that_does_not_render_incrementally_fails_clearly() -> None:
-    renderer = PromptRenderer(NonIncremental())
-    with pytest.raises(TemplateError, match="does not render incrementally"):
-        renderer.render_chat(
-            [Message(role="system", content="S"), Message(role="user", content="U")], None
-        )
+def test_messages_render_whole_so_re_rendering_templates_work_but_segments_are_refused() -> None:
+    tokenizer = NonIncremental()
+    renderer = PromptRenderer(tokenizer)
+    messages = [Message(role="system", content="S"), Message(role="user", content="U")]
+    prompt = renderer.render_chat(messages, None)
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    )
+    assert prompt.token_ids == tokenizer.encode(text) and prompt.spans == []
+    with pytest.raises(TemplateError, match="does not render segments incrementally"):
+        renderer.render_chat(None, [seg("s", "static", "S", "system"), seg("u", "dynamic", "U")])

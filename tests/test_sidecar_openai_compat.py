@@ -1,0 +1,270 @@
+"""OpenAI compatibility details: template errors, unsupported options, nulls, logprob bytes,
+context-length edges and the response shape. In-process over the fake engine (fast)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sidecar_fake_engine import FakeEngine
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, normalizers
+
+from prefixcache.engine.request import TokenLogprob
+from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.sidecar.app import SidecarSettings, create_app
+from prefixcache.sidecar.responses import chat_logprobs
+
+ASSETS = Path(__file__).resolve().parents[1] / "engine" / "demo_assets"
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+USER = [{"role": "user", "content": "hello"}]
+ALTERNATE = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+    "{{ '<' + m['role'] + '>' + m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}"
+)
+
+
+def demo_tokenizer(template: str) -> Tokenizer:
+    return Tokenizer(
+        HFTokenizer.from_file(str(ASSETS / "tokenizer.json")),
+        chat_template=template,
+        bos_token="<|begin_of_text|>",
+        eos_tokens=["<|eot_id|>"],
+    )
+
+
+@pytest.fixture
+async def engine() -> FakeEngine:
+    engine = FakeEngine(max_model_len=256)
+    await engine.start()
+    return engine
+
+
+@pytest.fixture
+async def client(engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(engine, SidecarSettings(manage_engine=False))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as client:
+        yield client
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+async def post_with_template(template: str, body: dict) -> tuple[httpx.Response, FakeEngine]:
+    engine = FakeEngine()
+    engine.tokenizer = demo_tokenizer(template)  # type: ignore[assignment]
+    await engine.start()
+    app = create_app(engine, SidecarSettings(manage_engine=False))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as client:
+        return await client.post(CHAT, json=body), engine
+
+
+async def test_template_errors_are_400_with_the_templates_message() -> None:
+    two_users = [*USER, {"role": "user", "content": "again"}]
+    response, engine = await post_with_template(ALTERNATE, {"messages": two_users})
+    error = error_of(response, 400)
+    assert "Conversation roles must alternate" in error["message"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "messages"
+    assert engine.received == []
+    response, _ = await post_with_template("{{ messages[0].nothing.deeper }}", {"messages": USER})
+    error = error_of(response, 400)
+    assert error["code"] == "chat_template_error" and "no attribute 'nothing'" in error["message"]
+
+
+async def test_templates_using_generation_and_loop_controls_render() -> None:
+    template = (
+        "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+        "{% break %}{% endfor %}"
+    )
+    two = [*USER, {"role": "assistant", "content": "ignored"}]
+    response, engine = await post_with_template(template, {"messages": two, "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    assert engine.tokenizer.decode(engine.received[0].prompt_token_ids) == "hello"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("tool_choice", "required"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("response_format", {"type": "json_object"}),
+        ("logit_bias", {"5": 100}),
+        ("parallel_tool_calls", False),
+        ("modalities", ["text", "audio"]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("reasoning_effort", "low"),
+        ("prediction", {"type": "content", "content": "x"}),
+    ],
+)
+async def test_unsupported_options_are_refused_by_name(
+    engine: FakeEngine, client: httpx.AsyncClient, field: str, value: object
+) -> None:
+    error = error_of(await client.post(CHAT, json={"messages": USER, field: value}), 400)
+    assert error["param"] == field and "not supported" in error["message"]
+    assert engine.received == []
+
+
+async def test_harmless_values_of_those_options_are_accepted(
+    engine: FakeEngine, client: httpx.AsyncClient
+) -> None:
+    harmless = {
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "logit_bias": {},
+        "modalities": ["text"],
+        "tools": None,
+        "store": True,  # unknown fields stay ignored
+        "metadata": {"k": "v"},
+    }
+    response = await client.post(CHAT, json={"messages": USER, "max_tokens": 1, **harmless})
+    assert response.status_code == 200, response.text
+    logit = await client.post(COMPLETIONS, json={"prompt": "x", "logit_bias": {"1": 5}})
+    assert error_of(logit, 400)["param"] == "logit_bias"
+
+
+NULLABLE_CHAT = [
+    "temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty", "logprobs",
+    "top_logprobs", "stream", "stream_options", "stop", "seed", "max_tokens",
+    "max_completion_tokens", "user", "ignore_eos", "tools", "tool_choice", "response_format",
+]  # fmt: skip
+NULLABLE_COMPLETION = ["echo", "logprobs", "suffix", "best_of", "stream", "temperature", "n"]
+
+
+async def test_explicit_nulls_mean_the_defaults(
+    engine: FakeEngine, client: httpx.AsyncClient
+) -> None:
+    body = {"messages": USER, **dict.fromkeys(NULLABLE_CHAT)}
+    response = await client.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    sampling = engine.received[-1].sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (1.0, 1.0, 0)
+    assert sampling.logprobs is None and sampling.stop == [] and not sampling.ignore_eos
+    body = {"prompt": "hi", "max_tokens": None, **dict.fromkeys(NULLABLE_COMPLETION)}
+    response = await client.post(COMPLETIONS, json=body)
+    assert response.status_code == 200, response.text
+    assert engine.received[-1].sampling.max_tokens == 16  # OpenAI's completions default
+    streamed = {"messages": USER, "max_tokens": 1, "stream": True}
+    response = await client.post(CHAT, json={**streamed, "stream_options": {"include_usage": None}})
+    assert response.status_code == 200 and "[DONE]" in response.text
+
+
+@pytest.mark.parametrize("top_k", [-1, 0])
+async def test_top_k_minus_one_and_zero_are_off(
+    engine: FakeEngine, client: httpx.AsyncClient, top_k: int
+) -> None:
+    response = await client.post(CHAT, json={"messages": USER, "max_tokens": 1, "top_k": top_k})
+    assert response.status_code == 200, response.text
+    assert engine.received[-1].sampling.top_k == 0
+    bad = await client.post(CHAT, json={"messages": USER, "top_k": -2})
+    assert error_of(bad, 400)["param"] == "top_k"
+
+
+def test_logprob_bytes_are_the_tokens_raw_bytes() -> None:
+    text = "日本 and café 🙂"
+    byte_level = demo_tokenizer("")
+    sentencepiece = sentencepiece_tokenizer()
+    for tok in (byte_level, sentencepiece):
+        ids = tok.encode(text)
+        assert any(not complete_utf8(tok.token_bytes(i)) for i in ids)  # the case under test
+        entries = [TokenLogprob(i, -1.0, [(i, -1.0)]) for i in ids]
+        content = chat_logprobs(entries, tok.decode, tok.token_bytes)["content"]
+        joined = b"".join(bytes(item["bytes"]) for item in content)
+        assert joined.decode() == tok.decode(ids)
+        assert [t["bytes"] for item in content for t in item["top_logprobs"]] == [
+            item["bytes"] for item in content
+        ]
+
+
+def complete_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def sentencepiece_tokenizer() -> Tokenizer:
+    """Metaspace BPE with byte fallback: characters outside the vocabulary become <0xNN>."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": b + 1 for b in range(256)}}
+    for piece in ("\u2581", "a", "n", "d", "c", "f", "\u2581a", "\u2581an", "\u2581and", "é"):
+        vocab[piece] = len(vocab)
+    merges = [("\u2581", "a"), ("\u2581a", "n"), ("\u2581an", "d")]
+    tok = HFTokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return Tokenizer(tok)
+
+
+async def test_a_warm_prefix_must_be_shorter_than_the_context(
+    engine: FakeEngine, client: httpx.AsyncClient
+) -> None:
+    tok = engine.tokenizer
+    empty = tok.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=False)
+    exact = "x" * (engine.max_model_len - len(tok.encode(empty)))  # one token per byte
+    body = {"messages": [{"role": "user", "content": exact}]}
+    error = error_of(await client.post("/v1/cache/warm", json=body), 400)
+    assert error["code"] == "context_length_exceeded"
+    shorter = {"messages": [{"role": "user", "content": exact[:-1]}]}
+    assert (await client.post("/v1/cache/warm", json=shorter)).status_code == 200
+
+
+async def test_engine_value_errors_are_400_on_every_route(
+    engine: FakeEngine, client: httpx.AsyncClient
+) -> None:
+    async def refuse(*args: object, **kwargs: object) -> None:
+        raise ValueError("prompt does not fit")
+
+    engine.warm = refuse  # type: ignore[method-assign]
+    engine.unpin = refuse  # type: ignore[method-assign]
+    for route in ("/v1/cache/warm", "/v1/cache/unpin"):
+        error = error_of(await client.post(route, json={"messages": USER}), 400)
+        assert "prompt does not fit" in error["message"]
+
+
+async def test_response_shape(engine: FakeEngine, client: httpx.AsyncClient) -> None:
+    chat = (await client.post(CHAT, json={"messages": USER, "max_tokens": 2})).json()
+    completion = (await client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2})).json()
+    fingerprint = chat["system_fingerprint"]
+    assert re.fullmatch(r"fp_[0-9a-f]{10}", fingerprint)
+    assert completion["system_fingerprint"] == fingerprint
+    message = chat["choices"][0]["message"]
+    assert "refusal" in message and message["refusal"] is None
+
+    def chunks(response: httpx.Response) -> list[dict]:
+        frames = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert frames[-1] == "[DONE]"
+        return [json.loads(f) for f in frames[:-1]]
+
+    body = {"messages": USER, "max_tokens": 2, "stream": True}
+    plain = chunks(await client.post(CHAT, json=body))
+    assert all("usage" not in c and c["system_fingerprint"] == fingerprint for c in plain)
+    with_usage = chunks(
+        await client.post(CHAT, json={**body, "stream_options": {"include_usage": True}})
+    )
+    assert all(c["usage"] is None for c in with_usage[:-1])
+    assert with_usage[-1]["choices"] == [] and with_usage[-1]["usage"]["total_tokens"] > 0
+    body = {"prompt": "hi", "max_tokens": 2, "stream": True}
+    text = chunks(await client.post(COMPLETIONS, json=body))
+    assert all(c["system_fingerprint"] == fingerprint for c in text)
+
+    error = error_of(await client.post(CHAT, json={"messages": USER, "model": "gpt-4o"}), 404)
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error",
+        "model_not_found",
+        "model",
+    )
