@@ -58,7 +58,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.engine = AsyncEngine(
@@ -157,6 +157,15 @@ class Bench:
                 if i >= self.args.warmup:
                     timings[name].append(elapsed)
         return timings
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """The loop `prefixcache serve` runs on: uvicorn picks uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def client_process(conn: Connection, base: str, args: argparse.Namespace) -> None:
