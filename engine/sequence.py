@@ -35,6 +35,8 @@ class Sequence:
     num_computed_prompt_tokens: int = 0  # prompt tokens this request computed (incl. recompute)
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of token_ids' full blocks
+    hit_estimate: int = 0  # cached-prefix length while waiting, for admission order only
+    hit_estimate_step: int = -1  # the step it was last measured (-1: never)
     text: str = ""  # generated text released so far
     pending_text: str = ""  # generated text held back while it may start a stop string
     logprobs: list[TokenLogprob] = field(default_factory=list)
