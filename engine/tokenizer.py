@@ -134,8 +134,11 @@ class Tokenizer:
     ) -> str:
         from jinja2.exceptions import TemplateError
 
-        if self._template is None:
-            raise TokenizerError("this tokenizer has no chat template")
+        if self._template is None:  # a base model: chat needs a template, completions do not
+            raise ChatTemplateError(
+                "this model has no chat template (tokenizer_config.json or chat_template.jinja); "
+                "send a plain prompt to /v1/completions instead"
+            )
         try:
             return self._template.render(
                 messages=messages,

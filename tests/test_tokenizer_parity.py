@@ -242,3 +242,21 @@ def test_template_environment_matches_transformers(folders: dict[str, Path]) -> 
     messages = [{"role": "user", "content": "one"}, *MULTI]
     expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert Tokenizer.from_folder(custom).apply_chat_template(messages) == expected
+
+
+async def test_a_model_without_chat_template_answers_chat_with_400(tmp_path: Path) -> None:
+    folder = byte_level(tmp_path / "base", "", {}, None)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = FakeEngine(max_model_len=4096)
+    engine.tokenizer = Tokenizer.from_folder(folder)  # type: ignore[assignment]
+    await engine.start()
+    app = create_app(engine, SidecarSettings(manage_engine=False))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        chat = await c.post("/v1/chat/completions", json=body)
+        assert chat.status_code == 400
+        assert "no chat template" in chat.json()["error"]["message"]
+        completion = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert completion.status_code == 200
