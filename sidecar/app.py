@@ -61,6 +61,8 @@ class SidecarSettings:
     max_waiting: int = 1024  # admitted requests without output yet; over it: 429
     retry_after_s: int = 1
     manage_engine: bool = True  # start the engine on app start-up, shut it down at the end
+    # Further names the served model answers to (vLLM-style clients send the --model path).
+    model_aliases: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -416,7 +418,7 @@ class Sidecar:
             raise not_ready(self.settings.retry_after_s)
 
     def _check_model(self, model: str | None) -> None:
-        if model and model != self.engine.model_name:
+        if model and model != self.engine.model_name and model not in self.settings.model_aliases:
             raise model_not_found(self.engine.model_name)
 
     async def _read(self, request: Request, type_: type[S]) -> S:

@@ -32,6 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="'demo' (the built-in small model, made locally on first use) or the path of a "
         "local Hugging Face folder (config.json, *.safetensors, tokenizer.json)",
     )
+    serve.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name requests may use for the model (repeatable); the model's folder "
+        "name and the --model value itself are always accepted",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     serve.add_argument(
@@ -167,6 +175,7 @@ def serve(args: argparse.Namespace) -> None:
         secret=read_secret(args.secret_file),
         max_body_bytes=int(args.max_body_mib * MIB),
         max_waiting=args.queue_limit,
+        model_aliases=(args.model, *args.served_model_name),
     )
     app = create_app(AsyncEngine(config), settings)
     uvicorn.run(

@@ -268,3 +268,26 @@ async def test_response_shape(engine: FakeEngine, client: httpx.AsyncClient) -> 
         "model_not_found",
         "model",
     )
+
+
+async def test_model_aliases_are_accepted_and_others_are_not(engine: FakeEngine) -> None:
+    """vLLM-style clients send the --model path; `prefixcache serve` accepts it as an alias."""
+    settings = SidecarSettings(manage_engine=False, model_aliases=("/models/my-model",))
+    app = create_app(engine, settings)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
+        for name in (engine.model_name, "/models/my-model"):
+            body = {"messages": USER, "model": name, "max_tokens": 1}
+            response = await c.post(CHAT, json=body)
+            assert response.status_code == 200, name
+            assert response.json()["model"] == engine.model_name
+        other = await c.post(CHAT, json={"messages": USER, "model": "/models/other"})
+        assert other.status_code == 404
+
+
+def test_serve_accepts_the_model_argument_and_extra_names() -> None:
+    from prefixcache.sidecar.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--model", "/m/x", "--served-model-name", "a", "--served-model-name", "b"]
+    )
+    assert (args.model, args.served_model_name) == ("/m/x", ["a", "b"])
