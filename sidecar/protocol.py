@@ -230,6 +230,8 @@ def check_chat(req: ChatCompletionRequest) -> None:
     if (field := _unsupported(req)) is not None:
         raise Error(f"'{field}' is not supported by this server", field)
     check_sampling(req)
+    if req.segments is not None and req.messages == []:
+        req.messages = None  # the openai client requires `messages`: segment users send []
     check_prompt_source(req.messages, req.segments)
     if req.top_logprobs is not None and not req.logprobs:
         raise Error("top_logprobs requires logprobs=true", "top_logprobs")

@@ -279,3 +279,26 @@ def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
         assert entry.logprob <= 0.0 and len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)  # greedy
+
+
+def test_openai_client_sends_segments_through_extra_body(client: openai.OpenAI) -> None:
+    """The official client requires `messages`; segment users pass [] and `extra_body`."""
+    segments = [
+        {
+            "role": "system",
+            "content": system_prompt("extra-body"),
+            "tag": "rules",
+            "stability": "static",
+        },
+        {"role": "user", "content": "Is it open?", "tag": "q", "stability": "dynamic"},
+    ]
+    reports = []
+    for _ in range(2):
+        response = client.chat.completions.create(
+            model="demo", messages=[], max_tokens=2, extra_body={"segments": segments}
+        )
+        reports.append(response.model_extra["prefixcache"])
+    assert [s["tag"] for s in reports[1]["segments"]] == ["rules", "q"]
+    rules = reports[1]["segments"][0]
+    assert rules["cached_tokens"] == rules["tokens"] > 0
+    assert response.usage.prompt_tokens_details.cached_tokens == reports[1]["cached_tokens"]
