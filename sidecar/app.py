@@ -260,6 +260,7 @@ class Sidecar:
             prompt_token_ids=prompt.token_ids,
             sampling=sampling,
             namespace=cache_namespace(self.settings.secret, tenant.name, req.cache_salt),
+            priority=req.priority,
             segments=prompt.spans or None,
         )
         return Job(

@@ -94,6 +94,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = False
     user: str | None = None
     cache_salt: CacheSalt | None = None
+    # vLLM's field: lower is more important; the engine preempts the least important first.
+    priority: Annotated[int, msgspec.Meta(ge=-1000, le=1000)] | None = 0
     logit_bias: dict[str, float] | None = None  # refused unless empty (check_sampling)
 
     def __post_init__(self) -> None:
@@ -121,6 +123,7 @@ _SAMPLING_DEFAULTS: dict[str, Any] = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "ignore_eos": False,
+    "priority": 0,
 }
 
 

@@ -291,3 +291,14 @@ def test_serve_accepts_the_model_argument_and_extra_names() -> None:
         ["serve", "--model", "/m/x", "--served-model-name", "a", "--served-model-name", "b"]
     )
     assert (args.model, args.served_model_name) == ("/m/x", ["a", "b"])
+
+
+async def test_priority_reaches_the_engine_and_is_range_checked(
+    engine: FakeEngine, client: httpx.AsyncClient
+) -> None:
+    response = await client.post(CHAT, json={"messages": USER, "max_tokens": 1, "priority": -5})
+    assert response.status_code == 200
+    assert engine.received[-1].priority == -5
+    assert (await client.post(CHAT, json={"messages": USER, "priority": None})).status_code == 200
+    assert engine.received[-1].priority == 0
+    error_of(await client.post(CHAT, json={"messages": USER, "priority": 10**6}), 400)
