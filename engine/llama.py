@@ -52,15 +52,16 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq: torch.Tensor | None = None
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q ``[T, Hq, D]`` and k ``[T, Hk, D]`` (rotate-half / NeoX layout)."""
+        """cos and sin ``[T, 1, D/2]`` for the step's positions, computed once for all layers."""
         if self._inv_freq is None or self._inv_freq.device != positions.device:
             self._inv_freq = self.inv_freq_cpu.to(positions.device)
         freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [T, D/2]
-        cos = freqs.cos().to(q.dtype)[:, None, :]
-        sin = freqs.sin().to(q.dtype)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+
+Rotation = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) from RotaryEmbedding
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -95,14 +96,13 @@ class Attention(nn.Module):
         o_bias = bias and config.model_type != "qwen2"  # Qwen2 biases q/k/v only
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=o_bias)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attend: AttendFn
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotation: Rotation, attend: AttendFn) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)  # before K is written to the cache
+        cos, sin = rotation
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # before K is written to the cache
         o = attend(self.layer_idx, q, k, v)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -127,10 +127,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attend: AttendFn
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attend)
+    def forward(self, x: torch.Tensor, rotation: Rotation, attend: AttendFn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotation, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -146,8 +144,9 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rotation = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary_emb, attend)
+            x = layer(x, rotation, attend)
         return self.norm(x)
 
 
