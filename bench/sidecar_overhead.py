@@ -5,10 +5,13 @@ requests go, in rotating order,
 1. directly to the engine (pre-tokenized, timed inside the engine's event loop),
 2. to the sidecar app as a plain ASGI call in that loop (validation, template rendering,
    tokenization, admission, JSON; no HTTP transport), and
-3. through HTTP from an httpx client in its own process (adds uvicorn's h11 parser, sockets
-   and the client; the client's own cost counts as added too, so this is an upper bound).
+3. through HTTP from a minimal keep-alive HTTP/1.1 client in its own process (adds uvicorn's
+   parser, the loopback sockets and a client that costs next to nothing itself), and
+4. the same through httpx (what the SDK uses; httpx's own request building and parsing,
+   about 1.5 ms a request here, counts as added too).
 Added = median of the paired differences to (1), so CPU noise hits every path alike. Target:
-<= 2 ms added at p50. Then N concurrent streaming requests through HTTP: throughput, errors.
+<= 2 ms added at p50 on path 3: what the sidecar and the wire add, not a client library's
+cost. Then N concurrent streaming requests through HTTP (httpx): throughput, errors.
 
     .venv/bin/python bench/sidecar_overhead.py [--requests 100] [--streams 200] [--json]
 """
@@ -147,11 +150,16 @@ class Bench:
             client.send(("one", i))
             return client.recv()
 
-        paths = {"direct": self.direct, "asgi": self.asgi, "http": http}
+        def via_httpx(i: int) -> float:
+            client.send(("httpx", i))
+            return client.recv()
+
+        paths = {"direct": self.direct, "asgi": self.asgi, "http": http, "httpx": via_httpx}
         names = list(paths)
         timings: dict[str, list[float]] = {name: [] for name in names}
         for i in range(self.args.warmup + self.args.requests):
-            order = names[i % 3 :] + names[: i % 3]  # rotate which path goes first
+            k = i % len(names)
+            order = names[k:] + names[:k]  # rotate which path goes first
             for name in order:
                 elapsed = paths[name](i)
                 if i >= self.args.warmup:
@@ -168,28 +176,71 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+class MinimalClient:
+    """HTTP/1.1 over one keep-alive socket, for Content-Length responses: the wire, no library."""
+
+    def __init__(self, base: str) -> None:
+        host, port = base.split("//")[1].split("/")[0].split(":")
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.reader = self.sock.makefile("rb")
+
+    def request(self, method: str, path: str, body: bytes = b"") -> bytes:
+        head = f"{method} {path} HTTP/1.1\r\nhost: bench\r\ncontent-length: {len(body)}\r\n"
+        if body:
+            head += "content-type: application/json\r\n"
+        self.sock.sendall(head.encode() + b"\r\n" + body)
+        status = self.reader.readline()
+        length = 0
+        while (line := self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        payload = self.reader.read(length)
+        if status.split()[1:2] != [b"200"]:
+            raise RuntimeError(f"{method} {path}: {status!r} {payload[:200]!r}")
+        return payload
+
+    def close(self) -> None:
+        self.reader.close()
+        self.sock.close()
+
+
 def client_process(conn: Connection, base: str, args: argparse.Namespace) -> None:
-    """The HTTP client, in its own process so that it never competes for our GIL."""
+    """The HTTP clients, in their own process so that they never compete for our GIL."""
+    minimal = MinimalClient(base)
     with httpx.Client(base_url=base, timeout=120) as client:
         while True:
             command, i = conn.recv()
             if command == "stop":
+                minimal.close()
                 return
             if command == "streams":
                 conn.send(asyncio.run(concurrent_streams(base, args)))
                 continue
-            if command == "floor":  # GET /health: what uvicorn + h11 + httpx cost by themselves
-                times = []
-                for _ in range(i):
-                    start = time.perf_counter()
-                    client.get(base.removesuffix("/v1") + "/health").raise_for_status()
-                    times.append(time.perf_counter() - start)
-                conn.send(statistics.median(times))
+            if command == "floor":  # GET /health: the wire and uvicorn by themselves
+                floors = {}
+                for name in ("http", "httpx"):
+                    times = []
+                    for _ in range(i):
+                        start = time.perf_counter()
+                        if name == "http":
+                            minimal.request("GET", "/health")
+                        else:
+                            client.get(base.removesuffix("/v1") + "/health").raise_for_status()
+                        times.append(time.perf_counter() - start)
+                    floors[name] = statistics.median(times)
+                conn.send(floors)
                 continue
             start = time.perf_counter()
-            response = client.post("/chat/completions", json=chat_body(i, args.max_tokens))
-            elapsed = time.perf_counter() - start
-            response.raise_for_status()
+            if command == "one":
+                body = json.dumps(chat_body(i, args.max_tokens)).encode()
+                minimal.request("POST", "/v1/chat/completions", body)
+                elapsed = time.perf_counter() - start
+            else:
+                response = client.post("/chat/completions", json=chat_body(i, args.max_tokens))
+                elapsed = time.perf_counter() - start
+                response.raise_for_status()
             conn.send(elapsed)
 
 
@@ -281,13 +332,14 @@ def main() -> None:
         result[f"{name}_p50_ms"] = ms(statistics.median(values))
         result[f"{name}_p99_ms"] = ms(percentile(values, 0.99))
     direct = timings["direct"]
-    for name in ("asgi", "http"):  # median of paired differences: noise cancels out
+    for name in ("asgi", "http", "httpx"):  # median of paired differences: noise cancels out
         paired = [t - d for t, d in zip(timings[name], direct, strict=True)]
         result[f"{name}_added_p50_ms"] = ms(statistics.median(paired))
         result[f"{name}_added_p99_ms"] = ms(
             result[f"{name}_p99_ms"] / 1000 - percentile(direct, 0.99)
         )
-    result["http_floor_p50_ms"] = ms(floor)
+    result["http_floor_p50_ms"] = ms(floor["http"])
+    result["httpx_floor_p50_ms"] = ms(floor["httpx"])
     result["ratio_p50_http_vs_direct"] = round(result["http_p50_ms"] / result["direct_p50_ms"], 3)
     result["target_added_p50_ms"] = 2.0
     result.update(streams)
@@ -299,7 +351,8 @@ def main() -> None:
     rows = [
         ("direct to the engine", "direct"),
         ("sidecar app, no HTTP (ASGI call)", "asgi"),
-        ("through HTTP (client process)", "http"),
+        ("through HTTP (minimal client)", "http"),
+        ("through HTTP (httpx client)", "httpx"),
     ]
     for label, name in rows:
         added = (
@@ -313,8 +366,9 @@ def main() -> None:
             f"{label:<34} {result[f'{name}_p50_ms']:>8.2f} {result[f'{name}_p99_ms']:>8.2f} {added}"
         )
     print(
-        f"bare HTTP round trip (GET /health): {result['http_floor_p50_ms']:.2f} ms; "
-        f"HTTP/direct p50 ratio {result['ratio_p50_http_vs_direct']:.3f}; target: added p50 <= 2 ms"
+        f"bare GET /health round trip: {result['http_floor_p50_ms']:.2f} ms minimal client, "
+        f"{result['httpx_floor_p50_ms']:.2f} ms httpx; HTTP/direct p50 ratio "
+        f"{result['ratio_p50_http_vs_direct']:.3f}; target: added p50 <= 2 ms (minimal client)"
     )
     if streams:
         print(

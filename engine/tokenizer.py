@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from .piece_encoder import PieceEncoder
+
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback tokens
 
@@ -56,6 +58,8 @@ class Tokenizer:
         self._byte_level = _is_byte_level(tokenizer)
         self._byte_decoder = _gpt2_byte_decoder()
         self._added_ids = set(tokenizer.get_added_tokens_decoder())
+        self._pieces = PieceEncoder.create(tokenizer)
+        self._post_wrap = _post_processor_wrap(tokenizer) if self._pieces else None
         self.bos_token_id = None if bos_token is None else tokenizer.token_to_id(bos_token)
         eos_ids = [tokenizer.token_to_id(t) for t in eos_tokens]
         eos_ids += list(extra_eos_ids)
@@ -106,7 +110,19 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if self._pieces is None:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if not add_special_tokens:
+            return self._pieces.encode(text)
+        if self._post_wrap is None:
+            return self._tok.encode(text, add_special_tokens=True).ids
+        before, after = self._post_wrap
+        return before + self._pieces.encode(text) + after
+
+    @property
+    def piece_cache(self) -> PieceEncoder | None:
+        """The memo of text between special tokens, or None where it could change ids."""
+        return self._pieces
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -149,6 +165,25 @@ class Tokenizer:
             )
         except TemplateError as exc:
             raise ChatTemplateError(str(exc) or type(exc).__name__) from exc
+
+
+def _post_processor_wrap(tok: HFTokenizer) -> tuple[list[int], list[int]] | None:
+    """The ids the post-processor puts before and after one sequence, if that is all it does."""
+    wraps = set()
+    for probe in ("a", "Hello world, again"):
+        inner = tok.encode(probe, add_special_tokens=False).ids
+        outer = tok.encode(probe, add_special_tokens=True).ids
+        starts = [
+            i for i in range(len(outer) - len(inner) + 1) if outer[i : i + len(inner)] == inner
+        ]
+        if len(starts) != 1:
+            return None
+        start = starts[0]
+        wraps.add((tuple(outer[:start]), tuple(outer[start + len(inner) :])))
+    if len(wraps) != 1:
+        return None
+    before, after = wraps.pop()
+    return list(before), list(after)
 
 
 def _token_str(value: Any) -> str | None:

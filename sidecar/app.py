@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -368,7 +369,11 @@ class Sidecar:
     async def cache_stats(self, request: Request) -> Response:
         self.keys.authenticate_admin(request.headers.get("authorization"))
         self._require_ready()
-        return _json(self.engine.cache_stats())
+        stats = dict(self.engine.cache_stats())
+        pieces = getattr(self.engine.tokenizer, "piece_cache", None)
+        if pieces is not None:  # the tokenizer's memo of text between special tokens
+            stats["tokenizer_pieces"] = dataclasses.asdict(pieces.stats)
+        return _json(stats)
 
     async def cache_warm(self, request: Request) -> Response:
         token_ids, namespace, req = await self._cache_target(request)

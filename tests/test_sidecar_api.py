@@ -241,8 +241,10 @@ def test_cache_admin_warm_pin_unpin_evict(sidecar_server: Server) -> None:
     report = httpx.post(f"{root}/v1/chat/completions", json=body, timeout=60).json()["prefixcache"]
     assert report["cached_tokens"] == 0  # unpinned blocks were evicted this time
     stats = httpx.get(f"{root}/v1/cache/stats").json()
-    assert set(stats) == {"block_size", "blocks", "tokens", "hit_rate"}
+    assert set(stats) == {"block_size", "blocks", "tokens", "hit_rate", "tokenizer_pieces"}
     assert set(stats["blocks"]) == {"total", "free", "cached_idle", "in_use", "pinned"}
+    pieces = stats["tokenizer_pieces"]  # the same system prompt was tokenized once
+    assert pieces["hits"] > 0 and pieces["entries"] > 0 and pieces["chars"] > 0
 
 
 def test_metrics_expose_http_and_engine_series(sidecar_server: Server) -> None:
