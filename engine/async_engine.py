@@ -181,8 +181,8 @@ class AsyncEngine:
                 except Exception as exc:  # a bug must not take the server down: fail the batch
                     log.exception("engine step failed")
                     outputs = self._fail_all(engine, f"internal engine error: {exc}")
+                self._publish(outputs)  # first: the loop waits for these, not for the stats
                 self._stats = engine.cache_stats()
-                self._publish(outputs)
             else:
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()

@@ -21,6 +21,7 @@ from .model_runner import BatchEntry, ModelRunner
 from .request import (
     EngineRequest,
     RequestOutput,
+    RequestTiming,
     SamplingParams,
     SegmentUsage,
     TokenLogprob,
@@ -225,8 +226,9 @@ class LLMEngine:
         seq.text += delta
         seq.pending_text = ""
         self.metrics.requests_finished.labels(reason).inc()
+        now = time.monotonic()
         if seq.first_token_time is not None:
-            self.metrics.e2e_latency.observe(time.monotonic() - seq.arrival_time)
+            self.metrics.e2e_latency.observe(now - seq.arrival_time)
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[],
@@ -234,6 +236,9 @@ class LLMEngine:
             finished=True,
             finish_reason=reason,
             usage=self.usage_of(seq),
+            timing=RequestTiming(
+                seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, now
+            ),
         )
 
     def usage_of(self, seq: Sequence) -> Usage:

@@ -76,6 +76,34 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
+@dataclass(slots=True, frozen=True)
+class RequestTiming:
+    """A request's milestones in the engine, in ``time.monotonic()`` seconds."""
+
+    arrival: float  # handed to the engine (after the server rendered and tokenized it)
+    first_scheduled: float | None  # admitted to the running batch (None: never)
+    first_token: float | None  # its first token was sampled (None: never)
+    finished: float
+
+    @property
+    def queue_seconds(self) -> float:
+        return (self.first_scheduled or self.finished) - self.arrival
+
+    @property
+    def prefill_seconds(self) -> float:
+        if self.first_scheduled is None:
+            return 0.0
+        return (self.first_token or self.finished) - self.first_scheduled
+
+    @property
+    def decode_seconds(self) -> float:
+        return 0.0 if self.first_token is None else self.finished - self.first_token
+
+    @property
+    def engine_seconds(self) -> float:
+        return self.finished - self.arrival
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One delta of a request's stream. The last one has ``finished`` set and carries usage."""
@@ -88,3 +116,4 @@ class RequestOutput:
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    timing: RequestTiming | None = None  # on the last output

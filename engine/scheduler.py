@@ -8,6 +8,7 @@ preempted (freed, recomputed later; its committed blocks stay cached, so it re-h
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, PrefixMatch
@@ -99,6 +100,7 @@ class Scheduler:
             seq.num_computed_tokens = seq.table.num_cached_tokens  # < match if no room to copy
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.waiting.remove(seq)
             self.running.append(seq)

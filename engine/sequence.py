@@ -40,6 +40,7 @@ class Sequence:
     text: str = ""  # generated text released so far
     pending_text: str = ""  # generated text held back while it may start a stop string
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None

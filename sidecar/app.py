@@ -29,7 +29,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from prefixcache.engine.request import EngineRequest, SamplingParams, SegmentSpan, Usage
+from prefixcache.engine.request import (
+    EngineRequest,
+    RequestTiming,
+    SamplingParams,
+    SegmentSpan,
+    Usage,
+)
 from prefixcache.engine.tokenizer import ChatTemplateError
 
 from . import protocol as p
@@ -46,7 +52,13 @@ from .errors import (
 )
 from .http_metrics import HTTPMetrics
 from .rendering import PromptRenderer, RenderedPrompt, TemplateError
-from .responses import cache_report, chat_logprobs, completion_logprobs, usage_info
+from .responses import (
+    cache_report,
+    chat_logprobs,
+    completion_logprobs,
+    server_timing,
+    usage_info,
+)
 from .streaming import DONE, ClientGone, SSEResponse, run_until_disconnect, sse_event
 from .tenancy import KeyStore, Tenant, cache_namespace
 
@@ -72,6 +84,7 @@ class Collected:
     finish_reason: str
     usage: Usage
     logprobs: list[Any]
+    timing: RequestTiming | None
 
 
 @dataclass(slots=True)
@@ -290,11 +303,16 @@ class Sidecar:
             logprobs = self._chat_logprobs(result.logprobs) if job.want_logprobs else None
             message = p.ChatMessage("assistant", result.text)
             choice = p.ChatChoice(0, message, result.finish_reason, logprobs)
-            return _json(p.ChatCompletion(*head, [choice], usage, report, job.fingerprint))
-        decode = self._decode_token
-        logprobs = completion_logprobs(result.logprobs, decode) if job.want_logprobs else None
-        choice = p.CompletionChoice(0, result.text, result.finish_reason, logprobs)
-        return _json(p.Completion(*head, [choice], usage, report, job.fingerprint))
+            body: Any = p.ChatCompletion(*head, [choice], usage, report, job.fingerprint)
+        else:
+            decode = self._decode_token
+            logprobs = completion_logprobs(result.logprobs, decode) if job.want_logprobs else None
+            choice = p.CompletionChoice(0, result.text, result.finish_reason, logprobs)
+            body = p.Completion(*head, [choice], usage, report, job.fingerprint)
+        response = _json(body)
+        if result.timing is not None:
+            response.headers["server-timing"] = server_timing(result.timing)
+        return response
 
     async def _collect(self, job: Job) -> Collected:
         parts: list[str] = []
@@ -307,7 +325,8 @@ class Sidecar:
             logprobs.extend(out.logprobs or ())
             if out.finished:
                 usage = out.usage or self._fallback_usage(job, num_tokens)
-                return Collected("".join(parts), out.finish_reason or "stop", usage, logprobs)
+                reason = out.finish_reason or "stop"
+                return Collected("".join(parts), reason, usage, logprobs, out.timing)
         raise server_error("the engine ended the request without a final output")
 
     async def _events(self, job: Job) -> AsyncIterator[bytes]:

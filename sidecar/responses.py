@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prefixcache.engine.request import SegmentSpan, TokenLogprob, Usage
+from prefixcache.engine.request import RequestTiming, SegmentSpan, TokenLogprob, Usage
 
 from .protocol import CacheReport, PromptTokensDetails, SegmentReport, UsageInfo
 
@@ -19,6 +19,17 @@ def usage_info(usage: Usage) -> UsageInfo:
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
     )
+
+
+def server_timing(timing: RequestTiming) -> str:
+    """A W3C Server-Timing header value: where the engine spent a request's time, in ms."""
+    parts = [
+        ("queue", timing.queue_seconds),
+        ("prefill", timing.prefill_seconds),
+        ("decode", timing.decode_seconds),
+        ("engine", timing.engine_seconds),
+    ]
+    return ", ".join(f"{name};dur={seconds * 1000:.3f}" for name, seconds in parts)
 
 
 def cache_report(usage: Usage, spans: list[SegmentSpan]) -> CacheReport:

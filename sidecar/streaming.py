@@ -39,22 +39,31 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 
 async def run_until_disconnect(work: Coroutine[Any, Any, T], receive: Receive) -> T:
-    """Await ``work``; if the client disconnects first, cancel it and raise ClientGone."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    """Await ``work``; if the client disconnects first, cancel it and raise ClientGone.
+
+    ``work`` runs in the caller's task, so the engine request starts without a loop hop and
+    the result is back without one; only the watcher is a task of its own.
+    """
+    current = asyncio.current_task()
+    assert current is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        await wait_for_disconnect(receive)
+        gone = True
+        current.cancel()
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # we are cancelled ourselves (server shutting down)
-        task.cancel()
-        raise
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # we are cancelled ourselves (server shutting down)
+        current.uncancel()
+        raise ClientGone from None
     finally:
         watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise ClientGone
-    return task.result()
 
 
 class SSEResponse:

@@ -255,6 +255,23 @@ def test_metrics_count_hits_and_tokens(loaded) -> None:
     assert registry.get_sample_value("prefixcache:kv_blocks", {"state": "in_use"}) == 0
 
 
+def test_last_output_carries_the_request_timeline(loaded) -> None:
+    engine = make_engine(loaded)
+    prompt = random_tokens(random.Random(9), 40, loaded.config.vocab_size)
+    engine.add_request(EngineRequest("timed", prompt, greedy(4)))
+    outputs = []
+    while engine.has_unfinished:
+        outputs += engine.step()
+    *partial, last = outputs
+    assert all(out.timing is None for out in partial)
+    t = last.timing
+    assert t is not None and last.finished
+    assert t.arrival <= t.first_scheduled <= t.first_token <= t.finished
+    assert t.decode_seconds > 0 and t.prefill_seconds > 0
+    total = t.queue_seconds + t.prefill_seconds + t.decode_seconds
+    assert abs(total - t.engine_seconds) < 1e-9
+
+
 def test_streamed_text_is_the_decoded_output(loaded) -> None:
     """Text deltas, including what the detokenizer held back at the end, add up to the
     decoded output: nothing is lost or doubled."""

@@ -77,6 +77,20 @@ def test_second_request_with_the_same_system_prompt_is_cached(
     assert warm.total_tokens == warm.prompt_tokens + warm.completion_tokens
 
 
+def test_non_streamed_responses_say_where_the_engine_spent_the_time(sidecar_url: str) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "ignore_eos": True}
+    response = httpx.post(f"{sidecar_url}/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    timing = {}
+    for metric in response.headers["server-timing"].split(","):
+        name, duration = metric.strip().split(";dur=")
+        timing[name] = float(duration)
+    assert list(timing) == ["queue", "prefill", "decode", "engine"]
+    assert timing["prefill"] > 0 and timing["decode"] > 0
+    parts = timing["queue"] + timing["prefill"] + timing["decode"]
+    assert abs(parts - timing["engine"]) < 0.01
+
+
 def test_chat_stream_matches_non_stream(client: openai.OpenAI, model: str) -> None:
     messages = [
         {"role": "system", "content": system_prompt("stream")},
