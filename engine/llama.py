@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat batch of tokens.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat batch of tokens.
 
 ``forward`` takes every token of a step flattened into one ``[T]`` tensor with its position,
 and an ``attend(layer, q, k, v)`` callback that writes K/V into the paged cache and attends.
@@ -95,12 +95,16 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
         o_bias = bias and config.model_type != "qwen2"  # Qwen2 biases q/k/v only
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=o_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, rotation: Rotation, attend: AttendFn) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rotation
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # before K is written to the cache
         o = attend(self.layer_idx, q, k, v)

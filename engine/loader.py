@@ -1,6 +1,7 @@
 """load_model(): a local Hugging Face folder (or the built-in ``demo``) -> LoadedModel.
 
-A folder holds config.json, model.safetensors or shards listed in model.safetensors.index.json,
+A folder holds config.json, model.safetensors or shards listed in model.safetensors.index.json
+(or, from older tools, pytorch_model.bin or its shards, read with ``weights_only=True``),
 tokenizer.json, and optionally tokenizer_config.json / chat_template.jinja /
 generation_config.json.
 """
@@ -11,6 +12,7 @@ import hashlib
 import json
 import struct
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,24 +131,51 @@ def load_folder(
 
 
 def find_weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        files = [folder / f for f in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(f"{folder}: shards listed in {index.name} are missing: {missing}")
-        return files
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(
-            f"{folder}: no weights found (model.safetensors, or shards with "
-            f"model.safetensors.index.json); only safetensors checkpoints are supported"
-        )
+    """safetensors when present (as transformers prefers them), else PyTorch pickles."""
+    for single, index, pattern in (
+        ("model.safetensors", "model.safetensors.index.json", "*.safetensors"),
+        ("pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model*.bin"),
+    ):
+        if (folder / index).is_file():
+            return _indexed_files(folder, folder / index)
+        if (folder / single).is_file():
+            return [folder / single]
+        if files := sorted(folder.glob(pattern)):
+            return files
+    raise ModelLoadError(
+        f"{folder}: no weights found (model.safetensors or pytorch_model.bin, or their shards "
+        "with an index.json)"
+    )
+
+
+def _indexed_files(folder: Path, index: Path) -> list[Path]:
+    weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+    files = [folder / f for f in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"{folder}: shards listed in {index.name} are missing: {missing}")
     return files
+
+
+def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of one weight file, on the CPU."""
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), framework="pt", device="cpu") as sf:
+            for key in sf.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield key, sf.get_tensor(key)
+        return
+    try:  # weights_only: a checkpoint can never run code on load
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # the legacy (pre-zip) format cannot be memory-mapped
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot be read as a PyTorch state dict: {e}") from e
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot be read as a PyTorch state dict: {e}") from e
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"{path}: holds a {type(state).__name__}, not a state dict")
+    yield from state.items()
 
 
 def build_model(
@@ -160,13 +189,12 @@ def build_model(
 
     state: dict[str, torch.Tensor] = {}
     for f in weight_files:
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for key in sf.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if key.endswith("rotary_emb.inv_freq"):
-                    continue
-                if key == "lm_head.weight" and config.tie_word_embeddings:
-                    continue
-                state[key] = sf.get_tensor(key)
+        for key, tensor in read_tensors(f):
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            if key == "lm_head.weight" and config.tie_word_embeddings:
+                continue
+            state[key] = tensor
 
     if "lm_head.weight" in expected and "lm_head.weight" not in state:
         warnings.warn(
@@ -200,16 +228,20 @@ def build_model(
 
 def model_fingerprint(raw_config: dict, weight_files: list[Path]) -> str:
     """sha256 over the canonical config and, per weight file, its name, size, safetensors
-    header (names, dtypes, shapes, offsets) and the first and last MiB of tensor data."""
+    header (names, dtypes, shapes, offsets) and the first and last MiB of tensor data (of a
+    pickle: its first and last MiB)."""
     h = hashlib.sha256(json.dumps(raw_config, sort_keys=True).encode())
     for f in weight_files:
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())
         with open(f, "rb") as fh:
-            header_len = struct.unpack("<Q", fh.read(8))[0]
-            h.update(fh.read(header_len))
+            start = 0
+            if f.suffix == ".safetensors":
+                header_len = struct.unpack("<Q", fh.read(8))[0]
+                h.update(fh.read(header_len))
+                start = 8 + header_len
             h.update(fh.read(_FINGERPRINT_SAMPLE))
-            fh.seek(max(8 + header_len, size - _FINGERPRINT_SAMPLE))
+            fh.seek(max(start, size - _FINGERPRINT_SAMPLE))
             h.update(fh.read())
     return h.hexdigest()[:32]
 

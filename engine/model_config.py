@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -47,6 +48,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None  # read, not applied (full attention); see docs/models.md
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3: an RMSNorm over each head of q and k, before RoPE."""
+        return self.model_type == "qwen3"
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -104,7 +110,7 @@ class ModelConfig:
 
         model_type = SUPPORTED_ARCHITECTURES[arch]
         window = raw.get("sliding_window")
-        if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
             window = None
         max_pos = int(raw.get("max_position_embeddings") or 4096)
         if window is not None and int(window) < max_pos:

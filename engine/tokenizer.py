@@ -146,8 +146,9 @@ class Tokenizer:
         return piece.replace("\u2581", " ").encode()  # SentencePiece's word marker
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
+        """The rendered conversation; ``extra`` are more template variables (chat_template_kwargs)."""
         from jinja2.exceptions import TemplateError
 
         if self._template is None:  # a base model: chat needs a template, completions do not
@@ -156,12 +157,9 @@ class Tokenizer:
                 "send a plain prompt to /v1/completions instead"
             )
         try:
+            variables = {**self.special_tokens, "tools": None, "documents": None, **extra}
             return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=None,
-                documents=None,
-                **self.special_tokens,
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables
             )
         except TemplateError as exc:
             raise ChatTemplateError(str(exc) or type(exc).__name__) from exc

@@ -202,7 +202,15 @@ class Sidecar:
         req = await self._read(request, p.ChatCompletionRequest)
         _check(p.check_chat, req)
         self._check_model(req.model)
-        prompt = self._render(lambda r: r.render_chat(req.messages, req.segments))
+        prompt = self._render(
+            lambda r: r.render_chat(
+                req.messages,
+                req.segments,
+                bool(req.add_generation_prompt),
+                req.template_kwargs,
+                bool(req.continue_final_message),
+            )
+        )
         max_tokens = req.max_completion_tokens or req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         job = self._submit(
@@ -264,6 +272,7 @@ class Sidecar:
                 top_p=req.top_p,
                 seed=req.seed,
                 stop=req.stop_list,
+                stop_token_ids=self._stop_token_ids(req.stop_token_ids),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
             )
@@ -422,8 +431,11 @@ class Sidecar:
         self._require_ready()
         req = await self._read(request, p.CacheRequest)
         _check(p.check_prompt_source, req.messages, req.segments)
+        _check(p.check_template_kwargs, req.chat_template_kwargs)
         self._check_model(req.model)
-        prompt = self._render(lambda r: r.render_stable(req.messages, req.segments))
+        prompt = self._render(
+            lambda r: r.render_stable(req.messages, req.segments, req.template_kwargs)
+        )
         if not prompt.token_ids:
             raise bad_request("nothing to cache: every segment is dynamic", "segments")
         if len(prompt.token_ids) >= self.engine.max_model_len:
@@ -499,6 +511,14 @@ class Sidecar:
         except (ChatTemplateError, JinjaError) as exc:
             message = f"The chat template rejected the conversation: {exc}"
             raise bad_request(message, "messages", "chat_template_error") from None
+
+    def _stop_token_ids(self, ids: list[int] | None) -> list[int]:
+        vocab = getattr(self.engine.tokenizer, "vocab_size", None)
+        if ids and vocab is not None and max(ids) >= vocab:
+            raise bad_request(
+                f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids"
+            )
+        return list(ids or ())
 
     def _completion_tokens(self, prompt: str | list[int]) -> list[int]:
         tokenizer = self.engine.tokenizer

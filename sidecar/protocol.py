@@ -97,6 +97,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM's field: lower is more important; the engine preempts the least important first.
     priority: Annotated[int, msgspec.Meta(ge=-1000, le=1000)] | None = 0
     logit_bias: dict[str, float] | None = None  # refused unless empty (check_sampling)
+    stop_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None  # vLLM's field
 
     def __post_init__(self) -> None:
         _fill_defaults(self, _SAMPLING_DEFAULTS)
@@ -130,6 +131,10 @@ _SAMPLING_DEFAULTS: dict[str, Any] = {
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[Message] | None = None
     segments: list[Segment] | None = None
+    # vLLM's chat-template options: what the template sees and how the prompt ends.
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
@@ -148,8 +153,14 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
     def __post_init__(self) -> None:
         SamplingFields.__post_init__(self)
-        if self.logprobs is None:
-            self.logprobs = False
+        _fill_defaults(
+            self,
+            {"logprobs": False, "add_generation_prompt": True, "continue_final_message": False},
+        )
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return self.chat_template_kwargs or {}
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -177,9 +188,14 @@ class CacheRequest(msgspec.Struct, kw_only=True):
     segments: list[Segment] | None = None
     pin: bool | None = False
     cache_salt: CacheSalt | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # as the requests that will reuse it
 
     def __post_init__(self) -> None:
         _fill_defaults(self, {"pin": False})
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return self.chat_template_kwargs or {}
 
 
 def check_sampling(req: SamplingFields) -> None:
@@ -238,6 +254,30 @@ def check_chat(req: ChatCompletionRequest) -> None:
     check_prompt_source(req.messages, req.segments)
     if req.top_logprobs is not None and not req.logprobs:
         raise Error("top_logprobs requires logprobs=true", "top_logprobs")
+    check_template_kwargs(req.chat_template_kwargs)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise Error(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            "continue_final_message",
+        )
+    if req.continue_final_message and req.segments is not None:
+        raise Error("continue_final_message needs 'messages', not segments", "segments")
+
+
+# Set by the server from the request itself; chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {"messages", "add_generation_prompt", "continue_final_message", "tools", "documents"}
+)
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    reserved = sorted(RESERVED_TEMPLATE_NAMES & set(kwargs or ()))
+    if reserved:
+        raise Error(
+            f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: "
+            "use the request fields",
+            "chat_template_kwargs",
+        )
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Protocol
+from typing import Any, Protocol
 
 from prefixcache.engine.request import SegmentSpan
+from prefixcache.engine.tokenizer import ChatTemplateError
 
 from .protocol import STABILITY_ORDER, Message, Segment
 
@@ -30,7 +31,7 @@ from .protocol import STABILITY_ORDER, Message, Segment
 class ChatTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **extra: Any
     ) -> str: ...
 
 
@@ -59,12 +60,18 @@ class PromptRenderer:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
     def render_messages(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> RenderedPrompt:
         """The whole conversation rendered once and encoded once (transformers' way)."""
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt
+            messages, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
         )
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1]["content"])
         return RenderedPrompt(self.tokenizer.encode(text, add_special_tokens=False), [])
 
     def render_pieces(
@@ -72,9 +79,14 @@ class PromptRenderer:
         messages: list[dict[str, str]],
         tags: list[str],
         add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> RenderedPrompt:
         """Tokenize ``messages`` piece by piece; ``tags[i]`` names message i's span."""
-        template = self.tokenizer.apply_chat_template
+        extra = template_kwargs or {}
+
+        def template(part: list[dict[str, str]], add_generation_prompt: bool) -> str:
+            return self.tokenizer.apply_chat_template(part, add_generation_prompt, **extra)
+
         token_ids: list[int] = []
         spans: list[SegmentSpan] = []
         previous = ""
@@ -91,26 +103,36 @@ class PromptRenderer:
         return RenderedPrompt(token_ids, spans)
 
     def render_chat(
-        self, messages: list[Message] | None, segments: list[Segment] | None
+        self,
+        messages: list[Message] | None,
+        segments: list[Segment] | None,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> RenderedPrompt:
-        """A chat request's prompt, ending with the generation prompt."""
+        """A chat request's prompt, by default ending with the generation prompt."""
         if segments is not None:
             ordered = order_segments(segments)
-            return self.render_pieces(_dicts(ordered), [s.tag for s in ordered])
+            tags = [s.tag for s in ordered]
+            return self.render_pieces(_dicts(ordered), tags, add_generation_prompt, template_kwargs)
         assert messages is not None
-        return self.render_messages(_dicts(messages))
+        return self.render_messages(
+            _dicts(messages), add_generation_prompt, template_kwargs, continue_final_message
+        )
 
     def render_stable(
-        self, messages: list[Message] | None, segments: list[Segment] | None
+        self,
+        messages: list[Message] | None,
+        segments: list[Segment] | None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> RenderedPrompt:
         """What /v1/cache/warm caches: no dynamic segments and no generation prompt."""
         if segments is not None:
             ordered = [s for s in order_segments(segments) if s.stability != "dynamic"]
-            return self.render_pieces(
-                _dicts(ordered), [s.tag for s in ordered], add_generation_prompt=False
-            )
+            tags = [s.tag for s in ordered]
+            return self.render_pieces(_dicts(ordered), tags, False, template_kwargs)
         assert messages is not None
-        return self.render_messages(_dicts(messages), add_generation_prompt=False)
+        return self.render_messages(_dicts(messages), False, template_kwargs)
 
 
 def _dicts(messages: list[Message] | list[Segment]) -> list[dict[str, str]]:
@@ -118,6 +140,25 @@ def _dicts(messages: list[Message] | list[Segment]) -> list[dict[str, str]]:
         {"role": m.role, "content": m.text if isinstance(m, Message) else m.content}
         for m in messages
     ]
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    """The rendered text up to the end of the last message, so the model continues it.
+
+    As transformers' ``continue_final_message``: templates may strip the content, so look for
+    the stripped text and keep the message's leading whitespace only if the template did.
+    """
+    stripped = final.strip()
+    if not stripped or stripped not in text:
+        raise ChatTemplateError(
+            "continue_final_message is set but the final message does not appear in the "
+            "rendered chat (the template changed it)"
+        )
+    start = text.rindex(stripped)
+    kept = final.lstrip()
+    if text[start : start + len(kept)] == kept:
+        return text[: start + len(kept)]
+    return text[: start + len(stripped)]
 
 
 def _difference(shorter: str, longer: str, index: int) -> str:

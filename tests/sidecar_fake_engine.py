@@ -31,7 +31,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **extra: object
+    ) -> str:
         text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 

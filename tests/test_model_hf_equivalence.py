@@ -41,6 +41,8 @@ def make_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
     cfg_kwargs = {**TINY, **overrides}
     if kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg_kwargs))
+    elif kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg_kwargs))
     elif kind == "mistral":
         model = transformers.MistralForCausalLM(
             transformers.MistralConfig(sliding_window=None, **cfg_kwargs)
@@ -137,3 +139,48 @@ def test_qwen2_equals_transformers(tmp_path: Path) -> None:
 def test_mistral_equals_transformers(tmp_path: Path) -> None:
     hf = make_hf("mistral", seed=6)
     check_equivalence(hf, save_checkpoint(hf, tmp_path))
+
+
+def test_qwen3_equals_transformers(tmp_path: Path) -> None:
+    """Qwen3: RMSNorm over each head of q and k, and a head_dim wider than hidden/heads."""
+    hf = make_hf("qwen3", seed=7, head_dim=32)
+    folder = save_checkpoint(hf, tmp_path)
+    config = load_model(str(folder)).config
+    assert config.qk_norm and config.head_dim == 32 and not config.attention_bias
+    check_equivalence(hf, folder)
+
+
+def test_explicit_head_dim_equals_transformers(tmp_path: Path) -> None:
+    hf = make_hf("mistral", seed=8, head_dim=8)  # Mistral-Nemo style: heads * head_dim < hidden
+    check_equivalence(hf, save_checkpoint(hf, tmp_path))
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded", "legacy"])
+def test_pytorch_bin_checkpoints_equal_transformers(tmp_path: Path, layout: str) -> None:
+    """Folders written by older tools: pytorch_model.bin, its shards, or the pre-zip format."""
+    hf = make_hf("llama", seed=9)
+    save_checkpoint(hf, tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    state = hf.state_dict()
+    if layout == "sharded":
+        names = sorted(state)
+        halves = {"pytorch_model-00001-of-00002.bin": names[::2]}
+        halves["pytorch_model-00002-of-00002.bin"] = names[1::2]
+        weight_map = {}
+        for file, keys in halves.items():
+            torch.save({k: state[k] for k in keys}, tmp_path / file)
+            weight_map.update(dict.fromkeys(keys, file))
+        index = {"metadata": {}, "weight_map": weight_map}
+        (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    else:
+        legacy = layout == "legacy"
+        torch.save(state, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy)
+    check_equivalence(hf, tmp_path)
+
+
+def test_bfloat16_checkpoint_loads_in_float32(tmp_path: Path) -> None:
+    hf = make_hf("llama", seed=10).to(torch.bfloat16)
+    folder = save_checkpoint(hf, tmp_path)
+    loaded = load_model(str(folder), dtype="float32")
+    assert loaded.model.lm_head.weight.dtype == torch.float32
+    check_equivalence(hf.float(), folder)

@@ -139,6 +139,7 @@ NULLABLE_CHAT = [
     "temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty", "logprobs",
     "top_logprobs", "stream", "stream_options", "stop", "seed", "max_tokens",
     "max_completion_tokens", "user", "ignore_eos", "tools", "tool_choice", "response_format",
+    "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "stop_token_ids",
 ]  # fmt: skip
 NULLABLE_COMPLETION = ["echo", "logprobs", "suffix", "best_of", "stream", "temperature", "n"]
 
@@ -159,6 +160,15 @@ async def test_explicit_nulls_mean_the_defaults(
     streamed = {"messages": USER, "max_tokens": 1, "stream": True}
     response = await client.post(CHAT, json={**streamed, "stream_options": {"include_usage": None}})
     assert response.status_code == 200 and "[DONE]" in response.text
+
+
+async def test_vllm_stop_token_ids_reach_the_engine(
+    engine: FakeEngine, client: httpx.AsyncClient
+) -> None:
+    for path, body in ((CHAT, {"messages": USER}), (COMPLETIONS, {"prompt": "hi"})):
+        response = await client.post(path, json={**body, "stop_token_ids": [7, 9]})
+        assert response.status_code == 200, response.text
+        assert engine.received[-1].sampling.stop_token_ids == [7, 9]
 
 
 @pytest.mark.parametrize("top_k", [-1, 0])

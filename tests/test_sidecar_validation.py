@@ -158,6 +158,47 @@ CORPUS: list[tuple[str, str, str, bytes | None, int]] = [
     ("unknown route", "POST", "/v1/embeddings", chat(), 404),
     ("wrong method", "GET", CHAT, None, 405),
     (
+        "both continue_final_message and add_generation_prompt",
+        "POST",
+        CHAT,
+        chat(continue_final_message=True),
+        400,
+    ),
+    (
+        "chat_template_kwargs sets a reserved name",
+        "POST",
+        CHAT,
+        chat(chat_template_kwargs={"messages": [MARK]}),
+        400,
+    ),
+    ("chat_template_kwargs not an object", "POST", CHAT, chat(chat_template_kwargs=[MARK]), 400),
+    (
+        "continue_final_message with segments",
+        "POST",
+        CHAT,
+        json.dumps(
+            {
+                "segments": [{"role": "assistant", "content": "a", "tag": "t"}],
+                "continue_final_message": True,
+                "add_generation_prompt": False,
+            }
+        ).encode(),
+        400,
+    ),
+    (
+        "continue_final_message the template drops",
+        "POST",
+        CHAT,
+        chat(
+            messages=[{"role": "assistant", "content": "   "}],
+            continue_final_message=True,
+            add_generation_prompt=False,
+        ),
+        400,
+    ),
+    ("stop_token_ids negative", "POST", CHAT, chat(stop_token_ids=[-1]), 400),
+    ("stop_token_ids over the vocabulary", "POST", CHAT, chat(stop_token_ids=[10**9]), 400),
+    (
         "warm: all dynamic",
         "POST",
         "/v1/cache/warm",

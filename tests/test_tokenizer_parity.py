@@ -63,6 +63,12 @@ QWEN3 = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# Qwen3's switch: with enable_thinking=false the generation prompt carries an empty think block.
+QWEN3_THINKING = QWEN3.replace(
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    "{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}",
+)
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Keep answers short."}
 MULTI = [
     {"role": "user", "content": "Hi there"},
@@ -140,6 +146,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory, metaspace_json: Path) -> d
         "llama3": byte_level(root / "llama3", LLAMA3, llama3, "<|begin_of_text|>"),
         "chatml": byte_level(root / "chatml", CHATML, chatml, None),
         "qwen3": byte_level(root / "qwen3", QWEN3, chatml, None),
+        "qwen3_thinking": byte_level(root / "qwen3_thinking", QWEN3_THINKING, chatml, None),
         "mistral": metaspace(root / "mistral", metaspace_json, MISTRAL, "PreTrainedTokenizerFast"),
         "mistral_llama": metaspace(
             root / "mistral_llama", metaspace_json, MISTRAL, "LlamaTokenizerFast"
@@ -260,3 +267,55 @@ async def test_a_model_without_chat_template_answers_chat_with_400(tmp_path: Pat
         assert "no chat template" in chat.json()["error"]["message"]
         completion = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
         assert completion.status_code == 200
+
+
+async def test_chat_template_kwargs_equal_transformers(folders: dict[str, Path]) -> None:
+    """vLLM's chat_template_kwargs reach the template as transformers' extra kwargs do."""
+    folder = folders["qwen3_thinking"]
+    messages = [SYSTEM, {"role": "user", "content": "What is a block?"}]
+    hf = transformers.AutoTokenizer.from_pretrained(folder)
+    got = {}
+    for enable_thinking in (True, False):
+        expected = hf_ids(
+            hf.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, enable_thinking=enable_thinking
+            )
+        )
+        body = {"messages": messages, "chat_template_kwargs": {"enable_thinking": enable_thinking}}
+        got[enable_thinking] = await sidecar_ids(folder, "/v1/chat/completions", body)
+        assert got[enable_thinking] == expected
+    assert len(got[False]) > len(got[True])  # the empty think block is there only when off
+
+
+@pytest.mark.parametrize("kind", ["llama3", "chatml", "mistral"])
+async def test_continue_final_message_equals_transformers(
+    folders: dict[str, Path], kind: str
+) -> None:
+    messages = [
+        {"role": "user", "content": "Name a bread."},
+        {"role": "assistant", "content": "Sourdough, because it "},  # trailing space: kept?
+    ]
+    hf = transformers.AutoTokenizer.from_pretrained(folders[kind])
+    expected = hf_ids(
+        hf.apply_chat_template(
+            messages, add_generation_prompt=False, continue_final_message=True, tokenize=True
+        )
+    )
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    got = await sidecar_ids(folders[kind], "/v1/chat/completions", body)
+    assert got == expected
+    closed = await sidecar_ids(
+        folders[kind], "/v1/chat/completions", {**body, "continue_final_message": False}
+    )
+    assert len(closed) > len(got)  # without it the turn is closed (end-of-turn tokens)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "chatml"])
+async def test_add_generation_prompt_false_equals_transformers(
+    folders: dict[str, Path], kind: str
+) -> None:
+    messages = [SYSTEM, {"role": "user", "content": "Hello"}]
+    hf = transformers.AutoTokenizer.from_pretrained(folders[kind])
+    expected = hf_ids(hf.apply_chat_template(messages, add_generation_prompt=False, tokenize=True))
+    body = {"messages": messages, "add_generation_prompt": False}
+    assert await sidecar_ids(folders[kind], "/v1/chat/completions", body) == expected
