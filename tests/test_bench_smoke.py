@@ -39,6 +39,14 @@ CASES = {
         ["--batch", "4", "--prefix", "128", "--suffix", "8", "--repeat", "1"],
         set(),
     ),
+    "tokenization.py": (
+        ["--prefix-tokens", "300", "--requests", "3"],
+        {"whole_ms", "cached_ms", "speedup", "ideal_speedup"},
+    ),
+    "sidecar_overhead.py": (
+        ["--requests", "3", "--warmup", "1", "--streams", "4", "--stream-tokens", "2"],
+        {"http_added_outside_engine_p50_ms", "http_added_p50_ms", "stream_errors"},
+    ),
 }
 
 
@@ -60,6 +68,8 @@ def test_benchmark_runs_and_reports(name: str) -> None:
     args, keys = CASES[name]
     result = run_bench(name, args)
     assert keys <= result.keys(), keys - result.keys()
+    if name == "sidecar_overhead.py":
+        assert result["stream_errors"] == 0, result["stream_error_kinds"]
     if name == "burst.py":
         assert result["prompt_tokens_computed"] == result["ideal_tokens"]
         assert result["peak_blocks"] <= result["ideal_blocks"] + 6
