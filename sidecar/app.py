@@ -138,6 +138,7 @@ class Sidecar:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/cache/stats", self.cache_stats, methods=["GET"]),
@@ -191,8 +192,18 @@ class Sidecar:
     async def models(self, request: Request) -> Response:
         self.keys.authenticate(request.headers.get("authorization"))
         self._require_ready()
-        card = p.ModelCard(id=self.engine.model_name, created=self.created)
-        return _json(p.ModelList(data=[card]))
+        return _json(p.ModelList(data=[self._model_card()]))
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's retrieve: the card of a name this server answers to, else 404."""
+        self.keys.authenticate(request.headers.get("authorization"))
+        self._require_ready()
+        self._check_model(request.path_params["model"] or "?")
+        return _json(self._model_card())
+
+    def _model_card(self) -> p.ModelCard:
+        name = self.engine.model_name
+        return p.ModelCard(name, self.created, root=name, max_model_len=self.engine.max_model_len)
 
     # --- generation -----------------------------------------------------------------------
 

@@ -405,6 +405,9 @@ class ModelCard(msgspec.Struct):
     created: int
     object: str = "model"
     owned_by: str = "prefixcache"
+    root: str | None = None  # vLLM's fields: what the model was loaded from, its context
+    parent: str | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(msgspec.Struct):

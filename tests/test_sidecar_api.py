@@ -46,6 +46,11 @@ def test_models_and_health(sidecar_server: Server, client: openai.OpenAI) -> Non
     models = client.models.list()
     assert [m.id for m in models.data] == ["demo"]
     assert models.data[0].owned_by == "prefixcache"
+    assert models.data[0].model_extra["max_model_len"] > 0  # vLLM's field
+    assert client.models.retrieve("demo").id == "demo"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert missing.value.body["code"] == "model_not_found"
     assert httpx.get(f"{sidecar_server.root}/health").json() == {"status": "ok"}
 
 
