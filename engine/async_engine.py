@@ -14,13 +14,16 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
+from . import prefix_store
 from .config import EngineConfig
 from .engine import LLMEngine
 from .loader import LoadedModel
+from .prefix_store import LoadResult, SaveResult
 from .request import EngineRequest, RequestOutput, SamplingParams
 from .tokenizer import Tokenizer
 
@@ -164,6 +167,19 @@ class AsyncEngine:
 
     async def evict_all(self) -> int:
         return await self._call(self.engine.evict_all)
+
+    async def save_pinned(self, path: str | Path) -> SaveResult:
+        """Write every pinned prefix and its KV to ``path`` (the file work off the engine thread)."""
+        snap = await self._call(self.engine.snapshot_pinned)
+        return await asyncio.to_thread(prefix_store.write, snap, path)
+
+    async def load_pinned(self, path: str | Path) -> LoadResult:
+        """Cache and pin the prefixes of a file ``save_pinned`` wrote with this model."""
+        engine = self.engine
+        identity, cache = engine.block_manager.identity, engine.kv_cache
+        snap = await asyncio.to_thread(prefix_store.read, path, identity, cache)
+        restored = await self._call(lambda: engine.restore_pinned(snap))
+        return prefix_store.load_result(path, snap, restored)
 
     def cache_stats(self) -> dict[str, Any]:
         """The latest snapshot, refreshed by the engine thread after every step and command."""

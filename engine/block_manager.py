@@ -30,6 +30,7 @@ from .block_pool import BlockPool
 from .prefix_tree import Node, PrefixTree, root_digest, token_bytes
 
 CopySlots = Callable[[int, int, int], None]
+WriteBlock = Callable[[int, int], None]  # (index in the saved list, page): fill the page's KV
 
 
 class OutOfBlocksError(RuntimeError):
@@ -60,6 +61,25 @@ class BlockTable:
     @property
     def num_slots(self) -> int:
         return len(self.block_ids) * self.block_size
+
+
+@dataclass(slots=True, frozen=True)
+class SavedBlock:
+    """One block of a pinned prefix as it goes to disk; a list has parents before children."""
+
+    root: bytes  # the namespace root digest (identity + namespace) when parent is -1, else b""
+    parent: int  # index of the parent block in the list, -1 under the root
+    tokens: bytes  # the block's token ids, uint32 bytes
+    pins: int  # pins whose prefix ends at this block
+    page: int  # where its KV lives now (on save)
+
+
+@dataclass(slots=True, frozen=True)
+class RestoreResult:
+    restored_blocks: int  # pages filled from the saved KV
+    reused_blocks: int  # already cached here: nothing to copy
+    skipped_blocks: int  # no page free or evictable (or under a skipped parent)
+    pinned_prefixes: int  # saved pins applied (a prefix pinned here already is left as is)
 
 
 @dataclass(slots=True)
@@ -289,6 +309,76 @@ class BlockManager:
         for node in reversed(nodes[:depth]):
             self._pool.unpin(node.block)
         return depth
+
+    # ---- saving pinned prefixes and restoring them
+
+    def pinned_blocks(self) -> list[SavedBlock]:
+        """Every cached block on a pinned prefix, each once, parents before children."""
+        index: dict[Node, int] = {}
+        out: list[SavedBlock] = []
+        for node in self._tree.nodes():
+            if not node.own_pins:
+                continue
+            chain: list[Node] = []
+            walk: Node | None = node
+            while walk is not None and walk not in index:
+                chain.append(walk)
+                walk = walk.parent
+            for n in reversed(chain):
+                parent = -1 if n.parent is None else index[n.parent]
+                root = n.parent_digest if n.parent is None else b""
+                index[n] = len(out)
+                out.append(SavedBlock(root, parent, n.tokens, n.own_pins, n.block))
+        return out
+
+    def restore(self, saved: list[SavedBlock], write: WriteBlock) -> RestoreResult:
+        """Cache saved blocks (parents first) that are not cached yet, filling each new page
+        with ``write(index, page)``, then re-apply their pins. Pages come from the free list or
+        by evicting idle unpinned blocks, never from running requests or pinned prefixes."""
+        if not self.enable_caching:
+            return RestoreResult(0, 0, len(saved), 0)
+        tree, pool = self._tree, self._pool
+        nodes: list[Node | None] = []
+        held: list[int] = []  # one ref on every restored or reused page until the end
+        restored = reused = 0
+        for i, item in enumerate(saved):
+            parent = nodes[item.parent] if item.parent >= 0 else None
+            if item.parent >= 0 and parent is None:
+                nodes.append(None)
+                continue
+            parent_digest = parent.digest if parent is not None else item.root
+            kids = tree.children(parent, item.root)
+            node = kids.by_tokens.get(item.tokens) if kids is not None else None
+            if node is not None:
+                pool.ref(node.block)  # an idle parent must not be evicted for its child
+                reused += 1
+            else:
+                digest = tree.digest(parent_digest, item.tokens)
+                if not tree.can_insert(digest) or not pool.num_available_unpinned:
+                    nodes.append(None)
+                    continue
+                block = self._take_block()
+                write(i, block)
+                node = tree.insert(parent, item.root, digest, item.tokens, block)
+                pool.mark_cached(block)
+                self._stats.inserted_tokens += self.block_size
+                restored += 1
+            held.append(node.block)
+            nodes.append(node)
+        for block in reversed(held):  # children turn idle before their parents
+            pool.deref(block)
+        pinned = 0
+        for item, node in zip(saved, nodes, strict=True):
+            if node is None or not item.pins or node.own_pins:
+                continue
+            node.own_pins += item.pins
+            walk: Node | None = node
+            while walk is not None:  # deepest first, as pin()
+                for _ in range(item.pins):
+                    pool.pin(walk.block)
+                walk = walk.parent
+            pinned += 1
+        return RestoreResult(restored, reused, len(saved) - restored - reused, pinned)
 
     def evict_all(self) -> int:
         """Evict every idle unpinned cached block; returns how many."""

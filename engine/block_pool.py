@@ -44,6 +44,11 @@ class BlockPool:
         """Pages a request could get: free ones, then evicted idle ones."""
         return len(self._free) + len(self._idle) + len(self._idle_pinned)
 
+    @property
+    def num_available_unpinned(self) -> int:
+        """Pages to be had without evicting a pinned block."""
+        return len(self._free) + len(self._idle)
+
     def take_free(self) -> int | None:
         """A page with no cached content, ref count 1; None when there is none."""
         if not self._free:

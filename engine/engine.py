@@ -10,14 +10,17 @@ import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from . import prefix_store
 from .attention import create_backend
-from .block_manager import BlockManager
+from .block_manager import BlockManager, RestoreResult
 from .config import EngineConfig
 from .kv_cache import KVCache
 from .loader import LoadedModel, load_model
 from .metrics import EngineMetrics
 from .model_runner import BatchEntry, ModelRunner
+from .prefix_store import LoadResult, SaveResult, Snapshot
 from .request import (
     EngineRequest,
     RequestOutput,
@@ -283,6 +286,24 @@ class LLMEngine:
 
     def unpin(self, token_ids: list[int], namespace: str) -> int:
         return self.block_manager.unpin(token_ids, namespace)
+
+    def snapshot_pinned(self) -> Snapshot:
+        """The pinned prefixes and their KV, for ``prefix_store.write``."""
+        return prefix_store.snapshot(self.block_manager, self.kv_cache)
+
+    def restore_pinned(self, snap: Snapshot) -> RestoreResult:
+        """Cache and pin a snapshot ``prefix_store.read`` checked against this engine."""
+        result = prefix_store.restore(snap, self.block_manager, self.kv_cache)
+        self._last_stats = self.block_manager.stats()
+        self._update_gauges()
+        return result
+
+    def save_pinned(self, path: str | Path) -> SaveResult:
+        return prefix_store.write(self.snapshot_pinned(), path)
+
+    def load_pinned(self, path: str | Path) -> LoadResult:
+        snap = prefix_store.read(path, self.block_manager.identity, self.kv_cache)
+        return prefix_store.load_result(path, snap, self.restore_pinned(snap))
 
     def evict_all(self) -> int:
         evicted = self.block_manager.evict_all()

@@ -1,0 +1,202 @@
+"""Pinned prefixes on disk: save them, load them at start-up, skip their prefill.
+
+A file is one safetensors file: per layer the KV pages of every block on a pinned prefix
+(``kv.<layer>``, ``[n, 2, block_size, kv_heads, head_dim]``, the cache's own layout and dtype)
+and the tree around them (``tokens``, ``parents``, ``pins``, ``roots``: parents before
+children; a root is the namespace root digest of a top block). Its metadata carries the
+format, a digest of the engine identity (model and tokenizer fingerprints, dtype), the block
+size, and a sha256 over everything else, so a file from another model, tokenizer, dtype or
+block size, or a damaged one, is refused with a message before any page is touched.
+
+Split by thread: ``snapshot``/``restore`` touch the block manager and the pages (the engine
+thread); ``write``/``read`` do the file work and its checks (any thread).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .block_manager import BlockManager, RestoreResult, SavedBlock
+from .kv_cache import KVCache
+
+FORMAT = "prefixcache-pinned-prefixes/1"
+DIGEST_BYTES = 16  # the prefix tree's blake2b-128 digests
+
+
+class PrefixStoreError(ValueError):
+    """A file that cannot be loaded here: missing, damaged, or made by another engine."""
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Pinned prefixes with their KV, detached from the pages (safe to use on any thread)."""
+
+    blocks: list[SavedBlock]
+    kv: list[torch.Tensor]  # one per layer: [len(blocks), 2, block_size, kv_heads, head_dim]
+    identity: str  # sha256 hex of the engine identity
+    block_size: int
+
+    @property
+    def num_prefixes(self) -> int:
+        return sum(1 for b in self.blocks if b.pins)
+
+
+@dataclass(slots=True, frozen=True)
+class SaveResult:
+    path: str
+    prefixes: int
+    blocks: int
+    bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class LoadResult:
+    path: str
+    prefixes: int  # pinned prefixes in the file
+    blocks: int  # blocks in the file
+    restored_blocks: int
+    reused_blocks: int
+    skipped_blocks: int
+    pinned_prefixes: int
+
+
+def load_result(path: str | Path, snap: Snapshot, restored: RestoreResult) -> LoadResult:
+    return LoadResult(
+        str(path),
+        snap.num_prefixes,
+        len(snap.blocks),
+        restored.restored_blocks,
+        restored.reused_blocks,
+        restored.skipped_blocks,
+        restored.pinned_prefixes,
+    )
+
+
+def identity_digest(identity: bytes) -> str:
+    return hashlib.sha256(identity).hexdigest()
+
+
+def snapshot(manager: BlockManager, cache: KVCache) -> Snapshot:
+    """Copy out every pinned prefix (engine thread)."""
+    blocks = manager.pinned_blocks()
+    pages = torch.tensor([b.page for b in blocks], dtype=torch.long, device=cache.spec.device)
+    kv = [layer.index_select(0, pages).cpu() for layer in cache.layers]
+    return Snapshot(blocks, kv, identity_digest(manager.identity), manager.block_size)
+
+
+def restore(snap: Snapshot, manager: BlockManager, cache: KVCache) -> RestoreResult:
+    """Cache and pin what a snapshot holds (engine thread). Checks were done by ``read``."""
+
+    saved = [layer.to(cache.spec.device) for layer in snap.kv]  # one transfer, then page copies
+
+    def write(index: int, page: int) -> None:
+        for layer, kv in zip(cache.layers, saved, strict=True):
+            layer[page].copy_(kv[index])
+
+    return manager.restore(snap.blocks, write)
+
+
+def write(snap: Snapshot, path: str | Path) -> SaveResult:
+    """Write a snapshot atomically (a temporary file renamed over ``path``)."""
+    path = Path(path)
+    tensors = _tensors(snap)
+    metadata = {
+        "format": FORMAT,
+        "identity": snap.identity,
+        "block_size": str(snap.block_size),
+        "num_layers": str(len(snap.kv)),
+    }
+    metadata["checksum"] = _checksum(metadata, tensors)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return SaveResult(str(path), snap.num_prefixes, len(snap.blocks), path.stat().st_size)
+
+
+def read(path: str | Path, identity: bytes, cache: KVCache) -> Snapshot:
+    """A file's snapshot, refused unless it was made by this engine identity and layout."""
+    path = Path(path)
+    if not path.is_file():
+        raise PrefixStoreError(f"{path}: no such file")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    except Exception as e:
+        raise PrefixStoreError(f"{path}: not a readable safetensors file ({e})") from e
+    if metadata.get("format") != FORMAT:
+        raise PrefixStoreError(f"{path}: not a pinned-prefix file of this version ({FORMAT})")
+    checksum = metadata.pop("checksum", None)
+    if checksum != _checksum(metadata, tensors):
+        raise PrefixStoreError(f"{path}: checksum mismatch: the file is damaged")
+    if metadata["identity"] != identity_digest(identity):
+        raise PrefixStoreError(
+            f"{path}: saved by another model, tokenizer or dtype; its KV does not apply here"
+        )
+    spec = cache.spec
+    if int(metadata["block_size"]) != spec.block_size:
+        raise PrefixStoreError(
+            f"{path}: block size {metadata['block_size']}, this engine uses {spec.block_size}"
+        )
+    num_layers = int(metadata["num_layers"])
+    page_shape = tuple(cache.layers[0].shape[1:])
+    kv = [tensors.get(f"kv.{i}") for i in range(num_layers)]
+    if num_layers != len(cache.layers) or any(
+        t is None or tuple(t.shape[1:]) != page_shape or t.dtype != spec.dtype for t in kv
+    ):
+        raise PrefixStoreError(f"{path}: its KV layout differs from this engine's cache")
+    return Snapshot(_blocks(tensors), kv, metadata["identity"], spec.block_size)  # type: ignore[arg-type]
+
+
+def _tensors(snap: Snapshot) -> dict[str, torch.Tensor]:
+    n, bs = len(snap.blocks), snap.block_size
+    tokens = array("I", b"".join(b.tokens for b in snap.blocks))
+    roots = b"".join(b.root or bytes(DIGEST_BYTES) for b in snap.blocks)
+    out = {
+        "tokens": torch.tensor(tokens.tolist(), dtype=torch.int64).reshape(n, bs),
+        "parents": torch.tensor([b.parent for b in snap.blocks], dtype=torch.int64),
+        "pins": torch.tensor([b.pins for b in snap.blocks], dtype=torch.int64),
+        "roots": torch.tensor(list(roots), dtype=torch.uint8).reshape(n, DIGEST_BYTES),
+    }
+    for i, layer in enumerate(snap.kv):
+        out[f"kv.{i}"] = layer.contiguous()
+    return out
+
+
+def _blocks(tensors: dict[str, torch.Tensor]) -> list[SavedBlock]:
+    try:
+        tokens, parents = tensors["tokens"], tensors["parents"].tolist()
+        pins, roots = tensors["pins"].tolist(), tensors["roots"]
+    except KeyError as e:
+        raise PrefixStoreError(f"the file has no {e.args[0]!r} tensor") from None
+    blocks = []
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise PrefixStoreError("the file's tree is malformed (a parent after its child)")
+        root = bytes(roots[i].tolist()) if parent == -1 else b""
+        data = array("I", tokens[i].tolist()).tobytes()
+        blocks.append(SavedBlock(root, parent, data, int(pins[i]), -1))
+    return blocks
+
+
+def _checksum(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256(json.dumps(metadata, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
+        if t.numel():
+            h.update(t.view(torch.uint8).numpy())  # the buffer itself, no copy
+    return h.hexdigest()
