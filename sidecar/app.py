@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -76,6 +77,8 @@ class SidecarSettings:
     manage_engine: bool = True  # start the engine on app start-up, shut it down at the end
     # Further names the served model answers to (vLLM-style clients send the --model path).
     model_aliases: tuple[str, ...] = ()
+    cache_dir: Path | None = None  # where /v1/cache/save and /load keep pinned-prefix files
+    load_on_start: tuple[str, ...] = ()  # files in cache_dir loaded once the engine is up
 
 
 @dataclass(slots=True)
@@ -130,6 +133,7 @@ class Sidecar:
         self.metrics_registry = CollectorRegistry()
         self.created = int(time.time())
         self.start_error: str | None = None
+        self.loading_cache = False  # /health says 503 until the start-up cache files are in
         self._renderer: PromptRenderer | None = None
         self._fingerprint: str | None = None
 
@@ -145,6 +149,8 @@ class Sidecar:
             Route("/v1/cache/warm", self.cache_warm, methods=["POST"]),
             Route("/v1/cache/unpin", self.cache_unpin, methods=["POST"]),
             Route("/v1/cache/evict", self.cache_evict, methods=["POST"]),
+            Route("/v1/cache/save", self.cache_save, methods=["POST"]),
+            Route("/v1/cache/load", self.cache_load, methods=["POST"]),
         ]
 
     def paths(self) -> list[str]:
@@ -166,21 +172,44 @@ class Sidecar:
             await self.engine.shutdown()
 
     async def _start_engine(self) -> None:
+        self.loading_cache = bool(self.settings.load_on_start)
         try:
             await self.engine.start()
+            await self._load_on_start()
         except Exception as exc:
             self.start_error = f"{type(exc).__name__}: {exc}"
             log.exception("engine failed to start")
+        finally:
+            self.loading_cache = False
+
+    async def _load_on_start(self) -> None:
+        for name in self.settings.load_on_start:  # a bad file is logged; the server serves
+            try:
+                result = await self.engine.load_pinned(self._cache_file(name))
+            except (APIError, ValueError) as exc:  # ValueError: the engine's PrefixStoreError
+                message = exc.message if isinstance(exc, APIError) else str(exc)
+                log.error("pinned prefixes %r not loaded: %s", name, message)
+            else:
+                log.info(
+                    "pinned prefixes %r: %d prefixes, %d blocks restored, %d already cached, "
+                    "%d skipped (no room)",
+                    name,
+                    result.prefixes,
+                    result.restored_blocks,
+                    result.reused_blocks,
+                    result.skipped_blocks,
+                )
 
     # --- plain routes ---------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        if self.engine.is_ready:
+        if self.engine.is_ready and not self.loading_cache:
             return JSONResponse({"status": "ok"})
         if self.start_error is not None:
             return JSONResponse({"status": "failed", "error": self.start_error}, 503)
         headers = {"Retry-After": str(self.settings.retry_after_s)}
-        return JSONResponse({"status": "starting"}, 503, headers=headers)
+        status = "loading cache" if self.loading_cache else "starting"
+        return JSONResponse({"status": status}, 503, headers=headers)
 
     async def metrics(self, request: Request) -> Response:
         body = generate_latest(self.metrics_registry)
@@ -435,6 +464,45 @@ class Sidecar:
         with _engine_refusals():
             evicted = await self.engine.evict_all()
         return _json(p.EvictResponse(evicted))
+
+    async def cache_save(self, request: Request) -> Response:
+        """Write every pinned prefix and its KV to a file in --cache-dir."""
+        req = await self._cache_file_request(request)
+        result = await self.engine.save_pinned(self._cache_file(req.name))
+        return _json(p.CacheSaveResponse(req.name, result.prefixes, result.blocks, result.bytes))
+
+    async def cache_load(self, request: Request) -> Response:
+        """Cache and pin the prefixes of a file /v1/cache/save wrote with this model."""
+        req = await self._cache_file_request(request)
+        try:
+            r = await self.engine.load_pinned(self._cache_file(req.name))
+        except ValueError as exc:  # PrefixStoreError: missing, damaged, another model's
+            raise bad_request(str(exc), "name", "cache_file_refused") from None
+        return _json(
+            p.CacheLoadResponse(
+                req.name,
+                r.prefixes,
+                r.blocks,
+                r.restored_blocks,
+                r.reused_blocks,
+                r.skipped_blocks,
+                r.pinned_prefixes,
+            )
+        )
+
+    async def _cache_file_request(self, request: Request) -> p.CacheFileRequest:
+        self.keys.authenticate_admin(request.headers.get("authorization"))
+        self._require_ready()
+        body = await self._read_bytes(request)
+        return self._decode(body, p.CacheFileRequest) if body.strip() else p.CacheFileRequest()
+
+    def _cache_file(self, name: str) -> Path:
+        if self.settings.cache_dir is None:
+            raise bad_request(
+                "saving and loading pinned prefixes is off: start the server with --cache-dir",
+                code="cache_dir_not_configured",
+            )
+        return self.settings.cache_dir / f"{name}.safetensors"
 
     async def _cache_target(self, request: Request) -> tuple[list[int], str, p.CacheRequest]:
         """Token ids and namespace of a warm/unpin body: the stable part, as chat renders it."""

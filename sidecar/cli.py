@@ -115,7 +115,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="file holding the server secret that cache namespaces are derived from (HMAC); "
-        "default: $PREFIXCACHE_SECRET, else random per start",
+        "default: $PREFIXCACHE_SECRET, else random per start with --api-keys-file and fixed "
+        "without it (one tenant)",
+    )
+    serve.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="folder for pinned-prefix files: POST /v1/cache/save writes every pinned prefix "
+        "with its KV there, /v1/cache/load reads one back (same model, tokenizer, dtype and "
+        "block size only); off without it",
+    )
+    serve.add_argument(
+        "--load-cache",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="load NAME.safetensors from --cache-dir once the model is up (repeatable), so "
+        "pinned prefixes survive a restart without their prefill; tenants' prefixes hit only "
+        "with the same --secret-file",
     )
     serve.add_argument(
         "--max-body-mib",
@@ -132,14 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def read_secret(path: Path | None) -> bytes:
+# Without keys there is one tenant: nothing to keep apart, and a fixed key keeps its namespace
+# (so pinned prefixes loaded from --cache-dir) the same across restarts.
+SINGLE_TENANT_SECRET = b"prefixcache: one tenant, no keys"
+
+
+def read_secret(path: Path | None, keys_enabled: bool = True) -> bytes:
     if path is not None:
         secret = path.read_bytes().strip()
         if len(secret) < 16:
             raise SystemExit(f"{path}: the secret must be at least 16 bytes")
         return secret
     from_env = os.environ.get("PREFIXCACHE_SECRET")
-    return from_env.encode() if from_env else os.urandom(32)
+    if from_env:
+        return from_env.encode()
+    return os.urandom(32) if keys_enabled else SINGLE_TENANT_SECRET
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -168,14 +193,18 @@ def serve(args: argparse.Namespace) -> None:
             enable_prefix_caching=not args.no_prefix_caching,
         )
         keys = KeyStore.from_file(args.api_keys_file) if args.api_keys_file else KeyStore()
+        if args.load_cache and args.cache_dir is None:
+            raise ValueError("--load-cache needs --cache-dir")
     except (ValueError, OSError) as exc:
         raise SystemExit(f"prefixcache serve: {exc}") from None
     settings = SidecarSettings(
         keys=keys,
-        secret=read_secret(args.secret_file),
+        secret=read_secret(args.secret_file, keys.enabled),
         max_body_bytes=int(args.max_body_mib * MIB),
         max_waiting=args.queue_limit,
         model_aliases=(args.model, *args.served_model_name),
+        cache_dir=args.cache_dir,
+        load_on_start=tuple(args.load_cache),
     )
     app = create_app(AsyncEngine(config), settings)
     uvicorn.run(

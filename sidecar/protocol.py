@@ -25,6 +25,8 @@ CacheSalt = Annotated[
     str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+$")
 ]
 Tag = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# A file name inside --cache-dir: no separators, no leading dot, so never a path elsewhere.
+CacheFileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
 StopList = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=16)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
@@ -427,3 +429,26 @@ class UnpinResponse(msgspec.Struct):
 
 class EvictResponse(msgspec.Struct):
     evicted_blocks: int
+
+
+class CacheFileRequest(msgspec.Struct, kw_only=True):
+    """Body of /v1/cache/save and /v1/cache/load: which file in --cache-dir."""
+
+    name: CacheFileName = "pinned"
+
+
+class CacheSaveResponse(msgspec.Struct):
+    name: str
+    prefixes: int
+    blocks: int
+    bytes: int
+
+
+class CacheLoadResponse(msgspec.Struct):
+    name: str
+    prefixes: int
+    blocks: int
+    restored_blocks: int
+    reused_blocks: int
+    skipped_blocks: int
+    pinned_prefixes: int

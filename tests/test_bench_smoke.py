@@ -39,6 +39,10 @@ CASES = {
         ["--batch", "4", "--prefix", "128", "--suffix", "8", "--repeat", "1"],
         set(),
     ),
+    "cache_files.py": (
+        ["--prefix", "64", "--suffix", "8"],
+        {"load_s", "cold_first_token_s", "loaded_first_token_s", "speedup", "cached_tokens"},
+    ),
     "tokenization.py": (
         ["--prefix-tokens", "300", "--requests", "3"],
         {"whole_ms", "cached_ms", "speedup", "ideal_speedup"},
@@ -68,6 +72,8 @@ def test_benchmark_runs_and_reports(name: str) -> None:
     args, keys = CASES[name]
     result = run_bench(name, args)
     assert keys <= result.keys(), keys - result.keys()
+    if name == "cache_files.py":  # the loaded prefix is hit and is the KV it computes
+        assert result["cached_tokens"] == 64 and result["max_logprob_diff"] < 1e-4
     if name == "sidecar_overhead.py":
         assert result["stream_errors"] == 0, result["stream_error_kinds"]
     if name == "burst.py":

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from prefixcache.sidecar.cli import build_parser
+from prefixcache.sidecar.cli import build_parser, read_secret, serve
 
 OPTIONS = [
     "--model",
@@ -25,6 +25,8 @@ OPTIONS = [
     "--attention-backend",
     "--api-keys-file",
     "--max-body-mib",
+    "--cache-dir",
+    "--load-cache",
 ]
 
 
@@ -53,6 +55,21 @@ def test_parser_maps_options() -> None:
     assert (args.model, args.port, args.block_size, args.queue_limit) == ("demo", 9001, 32, 7)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--attention-backend", "magic"])
+
+
+def test_load_cache_needs_a_cache_dir() -> None:
+    with pytest.raises(SystemExit, match="--load-cache needs --cache-dir"):
+        serve(build_parser().parse_args(["serve", "--load-cache", "pinned"]))
+
+
+def test_one_tenant_keeps_its_namespace_across_restarts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without keys the namespace secret is fixed, so loaded prefixes hit after a restart;
+    with keys it is random per start unless --secret-file or $PREFIXCACHE_SECRET sets it."""
+    monkeypatch.delenv("PREFIXCACHE_SECRET", raising=False)
+    assert read_secret(None, keys_enabled=False) == read_secret(None, keys_enabled=False)
+    assert read_secret(None, keys_enabled=True) != read_secret(None, keys_enabled=True)
+    monkeypatch.setenv("PREFIXCACHE_SECRET", "from the environment")
+    assert read_secret(None, keys_enabled=True) == b"from the environment"
 
 
 @pytest.mark.slow

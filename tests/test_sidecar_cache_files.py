@@ -1,0 +1,95 @@
+"""/v1/cache/save and /v1/cache/load: pinned prefixes survive a restart without their prefill."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import Server, ServerLoop, demo_engine, serve
+
+from prefixcache.sidecar.app import SidecarSettings, create_app
+
+SYSTEM = "You are the timetable assistant of a small railway. Answer in one sentence. " * 6
+SECRET = b"a fixed secret for both servers"
+
+
+def chat(url: str, question: str) -> dict:
+    body = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    response = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def start(loop: ServerLoop, loaded: Any, cache_dir: Path, load: tuple[str, ...] = ()) -> Server:
+    settings = SidecarSettings(secret=SECRET, cache_dir=cache_dir, load_on_start=load)
+    return serve(loop, create_app(demo_engine(loaded), settings))
+
+
+def test_saved_prefixes_are_cached_after_a_restart(
+    server_loop: ServerLoop, demo_loaded: Any, tmp_path: Path
+) -> None:
+    first = start(server_loop, demo_loaded, tmp_path)
+    try:
+        warm = {"messages": [{"role": "system", "content": SYSTEM}], "pin": True}
+        pinned = httpx.post(f"{first.url}/cache/warm", json=warm, timeout=60).json()
+        assert pinned["pinned_blocks"] > 0
+        saved = httpx.post(f"{first.url}/cache/save", json={"name": "railway"}).json()
+        assert saved["name"] == "railway" and saved["prefixes"] == 1
+        assert saved["blocks"] == pinned["pinned_blocks"]
+        expected = chat(first.url, "When is the last train?")
+    finally:
+        first.stop()
+    assert (tmp_path / "railway.safetensors").is_file()
+
+    second = start(server_loop, demo_loaded, tmp_path, load=("railway",))
+    try:
+        stats = httpx.get(f"{second.url}/cache/stats").json()
+        assert stats["blocks"]["pinned"] == saved["blocks"]  # loaded before /health said ok
+        got = chat(second.url, "When is the last train?")  # this server's first request
+        cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= saved["blocks"] * 16
+        assert (
+            got["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+        )
+        again = httpx.post(f"{second.url}/cache/load", json={"name": "railway"}).json()
+        assert again["restored_blocks"] == 0 and again["reused_blocks"] == saved["blocks"]
+    finally:
+        second.stop()
+
+
+def test_bad_cache_files_are_refused_and_the_server_stays_healthy(
+    server_loop: ServerLoop, demo_loaded: Any, tmp_path: Path
+) -> None:
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    server = start(server_loop, demo_loaded, tmp_path, load=("missing",))  # logged, not fatal
+    try:
+        for name, code in (("junk", "cache_file_refused"), ("missing", "cache_file_refused")):
+            response = httpx.post(f"{server.url}/cache/load", json={"name": name})
+            assert response.status_code == 400
+            assert response.json()["error"]["code"] == code
+        for name in ("../etc/passwd", ".hidden", "a/b", ""):
+            response = httpx.post(f"{server.url}/cache/save", json={"name": name})
+            assert response.status_code == 400, name
+        assert not list(tmp_path.parent.glob("*.safetensors"))
+        assert httpx.get(f"{server.root}/health").json() == {"status": "ok"}
+        default = httpx.post(f"{server.url}/cache/save").json()  # no body: "pinned"
+        assert default["name"] == "pinned" and default["blocks"] == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("route", ["save", "load"])
+def test_without_a_cache_dir_the_routes_say_how_to_enable_them(
+    sidecar_server: Server, route: str
+) -> None:
+    response = httpx.post(f"{sidecar_server.url}/cache/{route}", json={"name": "x"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "cache_dir_not_configured" and "--cache-dir" in error["message"]
