@@ -23,7 +23,17 @@ from .fingerprint import Divergence, Fingerprint, diff
 from .lint import RULES, Finding, lint
 from .prompt import Prompt, PromptBuilder, Segment, Tool
 from .sync_client import Client
-from .types import CacheReport, CacheStats, Completion, Delta, SegmentReport, Usage, WarmResult
+from .types import (
+    CacheReport,
+    CacheStats,
+    Completion,
+    Delta,
+    LoadResult,
+    SaveResult,
+    SegmentReport,
+    Usage,
+    WarmResult,
+)
 
 __all__ = [
     "RULES",
@@ -44,6 +54,7 @@ __all__ = [
     "Finding",
     "Fingerprint",
     "InternalServerError",
+    "LoadResult",
     "NotFoundError",
     "PermissionDeniedError",
     "PrefixCacheError",
@@ -51,6 +62,7 @@ __all__ = [
     "PromptBuilder",
     "RateLimitError",
     "ResponseFormatError",
+    "SaveResult",
     "Segment",
     "SegmentReport",
     "ServiceUnavailableError",

@@ -28,6 +28,8 @@ from .types import (
     ChatCompletion,
     Completion,
     Delta,
+    LoadResult,
+    SaveResult,
     Usage,
     WarmResult,
     to_completion,
@@ -143,6 +145,16 @@ class AsyncClient:
     async def cache_stats(self) -> CacheStats:
         response = await self._admin("GET", "cache/stats", None)
         return _decode(response, CacheStats)
+
+    async def cache_save(self, name: str = "pinned") -> SaveResult:
+        """Write the server's pinned prefixes with their KV to ``name`` in its --cache-dir."""
+        response = await self._admin("POST", "cache/save", {"name": name})
+        return _decode(response, SaveResult)
+
+    async def cache_load(self, name: str = "pinned") -> LoadResult:
+        """Cache and pin the prefixes a ``cache_save`` wrote (same model on the server)."""
+        response = await self._admin("POST", "cache/load", {"name": name})
+        return _decode(response, LoadResult)
 
     async def models(self) -> list[str]:
         response = await self._admin("GET", "models", None)

@@ -9,7 +9,7 @@ from typing import Any
 from anyio.from_thread import start_blocking_portal
 
 from .client import AsyncClient, CompletionStream, PromptLike
-from .types import CacheStats, Completion, Delta, WarmResult
+from .types import CacheStats, Completion, Delta, LoadResult, SaveResult, WarmResult
 
 _END = object()
 
@@ -73,6 +73,12 @@ class Client:
 
     def cache_stats(self) -> CacheStats:
         return self._portal.call(self._async.cache_stats)
+
+    def cache_save(self, name: str = "pinned") -> SaveResult:
+        return self._portal.call(lambda: self._async.cache_save(name))
+
+    def cache_load(self, name: str = "pinned") -> LoadResult:
+        return self._portal.call(lambda: self._async.cache_load(name))
 
     def models(self) -> list[str]:
         return self._portal.call(self._async.models)

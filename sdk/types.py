@@ -70,6 +70,23 @@ class WarmResult(msgspec.Struct):
     pinned_blocks: int = 0
 
 
+class SaveResult(msgspec.Struct):
+    name: str = ""
+    prefixes: int = 0
+    blocks: int = 0
+    bytes: int = 0
+
+
+class LoadResult(msgspec.Struct):
+    name: str = ""
+    prefixes: int = 0
+    blocks: int = 0
+    restored_blocks: int = 0
+    reused_blocks: int = 0
+    skipped_blocks: int = 0
+    pinned_prefixes: int = 0
+
+
 class BlockStats(msgspec.Struct):
     total: int = 0
     free: int = 0

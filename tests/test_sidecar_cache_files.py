@@ -93,3 +93,19 @@ def test_without_a_cache_dir_the_routes_say_how_to_enable_them(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "cache_dir_not_configured" and "--cache-dir" in error["message"]
+
+
+def test_the_sdk_saves_and_loads(server_loop: ServerLoop, demo_loaded: Any, tmp_path: Path) -> None:
+    from prefixcache.sdk import Client, Prompt
+
+    prompt = Prompt.builder().static(SYSTEM, tag="rules").dynamic("Any delays?", tag="q").build()
+    server = start(server_loop, demo_loaded, tmp_path)
+    try:
+        with Client(server.url) as client:
+            warmed = client.warm(prompt, pin=True)
+            saved = client.cache_save("sdk")
+            assert saved.blocks == warmed.pinned_blocks and saved.bytes > 0
+            loaded = client.cache_load("sdk")
+            assert (loaded.reused_blocks, loaded.restored_blocks) == (saved.blocks, 0)
+    finally:
+        server.stop()
