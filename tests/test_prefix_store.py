@@ -10,7 +10,6 @@ import torch
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.loader import load_model
 from prefixcache.engine.prefix_store import PrefixStoreError
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
@@ -18,8 +17,8 @@ BS = 16
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model("demo", dtype="float32", device="cpu")
+def loaded(demo_loaded):  # the session's demo model (tests/conftest.py)
+    return demo_loaded
 
 
 def make_engine(loaded, **overrides) -> LLMEngine:
