@@ -341,32 +341,38 @@ class BlockManager:
         nodes: list[Node | None] = []
         held: list[int] = []  # one ref on every restored or reused page until the end
         restored = reused = 0
-        for i, item in enumerate(saved):
-            parent = nodes[item.parent] if item.parent >= 0 else None
-            if item.parent >= 0 and parent is None:
-                nodes.append(None)
-                continue
-            parent_digest = parent.digest if parent is not None else item.root
-            kids = tree.children(parent, item.root)
-            node = kids.by_tokens.get(item.tokens) if kids is not None else None
-            if node is not None:
-                pool.ref(node.block)  # an idle parent must not be evicted for its child
-                reused += 1
-            else:
-                digest = tree.digest(parent_digest, item.tokens)
-                if not tree.can_insert(digest) or not pool.num_available_unpinned:
+        try:
+            for i, item in enumerate(saved):
+                parent = nodes[item.parent] if 0 <= item.parent < len(nodes) else None
+                if item.parent >= 0 and parent is None:
                     nodes.append(None)
                     continue
-                block = self._take_block()
-                write(i, block)
-                node = tree.insert(parent, item.root, digest, item.tokens, block)
-                pool.mark_cached(block)
-                self._stats.inserted_tokens += self.block_size
-                restored += 1
-            held.append(node.block)
-            nodes.append(node)
-        for block in reversed(held):  # children turn idle before their parents
-            pool.deref(block)
+                parent_digest = parent.digest if parent is not None else item.root
+                kids = tree.children(parent, item.root)
+                node = kids.by_tokens.get(item.tokens) if kids is not None else None
+                if node is not None:
+                    pool.ref(node.block)  # an idle parent must not be evicted for its child
+                    reused += 1
+                else:
+                    digest = tree.digest(parent_digest, item.tokens)
+                    if not tree.can_insert(digest) or not pool.num_available_unpinned:
+                        nodes.append(None)
+                        continue
+                    block = self._take_block()
+                    try:
+                        write(i, block)
+                    except BaseException:
+                        pool.deref(block)  # not cached yet: back to the free list
+                        raise
+                    node = tree.insert(parent, item.root, digest, item.tokens, block)
+                    pool.mark_cached(block)
+                    self._stats.inserted_tokens += self.block_size
+                    restored += 1
+                held.append(node.block)
+                nodes.append(node)
+        finally:
+            for block in reversed(held):  # children turn idle before their parents
+                pool.deref(block)
         pinned = 0
         for item, node in zip(saved, nodes, strict=True):
             if node is None or not item.pins or node.own_pins:

@@ -131,9 +131,10 @@ def load_folder(
 
 
 def find_weight_files(folder: Path) -> list[Path]:
-    """safetensors when present (as transformers prefers them), else PyTorch pickles."""
+    """safetensors when present (as transformers prefers them), else PyTorch pickles; a
+    LoRA adapter file lying beside them (adapter_model.safetensors) is never taken."""
     for single, index, pattern in (
-        ("model.safetensors", "model.safetensors.index.json", "*.safetensors"),
+        ("model.safetensors", "model.safetensors.index.json", "model*.safetensors"),
         ("pytorch_model.bin", "pytorch_model.bin.index.json", "pytorch_model*.bin"),
     ):
         if (folder / index).is_file():
@@ -142,6 +143,9 @@ def find_weight_files(folder: Path) -> list[Path]:
             return [folder / single]
         if files := sorted(folder.glob(pattern)):
             return files
+    other = [f for f in folder.glob("*.safetensors") if not f.name.startswith("adapter")]
+    if other:  # shards named by another tool
+        return sorted(other)
     raise ModelLoadError(
         f"{folder}: no weights found (model.safetensors or pytorch_model.bin, or their shards "
         "with an index.json)"

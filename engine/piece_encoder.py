@@ -78,6 +78,8 @@ class PieceEncoder:
     @classmethod
     def create(cls, tokenizer: HFTokenizer, max_chars: int = 16_000_000) -> PieceEncoder | None:
         """An encoder for ``tokenizer``, or None when piece-wise encoding might differ."""
+        if tokenizer.truncation is not None or tokenizer.padding is not None:
+            return None  # pieces would be cut or padded one by one
         split_tokens = _split_tokens(json.loads(tokenizer.to_str()))
         if not split_tokens:
             return None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,10 +97,8 @@ def snapshot(manager: BlockManager, cache: KVCache) -> Snapshot:
 def restore(snap: Snapshot, manager: BlockManager, cache: KVCache) -> RestoreResult:
     """Cache and pin what a snapshot holds (engine thread). Checks were done by ``read``."""
 
-    saved = [layer.to(cache.spec.device) for layer in snap.kv]  # one transfer, then page copies
-
-    def write(index: int, page: int) -> None:
-        for layer, kv in zip(cache.layers, saved, strict=True):
+    def write(index: int, page: int) -> None:  # page by page: no second copy of the file
+        for layer, kv in zip(cache.layers, snap.kv, strict=True):
             layer[page].copy_(kv[index])
 
     return manager.restore(snap.blocks, write)
@@ -117,7 +116,9 @@ def write(snap: Snapshot, path: str | Path) -> SaveResult:
     }
     metadata["checksum"] = _checksum(metadata, tensors)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)  # unique: concurrent saves to one name never share a temporary file
     try:
         save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, path)
@@ -158,7 +159,10 @@ def read(path: str | Path, identity: bytes, cache: KVCache) -> Snapshot:
         t is None or tuple(t.shape[1:]) != page_shape or t.dtype != spec.dtype for t in kv
     ):
         raise PrefixStoreError(f"{path}: its KV layout differs from this engine's cache")
-    return Snapshot(_blocks(tensors), kv, metadata["identity"], spec.block_size)  # type: ignore[arg-type]
+    blocks = _blocks(tensors, spec.block_size)
+    if any(t.shape[0] != len(blocks) for t in kv):  # type: ignore[union-attr]
+        raise PrefixStoreError(f"{path}: its KV and its tree disagree on the number of blocks")
+    return Snapshot(blocks, kv, metadata["identity"], spec.block_size)  # type: ignore[arg-type]
 
 
 def _tensors(snap: Snapshot) -> dict[str, torch.Tensor]:
@@ -176,12 +180,21 @@ def _tensors(snap: Snapshot) -> dict[str, torch.Tensor]:
     return out
 
 
-def _blocks(tensors: dict[str, torch.Tensor]) -> list[SavedBlock]:
+def _blocks(tensors: dict[str, torch.Tensor], block_size: int) -> list[SavedBlock]:
     try:
         tokens, parents = tensors["tokens"], tensors["parents"].tolist()
         pins, roots = tensors["pins"].tolist(), tensors["roots"]
     except KeyError as e:
         raise PrefixStoreError(f"the file has no {e.args[0]!r} tensor") from None
+    n = len(parents)
+    if (
+        tuple(tokens.shape) != (n, block_size)
+        or tuple(roots.shape) != (n, DIGEST_BYTES)
+        or len(pins) != n
+        or any(p < 0 for p in pins)
+        or (n and not 0 <= int(tokens.min()) <= int(tokens.max()) < 2**32)
+    ):
+        raise PrefixStoreError("the file's tree tensors are malformed")
     blocks = []
     for i, parent in enumerate(parents):
         if not -1 <= parent < i:

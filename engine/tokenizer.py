@@ -48,6 +48,10 @@ class Tokenizer:
         fingerprint_source: bytes = b"",
         special_tokens: dict[str, str] | None = None,
     ) -> None:
+        # As transformers encodes a prompt (truncation=False, padding=False): whatever
+        # tokenizer.json says about truncation or padding must not cut or pad our prompts.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         self._tok = tokenizer
         self.chat_template = chat_template
         self.bos_token = bos_token

@@ -186,7 +186,7 @@ class Sidecar:
         for name in self.settings.load_on_start:  # a bad file is logged; the server serves
             try:
                 result = await self.engine.load_pinned(self._cache_file(name))
-            except (APIError, ValueError) as exc:  # ValueError: the engine's PrefixStoreError
+            except Exception as exc:  # PrefixStoreError, or worse: the server serves regardless
                 message = exc.message if isinstance(exc, APIError) else str(exc)
                 log.error("pinned prefixes %r not loaded: %s", name, message)
             else:

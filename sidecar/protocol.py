@@ -26,7 +26,7 @@ CacheSalt = Annotated[
 ]
 Tag = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 # A file name inside --cache-dir: no separators, no leading dot, so never a path elsewhere.
-CacheFileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+CacheFileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")]
 StopList = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=16)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
@@ -99,7 +99,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM's field: lower is more important; the engine preempts the least important first.
     priority: Annotated[int, msgspec.Meta(ge=-1000, le=1000)] | None = 0
     logit_bias: dict[str, float] | None = None  # refused unless empty (check_sampling)
-    stop_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None  # vLLM's field
+    stop_token_ids: (
+        Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=256)] | None
+    ) = None  # vLLM's field
 
     def __post_init__(self) -> None:
         _fill_defaults(self, _SAMPLING_DEFAULTS)

@@ -67,11 +67,14 @@ class PromptRenderer:
         continue_final_message: bool = False,
     ) -> RenderedPrompt:
         """The whole conversation rendered once and encoded once (transformers' way)."""
+        final = messages[-1]["content"] if continue_final_message and messages else None
+        if final is not None:  # mark where the last message ends, as transformers 5 does
+            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
         )
-        if continue_final_message:
-            text = _cut_after_final_message(text, messages[-1]["content"])
+        if final is not None:
+            text = _cut_at_continue_tag(text, final)
         return RenderedPrompt(self.tokenizer.encode(text, add_special_tokens=False), [])
 
     def render_pieces(
@@ -142,23 +145,25 @@ def _dicts(messages: list[Message] | list[Segment]) -> list[dict[str, str]]:
     ]
 
 
-def _cut_after_final_message(text: str, final: str) -> str:
-    """The rendered text up to the end of the last message, so the model continues it.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers 5's marker, for identical text
 
-    As transformers' ``continue_final_message``: templates may strip the content, so look for
-    the stripped text and keep the message's leading whitespace only if the template did.
+
+def _cut_at_continue_tag(text: str, final: str) -> str:
+    """The rendered text up to where the last message ends, so the model continues it.
+
+    As transformers 5's ``continue_final_message``: the message was rendered with a marker
+    appended; cut at the marker, and drop trailing spaces if the template trimmed the marker's.
     """
-    stripped = final.strip()
-    if not stripped or stripped not in text:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
         raise ChatTemplateError(
             "continue_final_message is set but the final message does not appear in the "
             "rendered chat (the template changed it)"
         )
-    start = text.rindex(stripped)
-    kept = final.lstrip()
-    if text[start : start + len(kept)] == kept:
-        return text[: start + len(kept)]
-    return text[: start + len(stripped)]
+    at = text.rindex(tag)
+    if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return text[:at]
+    return text[:at].rstrip()
 
 
 def _difference(shorter: str, longer: str, index: int) -> str:

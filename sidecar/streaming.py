@@ -58,9 +58,8 @@ async def run_until_disconnect(work: Coroutine[Any, Any, T], receive: Receive) -
     try:
         return await work
     except asyncio.CancelledError:
-        if not gone:
-            raise  # we are cancelled ourselves (server shutting down)
-        current.uncancel()
+        if not gone or current.uncancel() > 0:
+            raise  # we are cancelled ourselves (server shutting down), maybe as well
         raise ClientGone from None
     finally:
         watcher.cancel()

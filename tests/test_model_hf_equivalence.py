@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -175,6 +176,10 @@ def test_pytorch_bin_checkpoints_equal_transformers(tmp_path: Path, layout: str)
     else:
         legacy = layout == "legacy"
         torch.save(state, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy)
+    # A LoRA adapter saved beside the weights (as PEFT does) is not the model.
+    save_file(
+        {"base_model.lora_A.weight": torch.zeros(2, 2)}, tmp_path / "adapter_model.safetensors"
+    )
     check_equivalence(hf, tmp_path)
 
 

@@ -139,3 +139,18 @@ def test_cache_stays_within_its_character_budget(tokenizers: dict[str, HFTokeniz
     big = "x" * 500  # longer than the whole budget: encoded, never stored
     assert encoder.encode(big) == hf.encode(big, add_special_tokens=False).ids
     assert big not in encoder._pieces
+
+
+def test_truncation_and_padding_in_tokenizer_json_never_cut_a_prompt(
+    tokenizers: dict[str, HFTokenizer],
+) -> None:
+    """transformers encodes prompts with truncation and padding off; so do we."""
+    hf = HFTokenizer.from_str(tokenizers["byte_level"].to_str())
+    hf.enable_truncation(max_length=8)
+    hf.enable_padding(length=64)
+    assert PieceEncoder.create(hf) is None  # pieces would be cut and padded one by one
+    text = "<|im_start|>system\n" + "Hello world " * 40 + "<|im_end|>"
+    tok = Tokenizer(hf)
+    reference = HFTokenizer.from_str(tokenizers["byte_level"].to_str())
+    assert tok.encode(text) == reference.encode(text, add_special_tokens=False).ids
+    assert len(tok.encode(text)) > 64 and tok.piece_cache is not None

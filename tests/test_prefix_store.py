@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from prefixcache.engine import prefix_store
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.prefix_store import PrefixStoreError
@@ -157,3 +161,35 @@ def test_saving_nothing_pinned_writes_an_empty_file_that_loads(loaded, tmp_path:
     assert (result.prefixes, result.blocks) == (0, 0)
     again = make_engine(loaded).load_pinned(tmp_path / "empty.safetensors")
     assert (again.restored_blocks, again.skipped_blocks) == (0, 0)
+
+
+def test_a_crafted_file_with_a_valid_checksum_is_refused_without_a_leak(
+    loaded, tmp_path: Path
+) -> None:
+    """The checksum guards against damage, not against a file made to pass it."""
+    path = tmp_path / "p.safetensors"
+    pinned_engine(loaded, {"": tokens(11, 64, loaded.config.vocab_size)}).save_pinned(path)
+    with safe_open(str(path), framework="pt") as f:
+        metadata = dict(f.metadata())
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    tensors["kv.0"] = tensors["kv.0"][:2]  # fewer KV rows than blocks
+    metadata.pop("checksum")
+    metadata["checksum"] = prefix_store._checksum(metadata, tensors)
+    crafted = tmp_path / "crafted.safetensors"
+    save_file(tensors, str(crafted), metadata=metadata)
+    engine = make_engine(loaded)
+    with pytest.raises(PrefixStoreError, match="disagree"):
+        engine.load_pinned(crafted)
+    assert engine.block_manager.num_used_blocks == 0
+    assert engine.block_manager.stats().num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_concurrent_saves_to_one_name_all_succeed(loaded, tmp_path: Path) -> None:
+    engine = pinned_engine(loaded, {"": tokens(12, 48, loaded.config.vocab_size)})
+    snap = engine.snapshot_pinned()
+    path = tmp_path / "same.safetensors"
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: prefix_store.write(snap, path), range(8)))
+    assert all(r.blocks == 3 for r in results)
+    assert make_engine(loaded).load_pinned(path).restored_blocks == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["same.safetensors"]  # no temporary left

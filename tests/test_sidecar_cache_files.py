@@ -74,7 +74,7 @@ def test_bad_cache_files_are_refused_and_the_server_stays_healthy(
             response = httpx.post(f"{server.url}/cache/load", json={"name": name})
             assert response.status_code == 400
             assert response.json()["error"]["code"] == code
-        for name in ("../etc/passwd", ".hidden", "a/b", ""):
+        for name in ("../etc/passwd", ".hidden", "a/b", "", "pinned\n"):
             response = httpx.post(f"{server.url}/cache/save", json={"name": name})
             assert response.status_code == 400, name
         assert not list(tmp_path.parent.glob("*.safetensors"))

@@ -185,17 +185,6 @@ CORPUS: list[tuple[str, str, str, bytes | None, int]] = [
         ).encode(),
         400,
     ),
-    (
-        "continue_final_message the template drops",
-        "POST",
-        CHAT,
-        chat(
-            messages=[{"role": "assistant", "content": "   "}],
-            continue_final_message=True,
-            add_generation_prompt=False,
-        ),
-        400,
-    ),
     ("stop_token_ids negative", "POST", CHAT, chat(stop_token_ids=[-1]), 400),
     ("stop_token_ids over the vocabulary", "POST", CHAT, chat(stop_token_ids=[10**9]), 400),
     (

@@ -21,7 +21,7 @@ from sidecar_fake_engine import FakeEngine
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.engine.tokenizer import Tokenizer, _compile_template
 from prefixcache.sidecar.app import SidecarSettings, create_app
 
 transformers = pytest.importorskip("transformers")
@@ -287,13 +287,23 @@ async def test_chat_template_kwargs_equal_transformers(folders: dict[str, Path])
     assert len(got[False]) > len(got[True])  # the empty think block is there only when off
 
 
-@pytest.mark.parametrize("kind", ["llama3", "chatml", "mistral"])
+@pytest.mark.parametrize(
+    ("kind", "final"),
+    [
+        ("llama3", "Sourdough, because it "),  # a trailing space the template trims
+        ("chatml", "Sourdough, because it "),
+        ("mistral", "Sourdough, because it "),
+        ("chatml", "end"),  # text that also occurs in the template's own markup
+        ("chatml", "m_"),
+        ("chatml", ""),
+    ],
+)
 async def test_continue_final_message_equals_transformers(
-    folders: dict[str, Path], kind: str
+    folders: dict[str, Path], kind: str, final: str
 ) -> None:
     messages = [
         {"role": "user", "content": "Name a bread."},
-        {"role": "assistant", "content": "Sourdough, because it "},  # trailing space: kept?
+        {"role": "assistant", "content": final},
     ]
     hf = transformers.AutoTokenizer.from_pretrained(folders[kind])
     expected = hf_ids(
@@ -319,3 +329,26 @@ async def test_add_generation_prompt_false_equals_transformers(
     expected = hf_ids(hf.apply_chat_template(messages, add_generation_prompt=False, tokenize=True))
     body = {"messages": messages, "add_generation_prompt": False}
     assert await sidecar_ids(folders[kind], "/v1/chat/completions", body) == expected
+
+
+async def test_continue_final_message_a_template_drops_is_400(folders: dict[str, Path]) -> None:
+    engine = FakeEngine(max_model_len=4096)
+    engine.tokenizer = Tokenizer.from_folder(folders["chatml"])  # type: ignore[assignment]
+    engine.tokenizer._template = _compile_template(  # drops assistant turns
+        "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}"
+        "{% endfor %}"
+    )
+    await engine.start()
+    app = create_app(engine, SidecarSettings(manage_engine=False))
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "max_tokens": 1,
+    }
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert "continue_final_message" in response.json()["error"]["message"]
+    assert engine.received == []
