@@ -165,8 +165,8 @@ class AsyncEngine:
     async def unpin(self, token_ids: list[int], namespace: str = "") -> int:
         return await self._call(lambda: self.engine.unpin(token_ids, namespace))
 
-    async def evict_all(self) -> int:
-        return await self._call(self.engine.evict_all)
+    async def evict_all(self, include_pinned: bool = False) -> int:
+        return await self._call(lambda: self.engine.evict_all(include_pinned))
 
     async def save_pinned(self, path: str | Path) -> SaveResult:
         """Write every pinned prefix and its KV to ``path`` (the file work off the engine thread)."""

@@ -386,8 +386,23 @@ class BlockManager:
             pinned += 1
         return RestoreResult(restored, reused, len(saved) - restored - reused, pinned)
 
-    def evict_all(self) -> int:
-        """Evict every idle unpinned cached block; returns how many."""
+    def unpin_all(self) -> int:
+        """Drop every pin (e.g. prefixes loaded under another namespace secret); returns how
+        many prefixes were pinned."""
+        pinned = [node for node in self._tree.nodes() if node.own_pins]
+        for node in pinned:
+            count, node.own_pins = node.own_pins, 0
+            walk: Node | None = node
+            while walk is not None:  # deepest first, as unpin()
+                for _ in range(count):
+                    self._pool.unpin(walk.block)
+                walk = walk.parent
+        return len(pinned)
+
+    def evict_all(self, include_pinned: bool = False) -> int:
+        """Evict every idle cached block, pinned ones too if asked; returns how many."""
+        if include_pinned:
+            self.unpin_all()
         count = 0
         while (block := self._pool.oldest_idle(include_pinned=False)) is not None:
             self._evict(block)

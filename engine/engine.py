@@ -305,8 +305,8 @@ class LLMEngine:
         snap = prefix_store.read(path, self.block_manager.identity, self.kv_cache)
         return prefix_store.load_result(path, snap, self.restore_pinned(snap))
 
-    def evict_all(self) -> int:
-        evicted = self.block_manager.evict_all()
+    def evict_all(self, include_pinned: bool = False) -> int:
+        evicted = self.block_manager.evict_all(include_pinned)
         self.metrics.evictions.inc(evicted)
         self._last_stats = self.block_manager.stats()
         self._update_gauges()

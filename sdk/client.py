@@ -138,8 +138,10 @@ class AsyncClient:
         response = await self._admin("POST", "cache/unpin", body)
         return int(_decode(response, dict).get("unpinned_blocks", 0))
 
-    async def evict(self) -> int:
-        response = await self._admin("POST", "cache/evict", {})
+    async def evict(self, include_pinned: bool = False) -> int:
+        """Evict every idle cached block (pinned ones too with ``include_pinned``)."""
+        body = {"include_pinned": True} if include_pinned else {}
+        response = await self._admin("POST", "cache/evict", body)
         return int(_decode(response, dict).get("evicted_blocks", 0))
 
     async def cache_stats(self) -> CacheStats:

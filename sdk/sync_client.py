@@ -68,8 +68,8 @@ class Client:
     def unpin(self, prompt: PromptLike, cache_salt: str | None = None) -> int:
         return self._portal.call(lambda: self._async.unpin(prompt, cache_salt))
 
-    def evict(self) -> int:
-        return self._portal.call(self._async.evict)
+    def evict(self, include_pinned: bool = False) -> int:
+        return self._portal.call(lambda: self._async.evict(include_pinned))
 
     def cache_stats(self) -> CacheStats:
         return self._portal.call(self._async.cache_stats)

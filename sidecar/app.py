@@ -459,10 +459,12 @@ class Sidecar:
         self.keys.authenticate_admin(request.headers.get("authorization"))
         self._require_ready()
         body = await self._read_bytes(request)
-        if body.strip():
-            self._decode(body, dict)
+        req = self._decode(body, p.EvictRequest) if body.strip() else p.EvictRequest()
         with _engine_refusals():
-            evicted = await self.engine.evict_all()
+            if req.include_pinned:
+                evicted = await self.engine.evict_all(include_pinned=True)
+            else:
+                evicted = await self.engine.evict_all()
         return _json(p.EvictResponse(evicted))
 
     async def cache_save(self, request: Request) -> Response:

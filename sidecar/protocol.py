@@ -429,6 +429,12 @@ class UnpinResponse(msgspec.Struct):
     unpinned_blocks: int
 
 
+class EvictRequest(msgspec.Struct, kw_only=True):
+    """Body of /v1/cache/evict (optional)."""
+
+    include_pinned: bool = False  # unpin everything first
+
+
 class EvictResponse(msgspec.Struct):
     evicted_blocks: int
 

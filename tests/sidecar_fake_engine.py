@@ -134,7 +134,9 @@ class FakeEngine:
         self.pinned -= digests
         return len(digests)
 
-    async def evict_all(self) -> int:
+    async def evict_all(self, include_pinned: bool = False) -> int:
+        if include_pinned:
+            self.pinned.clear()
         evicted = len(self.cached - self.pinned)
         self.cached &= self.pinned
         return evicted

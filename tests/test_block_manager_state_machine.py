@@ -219,6 +219,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_used_blocks == used_before
         assert self.bm.evict_all() == 0
 
+    @rule()
+    def evict_all_including_pinned(self) -> None:
+        used_before = self.bm.num_used_blocks
+        self.bm.evict_all(include_pinned=True)
+        self.pins.clear()
+        assert self.bm.num_pinned_blocks == 0
+        assert self.bm.num_cached_idle_blocks == 0
+        assert self.bm.num_used_blocks == used_before
+
     @rule(data=st.data(), namespace=st.sampled_from(NAMESPACES))
     def pin(self, data: st.DataObject, namespace: str) -> None:
         choices = [(s.tokens, s.table.namespace) for s in self.seqs]

@@ -109,3 +109,32 @@ def test_the_sdk_saves_and_loads(server_loop: ServerLoop, demo_loaded: Any, tmp_
             assert (loaded.reused_blocks, loaded.restored_blocks) == (saved.blocks, 0)
     finally:
         server.stop()
+
+
+def test_evict_including_pinned_frees_prefixes_nobody_can_unpin(
+    server_loop: ServerLoop, demo_loaded: Any, tmp_path: Path
+) -> None:
+    """Prefixes loaded under another namespace secret never match, so no body can unpin them."""
+    first = start(server_loop, demo_loaded, tmp_path)
+    try:
+        warm = {"messages": [{"role": "system", "content": SYSTEM}], "pin": True}
+        httpx.post(f"{first.url}/cache/warm", json=warm, timeout=60)
+        httpx.post(f"{first.url}/cache/save", json={"name": "old"})
+    finally:
+        first.stop()
+    settings = SidecarSettings(
+        secret=b"another secret!!", cache_dir=tmp_path, load_on_start=("old",)
+    )
+    second = serve(server_loop, create_app(demo_engine(demo_loaded), settings))
+    try:
+        pinned = httpx.get(f"{second.url}/cache/stats").json()["blocks"]["pinned"]
+        assert pinned > 0
+        usage = chat(second.url, "Any delays?")["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # another namespace now
+        httpx.post(f"{second.url}/cache/evict", json={})
+        assert httpx.get(f"{second.url}/cache/stats").json()["blocks"]["pinned"] == pinned
+        evicted = httpx.post(f"{second.url}/cache/evict", json={"include_pinned": True}).json()
+        assert evicted["evicted_blocks"] == pinned
+        assert httpx.get(f"{second.url}/cache/stats").json()["blocks"]["pinned"] == 0
+    finally:
+        second.stop()
