@@ -119,6 +119,36 @@ def build_parser() -> argparse.ArgumentParser:
         "without it (one tenant)",
     )
     serve.add_argument(
+        "--upstream",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="upstream mode (repeatable): no embedded engine; route each request to one of "
+        "these OpenAI-compatible servers (vLLM, SGLang, other sidecars; base URLs like "
+        "http://10.0.0.7:8000/v1) by prefix affinity: requests sharing a system prompt go to "
+        "the replica that already holds it, within --load-factor",
+    )
+    serve.add_argument(
+        "--load-factor",
+        type=float,
+        default=1.25,
+        help="upstream mode: an upstream takes a request while its in-flight count is under "
+        "load-factor x the average; past that the next-best replica does",
+    )
+    serve.add_argument(
+        "--upstream-api-key",
+        default=os.environ.get("PREFIXCACHE_UPSTREAM_API_KEY"),
+        help="upstream mode: bearer key sent to the upstreams (default: "
+        "$PREFIXCACHE_UPSTREAM_API_KEY); clients' own keys are never forwarded",
+    )
+    serve.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=600.0,
+        help="upstream mode: longest wait, in seconds, for an upstream's answer or next "
+        "stream chunk (504 after it)",
+    )
+    serve.add_argument(
         "--cache-dir",
         type=Path,
         default=None,
@@ -168,6 +198,9 @@ def read_secret(path: Path | None, keys_enabled: bool = True) -> bytes:
 
 
 def serve(args: argparse.Namespace) -> None:
+    if args.upstream:
+        serve_upstream(args)
+        return
     import uvicorn
 
     from prefixcache.engine.async_engine import AsyncEngine
@@ -213,6 +246,31 @@ def serve(args: argparse.Namespace) -> None:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
+    )
+
+
+def serve_upstream(args: argparse.Namespace) -> None:
+    """Upstream mode: a prefix-affinity router in front of OpenAI-compatible servers."""
+    import uvicorn
+
+    from .tenancy import KeyStore
+    from .upstream_app import UpstreamSettings, create_upstream_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        settings = UpstreamSettings(
+            upstreams=tuple(args.upstream),
+            keys=KeyStore.from_file(args.api_keys_file) if args.api_keys_file else KeyStore(),
+            upstream_api_key=args.upstream_api_key,
+            load_factor=args.load_factor,
+            timeout_s=args.upstream_timeout,
+            max_body_bytes=int(args.max_body_mib * MIB),
+        )
+        app = create_upstream_app(settings)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"prefixcache serve: {exc}") from None
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
     )
 
 

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from conftest import Server
 
 from prefixcache.sidecar.cli import build_parser, read_secret, serve
 
@@ -27,6 +28,10 @@ OPTIONS = [
     "--max-body-mib",
     "--cache-dir",
     "--load-cache",
+    "--upstream",
+    "--load-factor",
+    "--upstream-api-key",
+    "--upstream-timeout",
 ]
 
 
@@ -106,6 +111,38 @@ def test_serve_subprocess_answers_and_stops_on_sigint() -> None:
         response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_serve_upstream_routes_to_another_server(fake_server: Server) -> None:
+    """`prefixcache serve --upstream URL`: no engine here, the fake sidecar answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", "serve", "--port", str(port)]
+    cmd += ["--upstream", fake_server.url, "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == "fake"  # answered by the upstream
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert (
+            f'prefixcache:upstream_requests_total{{route="affinity",upstream="{fake_server.url}"}} 1.0'
+            in metrics
+        )
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0

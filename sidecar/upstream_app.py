@@ -1,0 +1,432 @@
+"""Upstream mode: the sidecar as a prefix-affinity router in front of OpenAI-compatible servers.
+
+``create_upstream_app(settings)`` proxies /v1/chat/completions and /v1/completions to the
+upstream sidecar/upstream.py chooses for the request's affinity key. Bodies are forwarded as
+they came, except that a chat body with ``segments`` becomes plain ``messages`` (upstreams do
+not know segments). Statuses, bodies and content types come back unchanged; SSE streams are
+relayed as their bytes arrive. A connection that fails before any response byte marks its
+upstream down and the request moves to the next choice; nothing is retried once the
+upstream has answered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgspec
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from . import protocol as p
+from .errors import APIError, bad_request, from_validation, not_found, server_error, too_large
+from .http_metrics import HTTPMetrics
+from .streaming import DONE, ClientGone, SSEResponse, run_until_disconnect, sse_event
+from .tenancy import KeyStore
+from .upstream import ROUTES, Upstream, UpstreamPool, affinity_key
+
+log = logging.getLogger("prefixcache.sidecar.upstream")
+
+# Failures before any response byte: the request never ran there, so another upstream may
+# take it. (ReadError/RemoteProtocolError here: the connection dropped before the headers.)
+CONNECT_FAILURES: tuple[type[Exception], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.RemoteProtocolError,
+)
+
+
+@dataclass(slots=True)
+class UpstreamSettings:
+    upstreams: tuple[str, ...]  # base URLs, e.g. ("http://10.0.0.7:8000/v1", ...)
+    keys: KeyStore = field(default_factory=KeyStore)  # who may call this sidecar
+    upstream_api_key: str | None = None  # sent upstream as "Authorization: Bearer ..."
+    load_factor: float = 1.25
+    retry_after_s: float = 5.0  # how long an unreachable upstream is skipped
+    timeout_s: float = 600.0  # longest wait for any upstream read (a stream's next chunk too)
+    connect_timeout_s: float = 5.0
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+def create_upstream_app(settings: UpstreamSettings) -> Starlette:
+    proxy = UpstreamProxy(settings)
+    app = Starlette(
+        routes=proxy.routes(),
+        middleware=[Middleware(HTTPMetrics, paths=proxy.paths(), registry=proxy.metrics.registry)],
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            ClientGone: _client_gone,
+            Exception: _internal_error,
+        },
+        lifespan=proxy.lifespan,
+    )
+    app.state.upstream = proxy
+    return app
+
+
+class UpstreamMetrics:
+    def __init__(self, urls: list[str]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "prefixcache:upstream_requests",
+            "Requests sent to each upstream, by why it was chosen",
+            ["upstream", "route"],
+            registry=self.registry,
+        )
+        self.connect_failures = Counter(
+            "prefixcache:upstream_connect_failures",
+            "Connections to an upstream that failed before any response byte",
+            ["upstream"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "prefixcache:upstream_in_flight",
+            "Requests sent to each upstream and not finished",
+            ["upstream"],
+            registry=self.registry,
+        )
+        self.healthy = Gauge(
+            "prefixcache:upstream_healthy",
+            "1 unless the upstream is skipped after a connection failure",
+            ["upstream"],
+            registry=self.registry,
+        )
+        for url in urls:  # every series exists from the start, at 0
+            for route in ROUTES:
+                self.requests.labels(url, route)
+            self.connect_failures.labels(url)
+
+    def render(self, pool: UpstreamPool) -> bytes:
+        for upstream in pool.upstreams:
+            self.in_flight.labels(upstream.url).set(upstream.in_flight)
+            self.healthy.labels(upstream.url).set(int(pool.is_healthy(upstream)))
+        return generate_latest(self.registry)
+
+
+@dataclass(slots=True)
+class Exchange:
+    """An upstream response whose headers have arrived. It holds its upstream's in-flight
+    count until ``aclose``."""
+
+    pool: UpstreamPool
+    upstream: Upstream
+    response: httpx.Response
+    closed: bool = False
+
+    @property
+    def content_type(self) -> str:
+        return self.response.headers.get("content-type", "application/json")
+
+    @property
+    def is_event_stream(self) -> bool:
+        return self.response.status_code == 200 and self.content_type.startswith(
+            "text/event-stream"
+        )
+
+    async def aclose(self) -> None:
+        """Closing an unfinished response drops its connection: the upstream aborts."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            await self.response.aclose()
+        finally:
+            self.pool.release(self.upstream)
+
+
+class UpstreamProxy:
+    def __init__(self, settings: UpstreamSettings) -> None:
+        self.settings = settings
+        self.pool = UpstreamPool(settings.upstreams, settings.load_factor, settings.retry_after_s)
+        self.metrics = UpstreamMetrics([u.url for u in self.pool.upstreams])
+        self.upstream_headers = {"accept-encoding": "identity"}  # relay bytes as sent
+        if settings.upstream_api_key:
+            self.upstream_headers["authorization"] = f"Bearer {settings.upstream_api_key}"
+        self._client: httpx.AsyncClient | None = None
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.models, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+        ]
+
+    def paths(self) -> list[str]:
+        return [route.path for route in self.routes()]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        timeout = httpx.Timeout(self.settings.timeout_s, connect=self.settings.connect_timeout_s)
+        # No connection cap: the upstreams queue; the load bound already spreads the work.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            self._client = client
+            try:
+                yield
+            finally:
+                self._client = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("the upstream client exists only while the app runs")
+        return self._client
+
+    # --- plain routes ---------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        if self.pool.healthy():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(
+            {"status": "unavailable", "error": "no upstream reachable"},
+            503,
+            headers={"Retry-After": self._retry_after()},
+        )
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(self.pool), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        """Proxied from the first healthy upstream, in configuration order."""
+        self.settings.keys.authenticate(request.headers.get("authorization"))
+        path = request.url.path.removeprefix("/v1")
+        for upstream in self.pool.healthy():
+            if (exchange := await self._connect(upstream, "GET", path, None)) is not None:
+                return await self._buffered(exchange, request)
+        raise self._no_upstream()
+
+    # --- generation -----------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response | SSEResponse:
+        self.settings.keys.authenticate(request.headers.get("authorization"))
+        payload = await read_body(request, self.settings.max_body_bytes)
+        body = decode_object(payload)
+        key = affinity_key(body)  # before the rewrite: it needs the stability classes
+        if "segments" in body:
+            payload = msgspec.json.encode(segments_to_messages(body))
+        return await self._proxy(request, "/chat/completions", payload, key, body)
+
+    async def completions(self, request: Request) -> Response | SSEResponse:
+        self.settings.keys.authenticate(request.headers.get("authorization"))
+        payload = await read_body(request, self.settings.max_body_bytes)
+        body = decode_object(payload)
+        return await self._proxy(request, "/completions", payload, affinity_key(body), body)
+
+    async def _proxy(
+        self, request: Request, path: str, payload: bytes, key: bytes, body: dict[str, Any]
+    ) -> Response | SSEResponse:
+        exchange = await run_until_disconnect(self._open(path, payload, key), request.receive)
+        if body.get("stream") is True and exchange.is_event_stream:
+            headers = {"content-type": exchange.content_type}
+            return SSEResponse(_relay(exchange.response), on_close=exchange.aclose, headers=headers)
+        return await self._buffered(exchange, request)
+
+    async def _open(self, path: str, payload: bytes, key: bytes) -> Exchange:
+        """The response headers of the first choice that accepts the connection."""
+        tried: set[str] = set()
+        while (choice := self.pool.choose(key, exclude=tried)) is not None:
+            self.metrics.requests.labels(choice.upstream.url, choice.route).inc()
+            exchange = await self._connect(choice.upstream, "POST", path, payload)
+            if exchange is not None:
+                return exchange
+            tried.add(choice.upstream.url)
+        raise self._no_upstream()
+
+    async def _connect(
+        self, upstream: Upstream, method: str, path: str, payload: bytes | None
+    ) -> Exchange | None:
+        """Send and wait for the response headers; None when the connection failed (the
+        upstream is then marked down). The Exchange holds the upstream's in-flight count."""
+        # Runs before the first await: no request can choose between another's choose and
+        # acquire, so each sees the others' in-flight counts.
+        self.pool.acquire(upstream)
+        opened = False
+        try:
+            response = await self._send(upstream, method, path, payload)
+            opened = True
+        except CONNECT_FAILURES as exc:
+            self._mark_down(upstream, exc)
+            return None
+        except httpx.TimeoutException:
+            raise self._timed_out() from None
+        finally:
+            if not opened:
+                self.pool.release(upstream)
+        return Exchange(self.pool, upstream, response)
+
+    async def _send(
+        self, upstream: Upstream, method: str, path: str, payload: bytes | None
+    ) -> httpx.Response:
+        headers = dict(self.upstream_headers)
+        if payload is not None:
+            headers["content-type"] = "application/json"
+        request = self.client.build_request(
+            method, upstream.url + path, content=payload, headers=headers
+        )
+        return await self.client.send(request, stream=True)
+
+    async def _buffered(self, exchange: Exchange, request: Request) -> Response:
+        """The whole upstream answer, with its status and content type."""
+        try:
+            content = await run_until_disconnect(exchange.response.aread(), request.receive)
+        except httpx.TimeoutException:
+            raise self._timed_out() from None
+        except httpx.TransportError as exc:
+            log.warning("upstream %s dropped a response: %r", exchange.upstream.url, exc)
+            raise upstream_lost() from None
+        finally:
+            await exchange.aclose()
+        headers = {"content-type": exchange.content_type}
+        return Response(content, exchange.response.status_code, headers=headers)
+
+    def _mark_down(self, upstream: Upstream, exc: Exception) -> None:
+        self.pool.mark_down(upstream)
+        self.metrics.connect_failures.labels(upstream.url).inc()
+        log.warning(
+            "upstream %s unreachable (%s); skipped for %.1fs",
+            upstream.url,
+            type(exc).__name__,
+            self.settings.retry_after_s,
+        )
+
+    def _retry_after(self) -> str:
+        return str(max(1, math.ceil(self.settings.retry_after_s)))
+
+    def _no_upstream(self) -> APIError:
+        return APIError(
+            502,
+            "no upstream reachable",
+            type="server_error",
+            code="upstream_unreachable",
+            headers={"Retry-After": self._retry_after()},
+        )
+
+    def _timed_out(self) -> APIError:
+        return APIError(
+            504,
+            f"the upstream sent nothing for {self.settings.timeout_s:g}s",
+            type="server_error",
+            code="upstream_timeout",
+        )
+
+
+# --- request bodies -------------------------------------------------------------------------
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused as soon as it is known to exceed ``limit`` bytes."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise too_large(limit) if length.isdigit() else bad_request("invalid Content-Length")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone from None
+    return b"".join(chunks)
+
+
+def decode_object(payload: bytes) -> dict[str, Any]:
+    try:
+        body = msgspec.json.decode(payload)
+    except UnicodeDecodeError:
+        raise bad_request("The request body is not valid UTF-8", code="invalid_utf8") from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"Malformed JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object", code="invalid_json")
+    return body
+
+
+class SegmentsField(msgspec.Struct):
+    segments: list[p.Segment]
+
+
+def segments_to_messages(body: dict[str, Any]) -> dict[str, Any]:
+    """The body with ``segments`` replaced by ``messages`` in stability order."""
+    rewritten = {name: value for name, value in body.items() if name != "segments"}
+    if body["segments"] is None:  # an explicit null: there are no segments
+        return rewritten
+    try:  # wrapped, so that errors name the path `$.segments[i].field`
+        segments = msgspec.convert({"segments": body["segments"]}, SegmentsField).segments
+    except msgspec.ValidationError as exc:
+        raise from_validation(exc) from None
+    messages = body.get("messages")
+    try:  # the openai client requires `messages`: segment users send []
+        p.check_prompt_source(messages or None, segments)
+    except p.Error as exc:
+        raise bad_request(str(exc), exc.param) from None
+    ordered = sorted(segments, key=lambda s: p.STABILITY_ORDER[s.stability])  # stable
+    rewritten["messages"] = [{"role": s.role, "content": s.content} for s in ordered]
+    return rewritten
+
+
+# --- responses ------------------------------------------------------------------------------
+
+
+def upstream_lost() -> APIError:
+    return APIError(
+        502,
+        "the upstream connection was lost mid-response",
+        type="server_error",
+        code="upstream_disconnected",
+    )
+
+
+async def _relay(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The upstream's SSE bytes as they arrive; a lost upstream ends with an in-band error."""
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    except httpx.TransportError as exc:
+        log.warning("upstream stream from %s broke: %r", response.request.url, exc)
+        # "\n\n" first ends an event cut in half; a spare blank line is ignored by clients.
+        yield b"\n\n" + sse_event(upstream_lost().body()) + DONE
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return not_found(f"No route {request.method} {request.url.path[:200]}").response()
+    error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return APIError(exc.status_code, str(exc.detail), type=error_type).response()
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nobody reads it; the status shows up in metrics
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    return server_error("internal server error").response()
