@@ -136,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         "load-factor x the average; past that the next-best replica does",
     )
     serve.add_argument(
+        "--min-load",
+        type=int,
+        default=8,
+        help="upstream mode: an upstream with fewer requests in flight than this always takes "
+        "the requests whose prefix it owns (the load bound applies above it)",
+    )
+    serve.add_argument(
         "--upstream-api-key",
         default=os.environ.get("PREFIXCACHE_UPSTREAM_API_KEY"),
         help="upstream mode: bearer key sent to the upstreams (default: "
@@ -263,6 +270,7 @@ def serve_upstream(args: argparse.Namespace) -> None:
             keys=KeyStore.from_file(args.api_keys_file) if args.api_keys_file else KeyStore(),
             upstream_api_key=args.upstream_api_key,
             load_factor=args.load_factor,
+            min_load=args.min_load,
             timeout_s=args.upstream_timeout,
             max_body_bytes=int(args.max_body_mib * MIB),
         )

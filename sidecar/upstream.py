@@ -4,8 +4,10 @@
   they reach the replica whose prefix cache already holds it.
 - ``UpstreamPool.choose(key)`` is bounded-load rendezvous hashing: every upstream scores
   blake2b(key + url) and the best-scored one owns the key. The owner takes the request unless
-  it is at the load bound ceil(load_factor * (total_in_flight + 1) / num_healthy); then the
-  next-best under the bound does. Adding or removing an upstream only moves the keys it owns.
+  it is at the load bound max(min_load, ceil(load_factor * (total_in_flight + 1) /
+  num_healthy)); then the next-best under the bound does. ``min_load`` keeps a light load from
+  being spread: a replica batches a few requests at once for free, while a prefix recomputed
+  elsewhere costs a whole prefill. Adding or removing an upstream only moves the keys it owns.
 - Health is passive: a connection failure marks an upstream down for ``retry_after_s``;
   after that it is tried again.
 
@@ -131,6 +133,7 @@ class UpstreamPool:
     load_factor: float = 1.25
     retry_after_s: float = 5.0
     clock: Callable[[], float] = time.monotonic
+    min_load: int = 8  # below this many in flight an upstream always takes its own keys
     upstreams: list[Upstream] = field(init=False)
 
     def __post_init__(self, urls: Sequence[str]) -> None:
@@ -146,6 +149,8 @@ class UpstreamPool:
             raise ValueError("load_factor must be at least 1")
         if self.retry_after_s < 0:
             raise ValueError("retry_after_s must not be negative")
+        if self.min_load < 1:
+            raise ValueError("min_load must be at least 1")
         self.upstreams = [Upstream(url) for url in normalized]
 
     # --- choosing -------------------------------------------------------------------------
@@ -159,7 +164,7 @@ class UpstreamPool:
         if not candidates:
             return None
         total = sum(u.in_flight for u in candidates)
-        bound = math.ceil(self.load_factor * (total + 1) / len(candidates))
+        bound = max(self.min_load, math.ceil(self.load_factor * (total + 1) / len(candidates)))
         # Never empty: the least loaded candidate has at most total / n < bound in flight.
         chosen = next(u for u in candidates if u.in_flight < bound)
         owner = ranked[0]

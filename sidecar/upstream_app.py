@@ -60,6 +60,7 @@ class UpstreamSettings:
     keys: KeyStore = field(default_factory=KeyStore)  # who may call this sidecar
     upstream_api_key: str | None = None  # sent upstream as "Authorization: Bearer ..."
     load_factor: float = 1.25
+    min_load: int = 8  # in flight below which an upstream always takes its own keys
     retry_after_s: float = 5.0  # how long an unreachable upstream is skipped
     timeout_s: float = 600.0  # longest wait for any upstream read (a stream's next chunk too)
     connect_timeout_s: float = 5.0
@@ -156,7 +157,12 @@ class Exchange:
 class UpstreamProxy:
     def __init__(self, settings: UpstreamSettings) -> None:
         self.settings = settings
-        self.pool = UpstreamPool(settings.upstreams, settings.load_factor, settings.retry_after_s)
+        self.pool = UpstreamPool(
+            settings.upstreams,
+            settings.load_factor,
+            settings.retry_after_s,
+            min_load=settings.min_load,
+        )
         self.metrics = UpstreamMetrics([u.url for u in self.pool.upstreams])
         self.upstream_headers = {"accept-encoding": "identity"}  # relay bytes as sent
         if settings.upstream_api_key:

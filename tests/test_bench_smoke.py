@@ -43,6 +43,10 @@ CASES = {
         ["--prefix", "64", "--suffix", "8"],
         {"load_s", "cold_first_token_s", "loaded_first_token_s", "speedup", "cached_tokens"},
     ),
+    "upstream_routing.py": (
+        ["--replicas", "2", "--prompts", "2", "--questions", "2", "--hop-requests", "2"],
+        {"ours_computed_tokens", "round_robin_computed_tokens", "efficiency_vs_ideal"},
+    ),
     "tokenization.py": (
         ["--prefix-tokens", "300", "--requests", "3"],
         {"whole_ms", "cached_ms", "speedup", "ideal_speedup"},

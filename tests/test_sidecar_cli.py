@@ -30,6 +30,7 @@ OPTIONS = [
     "--load-cache",
     "--upstream",
     "--load-factor",
+    "--min-load",
     "--upstream-api-key",
     "--upstream-timeout",
 ]

@@ -297,8 +297,22 @@ def test_rendezvous_spreads_keys_and_a_new_upstream_only_takes_keys() -> None:
     assert moved and all(b == "http://d:8000/v1" for _, b in moved)
 
 
+def test_a_light_load_stays_with_the_owner() -> None:
+    """Below min_load in flight the owner takes every request of its key: batching a few more
+    costs a replica little, a prefix recomputed elsewhere costs a prefill."""
+    pool = UpstreamPool(URLS, min_load=8)
+    choices = []
+    for _ in range(9):
+        choice = pool.choose(b"k")
+        assert choice is not None
+        pool.acquire(choice.upstream)
+        choices.append(choice)
+    assert [c.route for c in choices] == ["affinity"] * 8 + ["overflow"]
+    assert len({id(c.upstream) for c in choices[:8]}) == 1
+
+
 def test_the_owner_is_left_at_its_load_bound() -> None:
-    pool = UpstreamPool(URLS, load_factor=1.25)
+    pool = UpstreamPool(URLS, load_factor=1.25, min_load=1)
     first = pool.choose(b"k")
     assert first is not None and first.route == "affinity"
     owner = first.upstream
@@ -388,7 +402,10 @@ async def test_turn_two_lands_where_turn_one_did(sidecar: Server) -> None:
         assert len(set(placements)) > 1  # conversations without a system prompt still spread
 
 
-async def test_concurrent_requests_for_one_key_respect_the_load_bound(sidecar: Server) -> None:
+async def test_concurrent_requests_for_one_key_respect_the_load_bound(
+    start_sidecar: Callable[..., Server], fakes: list[FakeUpstream]
+) -> None:
+    sidecar = start_sidecar([fake.url for fake in fakes], min_load=1)
     body = chat(SYSTEM, "slow one", x_fake={"delay": 0.5})
     async with httpx.AsyncClient(base_url=sidecar.url, timeout=10) as client:
         answers = await asyncio.gather(
