@@ -151,8 +151,17 @@ class LLMEngine:
             self._count_cache_stats()
             ready = [c.seq for c in out.chunks if c.seq.num_uncomputed_tokens == 0]
             assert logits.shape[0] == len(ready)
+            params = [s.request.sampling for s in ready]
+            histories = None
+            if any(p.penalized for p in params):  # only then: the ids each request has seen
+                histories = [
+                    (s.token_ids[: s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens :])
+                    if p.penalized
+                    else ((), ())
+                    for s, p in zip(ready, params, strict=True)
+                ]
             tokens, logprobs = self.sampler.sample(
-                logits, [s.request.sampling for s in ready], [s.request_id for s in ready]
+                logits, params, [s.request_id for s in ready], histories
             )
             now = time.monotonic()
             for seq, token, logprob in zip(ready, tokens, logprobs, strict=True):

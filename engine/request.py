@@ -16,6 +16,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
+    # OpenAI's: subtracted once per generated token that already appeared / per appearance.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's / transformers': logits of tokens in the prompt or output, divided if positive,
+    # multiplied if negative.
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -28,6 +34,17 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

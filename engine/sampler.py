@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .request import SamplingParams, TokenLogprob
+
+History = tuple[Sequence[int], Sequence[int]]  # (prompt ids, output ids) of one request
 
 
 class Sampler:
@@ -12,14 +16,28 @@ class Sampler:
         self._generators: dict[str, torch.Generator] = {}
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        request_ids: list[str],
+        histories: list[History] | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """``logits`` is float32 ``[n, vocab]``; returns one token (and optional logprob) per row."""
+        """``logits`` is float32 ``[n, vocab]``; returns one token (and optional logprob) per row.
+
+        Rows with penalties need their ``histories`` (prompt and output ids); logprobs are the
+        model's own, before penalties, temperature and truncation (as vLLM reports them).
+        """
         assert logits.shape[0] == len(params)
-        tokens = logits.argmax(dim=-1).tolist()  # greedy for every row; sampled rows overwrite
+        chosen_from = logits
+        if histories is not None and any(p.penalized for p in params):
+            chosen_from = logits.clone()
+            for row, (p, history) in enumerate(zip(params, histories, strict=True)):
+                if p.penalized:
+                    apply_penalties(chosen_from[row], p, history)
+        tokens = chosen_from.argmax(dim=-1).tolist()  # greedy for every row; sampled overwrite
         for row, (p, rid) in enumerate(zip(params, request_ids, strict=True)):
             if not p.greedy:
-                tokens[row] = self._sample_row(logits[row], p, rid)
+                tokens[row] = self._sample_row(chosen_from[row], p, rid)
         logprobs: list[TokenLogprob | None] = [None] * len(params)
         for row, p in enumerate(params):
             if p.logprobs is not None:
@@ -50,6 +68,22 @@ class Sampler:
             gen = torch.Generator().manual_seed(p.seed)
             self._generators[request_id] = gen
         return gen
+
+
+def apply_penalties(row: torch.Tensor, p: SamplingParams, history: History) -> None:
+    """Penalize one row of logits in place for the tokens its request has seen."""
+    prompt, output = history
+    vocab = row.shape[-1]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(list({*prompt, *output}), dtype=torch.long, device=row.device)
+        values = row[seen]
+        row[seen] = torch.where(
+            values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+        )
+    if output and (p.presence_penalty or p.frequency_penalty):
+        ids = torch.tensor(output, dtype=torch.long, device=row.device)
+        counts = torch.bincount(ids, minlength=vocab)[:vocab].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
 def _logprob_of(row: torch.Tensor, token: int, top: int) -> TokenLogprob:

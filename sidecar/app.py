@@ -315,6 +315,9 @@ class Sidecar:
                 stop_token_ids=self._stop_token_ids(req.stop_token_ids),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None

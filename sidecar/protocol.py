@@ -93,6 +93,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty | None = 0.0
     frequency_penalty: Penalty | None = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] | None = 1.0  # vLLM's
     ignore_eos: bool | None = False
     user: str | None = None
     cache_salt: CacheSalt | None = None
@@ -127,6 +128,7 @@ _SAMPLING_DEFAULTS: dict[str, Any] = {
     "stream": False,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
     "ignore_eos": False,
     "priority": 0,
 }
@@ -207,10 +209,6 @@ def check_sampling(req: SamplingFields) -> None:
         raise Error("'logit_bias' is not supported by this server", "logit_bias")
     if req.n != 1:
         raise Error("only n=1 is supported", "n")
-    if req.presence_penalty != 0.0:
-        raise Error("presence_penalty is not supported (must be 0)", "presence_penalty")
-    if req.frequency_penalty != 0.0:
-        raise Error("frequency_penalty is not supported (must be 0)", "frequency_penalty")
     if req.stream_options is not None and not req.stream:
         raise Error("stream_options is only allowed with stream=true", "stream_options")
 

@@ -189,3 +189,34 @@ def test_bfloat16_checkpoint_loads_in_float32(tmp_path: Path) -> None:
     loaded = load_model(str(folder), dtype="float32")
     assert loaded.model.lm_head.weight.dtype == torch.float32
     check_equivalence(hf.float(), folder)
+
+
+def test_greedy_with_repetition_penalty_equals_transformers_generate(tmp_path: Path) -> None:
+    """vLLM's and transformers' repetition penalty: prompt and output tokens, same tokens out."""
+    from prefixcache.engine.config import EngineConfig
+    from prefixcache.engine.engine import LLMEngine
+    from prefixcache.engine.request import EngineRequest, SamplingParams
+
+    hf = make_hf("llama", seed=11)
+    folder = save_checkpoint(hf, tmp_path)
+    prompt = torch.randint(0, TINY["vocab_size"], (12,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = hf.generate(
+            prompt[None],
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),  # no id is padding
+            max_new_tokens=40,
+            do_sample=False,
+            repetition_penalty=1.3,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    expected = out[0, len(prompt) :].tolist()
+    config = EngineConfig(model=str(folder), dtype="float32", device="cpu", num_blocks=16)
+    engine = LLMEngine(config)
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True, repetition_penalty=1.3)
+    got = engine.generate([EngineRequest("r", prompt.tolist(), sampling)])[0].token_ids
+    assert got == expected
+    plain = engine.generate(
+        [EngineRequest("p", prompt.tolist(), SamplingParams(40, ignore_eos=True))]
+    )
+    assert plain[0].token_ids != expected  # the penalty changed something worth checking

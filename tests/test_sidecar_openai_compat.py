@@ -137,6 +137,7 @@ async def test_harmless_values_of_those_options_are_accepted(
 
 NULLABLE_CHAT = [
     "temperature", "top_p", "top_k", "n", "presence_penalty", "frequency_penalty", "logprobs",
+    "repetition_penalty",
     "top_logprobs", "stream", "stream_options", "stop", "seed", "max_tokens",
     "max_completion_tokens", "user", "ignore_eos", "tools", "tool_choice", "response_format",
     "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "stop_token_ids",
@@ -160,6 +161,15 @@ async def test_explicit_nulls_mean_the_defaults(
     streamed = {"messages": USER, "max_tokens": 1, "stream": True}
     response = await client.post(CHAT, json={**streamed, "stream_options": {"include_usage": None}})
     assert response.status_code == 200 and "[DONE]" in response.text
+
+
+async def test_penalties_reach_the_engine(engine: FakeEngine, client: httpx.AsyncClient) -> None:
+    body = {"messages": USER, "presence_penalty": 0.5, "frequency_penalty": -0.25}
+    response = await client.post(CHAT, json={**body, "repetition_penalty": 1.1})
+    assert response.status_code == 200, response.text
+    sampling = engine.received[-1].sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -0.25)
+    assert sampling.repetition_penalty == 1.1
 
 
 async def test_vllm_stop_token_ids_reach_the_engine(
