@@ -93,6 +93,11 @@ class AsyncEngine:
         return self.engine.loaded.name
 
     @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """The model's generation_config.json sampling values (for unset request fields)."""
+        return self.engine.loaded.sampling_defaults
+
+    @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

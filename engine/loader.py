@@ -13,7 +13,7 @@ import json
 import struct
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,6 +50,9 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     path: Path | None = None
+    # generation_config.json's sampling values (temperature, top_p, top_k, repetition_penalty):
+    # vLLM uses them for requests that leave those fields unset.
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
     def kv_cache_spec(self, block_size: int = 16) -> KVCacheSpec:
         return KVCacheSpec(
@@ -127,6 +130,7 @@ def load_folder(
         dtype=dtype,
         device=device,
         path=folder,
+        sampling_defaults=_generation_sampling_defaults(folder),
     )
 
 
@@ -258,6 +262,21 @@ def _generation_eos_ids(folder: Path) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def _generation_sampling_defaults(folder: Path) -> dict[str, float]:
+    gen = folder / "generation_config.json"
+    if not gen.is_file():
+        return {}
+    raw = json.loads(gen.read_text(encoding="utf-8"))
+    return {
+        key: raw[key]
+        for key in _SAMPLING_KEYS
+        if isinstance(raw.get(key), int | float) and not isinstance(raw.get(key), bool)
+    }
 
 
 def _short(names: list[str], limit: int = 6) -> str:

@@ -77,6 +77,7 @@ class SidecarSettings:
     manage_engine: bool = True  # start the engine on app start-up, shut it down at the end
     # Further names the served model answers to (vLLM-style clients send the --model path).
     model_aliases: tuple[str, ...] = ()
+    use_generation_config: bool = True  # unset sampling fields take the model's values
     cache_dir: Path | None = None  # where /v1/cache/save and /load keep pinned-prefix files
     load_on_start: tuple[str, ...] = ()  # files in cache_dir loaded once the engine is up
 
@@ -307,9 +308,9 @@ class Sidecar:
         try:
             sampling = SamplingParams(
                 max_tokens=max_tokens,
-                temperature=req.temperature,
-                top_k=req.top_k,
-                top_p=req.top_p,
+                temperature=self._sampling(req.temperature, "temperature"),
+                top_k=int(self._sampling(req.top_k, "top_k")),
+                top_p=self._sampling(req.top_p, "top_p"),
                 seed=req.seed,
                 stop=req.stop_list,
                 stop_token_ids=self._stop_token_ids(req.stop_token_ids),
@@ -317,7 +318,7 @@ class Sidecar:
                 logprobs=logprobs,
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty,
+                repetition_penalty=self._sampling(req.repetition_penalty, "repetition_penalty"),
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None
@@ -595,6 +596,16 @@ class Sidecar:
         except (ChatTemplateError, JinjaError) as exc:
             message = f"The chat template rejected the conversation: {exc}"
             raise bad_request(message, "messages", "chat_template_error") from None
+
+    def _sampling(self, value: float | None, name: str) -> float:
+        """A request's value, else the model's generation_config.json one, else OpenAI's."""
+        if value is not None:
+            return value
+        if self.settings.use_generation_config:
+            defaults = getattr(self.engine, "sampling_defaults", {})
+            if name in defaults:
+                return defaults[name]
+        return p.SAMPLING_FALLBACKS[name]
 
     def _stop_token_ids(self, ids: list[int] | None) -> list[int]:
         vocab = getattr(self.engine.tokenizer, "vocab_size", None)

@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         "without it (one tenant)",
     )
     serve.add_argument(
+        "--generation-config",
+        choices=["auto", "none"],
+        default="auto",
+        help="auto: requests that leave temperature, top_p, top_k or repetition_penalty unset "
+        "get the model's generation_config.json values (as vLLM does); none: OpenAI's defaults",
+    )
+    serve.add_argument(
         "--upstream",
         action="append",
         default=[],
@@ -245,6 +252,7 @@ def serve(args: argparse.Namespace) -> None:
         model_aliases=(args.model, *args.served_model_name),
         cache_dir=args.cache_dir,
         load_on_start=tuple(args.load_cache),
+        use_generation_config=args.generation_config == "auto",
     )
     app = create_app(AsyncEngine(config), settings)
     uvicorn.run(

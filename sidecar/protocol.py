@@ -83,9 +83,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     max_tokens: PositiveInt | None = None
-    temperature: Temperature | None = 1.0
-    top_p: TopP | None = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = 0  # -1 and 0: off (vLLM's convention)
+    # None: the model's generation_config.json value, else OpenAI's default (as vLLM does)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # -1 and 0: off (vLLM's)
     n: PositiveInt | None = 1
     stop: Annotated[str, msgspec.Meta(min_length=1)] | StopList | None = None
     seed: Seed | None = None
@@ -93,7 +94,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty | None = 0.0
     frequency_penalty: Penalty | None = 0.0
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] | None = 1.0  # vLLM's
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=2.0)] | None = None  # vLLM's
     ignore_eos: bool | None = False
     user: str | None = None
     cache_salt: CacheSalt | None = None
@@ -121,16 +122,21 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
 
 _SAMPLING_DEFAULTS: dict[str, Any] = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
     "n": 1,
     "stream": False,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
     "ignore_eos": False,
     "priority": 0,
+}
+
+
+# OpenAI's defaults, for fields neither the request nor the model's generation config sets.
+SAMPLING_FALLBACKS: dict[str, float] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "repetition_penalty": 1.0,
 }
 
 

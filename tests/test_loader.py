@@ -178,6 +178,23 @@ def test_eos_from_generation_config_and_chat_template_file(tmp_path: Path) -> No
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "[hi]"
 
 
+def test_sampling_defaults_from_generation_config(tmp_path: Path) -> None:
+    folder = write_folder(tmp_path / "g")
+    generation = {
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "do_sample": True,  # not a sampling value we take
+        "min_p": "0",  # not a number: ignored
+        "max_new_tokens": 512,
+    }
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    defaults = load_model(str(folder)).sampling_defaults
+    assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
+    assert load_model(str(write_folder(tmp_path / "none"))).sampling_defaults == {}
+
+
 def test_fingerprints_follow_weights_and_tokenizer(tmp_path: Path) -> None:
     a = load_model(str(write_folder(tmp_path / "a")))
     b = load_model(str(write_folder(tmp_path / "b")))

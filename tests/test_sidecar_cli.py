@@ -31,6 +31,7 @@ OPTIONS = [
     "--upstream",
     "--load-factor",
     "--min-load",
+    "--generation-config",
     "--upstream-api-key",
     "--upstream-timeout",
 ]

@@ -163,6 +163,30 @@ async def test_explicit_nulls_mean_the_defaults(
     assert response.status_code == 200 and "[DONE]" in response.text
 
 
+@pytest.mark.parametrize("use_generation_config", [True, False])
+async def test_unset_sampling_fields_take_the_models_generation_config(
+    use_generation_config: bool,
+) -> None:
+    """As vLLM: a field the request leaves unset comes from generation_config.json."""
+    engine = FakeEngine()
+    engine.sampling_defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}  # Qwen3's
+    await engine.start()
+    settings = SidecarSettings(manage_engine=False, use_generation_config=use_generation_config)
+    transport = httpx.ASGITransport(app=create_app(engine, settings))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        assert (await client.post(CHAT, json={"messages": USER})).status_code == 200
+        unset = engine.received[-1].sampling
+        body = {"messages": USER, "temperature": 0, "top_p": None, "top_k": 5}
+        assert (await client.post(CHAT, json=body)).status_code == 200
+        explicit = engine.received[-1].sampling
+    if use_generation_config:
+        assert (unset.temperature, unset.top_p, unset.top_k) == (0.6, 0.95, 20)
+        assert (explicit.temperature, explicit.top_p, explicit.top_k) == (0.0, 0.95, 5)
+    else:
+        assert (unset.temperature, unset.top_p, unset.top_k) == (1.0, 1.0, 0)
+    assert unset.repetition_penalty == 1.0  # set by neither
+
+
 async def test_penalties_reach_the_engine(engine: FakeEngine, client: httpx.AsyncClient) -> None:
     body = {"messages": USER, "presence_penalty": 0.5, "frequency_penalty": -0.25}
     response = await client.post(CHAT, json={**body, "repetition_penalty": 1.1})
