@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-Role = Literal["system", "user", "assistant"]
+# "developer": OpenAI's newer name for the system role; templates see it as "system".
+Role = Literal["system", "developer", "user", "assistant"]
 Stability = Literal["static", "shared", "session", "dynamic"]
 STABILITY_ORDER: dict[str, int] = {"static": 0, "shared": 1, "session": 2, "dynamic": 3}
 

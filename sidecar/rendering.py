@@ -140,7 +140,10 @@ class PromptRenderer:
 
 def _dicts(messages: list[Message] | list[Segment]) -> list[dict[str, str]]:
     return [
-        {"role": m.role, "content": m.text if isinstance(m, Message) else m.content}
+        {
+            "role": "system" if m.role == "developer" else m.role,  # OpenAI's alias
+            "content": m.text if isinstance(m, Message) else m.content,
+        }
         for m in messages
     ]
 

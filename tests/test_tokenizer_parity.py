@@ -352,3 +352,16 @@ async def test_continue_final_message_a_template_drops_is_400(folders: dict[str,
     assert response.status_code == 400
     assert "continue_final_message" in response.json()["error"]["message"]
     assert engine.received == []
+
+
+async def test_a_developer_message_renders_as_a_system_message(folders: dict[str, Path]) -> None:
+    """OpenAI's newer clients send role "developer" where older ones sent "system"."""
+    question = {"role": "user", "content": "Hello"}
+    developer = {"role": "developer", "content": SYSTEM["content"]}
+    as_developer = await sidecar_ids(
+        folders["llama3"], "/v1/chat/completions", {"messages": [developer, question]}
+    )
+    as_system = await sidecar_ids(
+        folders["llama3"], "/v1/chat/completions", {"messages": [SYSTEM, question]}
+    )
+    assert as_developer == as_system
