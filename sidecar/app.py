@@ -137,15 +137,16 @@ class Sidecar:
         self.loading_cache = False  # /health says 503 until the start-up cache files are in
         self._renderer: PromptRenderer | None = None
         self._fingerprint: str | None = None
+        self._namespaces: dict[tuple[str, str | None], str] = {}
 
     def routes(self) -> list[Route]:
-        return [
+        return [  # matched in order: the hot routes first
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/cache/stats", self.cache_stats, methods=["GET"]),
             Route("/v1/cache/warm", self.cache_warm, methods=["POST"]),
             Route("/v1/cache/unpin", self.cache_unpin, methods=["POST"]),
@@ -326,7 +327,7 @@ class Sidecar:
             request_id=request_id,
             prompt_token_ids=prompt.token_ids,
             sampling=sampling,
-            namespace=cache_namespace(self.settings.secret, tenant.name, req.cache_salt),
+            namespace=self._namespace(tenant.name, req.cache_salt),
             priority=req.priority,
             segments=prompt.spans or None,
         )
@@ -596,6 +597,16 @@ class Sidecar:
         except (ChatTemplateError, JinjaError) as exc:
             message = f"The chat template rejected the conversation: {exc}"
             raise bad_request(message, "messages", "chat_template_error") from None
+
+    def _namespace(self, tenant: str, salt: str | None) -> str:
+        """The HMAC-derived cache namespace, remembered (a few per tenant in practice)."""
+        key = (tenant, salt)
+        namespace = self._namespaces.get(key)
+        if namespace is None:
+            if len(self._namespaces) >= 65536:
+                self._namespaces.clear()
+            namespace = self._namespaces[key] = cache_namespace(self.settings.secret, tenant, salt)
+        return namespace
 
     def _sampling(self, value: float | None, name: str) -> float:
         """A request's value, else the model's generation_config.json one, else OpenAI's."""
