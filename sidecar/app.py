@@ -24,9 +24,8 @@ import msgspec
 from jinja2.exceptions import TemplateError as JinjaError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -44,13 +43,11 @@ from .admission import Admission, EngineStream
 from .errors import (
     APIError,
     bad_request,
-    from_validation,
     model_not_found,
-    not_found,
     not_ready,
     server_error,
-    too_large,
 )
+from .http_io import decode_json, exception_handlers, read_body
 from .http_metrics import HTTPMetrics
 from .rendering import PromptRenderer, RenderedPrompt, TemplateError
 from .responses import (
@@ -60,7 +57,7 @@ from .responses import (
     server_timing,
     usage_info,
 )
-from .streaming import DONE, ClientGone, SSEResponse, run_until_disconnect, sse_event
+from .streaming import DONE, SSEResponse, run_until_disconnect, sse_event
 from .tenancy import KeyStore, Tenant, cache_namespace
 
 log = logging.getLogger("prefixcache.sidecar")
@@ -113,12 +110,7 @@ def create_app(engine: Any, settings: SidecarSettings | None = None) -> Starlett
         middleware=[
             Middleware(HTTPMetrics, paths=sidecar.paths(), registry=sidecar.metrics_registry)
         ],
-        exception_handlers={
-            APIError: _api_error,
-            HTTPException: _http_error,
-            ClientGone: _client_gone,
-            Exception: _internal_error,
-        },
+        exception_handlers=exception_handlers(),
         lifespan=sidecar.lifespan,
     )
     app.state.sidecar = sidecar
@@ -463,8 +455,8 @@ class Sidecar:
     async def cache_evict(self, request: Request) -> Response:
         self.keys.authenticate_admin(request.headers.get("authorization"))
         self._require_ready()
-        body = await self._read_bytes(request)
-        req = self._decode(body, p.EvictRequest) if body.strip() else p.EvictRequest()
+        body = await read_body(request, self.settings.max_body_bytes)
+        req = decode_json(body, p.EvictRequest) if body.strip() else p.EvictRequest()
         with _engine_refusals():
             if req.include_pinned:
                 evicted = await self.engine.evict_all(include_pinned=True)
@@ -500,8 +492,8 @@ class Sidecar:
     async def _cache_file_request(self, request: Request) -> p.CacheFileRequest:
         self.keys.authenticate_admin(request.headers.get("authorization"))
         self._require_ready()
-        body = await self._read_bytes(request)
-        return self._decode(body, p.CacheFileRequest) if body.strip() else p.CacheFileRequest()
+        body = await read_body(request, self.settings.max_body_bytes)
+        return decode_json(body, p.CacheFileRequest) if body.strip() else p.CacheFileRequest()
 
     def _cache_file(self, name: str) -> Path:
         if self.settings.cache_dir is None:
@@ -545,36 +537,7 @@ class Sidecar:
             raise model_not_found(self.engine.model_name)
 
     async def _read(self, request: Request, type_: type[S]) -> S:
-        return self._decode(await self._read_bytes(request), type_)
-
-    async def _read_bytes(self, request: Request) -> bytes:
-        """The body, refused as soon as it is known to exceed the limit."""
-        limit = self.settings.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            raise too_large(limit) if length.isdigit() else bad_request("invalid Content-Length")
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_large(limit)
-                chunks.append(chunk)
-        except ClientDisconnect:
-            raise ClientGone from None
-        return b"".join(chunks)
-
-    @staticmethod
-    def _decode(body: bytes, type_: type[S]) -> S:
-        try:
-            return msgspec.json.decode(body, type=type_)
-        except msgspec.ValidationError as exc:
-            raise from_validation(exc) from None
-        except UnicodeDecodeError:
-            raise bad_request("The request body is not valid UTF-8", code="invalid_utf8") from None
-        except msgspec.DecodeError as exc:
-            raise bad_request(f"Malformed JSON: {exc}", code="invalid_json") from None
+        return decode_json(await read_body(request, self.settings.max_body_bytes), type_)
 
     @property
     def renderer(self) -> PromptRenderer:
@@ -683,24 +646,3 @@ def _raise_engine_error(error: str | None, finish_reason: str | None) -> None:
 
 def _json(obj: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(obj), status, media_type="application/json")
-
-
-async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, APIError)
-    return exc.response()
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    if exc.status_code == 404:
-        return not_found(f"No route {request.method} {request.url.path[:200]}").response()
-    error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return APIError(exc.status_code, str(exc.detail), type=error_type).response()
-
-
-async def _client_gone(request: Request, exc: Exception) -> Response:
-    return Response(status_code=499)  # nobody reads it; the status shows up in metrics
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    return server_error("internal server error").response()

@@ -28,16 +28,16 @@ from prometheus_client import (
     generate_latest,
 )
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import protocol as p
-from .errors import APIError, bad_request, from_validation, not_found, server_error, too_large
+from .errors import APIError, bad_request, from_validation
+from .http_io import decode_json, exception_handlers, read_body
 from .http_metrics import HTTPMetrics
-from .streaming import DONE, ClientGone, SSEResponse, run_until_disconnect, sse_event
+from .streaming import DONE, SSEResponse, run_until_disconnect, sse_event
 from .tenancy import KeyStore
 from .upstream import ROUTES, Upstream, UpstreamPool, affinity_key
 
@@ -72,12 +72,7 @@ def create_upstream_app(settings: UpstreamSettings) -> Starlette:
     app = Starlette(
         routes=proxy.routes(),
         middleware=[Middleware(HTTPMetrics, paths=proxy.paths(), registry=proxy.metrics.registry)],
-        exception_handlers={
-            APIError: _api_error,
-            HTTPException: _http_error,
-            ClientGone: _client_gone,
-            Exception: _internal_error,
-        },
+        exception_handlers=exception_handlers(),
         lifespan=proxy.lifespan,
     )
     app.state.upstream = proxy
@@ -341,31 +336,8 @@ class UpstreamProxy:
 # --- request bodies -------------------------------------------------------------------------
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused as soon as it is known to exceed ``limit`` bytes."""
-    length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        raise too_large(limit) if length.isdigit() else bad_request("invalid Content-Length")
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large(limit)
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone from None
-    return b"".join(chunks)
-
-
 def decode_object(payload: bytes) -> dict[str, Any]:
-    try:
-        body = msgspec.json.decode(payload)
-    except UnicodeDecodeError:
-        raise bad_request("The request body is not valid UTF-8", code="invalid_utf8") from None
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"Malformed JSON: {exc}", code="invalid_json") from None
+    body = decode_json(payload, object)
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object", code="invalid_json")
     return body
@@ -415,24 +387,3 @@ async def _relay(response: httpx.Response) -> AsyncIterator[bytes]:
         log.warning("upstream stream from %s broke: %r", response.request.url, exc)
         # "\n\n" first ends an event cut in half; a spare blank line is ignored by clients.
         yield b"\n\n" + sse_event(upstream_lost().body()) + DONE
-
-
-async def _api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, APIError)
-    return exc.response()
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    if exc.status_code == 404:
-        return not_found(f"No route {request.method} {request.url.path[:200]}").response()
-    error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return APIError(exc.status_code, str(exc.detail), type=error_type).response()
-
-
-async def _client_gone(request: Request, exc: Exception) -> Response:
-    return Response(status_code=499)  # nobody reads it; the status shows up in metrics
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    return server_error("internal server error").response()
