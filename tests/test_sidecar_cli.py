@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -79,72 +81,51 @@ def test_one_tenant_keeps_its_namespace_across_restarts(monkeypatch: pytest.Monk
     assert read_secret(None, keys_enabled=True) == b"from the environment"
 
 
-@pytest.mark.slow
-def test_serve_subprocess_answers_and_stops_on_sigint() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "prefixcache.sidecar.cli",
-        "serve",
-        "--model",
-        "demo",
-        "--port",
-        str(port),
-        "--num-blocks",
-        "128",
-        "--log-level",
-        "warning",
-    ]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
-        assert response.status_code == 200
-        assert response.json()["usage"]["completion_tokens"] >= 1
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
-
-
-def test_serve_upstream_routes_to_another_server(fake_server: Server) -> None:
-    """`prefixcache serve --upstream URL`: no engine here, the fake sidecar answers."""
+@contextlib.contextmanager
+def cli_server(*options: str, timeout: float = 120) -> Iterator[str]:
+    """`prefixcache serve OPTIONS` as a subprocess on a free port: its root URL once healthy;
+    stopped with SIGINT, which must exit 0."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", "serve", "--port", str(port)]
-    cmd += ["--upstream", fake_server.url, "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen([*cmd, *options], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    root = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + timeout
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                if httpx.get(f"{root}/health").status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
-        assert response.status_code == 200, response.text
-        assert response.json()["model"] == "fake"  # answered by the upstream
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        assert (
-            f'prefixcache:upstream_requests_total{{route="affinity",upstream="{fake_server.url}"}} 1.0'
-            in metrics
-        )
+        yield root
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.slow
+def test_serve_subprocess_answers_and_stops_on_sigint() -> None:
+    options = ("--model", "demo", "--num-blocks", "128", "--log-level", "warning")
+    with cli_server(*options) as root:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        response = httpx.post(f"{root}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_serve_upstream_routes_to_another_server(fake_server: Server) -> None:
+    """`prefixcache serve --upstream URL`: no engine here, the fake sidecar answers."""
+    with cli_server("--upstream", fake_server.url, "--log-level", "warning", timeout=60) as root:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        response = httpx.post(f"{root}/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == "fake"  # answered by the upstream
+        metrics = httpx.get(f"{root}/metrics").text
+        series = (
+            f'prefixcache:upstream_requests_total{{route="affinity",upstream="{fake_server.url}"}}'
+        )
+        assert f"{series} 1.0" in metrics
