@@ -22,6 +22,7 @@ from safetensors import safe_open
 from .kv_cache import KVCacheSpec
 from .llama import LlamaForCausalLM
 from .model_config import ModelConfig, UnsupportedModelError
+from .request import SamplingParams
 from .tokenizer import Tokenizer
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -272,11 +273,20 @@ def _generation_sampling_defaults(folder: Path) -> dict[str, float]:
     if not gen.is_file():
         return {}
     raw = json.loads(gen.read_text(encoding="utf-8"))
-    return {
-        key: raw[key]
-        for key in _SAMPLING_KEYS
-        if isinstance(raw.get(key), int | float) and not isinstance(raw.get(key), bool)
-    }
+    defaults: dict[str, float] = {}
+    for key in _SAMPLING_KEYS:
+        value = raw.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            continue
+        if key == "top_k" and value < 0:
+            value = 0  # -1: off, as in vLLM
+        try:
+            SamplingParams(**{key: value})
+        except ValueError as exc:  # never let the model's file fail every default request
+            warnings.warn(f"{gen}: {key} ignored: {exc}", stacklevel=2)
+            continue
+        defaults[key] = value
+    return defaults
 
 
 def _short(names: list[str], limit: int = 6) -> str:

@@ -181,7 +181,11 @@ class UpstreamProxy:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         timeout = httpx.Timeout(self.settings.timeout_s, connect=self.settings.connect_timeout_s)
         # No connection cap: the upstreams queue; the load bound already spreads the work.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        # Idle connections expire before the upstreams' own keep-alive (uvicorn's is 5 s), so
+        # a reused one is never one the upstream is closing (which would mark it down).
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
+        )
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             self._client = client
             try:
@@ -242,6 +246,7 @@ class UpstreamProxy:
         if body.get("stream") is True and exchange.is_event_stream:
             headers = {"content-type": exchange.content_type}
             return SSEResponse(_relay(exchange.response), on_close=exchange.aclose, headers=headers)
+        # Anything else, a 429 or 503 with its Retry-After too, comes back whole.
         return await self._buffered(exchange, request)
 
     async def _open(self, path: str, payload: bytes, key: bytes) -> Exchange:
@@ -300,6 +305,8 @@ class UpstreamProxy:
         finally:
             await exchange.aclose()
         headers = {"content-type": exchange.content_type}
+        if retry_after := exchange.response.headers.get("retry-after"):
+            headers["retry-after"] = retry_after  # the upstream's backoff, for the client's
         return Response(content, exchange.response.status_code, headers=headers)
 
     def _mark_down(self, upstream: Upstream, exc: Exception) -> None:
@@ -379,11 +386,28 @@ def upstream_lost() -> APIError:
 
 
 async def _relay(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The upstream's SSE bytes as they arrive; a lost upstream ends with an in-band error."""
+    """The upstream's SSE events as they arrive, whole ones only (decoded if the upstream
+    compressed them); a lost upstream drops its half-sent event and ends with an in-band error."""
+    pending = b""
     try:
-        async for chunk in response.aiter_raw():
-            yield chunk
+        async for chunk in response.aiter_bytes():
+            pending += chunk
+            end = _events_end(pending)
+            if end:
+                yield pending[:end]
+                pending = pending[end:]
+        if pending:
+            yield pending
     except httpx.TransportError as exc:
         log.warning("upstream stream from %s broke: %r", response.request.url, exc)
-        # "\n\n" first ends an event cut in half; a spare blank line is ignored by clients.
-        yield b"\n\n" + sse_event(upstream_lost().body()) + DONE
+        yield sse_event(upstream_lost().body()) + DONE
+
+
+def _events_end(data: bytes) -> int:
+    """Where the last complete SSE event in ``data`` ends (0: none is complete yet)."""
+    end = 0
+    for separator in (b"\n\n", b"\r\n\r\n", b"\r\r"):
+        at = data.rfind(separator)
+        if at >= 0:
+            end = max(end, at + len(separator))
+    return end

@@ -64,7 +64,8 @@ def stream_frames(name: str, count: int) -> list[bytes]:
 class FakeUpstream:
     """Records what reached it. A request's ``x_fake`` field steers the answer:
     delay (s), status (an error answer), chunks and chunk_delay (s) of a stream, and
-    drop_after (frames sent before the connection is dropped)."""
+    drop_after (frames sent before the connection is dropped; with half_frame, half of the
+    next one is sent first)."""
 
     name: str
     url: str = ""
@@ -129,6 +130,9 @@ class FakeUpstream:
         try:
             for i, frame in enumerate(frames):
                 if i == fake.get("drop_after"):
+                    if fake.get("half_frame"):
+                        yield frame[: len(frame) // 2]
+                        await asyncio.sleep(0.05)  # let the half reach the sidecar alone
                     raise RuntimeError("the fake upstream drops the connection")
                 if i:
                     await asyncio.sleep(fake.get("chunk_delay", 0))
@@ -681,12 +685,15 @@ async def test_the_openai_client_works_through_the_sidecar(sidecar: Server) -> N
     stream = await client.chat.completions.create(model="m", messages=messages, stream=True)
     deltas = [chunk.choices[0].delta.content async for chunk in stream]
     assert deltas == [f"{owner}-0 ", f"{owner}-1 ", f"{owner}-2 "]
-    broken = await client.chat.completions.create(
-        model="m", messages=messages, stream=True, extra_body={"x_fake": {"drop_after": 1}}
-    )
-    with pytest.raises(openai.APIError, match="lost mid-response"):
-        async for _ in broken:
-            pass
+    for cut in ({"drop_after": 1}, {"drop_after": 1, "half_frame": True}):
+        broken = await client.chat.completions.create(
+            model="m", messages=messages, stream=True, extra_body={"x_fake": cut}
+        )
+        received = []
+        with pytest.raises(openai.APIError, match="lost mid-response"):  # never a JSON error
+            async for chunk in broken:
+                received.append(chunk.choices[0].delta.content)
+        assert received == [f"{owner}-0 "]  # the whole events only
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(
             model="m", messages=messages, extra_body={"x_fake": {"status": 400}}
