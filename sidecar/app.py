@@ -130,6 +130,7 @@ class Sidecar:
         self._renderer: PromptRenderer | None = None
         self._fingerprint: str | None = None
         self._namespaces: dict[tuple[str, str | None], str] = {}
+        self._sampling_defaults: dict[str, float] | None = None
 
     def routes(self) -> list[Route]:
         return [  # matched in order: the hot routes first
@@ -575,11 +576,11 @@ class Sidecar:
         """A request's value, else the model's generation_config.json one, else OpenAI's."""
         if value is not None:
             return value
-        if self.settings.use_generation_config:
-            defaults = getattr(self.engine, "sampling_defaults", {})
-            if name in defaults:
-                return defaults[name]
-        return p.SAMPLING_FALLBACKS[name]
+        if self._sampling_defaults is None:  # the engine is ready by now: resolve once
+            model = getattr(self.engine, "sampling_defaults", {})
+            use_model = self.settings.use_generation_config
+            self._sampling_defaults = {**p.SAMPLING_FALLBACKS, **(model if use_model else {})}
+        return self._sampling_defaults[name]
 
     def _stop_token_ids(self, ids: list[int] | None) -> list[int]:
         vocab = getattr(self.engine.tokenizer, "vocab_size", None)

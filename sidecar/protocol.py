@@ -68,6 +68,11 @@ class Segment(msgspec.Struct):
     stability: Stability = "dynamic"
 
 
+def order_segments(segments: list[Segment]) -> list[Segment]:
+    """static → shared → session → dynamic, stable within a class."""
+    return sorted(segments, key=lambda s: STABILITY_ORDER[s.stability])
+
+
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = False
 

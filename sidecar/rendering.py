@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from prefixcache.engine.request import SegmentSpan
 from prefixcache.engine.tokenizer import ChatTemplateError
 
-from .protocol import STABILITY_ORDER, Message, Segment
+from .protocol import Message, Segment, order_segments
 
 
 class ChatTokenizer(Protocol):
@@ -43,11 +43,6 @@ class TemplateError(ValueError):
 class RenderedPrompt:
     token_ids: list[int]
     spans: list[SegmentSpan]  # one per tagged segment, in prompt order; [] for plain messages
-
-
-def order_segments(segments: list[Segment]) -> list[Segment]:
-    """static → shared → session → dynamic, stable within a class."""
-    return sorted(segments, key=lambda s: STABILITY_ORDER[s.stability])
 
 
 class PromptRenderer:

@@ -368,7 +368,7 @@ def segments_to_messages(body: dict[str, Any]) -> dict[str, Any]:
         p.check_prompt_source(messages or None, segments)
     except p.Error as exc:
         raise bad_request(str(exc), exc.param) from None
-    ordered = sorted(segments, key=lambda s: p.STABILITY_ORDER[s.stability])  # stable
+    ordered = p.order_segments(segments)
     rewritten["messages"] = [{"role": s.role, "content": s.content} for s in ordered]
     return rewritten
 
