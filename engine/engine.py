@@ -12,6 +12,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
+from prefixcache.sdk.cache_stats import BlockStats, CacheStats, TokenizerPieceStats, TokenStats
+
 from . import prefix_store
 from .attention import create_backend
 from .block_manager import BlockManager, RestoreResult
@@ -321,25 +325,34 @@ class LLMEngine:
         self._update_gauges()
         return evicted
 
-    def cache_stats(self) -> dict:
+    def cache_stats(self) -> CacheStats:
         s = self.block_manager.stats()
-        return {
-            "block_size": s.block_size,
-            "blocks": {
-                "total": s.num_blocks,
-                "free": s.num_free_blocks,
-                "cached_idle": s.num_cached_idle_blocks,
-                "in_use": s.num_used_blocks,
-                "pinned": s.num_pinned_blocks,
-            },
-            "tokens": {
-                "queries": s.query_tokens,
-                "hits": s.hit_tokens,
-                "inserted": s.inserted_tokens,
-                "evicted": s.evicted_tokens,
-            },
-            "hit_rate": s.hit_tokens / s.query_tokens if s.query_tokens else 0.0,
-        }
+        return CacheStats(
+            block_size=s.block_size,
+            blocks=BlockStats(
+                total=s.num_blocks,
+                free=s.num_free_blocks,
+                cached_idle=s.num_cached_idle_blocks,
+                in_use=s.num_used_blocks,
+                pinned=s.num_pinned_blocks,
+            ),
+            tokens=TokenStats(
+                queries=s.query_tokens,
+                hits=s.hit_tokens,
+                inserted=s.inserted_tokens,
+                evicted=s.evicted_tokens,
+            ),
+            hit_rate=s.hit_tokens / s.query_tokens if s.query_tokens else 0.0,
+            tokenizer_pieces=self.piece_stats(),
+        )
+
+    def piece_stats(self) -> TokenizerPieceStats | msgspec.UnsetType:
+        """The tokenizer's memo of text between special tokens; UNSET where it keeps none."""
+        pieces = self.tokenizer.piece_cache
+        if pieces is None:
+            return msgspec.UNSET
+        s = pieces.stats
+        return TokenizerPieceStats(hits=s.hits, misses=s.misses, entries=s.entries, chars=s.chars)
 
     # -- scripts and tests -------------------------------------------------------------------
 

@@ -5,6 +5,14 @@ from __future__ import annotations
 
 import msgspec
 
+# Re-exported: ``from prefixcache.sdk.types import CacheStats`` keeps working.
+from .cache_stats import (  # noqa: F401
+    BlockStats,
+    CacheStats,
+    TokenizerPieceStats,
+    TokenStats,
+)
+
 
 class SegmentReport(msgspec.Struct):
     tag: str = ""
@@ -85,28 +93,6 @@ class LoadResult(msgspec.Struct):
     reused_blocks: int = 0
     skipped_blocks: int = 0
     pinned_prefixes: int = 0
-
-
-class BlockStats(msgspec.Struct):
-    total: int = 0
-    free: int = 0
-    cached_idle: int = 0
-    in_use: int = 0
-    pinned: int = 0
-
-
-class TokenStats(msgspec.Struct):
-    queries: int = 0
-    hits: int = 0
-    inserted: int = 0
-    evicted: int = 0
-
-
-class CacheStats(msgspec.Struct):
-    block_size: int = 0
-    blocks: BlockStats = msgspec.field(default_factory=BlockStats)
-    tokens: TokenStats = msgspec.field(default_factory=TokenStats)
-    hit_rate: float = 0.0
 
 
 # --- raw wire shapes (OpenAI chat.completion and chat.completion.chunk) ----------------------
