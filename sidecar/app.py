@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 
 from prefixcache.engine.api import EngineAPI
 
@@ -55,7 +56,7 @@ class Sidecar:
         self.start_error: str | None = None
         self.loading_cache = False  # /health says 503 until the start-up cache files are in
 
-    def routes(self) -> list:
+    def routes(self) -> list[Route]:
         serving = openai_routes(
             chat_completions=self.generation.chat_completions,
             completions=self.generation.completions,
