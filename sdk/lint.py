@@ -14,12 +14,9 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import TYPE_CHECKING
 
 from .canonical import canonical_json
-
-if TYPE_CHECKING:
-    from .prompt import Prompt, Segment
+from .prompt import Prompt, Segment
 
 RULES: dict[str, str] = {
     "PC001": "clock-value",

@@ -4,6 +4,10 @@ A segment has a role, text content (structured data is serialized canonically), 
 and a stability class. Rendering orders segments static → shared → session → dynamic, keeping
 the declared order within a class, so the longest possible prefix stays the same from one
 request to the next.
+
+This module is a leaf of the SDK: lint, fingerprint and the renderers import it, never the
+other way round. ``Prompt.lint()``, ``.fingerprint()`` and the ``to_*`` renderers are
+conveniences that import their module when called.
 """
 
 from __future__ import annotations
@@ -14,17 +18,17 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from .canonical import canonical_json, to_text
-from .fingerprint import Fingerprint, compute_fingerprint
+from .stability import RANK, STABILITIES, Stability, is_stable
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # deferred: these modules import this one
+    from .fingerprint import Fingerprint
     from .lint import Finding
 
+__all__ = ["RANK", "STABILITIES", "TOOLS_TAG", "Prompt", "PromptBuilder", "Segment", "Tool"]
+
 Role = Literal["system", "user", "assistant"]
-Stability = Literal["static", "shared", "session", "dynamic"]
 SharedOrder = Literal["declared", "tag"]
 
-STABILITIES: tuple[Stability, ...] = get_args(Stability)
-RANK: dict[str, int] = {s: i for i, s in enumerate(STABILITIES)}
 TOOLS_TAG = "tools"  # the pseudo-segment that carries tool schemas (see Prompt.tools)
 
 
@@ -56,7 +60,7 @@ class Segment:
 
     @property
     def is_stable(self) -> bool:
-        return self.stability != "dynamic"
+        return is_stable(self.stability)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +150,22 @@ class Prompt:
                 return s
         raise KeyError(tag)
 
+    def tools_segment(self) -> Segment | None:
+        """Tool schemas as one static system segment tagged "tools", or None without tools.
+
+        The sidecar has no ``tools`` field, so the schemas travel as canonical JSON text in
+        front of every other segment (where chat templates put them too); the fingerprint
+        covers the same segment.
+        """
+        if not self.tools:
+            return None
+        content = canonical_json([t.to_dict() for t in self.tools])
+        return Segment("system", content, TOOLS_TAG, "static")
+
     def fingerprint(self) -> Fingerprint:
         """Chained digests of the tools and the stable segments, in render order."""
+        from .fingerprint import compute_fingerprint
+
         return compute_fingerprint(self)
 
     def lint(self, previous: Prompt | None = None) -> list[Finding]:

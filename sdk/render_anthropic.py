@@ -13,10 +13,9 @@ segments of one role are merged into one message with several text blocks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .prompt import Prompt
+from .prompt import Prompt
 
 MAX_BREAKPOINTS = 4
 
