@@ -14,10 +14,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from prefixcache.sdk.stability import RANK, Stability
+
 # "developer": OpenAI's newer name for the system role; templates see it as "system".
 Role = Literal["system", "developer", "user", "assistant"]
-Stability = Literal["static", "shared", "session", "dynamic"]
-STABILITY_ORDER: dict[str, int] = {"static": 0, "shared": 1, "session": 2, "dynamic": 3}
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
@@ -71,7 +71,7 @@ class Segment(msgspec.Struct):
 
 def order_segments(segments: list[Segment]) -> list[Segment]:
     """static → shared → session → dynamic, stable within a class."""
-    return sorted(segments, key=lambda s: STABILITY_ORDER[s.stability])
+    return sorted(segments, key=lambda s: RANK[s.stability])
 
 
 class StreamOptions(msgspec.Struct):
