@@ -187,9 +187,6 @@ class LLMEngine:
             self.metrics.inter_token_latency.observe(now - (seq.last_token_time or now))
         seq.last_token_time = now
         self.metrics.generation_tokens.inc()
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-
         reason = output.finish_reason(seq, token, self._stop_token_ids, self.max_seq_len)
         if reason is None:
             return output.delta_output(seq, token, logprob)
@@ -199,7 +196,7 @@ class LLMEngine:
         return final
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
-        self.scheduler.finish(seq, reason)
+        self.scheduler.finish(seq)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
         self._sequences.pop(seq.request_id, None)
         self.sampler.forget(seq.request_id)

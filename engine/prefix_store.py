@@ -8,8 +8,9 @@ format, a digest of the engine identity (model and tokenizer fingerprints, dtype
 size, and a sha256 over everything else, so a file from another model, tokenizer, dtype or
 block size, or a damaged one, is refused with a message before any page is touched.
 
-Split by thread: ``snapshot``/``restore`` touch the block manager and the pages (the engine
-thread); ``write``/``read`` do the file work and its checks (any thread).
+Split by thread: ``snapshot``/``restore`` touch the block manager (through
+``pinned_blocks.py``) and the pages (the engine thread); ``write``/``read`` do the file work and
+its checks (any thread).
 """
 
 from __future__ import annotations
