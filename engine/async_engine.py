@@ -26,6 +26,7 @@ from .api import WarmResult
 from .config import EngineConfig
 from .engine import LLMEngine
 from .loader import LoadedModel
+from .output import aborted_output
 from .prefix_store import LoadResult, SaveResult
 from .request import EngineRequest, RequestOutput, SamplingParams
 from .tokenizer import Tokenizer
@@ -74,7 +75,7 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
         for request_id, stream in list(self._streams.items()):
-            stream.put_nowait(_aborted(request_id, "engine shut down"))
+            stream.put_nowait(aborted_output(request_id, "engine shut down"))
 
     @property
     def is_ready(self) -> bool:
@@ -184,10 +185,8 @@ class AsyncEngine:
     async def load_pinned(self, path: str | Path) -> LoadResult:
         """Cache and pin the prefixes of a file ``save_pinned`` wrote with this model."""
         engine = self.engine
-        identity, cache = engine.block_manager.identity, engine.kv_cache
-        snap = await asyncio.to_thread(prefix_store.read, path, identity, cache)
-        restored = await self._call(lambda: engine.restore_pinned(snap))
-        return prefix_store.load_result(path, snap, restored)
+        snap = await asyncio.to_thread(engine.read_pinned, path)
+        return await self._call(lambda: engine.restore_pinned(snap))
 
     def cache_stats(self) -> CacheStats:
         """The latest block snapshot, refreshed by the engine thread after every step and
@@ -274,7 +273,3 @@ class AsyncEngine:
 
         self._submit(command)
         return await future
-
-
-def _aborted(request_id: str, message: str) -> RequestOutput:
-    return RequestOutput(request_id, [], "", finished=True, finish_reason="abort", error=message)
