@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from .prompt import Prompt
+from .segment import PromptParts, tools_segment
 from .stability import RANK, STABLE
 
 _ROOT = hashlib.sha256(b"prefixcache.sdk.fingerprint.v1").digest()
@@ -67,10 +67,10 @@ class Divergence:
         return f"stable segment {self.index}: {self.tag_a!r} vs {self.tag_b!r}"
 
 
-def compute_fingerprint(prompt: Prompt) -> Fingerprint:
+def compute_fingerprint(prompt: PromptParts) -> Fingerprint:
     chain = _ROOT
     out: list[SegmentDigest] = []
-    tools = prompt.tools_segment()
+    tools = tools_segment(prompt.tools)
     stable = ([tools] if tools else []) + [s for s in prompt.rendered() if s.is_stable]
     for seg in stable:
         chain = _link(chain, seg.role, seg.content)
@@ -78,10 +78,10 @@ def compute_fingerprint(prompt: Prompt) -> Fingerprint:
     return Fingerprint(tuple(out))
 
 
-def diff(a: Prompt | Fingerprint, b: Prompt | Fingerprint) -> Divergence | None:
+def diff(a: PromptParts | Fingerprint, b: PromptParts | Fingerprint) -> Divergence | None:
     """The first stable segment that differs between ``a`` and ``b``; None when they match."""
-    fa = a if isinstance(a, Fingerprint) else a.fingerprint()
-    fb = b if isinstance(b, Fingerprint) else b.fingerprint()
+    fa = a if isinstance(a, Fingerprint) else compute_fingerprint(a)
+    fb = b if isinstance(b, Fingerprint) else compute_fingerprint(b)
     n = max(len(fa.segments), len(fb.segments))
     for i in range(n):
         sa = fa.segments[i] if i < len(fa.segments) else None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from .canonical import canonical_json
-from .prompt import Prompt, Segment
+from .segment import PromptParts, Segment
 
 RULES: dict[str, str] = {
     "PC001": "clock-value",
@@ -46,7 +46,7 @@ class Finding:
         return f"{self.rule} {self.name} [{self.tag}]: {self.message} Fix: {self.fix}"
 
 
-def lint(prompt: Prompt, previous: Prompt | None = None) -> list[Finding]:
+def lint(prompt: PromptParts, previous: PromptParts | None = None) -> list[Finding]:
     """All findings for ``prompt``, in declared segment order then rule order."""
     findings: list[Finding] = []
     for seg in prompt.segments:
@@ -264,7 +264,7 @@ _CONTENT_CHECKS: tuple[Callable[[Segment], Finding | None], ...] = (
 # --- rules over the whole prompt --------------------------------------------------------------
 
 
-def _stable_after_dynamic(prompt: Prompt) -> Iterable[Finding]:
+def _stable_after_dynamic(prompt: PromptParts) -> Iterable[Finding]:
     first_dynamic: str | None = None
     for seg in prompt.segments:
         if not seg.is_stable:
@@ -280,7 +280,7 @@ def _stable_after_dynamic(prompt: Prompt) -> Iterable[Finding]:
             )
 
 
-def _drift_between(prompt: Prompt, previous: Prompt) -> Iterable[Finding]:
+def _drift_between(prompt: PromptParts, previous: PromptParts) -> Iterable[Finding]:
     before = {s.tag: s for s in previous.segments}
     for seg in prompt.segments:
         old = before.get(seg.tag)
@@ -297,7 +297,7 @@ def _drift_between(prompt: Prompt, previous: Prompt) -> Iterable[Finding]:
             )
 
 
-def _shared_order(prompt: Prompt) -> Iterable[Finding]:
+def _shared_order(prompt: PromptParts) -> Iterable[Finding]:
     if prompt.shared_order != "declared":
         return
     shared = [s.tag for s in prompt.segments if s.stability == "shared"]

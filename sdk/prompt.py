@@ -5,85 +5,28 @@ and a stability class. Rendering orders segments static → shared → session �
 the declared order within a class, so the longest possible prefix stays the same from one
 request to the next.
 
-This module is a leaf of the SDK: lint, fingerprint and the renderers import it, never the
-other way round. ``Prompt.lint()``, ``.fingerprint()`` and the ``to_*`` renderers are
-conveniences that import their module when called.
+``Prompt`` sits above lint, fingerprint and the renderers: they read a prompt through
+``segment.PromptParts`` and never import this module.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
-from .canonical import canonical_json, to_text
-from .stability import RANK, STABILITIES, Stability, is_stable
-
-if TYPE_CHECKING:  # deferred: these modules import this one
-    from .fingerprint import Fingerprint
-    from .lint import Finding
+from .canonical import to_text
+from .fingerprint import Fingerprint, compute_fingerprint
+from .lint import Finding, lint
+from .render_anthropic import render_anthropic
+from .render_openai import render_openai
+from .render_sidecar import render_segments
+from .segment import TOOLS_TAG, Role, Segment, Tool, tools_segment
+from .stability import RANK, STABILITIES, Stability
 
 __all__ = ["RANK", "STABILITIES", "TOOLS_TAG", "Prompt", "PromptBuilder", "Segment", "Tool"]
 
-Role = Literal["system", "user", "assistant"]
 SharedOrder = Literal["declared", "tag"]
-
-TOOLS_TAG = "tools"  # the pseudo-segment that carries tool schemas (see Prompt.tools)
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """One tagged piece of a prompt. ``content`` may be text or JSON-like data."""
-
-    role: Role
-    content: str
-    tag: str
-    stability: Stability = "dynamic"
-
-    def __init__(
-        self, role: Role, content: Any, tag: str, stability: Stability = "dynamic"
-    ) -> None:
-        if role not in get_args(Role):
-            raise ValueError(f"role must be one of {get_args(Role)}, got {role!r}")
-        if stability not in STABILITIES:
-            raise ValueError(f"stability must be one of {STABILITIES}, got {stability!r}")
-        if not isinstance(tag, str) or not tag:
-            raise ValueError("segment tag must be a non-empty string")
-        text = to_text(content)
-        if not text:
-            raise ValueError(f"segment {tag!r} has empty content")
-        object.__setattr__(self, "role", role)
-        object.__setattr__(self, "content", text)
-        object.__setattr__(self, "tag", tag)
-        object.__setattr__(self, "stability", stability)
-
-    @property
-    def is_stable(self) -> bool:
-        return is_stable(self.stability)
-
-
-@dataclass(frozen=True, slots=True)
-class Tool:
-    """A function tool schema. ``parameters`` is a JSON Schema object, stored canonically."""
-
-    name: str
-    description: str
-    parameters_json: str
-
-    def __init__(self, name: str, description: str, parameters: Mapping[str, Any]) -> None:
-        if not name:
-            raise ValueError("tool name must be non-empty")
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "description", description)
-        object.__setattr__(self, "parameters_json", canonical_json(parameters))
-
-    @property
-    def parameters(self) -> dict[str, Any]:
-        return json.loads(self.parameters_json)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "description": self.description, "parameters": self.parameters}
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,27 +94,15 @@ class Prompt:
         raise KeyError(tag)
 
     def tools_segment(self) -> Segment | None:
-        """Tool schemas as one static system segment tagged "tools", or None without tools.
-
-        The sidecar has no ``tools`` field, so the schemas travel as canonical JSON text in
-        front of every other segment (where chat templates put them too); the fingerprint
-        covers the same segment.
-        """
-        if not self.tools:
-            return None
-        content = canonical_json([t.to_dict() for t in self.tools])
-        return Segment("system", content, TOOLS_TAG, "static")
+        """Tool schemas as one static system segment tagged "tools" (see segment.py)."""
+        return tools_segment(self.tools)
 
     def fingerprint(self) -> Fingerprint:
         """Chained digests of the tools and the stable segments, in render order."""
-        from .fingerprint import compute_fingerprint
-
         return compute_fingerprint(self)
 
     def lint(self, previous: Prompt | None = None) -> list[Finding]:
         """Cache-breakers in this prompt; ``previous`` adds checks across two renders."""
-        from .lint import lint
-
         return lint(self, previous)
 
     # --- new prompts from this one ------------------------------------------------------
@@ -202,8 +133,6 @@ class Prompt:
 
     def to_segments(self) -> list[dict[str, str]]:
         """The ``segments`` field of a prefixcache sidecar request (tools become a segment)."""
-        from .render_sidecar import render_segments
-
         return render_segments(self)
 
     def to_messages(self) -> list[dict[str, Any]]:
@@ -211,13 +140,9 @@ class Prompt:
         return [{"role": s.role, "content": s.content} for s in self._rendered]
 
     def to_openai(self, **params: Any) -> dict[str, Any]:
-        from .render_openai import render_openai
-
         return render_openai(self, **params)
 
     def to_anthropic(self, **params: Any) -> dict[str, Any]:
-        from .render_anthropic import render_anthropic
-
         return render_anthropic(self, **params)
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .prompt import Prompt
+from .segment import PromptParts
 
 MAX_BREAKPOINTS = 4
 
 
 def render_anthropic(
-    prompt: Prompt,
+    prompt: PromptParts,
     *,
     model: str | None = None,
     max_tokens: int | None = None,

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from .prompt import Prompt
+from .segment import PromptParts, tools_segment
 
 
-def render_segments(prompt: Prompt) -> list[dict[str, str]]:
+def render_segments(prompt: PromptParts) -> list[dict[str, str]]:
     """The ``segments`` list, already in render order (the sidecar orders them the same way).
 
-    The sidecar has no ``tools`` field: tool schemas go first, as ``prompt.tools_segment()``.
+    The sidecar has no ``tools`` field: tool schemas go first, as ``segment.tools_segment()``.
     """
-    tools = prompt.tools_segment()
+    tools = tools_segment(prompt.tools)
     segs = ([tools] if tools else []) + list(prompt.rendered())
     return [
         {"role": s.role, "content": s.content, "tag": s.tag, "stability": s.stability} for s in segs

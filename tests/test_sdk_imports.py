@@ -1,10 +1,9 @@
-"""The SDK's import graph: one-way, with prompt.py a leaf under lint, fingerprint and renderers.
+"""The SDK's import graph: one-way, with segment.py a leaf under lint, fingerprint and the
+renderers, and prompt.py above them.
 
 Built from the source with ``ast``. An edge is any import of another sdk module, wherever it
-stands (module level, under ``TYPE_CHECKING``, inside a function). The one sanctioned deferral
-is in prompt.py: ``Prompt``'s convenience methods (``lint()``, ``fingerprint()``, ``to_*``)
-and their return types import their modules when called. Those edges are left out of the
-graph, and no other module may defer an import, so a deferral cannot hide a cycle.
+stands (module level, under ``TYPE_CHECKING``, inside a function), and no module may defer an
+import, so a deferral cannot hide a cycle.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import sys
 from pathlib import Path
 
 SDK = Path(__file__).resolve().parent.parent / "sdk"
-DEFERRING_MODULE = "prompt"
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -127,23 +125,22 @@ def test_import_scanner_sees_every_kind_of_import() -> None:
 
 def test_sdk_import_graph_is_acyclic() -> None:
     eager, deferred = _graph()
-    # all edges count except prompt.py's deferred conveniences
-    graph = {n: eager[n] | (set() if n == DEFERRING_MODULE else deferred[n]) for n in eager}
+    graph = {n: eager[n] | deferred[n] for n in eager}
     assert _find_cycle(graph) is None, f"import cycle: {' -> '.join(_find_cycle(graph) or [])}"
 
 
-def test_only_prompt_defers_imports() -> None:
+def test_no_module_defers_an_import() -> None:
     _, deferred = _graph()
-    others = {n: d for n, d in deferred.items() if d and n != DEFERRING_MODULE}
-    assert others == {}, f"deferred sdk imports outside prompt.py: {others}"
+    assert {n: d for n, d in deferred.items() if d} == {}
 
 
-def test_prompt_is_a_leaf_under_lint_fingerprint_and_renderers() -> None:
+def test_segment_is_a_leaf_under_lint_fingerprint_and_renderers() -> None:
     eager, _ = _graph()
-    assert eager["prompt"] <= {"canonical", "stability"}
+    assert eager["segment"] <= {"canonical", "stability"}
     assert eager["stability"] == set()
     for user in ("lint", "fingerprint", "render_sidecar", "render_openai", "render_anthropic"):
-        assert "prompt" in eager[user], user
+        assert "segment" in eager[user], user
+        assert "prompt" not in eager[user], user
 
 
 def test_stability_order_is_defined_once() -> None:
@@ -161,19 +158,19 @@ def test_stability_order_is_defined_once() -> None:
     assert spelled == []
 
 
-def test_importing_prompt_loads_none_of_its_users() -> None:
+def test_importing_segment_loads_none_of_its_users() -> None:
     # prefixcache.sdk's __init__ imports everything: stand in an empty package for it
     code = (
         "import json, sys, types\n"
         "pkg = types.ModuleType('prefixcache.sdk')\n"
         f"pkg.__path__ = [{str(SDK)!r}]\n"
         "sys.modules['prefixcache.sdk'] = pkg\n"
-        "import prefixcache.sdk.prompt\n"
+        "import prefixcache.sdk.segment\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('prefixcache.sdk.'))))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == [
         "prefixcache.sdk.canonical",
-        "prefixcache.sdk.prompt",
+        "prefixcache.sdk.segment",
         "prefixcache.sdk.stability",
     ]
