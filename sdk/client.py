@@ -1,7 +1,9 @@
-"""AsyncClient: send prompts to a prefixcache sidecar or any OpenAI-compatible server.
+"""AsyncClient: send prompts to a prefixcache sidecar, an OpenAI-compatible server or the
+Anthropic API, each in its own rendering, and read usage back in one shape.
 
 Runs on asyncio and trio (httpx + anyio). One core does every request: build the body, send,
-retry while no byte of a stream has been handed out, map errors to typed exceptions.
+retry while no byte of a stream has been handed out, map errors to typed exceptions. Every
+finished request is also recorded per prompt family for ``cache_report()``.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, Literal, get_args
 
 import anyio
 import httpx
 import msgspec
 
-from . import errors
+from . import anthropic_wire, errors
 from .prompt import Prompt
+from .session_report import Prices, SessionLedger, SessionReport
 from .sse import SSEDecoder
 from .types import (
     CacheReport,
@@ -34,9 +37,16 @@ from .types import (
     WarmResult,
     to_completion,
     to_delta,
+    usage_with_report,
 )
 
+Backend = Literal["sidecar", "openai", "anthropic"]
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+_BACKEND_DEFAULTS: dict[str, tuple[str, str, str]] = {  # base URL env, base URL, key env
+    "sidecar": ("PREFIXCACHE_BASE_URL", DEFAULT_BASE_URL, "PREFIXCACHE_API_KEY"),
+    "openai": ("OPENAI_BASE_URL", "https://api.openai.com/v1", "OPENAI_API_KEY"),
+    "anthropic": ("ANTHROPIC_BASE_URL", "https://api.anthropic.com/v1", "ANTHROPIC_API_KEY"),
+}
 RETRY_STATUS = frozenset({408, 429, 502, 503, 504})
 MAX_RETRY_AFTER = 60.0  # seconds; a longer Retry-After is not waited for
 PromptLike = Prompt | Sequence[Mapping[str, Any]]
@@ -53,13 +63,21 @@ class Timeouts:
 
 
 class AsyncClient:
-    """``base_url`` defaults to $PREFIXCACHE_BASE_URL, then http://127.0.0.1:8000/v1;
-    ``api_key`` to $PREFIXCACHE_API_KEY.
+    """``backend`` says what the server speaks and so how a ``Prompt`` is rendered:
 
-    ``send_segments=True`` sends a ``Prompt`` as the sidecar's ``segments``; set it False for
-    other OpenAI-compatible servers, which then get plain ``messages`` (plus
-    ``prompt_cache_key`` unless ``prompt_cache_key=False``). Plain message lists always go as
-    ``messages``.
+    - ``"sidecar"`` (default): a prefixcache sidecar; a ``Prompt`` goes as ``segments``.
+      ``base_url`` defaults to $PREFIXCACHE_BASE_URL, then http://127.0.0.1:8000/v1;
+      ``api_key`` to $PREFIXCACHE_API_KEY. ``send_segments=False`` sends the OpenAI rendering
+      instead (as ``backend="openai"`` does).
+    - ``"openai"``: OpenAI or an OpenAI-compatible server (vLLM, SGLang, llama.cpp):
+      ``messages`` + ``tools`` + ``prompt_cache_key`` (unless ``prompt_cache_key=False``).
+      Defaults: $OPENAI_BASE_URL, then https://api.openai.com/v1; $OPENAI_API_KEY.
+    - ``"anthropic"``: the Messages API with ``cache_control`` breakpoints, ``x-api-key`` and
+      ``anthropic-version`` headers. Defaults: $ANTHROPIC_BASE_URL, then
+      https://api.anthropic.com/v1; $ANTHROPIC_API_KEY.
+
+    Plain message lists are accepted everywhere. ``family_through`` sets how much of the
+    stable part names a prompt family in ``cache_report()``.
     """
 
     def __init__(
@@ -75,18 +93,30 @@ class AsyncClient:
         prompt_cache_key: bool = True,
         headers: Mapping[str, str] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        backend: Backend = "sidecar",
+        family_through: str = "static",
     ) -> None:
-        self.base_url = base_url or os.environ.get("PREFIXCACHE_BASE_URL") or DEFAULT_BASE_URL
+        if backend not in get_args(Backend):
+            raise ValueError(f"backend must be one of {get_args(Backend)}, got {backend!r}")
+        url_env, default_url, key_env = _BACKEND_DEFAULTS[backend]
+        self.backend: Backend = backend
+        self.base_url = base_url or os.environ.get(url_env) or default_url
         self.model = model
         self.timeouts = timeouts or Timeouts()
         self.max_retries = max_retries
         self.retry_backoff = retry_backoff
         self.send_segments = send_segments
         self.prompt_cache_key = prompt_cache_key
-        api_key = api_key or os.environ.get("PREFIXCACHE_API_KEY")
-        all_headers = {"User-Agent": "prefixcache-sdk/0.1", **(headers or {})}
-        if api_key:
+        self._ledger = SessionLedger(family_through)
+        api_key = api_key or os.environ.get(key_env)
+        all_headers = {"User-Agent": "prefixcache-sdk/0.1"}
+        if backend == "anthropic":
+            all_headers["anthropic-version"] = anthropic_wire.ANTHROPIC_VERSION
+            if api_key:
+                all_headers["x-api-key"] = api_key
+        elif api_key:
             all_headers["Authorization"] = f"Bearer {api_key}"
+        all_headers.update(headers or {})
         t = self.timeouts.connect
         self._http = httpx.AsyncClient(
             base_url=self.base_url.rstrip("/") + "/",
@@ -108,20 +138,36 @@ class AsyncClient:
 
     async def complete(self, prompt: PromptLike, **params: Any) -> Completion:
         """Generate a whole answer. ``params``: model, max_tokens, temperature, top_p, stop,
-        seed, cache_salt, ... (None values are dropped), and ``timeouts``."""
+        seed, cache_salt, ... (None values are dropped), and ``timeouts``. Anthropic needs
+        ``max_tokens``; ``stop`` becomes its ``stop_sequences`` and ``ttl`` ("5m", "1h") goes
+        into the cache breakpoints."""
         timeouts = params.pop("timeouts", None) or self.timeouts
         body = self._chat_body(prompt, stream=False, params=params)
         deadline = _deadline(timeouts.total)
-        response = await self._send("POST", "chat/completions", body, deadline, stream=False)
-        return to_completion(_decode(response, ChatCompletion))
+        response = await self._send("POST", self._chat_path, body, deadline, stream=False)
+        if self.backend == "anthropic":
+            out = anthropic_wire.to_completion(_decode(response, anthropic_wire.AnthropicMessage))
+        else:
+            out = to_completion(_decode(response, ChatCompletion))
+        self._record(prompt, out.usage, out.cache, out.model or body.get("model"))
+        return out
 
     def stream(self, prompt: PromptLike, **params: Any) -> CompletionStream:
         """Stream an answer: ``async for delta in client.stream(p)``, or ``async with`` to
         close it early. Same ``params`` as ``complete``."""
         timeouts = params.pop("timeouts", None) or self.timeouts
-        params.setdefault("stream_options", {"include_usage": True})
+        if self.backend != "anthropic":  # Anthropic always streams usage
+            params.setdefault("stream_options", {"include_usage": True})
         body = self._chat_body(prompt, stream=True, params=params)
-        return CompletionStream(self, body, timeouts)
+        return CompletionStream(self, body, timeouts, prompt)
+
+    def cache_report(self, prices: Prices | None = None) -> SessionReport:
+        """What this client's finished requests got from the cache, per prompt family.
+
+        ``prices``: a ``Price`` (per million tokens) or a mapping from model name to ``Price``
+        (key "*" for any other model), for the estimated savings. ``print(report)`` shows a
+        short table."""
+        return self._ledger.report(prices)
 
     # --- cache admin -------------------------------------------------------------------
 
@@ -129,32 +175,38 @@ class AsyncClient:
         self, prompt: PromptLike, pin: bool = False, cache_salt: str | None = None
     ) -> WarmResult:
         """Compute and cache the prompt's stable part (dynamic segments are left out)."""
+        self._require_sidecar("warm")
         body = self._cache_body(prompt, pin=pin, cache_salt=cache_salt)
         response = await self._admin("POST", "cache/warm", body)
         return _decode(response, WarmResult)
 
     async def unpin(self, prompt: PromptLike, cache_salt: str | None = None) -> int:
+        self._require_sidecar("unpin")
         body = self._cache_body(prompt, cache_salt=cache_salt)
         response = await self._admin("POST", "cache/unpin", body)
         return int(_decode(response, dict).get("unpinned_blocks", 0))
 
     async def evict(self, include_pinned: bool = False) -> int:
         """Evict every idle cached block (pinned ones too with ``include_pinned``)."""
+        self._require_sidecar("evict")
         body = {"include_pinned": True} if include_pinned else {}
         response = await self._admin("POST", "cache/evict", body)
         return int(_decode(response, dict).get("evicted_blocks", 0))
 
     async def cache_stats(self) -> CacheStats:
+        self._require_sidecar("cache_stats")
         response = await self._admin("GET", "cache/stats", None)
         return _decode(response, CacheStats)
 
     async def cache_save(self, name: str = "pinned") -> SaveResult:
         """Write the server's pinned prefixes with their KV to ``name`` in its --cache-dir."""
+        self._require_sidecar("cache_save")
         response = await self._admin("POST", "cache/save", {"name": name})
         return _decode(response, SaveResult)
 
     async def cache_load(self, name: str = "pinned") -> LoadResult:
         """Cache and pin the prefixes a ``cache_save`` wrote (same model on the server)."""
+        self._require_sidecar("cache_load")
         response = await self._admin("POST", "cache/load", {"name": name})
         return _decode(response, LoadResult)
 
@@ -165,21 +217,64 @@ class AsyncClient:
 
     # --- the core ----------------------------------------------------------------------
 
+    @property
+    def _chat_path(self) -> str:
+        return "messages" if self.backend == "anthropic" else "chat/completions"
+
+    def _require_sidecar(self, operation: str) -> None:
+        if self.backend != "sidecar":
+            raise errors.UnsupportedError(
+                f"{operation}() is a prefixcache sidecar operation; this client's backend is "
+                f"{self.backend!r}"
+            )
+
+    def _record(
+        self, prompt: PromptLike, usage: Usage | None, cache: CacheReport | None, model: Any
+    ) -> None:
+        if usage is None or usage.prompt_tokens is None:
+            return  # the server did not say: nothing to count
+        if not isinstance(prompt, Prompt):
+            try:  # plain messages: a family with no static part, turns as session segments
+                prompt = Prompt.from_messages(prompt, stability="session")
+            except (KeyError, TypeError, ValueError):
+                return
+        self._ledger.record(prompt, usage, cache, model if isinstance(model, str) else "")
+
     def _chat_body(
         self, prompt: PromptLike, *, stream: bool, params: dict[str, Any]
     ) -> dict[str, Any]:
+        if self.backend == "anthropic":
+            return self._anthropic_body(prompt, stream=stream, params=params)
         body: dict[str, Any] = {}
         model = params.pop("model", None) or self.model
         if model is not None:
             body["model"] = model
         if isinstance(prompt, Prompt):
-            if self.send_segments:
+            if self.backend == "sidecar" and self.send_segments:
                 body["segments"] = prompt.to_segments()
             else:
                 through = "shared" if self.prompt_cache_key else None
                 body.update(prompt.to_openai(cache_key_through=through))
         else:
             body["messages"] = [dict(m) for m in prompt]
+        body.update({k: v for k, v in params.items() if v is not None})
+        body["stream"] = stream
+        return body
+
+    def _anthropic_body(
+        self, prompt: PromptLike, *, stream: bool, params: dict[str, Any]
+    ) -> dict[str, Any]:
+        model = params.pop("model", None) or self.model
+        max_tokens = params.pop("max_tokens", None)
+        if max_tokens is None:
+            raise ValueError("the Anthropic Messages API needs max_tokens")
+        ttl = params.pop("ttl", None)
+        stop = params.pop("stop", None)
+        if stop is not None:
+            params["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+        if not isinstance(prompt, Prompt):
+            prompt = Prompt.from_messages(prompt)
+        body = prompt.to_anthropic(model=model, max_tokens=max_tokens, ttl=ttl)
         body.update({k: v for k, v in params.items() if v is not None})
         body["stream"] = stream
         return body
@@ -258,17 +353,29 @@ class AsyncClient:
 
 class CompletionStream:
     """Deltas of one streamed answer. After iteration: ``text``, ``finish_reason``,
-    ``usage``, ``cache`` and ``ttft`` (seconds from sending to the first text)."""
+    ``usage``, ``cache``, ``model`` and ``ttft`` (seconds from sending to the first text)."""
 
-    def __init__(self, client: AsyncClient, body: dict[str, Any], timeouts: Timeouts) -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        body: dict[str, Any],
+        timeouts: Timeouts,
+        prompt: PromptLike | None = None,
+    ) -> None:
         self._client = client
         self._body = body
         self._timeouts = timeouts
+        self._prompt = prompt
+        self._anthropic = (
+            anthropic_wire.AnthropicStream() if client.backend == "anthropic" else None
+        )
+        self._raw_usage: Usage | None = None
         self._iter = self._run()
         self.text = ""
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.cache: CacheReport | None = None
+        self.model: str = body.get("model") or ""
         self.ttft: float | None = None
 
     def __aiter__(self) -> CompletionStream:
@@ -294,7 +401,7 @@ class CompletionStream:
         limit = _earliest(deadline, first_deadline)
         response = await self._client._send(
             "POST",
-            "chat/completions",
+            self._client._chat_path,
             self._body,
             limit,
             stream=True,
@@ -304,9 +411,11 @@ class CompletionStream:
             if "json" in response.headers.get("content-type", ""):
                 # a server that ignored stream=true answered with one JSON body
                 await response.aread()
-                delta = self._parse(response.text, response)
+                delta = self._parse(response.text, response, whole=True)
                 self.ttft = anyio.current_time() - start
-                yield delta
+                if delta is not None:
+                    yield delta
+                self._finished()
                 return
             lines = response.aiter_lines()
             decoder = SSEDecoder()
@@ -328,17 +437,20 @@ class CompletionStream:
                     sse = decoder.feed(line.rstrip("\r\n"))
                 if sse is not None:
                     if sse.data == "[DONE]":
+                        self._finished()
                         return
                     delta = self._parse(sse.data, response)
-                    if self.ttft is None and (delta.text or delta.finish_reason):
-                        self.ttft = anyio.current_time() - start
-                    yield delta
+                    if delta is not None:
+                        if self.ttft is None and (delta.text or delta.finish_reason):
+                            self.ttft = anyio.current_time() - start
+                        yield delta
                 if ended:
+                    self._finished()
                     return
         finally:
             await response.aclose()
 
-    def _parse(self, data: str, response: httpx.Response) -> Delta:
+    def _parse(self, data: str, response: httpx.Response, whole: bool = False) -> Delta | None:
         try:
             payload = json.loads(data)
         except ValueError as exc:
@@ -348,14 +460,40 @@ class CompletionStream:
         if isinstance(payload, dict) and payload.get("error") is not None:
             raise errors.stream_error(payload, response)
         try:
-            delta = to_delta(msgspec.convert(payload, ChatCompletion))
+            delta = self._to_delta(payload, whole)
         except msgspec.ValidationError as exc:
             raise errors.ResponseFormatError(f"bad stream chunk: {exc}", response=response) from exc
+        if delta is None:
+            return None
         self.text += delta.text
         self.finish_reason = delta.finish_reason or self.finish_reason
-        self.usage = delta.usage or self.usage
         self.cache = delta.cache or self.cache
+        self._raw_usage = delta.usage or self._raw_usage
+        # the sidecar's report and the usage come in different chunks: combine them
+        self.usage = usage_with_report(self._raw_usage, self.cache)
+        if delta.usage is not None:
+            delta = msgspec.structs.replace(delta, usage=self.usage)
         return delta
+
+    def _to_delta(self, payload: Any, whole: bool) -> Delta | None:
+        if self._anthropic is None:
+            raw = msgspec.convert(payload, ChatCompletion)
+            self.model = raw.model or self.model
+            return to_delta(raw)
+        if whole:
+            message = anthropic_wire.to_completion(
+                msgspec.convert(payload, anthropic_wire.AnthropicMessage)
+            )
+            self.model = message.model or self.model
+            return Delta(message.text, message.finish_reason, message.usage)
+        delta = self._anthropic.feed(msgspec.convert(payload, anthropic_wire.AnthropicEvent))
+        self.model = self._anthropic.model or self.model
+        return delta
+
+    def _finished(self) -> None:
+        if self._prompt is not None:
+            self._client._record(self._prompt, self.usage, self.cache, self.model)
+            self._prompt = None  # once
 
 
 def _decode(response: httpx.Response, type_: Any) -> Any:
