@@ -354,7 +354,7 @@ def json_problems(text: str) -> list[tuple[Span, str]]:
         candidate = text[span[0] : span[1]]
         try:
             value = json.loads(candidate)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to check
             continue
         if not isinstance(value, (dict, list)):
             continue
@@ -379,7 +379,7 @@ def _json_candidates(text: str) -> list[tuple[Span, bool]]:
             continue
         try:
             value, end = _DECODER.raw_decode(text, pos)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to check
             pos += 1
             continue
         if isinstance(value, dict) and value:

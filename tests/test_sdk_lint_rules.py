@@ -367,3 +367,8 @@ def test_whole_prompt_rules_span_the_whole_segment() -> None:
     p = Prompt([Segment("user", "Q", "q", "dynamic"), Segment("system", "Rules.", "s", "static")])
     (f,) = lint(p)
     assert f.rule == "PC005" and f.spans == ((0, 6),)
+
+
+def test_json_nested_too_deep_is_skipped_not_a_crash() -> None:
+    for text in ["[" * 5000 + "]" * 5000, "Data: " + '{"a":' * 3000]:
+        assert _flagged("PC004", text) == []
