@@ -8,11 +8,9 @@ finished request is also recorded per prompt family for ``cache_report()``.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal, get_args
@@ -24,20 +22,18 @@ import msgspec
 from . import anthropic_wire, errors
 from .prompt import Prompt
 from .session_report import Prices, SessionLedger, SessionReport
-from .sse import SSEDecoder
+from .stream import CompletionStream
+from .timeouts import Timeouts, deadline_in, remaining
 from .types import (
     CacheReport,
     CacheStats,
     ChatCompletion,
     Completion,
-    Delta,
     LoadResult,
     SaveResult,
     Usage,
     WarmResult,
     to_completion,
-    to_delta,
-    usage_with_report,
 )
 
 Backend = Literal["sidecar", "openai", "anthropic"]
@@ -50,16 +46,6 @@ _BACKEND_DEFAULTS: dict[str, tuple[str, str, str]] = {  # base URL env, base URL
 RETRY_STATUS = frozenset({408, 429, 502, 503, 504})
 MAX_RETRY_AFTER = 60.0  # seconds; a longer Retry-After is not waited for
 PromptLike = Prompt | Sequence[Mapping[str, Any]]
-
-
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    """Seconds (None: no limit). ``first_token``: from sending a streamed request to its first
-    text; ``total``: the whole call, retries and waits included."""
-
-    connect: float | None = 10.0
-    first_token: float | None = 120.0
-    total: float | None = 600.0
 
 
 class AsyncClient:
@@ -143,7 +129,7 @@ class AsyncClient:
         into the cache breakpoints."""
         timeouts = params.pop("timeouts", None) or self.timeouts
         body = self._chat_body(prompt, stream=False, params=params)
-        deadline = _deadline(timeouts.total)
+        deadline = deadline_in(timeouts.total)
         response = await self._send("POST", self._chat_path, body, deadline, stream=False)
         if self.backend == "anthropic":
             out = anthropic_wire.to_completion(_decode(response, anthropic_wire.AnthropicMessage))
@@ -159,7 +145,14 @@ class AsyncClient:
         if self.backend != "anthropic":  # Anthropic always streams usage
             params.setdefault("stream_options", {"include_usage": True})
         body = self._chat_body(prompt, stream=True, params=params)
-        return CompletionStream(self, body, timeouts, prompt)
+        return CompletionStream(
+            self._send,
+            self._chat_path,
+            body,
+            timeouts,
+            anthropic=self.backend == "anthropic",
+            on_finished=lambda usage, cache, model: self._record(prompt, usage, cache, model),
+        )
 
     def cache_report(self, prices: Prices | None = None) -> SessionReport:
         """What this client's finished requests got from the cache, per prompt family.
@@ -291,7 +284,7 @@ class AsyncClient:
         return body
 
     async def _admin(self, method: str, path: str, body: Any) -> httpx.Response:
-        deadline = _deadline(self.timeouts.total)
+        deadline = deadline_in(self.timeouts.total)
         return await self._send(method, path, body, deadline, stream=False)
 
     async def _send(
@@ -316,7 +309,7 @@ class AsyncClient:
             request = self._http.build_request(method, path, json=body)
             response: httpx.Response | None = None
             try:
-                with anyio.fail_after(_remaining(deadline)):
+                with anyio.fail_after(remaining(deadline)):
                     response = await self._http.send(request, stream=stream)
             except TimeoutError:
                 raise errors.APITimeoutError(
@@ -349,151 +342,6 @@ class AsyncClient:
                 raise error
             await anyio.sleep(wait)
             attempt += 1
-
-
-class CompletionStream:
-    """Deltas of one streamed answer. After iteration: ``text``, ``finish_reason``,
-    ``usage``, ``cache``, ``model`` and ``ttft`` (seconds from sending to the first text)."""
-
-    def __init__(
-        self,
-        client: AsyncClient,
-        body: dict[str, Any],
-        timeouts: Timeouts,
-        prompt: PromptLike | None = None,
-    ) -> None:
-        self._client = client
-        self._body = body
-        self._timeouts = timeouts
-        self._prompt = prompt
-        self._anthropic = (
-            anthropic_wire.AnthropicStream() if client.backend == "anthropic" else None
-        )
-        self._raw_usage: Usage | None = None
-        self._iter = self._run()
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.usage: Usage | None = None
-        self.cache: CacheReport | None = None
-        self.model: str = body.get("model") or ""
-        self.ttft: float | None = None
-
-    def __aiter__(self) -> CompletionStream:
-        return self
-
-    async def __anext__(self) -> Delta:
-        return await self._iter.__anext__()
-
-    async def __aenter__(self) -> CompletionStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        await self._iter.aclose()
-
-    async def _run(self) -> AsyncIterator[Delta]:
-        start = anyio.current_time()
-        deadline = _deadline(self._timeouts.total)
-        first = self._timeouts.first_token
-        first_deadline = None if first is None else start + first
-        limit = _earliest(deadline, first_deadline)
-        response = await self._client._send(
-            "POST",
-            self._client._chat_path,
-            self._body,
-            limit,
-            stream=True,
-            deadline_kind="first_token" if limit == first_deadline else "total",
-        )
-        try:
-            if "json" in response.headers.get("content-type", ""):
-                # a server that ignored stream=true answered with one JSON body
-                await response.aread()
-                delta = self._parse(response.text, response, whole=True)
-                self.ttft = anyio.current_time() - start
-                if delta is not None:
-                    yield delta
-                self._finished()
-                return
-            lines = response.aiter_lines()
-            decoder = SSEDecoder()
-            while True:
-                waiting_first = self.ttft is None
-                limit = _earliest(deadline, first_deadline if waiting_first else None)
-                ended = False
-                try:
-                    with anyio.fail_after(_remaining(limit)):
-                        line = await lines.__anext__()
-                except StopAsyncIteration:
-                    ended, sse = True, decoder.flush()  # ended without a blank line / [DONE]
-                except TimeoutError:
-                    kind = "first_token" if waiting_first and limit == first_deadline else "total"
-                    raise errors.APITimeoutError(f"{kind} timeout exceeded", kind=kind) from None
-                except httpx.TransportError as exc:  # the stream started: never retried
-                    raise errors.APIConnectionError(f"stream interrupted: {exc!r}") from exc
-                else:
-                    sse = decoder.feed(line.rstrip("\r\n"))
-                if sse is not None:
-                    if sse.data == "[DONE]":
-                        self._finished()
-                        return
-                    delta = self._parse(sse.data, response)
-                    if delta is not None:
-                        if self.ttft is None and (delta.text or delta.finish_reason):
-                            self.ttft = anyio.current_time() - start
-                        yield delta
-                if ended:
-                    self._finished()
-                    return
-        finally:
-            await response.aclose()
-
-    def _parse(self, data: str, response: httpx.Response, whole: bool = False) -> Delta | None:
-        try:
-            payload = json.loads(data)
-        except ValueError as exc:
-            raise errors.ResponseFormatError(
-                f"stream event is not JSON: {data[:200]!r}", response=response
-            ) from exc
-        if isinstance(payload, dict) and payload.get("error") is not None:
-            raise errors.stream_error(payload, response)
-        try:
-            delta = self._to_delta(payload, whole)
-        except msgspec.ValidationError as exc:
-            raise errors.ResponseFormatError(f"bad stream chunk: {exc}", response=response) from exc
-        if delta is None:
-            return None
-        self.text += delta.text
-        self.finish_reason = delta.finish_reason or self.finish_reason
-        self.cache = delta.cache or self.cache
-        self._raw_usage = delta.usage or self._raw_usage
-        # the sidecar's report and the usage come in different chunks: combine them
-        self.usage = usage_with_report(self._raw_usage, self.cache)
-        if delta.usage is not None:
-            delta = msgspec.structs.replace(delta, usage=self.usage)
-        return delta
-
-    def _to_delta(self, payload: Any, whole: bool) -> Delta | None:
-        if self._anthropic is None:
-            raw = msgspec.convert(payload, ChatCompletion)
-            self.model = raw.model or self.model
-            return to_delta(raw)
-        if whole:
-            message = anthropic_wire.to_completion(
-                msgspec.convert(payload, anthropic_wire.AnthropicMessage)
-            )
-            self.model = message.model or self.model
-            return Delta(message.text, message.finish_reason, message.usage)
-        delta = self._anthropic.feed(msgspec.convert(payload, anthropic_wire.AnthropicEvent))
-        self.model = self._anthropic.model or self.model
-        return delta
-
-    def _finished(self) -> None:
-        if self._prompt is not None:
-            self._client._record(self._prompt, self.usage, self.cache, self.model)
-            self._prompt = None  # once
 
 
 def _decode(response: httpx.Response, type_: Any) -> Any:
@@ -530,17 +378,3 @@ def _retry_after(value: str | None) -> float | None:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return (when - datetime.now(UTC)).total_seconds()
-
-
-def _deadline(seconds: float | None) -> float | None:
-    return None if seconds is None else anyio.current_time() + seconds
-
-
-def _earliest(a: float | None, b: float | None) -> float | None:
-    if a is None:
-        return b
-    return a if b is None else min(a, b)
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - anyio.current_time())
