@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -83,10 +84,15 @@ class LLMEngine:
         """Publish what the cache stores and evicts; a fresh pool starts with AllBlocksCleared
         (a restarted replica tells its subscribers to forget what it held)."""
         manager = self.block_manager
+        roots: frozenset[bytes] | Literal["all"] = "all"
+        if config.kv_events_token_ids != "all":
+            listed = (
+                config.kv_events_token_namespaces if config.kv_events_token_ids == "listed" else ()
+            )
+            roots = frozenset(root_digest(manager.identity, ns) for ns in listed)
         recorder = BlockEventRecorder(
             config.block_size,
-            root_digest(manager.identity, ""),
-            token_ids=config.kv_events_token_ids,  # type: ignore[arg-type]
+            roots,
             medium="GPU" if self.loaded.device.type == "cuda" else "CPU",
         )
         self.kv_events = KVEventPublisher(

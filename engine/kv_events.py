@@ -13,7 +13,8 @@ Wire (vLLM's ``vllm/distributed/kv_events.py``, ``examples/online_serving/kv_eve
 
 A block hash is the first 8 bytes of our chained digest (prefix_tree.py) as an unsigned
 integer: it depends on the namespace, so one tenant's blocks never share a hash with another's.
-``token_ids`` are published only for the namespaces ``TokenIdPolicy`` allows (docs/kv-events.md).
+``token_ids`` are published only for the namespaces the operator lists, or all (docs/kv-events.md);
+elsewhere a ``BlockStored`` carries ``token_ids=[]``.
 
 Publishing never stalls the engine: ``BlockEventRecorder`` (the block manager's listener)
 collects a step's events in a list; ``KVEventPublisher.publish`` numbers the batch and puts it
@@ -37,8 +38,7 @@ from .prefix_tree import Node
 
 log = logging.getLogger("prefixcache.engine.kv_events")
 
-TokenIdPolicy = Literal["none", "default", "all"]
-TOKEN_ID_POLICIES: tuple[TokenIdPolicy, ...] = ("none", "default", "all")
+ALL = "all"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 HASH_BYTES = 8  # a msgpack integer holds 64 bits
 
@@ -82,22 +82,19 @@ class BlockEventRecorder:
     def __init__(
         self,
         block_size: int,
-        default_root: bytes,
-        token_ids: TokenIdPolicy = "none",
+        token_roots: frozenset[bytes] | Literal["all"] = frozenset(),
         medium: str = "GPU",
     ) -> None:
-        if token_ids not in TOKEN_ID_POLICIES:
-            raise ValueError(f"token id policy must be one of {TOKEN_ID_POLICIES}")
+        """``token_roots``: the namespace roots whose blocks' token ids are published."""
         self.block_size = block_size
-        self.default_root = default_root  # the root of namespace "" (no tenant)
-        self.token_ids = token_ids
+        self.token_roots = token_roots
         self.medium = medium
         self._events: list[KVEvent] = []
         self._last_stored: bytes | None = None  # digest the pending BlockStored ends with
 
     def block_stored(self, node: Node, root: bytes) -> None:
         tokens: list[int] = []
-        if self.token_ids == "all" or (self.token_ids == "default" and root == self.default_root):
+        if self.token_roots == ALL or root in self.token_roots:
             tokens = memoryview(node.tokens).cast("I").tolist()
         last = self._events[-1] if self._events else None
         if (

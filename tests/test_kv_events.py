@@ -136,8 +136,7 @@ class EventedMachine(BlockManagerMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        root = root_digest(self.bm.identity, "")
-        self.recorder = BlockEventRecorder(self.bm.block_size, root, token_ids="all")
+        self.recorder = BlockEventRecorder(self.bm.block_size, "all")
         self.bm.listener = self.recorder
         self.rebuilt = Rebuilt()
         self.index = ReplicaIndex()
@@ -170,9 +169,14 @@ TestEventedMachine.settings = settings(
 def test_token_ids_follow_the_policy() -> None:
     from prefixcache.engine.block_manager import BlockManager
 
-    for policy, shown in (("none", set()), ("default", {""}), ("all", {"", "tenant"})):
+    policies: list[tuple[Any, set[str]]] = [
+        (frozenset(), set()),
+        (frozenset({root_digest(b"id", "tenant")}), {"tenant"}),
+        ("all", {"", "tenant"}),
+    ]
+    for roots, shown in policies:
         bm = BlockManager(16, 4, b"id")
-        recorder = BlockEventRecorder(4, root_digest(b"id", ""), token_ids=policy)  # type: ignore[arg-type]
+        recorder = BlockEventRecorder(4, roots)
         bm.listener = recorder
         for ns in ("", "tenant"):
             prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
@@ -251,7 +255,7 @@ def test_replay_after_a_dropped_subscriber_fills_the_gap() -> None:
 
     port, replay_port = free_port(), free_port()
     bm = BlockManager(64, 4, b"id")
-    recorder = BlockEventRecorder(4, root_digest(b"id", ""), token_ids="all")
+    recorder = BlockEventRecorder(4, "all")
     bm.listener = recorder
     publisher = KVEventPublisher(
         f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", topic="kv"
