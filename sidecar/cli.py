@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--prefill-weight",
         type=float,
-        default=1.0,
+        default=0.25,
         help="upstream mode, precise routing: cost of one pending prefill token on a replica",
     )
     serve.add_argument(

@@ -3,16 +3,19 @@
 Each request comes as its rendered ``text`` (what the approximate tree keys) and, when the
 router has the model's tokenizer, its prompt ``token_ids`` (what the event indexes key).
 
-**Balance first** (both rules): if the load is imbalanced (max - min in flight >
-``balance_abs_threshold`` AND max > ``balance_rel_threshold`` * min), the least loaded
-candidate takes the request (``balance``), whatever it caches: a hot prefix must not pile up
-on one replica while others idle.
+**Balance** (both rules): a candidate is overloaded when its in-flight count exceeds the
+least loaded candidate's by more than ``balance_abs_threshold`` AND is more than
+``balance_rel_threshold`` times it. If the rule below picks an overloaded candidate, it is
+applied again without the overloaded ones (reason ``balance``): a hot prefix must not pile up
+on one replica while others idle, and the move still goes where the cache is best among the
+rest (SGLang's gateway sends it to the least loaded; this keeps more hits).
 
 **Precise** (token ids known and at least one candidate's events are live): for every
 candidate r, with L the prompt's length,
 
-    hit_r  = tokens of the prompt replica r holds: its event index (live events), else the
-             approximate tree's guess, L * matched_chars / len(text) (stale or no events)
+    hit_r  = tokens of the prompt replica r holds: the longer of its event index's match and
+             the full blocks shared with a prompt r is computing now (sent, no byte back yet)
+             (live events); else the approximate tree's guess, L * matched_chars / len(text)
     cost_r = (L - hit_r) + prefill_weight * pending_prefill_r + running_weight * in_flight_r
 
 where ``pending_prefill_r`` is the uncached prompt tokens of the requests sent to r that have
@@ -51,7 +54,7 @@ class RoutingSettings:
     match_threshold: float = 0.5  # approximate: share of the text the match must cover
     balance_abs_threshold: int = 4  # approximate: max - min in flight must exceed this ...
     balance_rel_threshold: float = 1.5  # ... and max must exceed this times min
-    prefill_weight: float = 1.0  # precise: cost per token of pending prefill on a replica
+    prefill_weight: float = 0.25  # precise: cost per token of pending prefill (docs/sidecar.md)
     running_weight: float = 32.0  # precise: cost, in prompt tokens, per request in flight
     tree_max_chars: int = 4_000_000  # approximate tree: characters per replica
     stale_after_s: float = 3.0  # events silent this long after a finished request: stale
@@ -73,6 +76,16 @@ class Replica:
     @property
     def events_live(self) -> bool:
         return self.subscriber is not None and self.subscriber.is_live()
+
+    def in_flight_hit(self, token_ids: Sequence[int], block_size: int) -> int:
+        """Full blocks ``token_ids`` shares with a prompt sent here and not answered yet: it
+        is being computed, so the replica will hold it before this request's prefill (as
+        Dynamo's router counts active sequences); events show it only after."""
+        best = 0
+        for item in self.pending.values():
+            if item.token_ids is not None:
+                best = max(best, _common_prefix(token_ids, item.token_ids))
+        return best // block_size * block_size
 
     @property
     def pending_prefill(self) -> int:
@@ -119,12 +132,14 @@ class CacheAwareRouter:
         candidates = [self.replicas[u.url] for u in self.pool.healthy() if u.url not in exclude]
         if not candidates:
             return None
-        if (least := self._imbalanced(candidates)) is not None:
-            decision = Decision(least.upstream, "balance", 0, len(token_ids or ()), overflow=True)
-        elif token_ids and any(r.events_live for r in candidates):
-            decision = self._precise(candidates, text, token_ids)
-        else:
-            decision = self._approximate(candidates, text, len(token_ids or ()))
+        decision = self._by_cache(candidates, text, token_ids)
+        overloaded = self._overloaded(candidates)
+        if decision.upstream.url in overloaded:
+            rest = [r for r in candidates if r.upstream.url not in overloaded]
+            moved = self._by_cache(rest, text, token_ids)
+            decision = Decision(
+                moved.upstream, "balance", moved.predicted_tokens, moved.prefill_tokens, True
+            )
         self.tree.insert(text, decision.upstream.url)
         if exclude:
             return Decision(
@@ -151,7 +166,11 @@ class CacheAwareRouter:
         for order, r in enumerate(candidates):
             pending = r.pending_prefill
             if r.events_live and r.index is not None:
-                hit, precise = r.index.match(token_ids), True
+                hit = max(
+                    r.index.match(token_ids),
+                    r.in_flight_hit(token_ids, r.index.block_size or 16),
+                )
+                precise = True
             else:
                 hit, precise = (guessed if r.upstream.url in holders else 0), False
             hit = min(hit, length - 1)
@@ -169,15 +188,23 @@ class CacheAwareRouter:
             reason = "precise" if precise else "approximate"
         return Decision(chosen.upstream, reason, hit, length - hit)
 
-    def _imbalanced(self, candidates: list[Replica]) -> Replica | None:
-        """The least loaded candidate when the load is imbalanced (both thresholds), else None."""
+    def _by_cache(
+        self, candidates: list[Replica], text: str, token_ids: Sequence[int] | None
+    ) -> Decision:
+        if token_ids and any(r.events_live for r in candidates):
+            return self._precise(candidates, text, token_ids)
+        return self._approximate(candidates, text, len(token_ids or ()))
+
+    def _overloaded(self, candidates: list[Replica]) -> set[str]:
+        """Candidates over both thresholds against the least loaded one (never all)."""
         s = self.settings
-        loads = [r.upstream.in_flight for r in candidates]
-        if max(loads) - min(loads) > s.balance_abs_threshold and max(loads) > (
-            s.balance_rel_threshold * min(loads)
-        ):
-            return min(candidates, key=lambda r: r.upstream.in_flight)  # first on ties
-        return None
+        low = min(r.upstream.in_flight for r in candidates)
+        return {
+            r.upstream.url
+            for r in candidates
+            if r.upstream.in_flight - low > s.balance_abs_threshold
+            and r.upstream.in_flight > s.balance_rel_threshold * low
+        }
 
     def _approximate(self, candidates: list[Replica], text: str, length: int) -> Decision:
         s = self.settings
@@ -191,3 +218,10 @@ class CacheAwareRouter:
         share = self.tree.chars
         chosen = min(candidates, key=lambda r: (share.get(r.upstream.url, 0), r.upstream.in_flight))
         return Decision(chosen.upstream, "balance", 0, length)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n

@@ -466,12 +466,13 @@ def legacy_route(decision: Decision) -> str:
     return "overflow" if decision.overflow else "affinity"
 
 
+FIRST_OUTPUT = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]|"finish_reason"\s*:\s*"')
 CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
 class Routed:
-    """One routed request's bookkeeping: its pending prefill on the replica until the first
-    byte back, the predicted and reported cached tokens, and the events it should cause."""
+    """One routed request's bookkeeping: its pending prefill on the replica until its first
+    output comes back (the whole answer when not streamed), the predicted and reported cached tokens, and the events it should cause."""
 
     def __init__(
         self,
@@ -519,7 +520,10 @@ class Routed:
             replica.subscriber.expect()  # new full blocks: events should follow
 
     async def watch(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Relay ``events``; the prefill is over at the first generated text (an opening
+        chunk with only the role may come before it)."""
         async for chunk in events:
-            self.first_byte()
+            if FIRST_OUTPUT.search(chunk):
+                self.first_byte()
             self.report(chunk)
             yield chunk
