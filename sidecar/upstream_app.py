@@ -376,7 +376,7 @@ class UpstreamProxy:
             exchange = await self._connect(upstream, "POST", path, payload)
             if exchange is not None:
                 return exchange, routed
-            routed.finish()
+            routed.abandon()
             tried.add(upstream.url)
 
     async def _connect(
@@ -506,6 +506,11 @@ class Routed:
         if (found := CACHED_TOKENS.search(data)) is not None:
             self._reported = True
             self.proxy.metrics.reported_cached.labels(self.upstream.url).inc(int(found.group(1)))
+
+    def abandon(self) -> None:
+        """The connection failed: the request never ran there."""
+        self._finished = True
+        self.first_byte()
 
     def finish(self) -> None:
         if self._finished:

@@ -188,3 +188,21 @@ def test_index_removals_and_eviction_of_a_parent() -> None:
     assert index.match([1, 1, 2, 2]) == 4
     index.apply(wire([BlockRemoved([3, 2], None)]))
     assert len(index) == 0 and index.cached_paths() == set()
+
+
+def test_upstream_specs_parse_and_bad_ones_are_refused() -> None:
+    import pytest
+
+    from prefixcache.sidecar.cli import parse_upstream
+    from prefixcache.sidecar.upstream_app import EventSource
+
+    assert parse_upstream("http://a/v1") == ("http://a/v1", None)
+    assert parse_upstream("http://a/v1,events=tcp://a:5557") == (
+        "http://a/v1",
+        EventSource("tcp://a:5557"),
+    )
+    both = parse_upstream("http://a/v1,events=tcp://a:5557,replay=tcp://a:5558")
+    assert both == ("http://a/v1", EventSource("tcp://a:5557", "tcp://a:5558"))
+    for bad in ("http://a/v1,replay=tcp://a:1", "http://a/v1,evnts=x", "http://a/v1,events="):
+        with pytest.raises(ValueError):
+            parse_upstream(bad)
