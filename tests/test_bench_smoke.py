@@ -43,6 +43,10 @@ CASES = {
         ["--prefix", "64", "--suffix", "8"],
         {"load_s", "cold_first_token_s", "loaded_first_token_s", "speedup", "cached_tokens"},
     ),
+    "routing.py": (
+        ["--tenants", "2", "--conversations", "1", "--turns", "2", "--system-words", "40"],
+        {"round_robin", "approximate", "precise", "ideal_hit_rate"},
+    ),
     "upstream_routing.py": (
         ["--replicas", "2", "--prompts", "2", "--questions", "2", "--hop-requests", "2"],
         {"ours_computed_tokens", "round_robin_computed_tokens", "efficiency_vs_ideal"},
@@ -80,6 +84,10 @@ def test_benchmark_runs_and_reports(name: str) -> None:
         assert result["cached_tokens"] == 64 and result["max_logprob_diff"] < 1e-4
     if name == "sidecar_overhead.py":
         assert result["stream_errors"] == 0, result["stream_error_kinds"]
+    if name == "routing.py":
+        for policy in ("round_robin", "approximate", "precise"):
+            keys = {"ttft_p50_ms", "ttft_p90_ms", "hit_rate", "load_max_over_min"}
+            assert keys <= result[policy].keys()
     if name == "burst.py":
         assert result["prompt_tokens_computed"] == result["ideal_tokens"]
         assert result["peak_blocks"] <= result["ideal_blocks"] + 6
