@@ -102,6 +102,7 @@ class BlockManager:
         self._tree = PrefixTree(block_size, num_blocks)
         self._roots: dict[str, bytes] = {}
         self._stats = ManagerStats(num_blocks=num_blocks, block_size=block_size)
+        self.on_evict: Callable[[Node, str], None] | None = None  # (leaf, cause): miss reasons
 
     # ---- counters
 
@@ -123,6 +124,17 @@ class BlockManager:
 
     def ref_count(self, block: int) -> int:
         return self._pool.ref_count[block]
+
+    def pin_count(self, block: int) -> int:
+        return self._pool.pin_count[block]
+
+    @property
+    def tree(self) -> PrefixTree:
+        """Read-only use (miss reasons, the cache view); changes go through this class."""
+        return self._tree
+
+    def root(self, namespace: str) -> bytes:
+        return self._root(namespace)
 
     # ---- lookup
 
@@ -307,7 +319,7 @@ class BlockManager:
             self.unpin_all()
         count = 0
         while (block := self._pool.oldest_idle(include_pinned=False)) is not None:
-            self._evict(block)
+            self._evict(block, "admin")
             count += 1
         return count
 
@@ -403,7 +415,9 @@ class BlockManager:
             assert block == victim
         return block
 
-    def _evict(self, block: int) -> None:
-        self._tree.remove(block)  # asserts it is a leaf
+    def _evict(self, block: int, cause: str = "pressure") -> None:
+        node = self._tree.remove(block)  # asserts it is a leaf
         self._pool.evict(block)
         self._stats.evicted_tokens += self.block_size
+        if self.on_evict is not None:
+            self.on_evict(node, cause)
