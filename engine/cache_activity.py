@@ -45,7 +45,7 @@ class CacheActivity:
             self._hits[block] += 1
             self._last_used[block] = time.time()
         root = self.manager.root(request.namespace)
-        if root not in self._labels:
+        if request.tenant or root not in self._labels:  # a warm request carries no tenant
             self._labels[root] = namespace_label(request.namespace, request.tenant)
             if len(self._labels) > MAX_ROOT_LABELS:
                 self._labels.popitem(last=False)
