@@ -132,4 +132,4 @@ class CacheActivity:
 def namespace_label(namespace: str, tenant: str) -> str:
     """Opaque: the first hex digits of the server's HMACs, never a tenant's name."""
     ns = namespace[:6] or "-"
-    return f"{tenant[:6]}/{ns}" if tenant else ns
+    return f"{tenant[:6]}/{ns}" if tenant and tenant != namespace else ns
