@@ -46,5 +46,9 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/run_demo.py
 
+# The sweeps behind docs/benchmarks.md's plots (sizes in bench/report.py; minutes on 2 cores).
+bench: $(STAMP)
+	$(PY) bench/report.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -164,3 +164,27 @@ def test_miss_reasons_in_replies_and_the_sdk(sidecar_server: Server) -> None:
     assert doc.miss_reason == "diverged" and isinstance(doc.miss, dict)
     assert doc.miss["segment"] == "doc"
     assert second.cache.segment("rules").miss is None  # fully cached
+
+
+def test_engine_snapshot_of_100k_blocks_is_one_quick_pass() -> None:
+    from prefixcache.engine.block_manager import BlockManager
+    from prefixcache.engine.cache_activity import CacheActivity
+
+    manager = BlockManager(100_000, BS, identity=b"snapshot-test")
+    activity = CacheActivity(manager)
+    rng = random.Random(5)
+    trunk = [rng.randrange(3, 30000) for _ in range(200 * BS)]
+    while manager.num_free_blocks > 1100:  # a shared trunk, then 1000-block branches
+        prompt = trunk + [rng.randrange(3, 30000) for _ in range(1000 * BS)]
+        match = manager.match(prompt, "ns", len(prompt) - 1)
+        table = manager.allocate(prompt, "ns", match, len(prompt))
+        manager.commit(table, prompt, len(prompt))
+        manager.free(table)
+    began = time.perf_counter()
+    snap = activity.snapshot()
+    elapsed = time.perf_counter() - began
+    assert len(snap.parent) > 98_000 and all(p < i for i, p in enumerate(snap.parent))
+    assert elapsed < 3.0, f"the engine-side copy took {elapsed:.2f}s"  # ~0.1 s unloaded
+    view = build_view(snap)
+    assert len(view.nodes) <= 2 * 1500
+    check_widths(view)

@@ -21,7 +21,7 @@ from conftest import Server, ServerLoop, demo_engine, serve
 from prefixcache.sidecar.app import SidecarSettings, create_app
 
 PREFIXES = ("Atlas desk", "Poetry room", "Kitchen shelf")  # distinct from the first token
-TOP_LEVEL = "document.querySelectorAll('g[data-kind=\"prefix\"][data-depth=\"1\"]').length"
+TOP_LEVEL = 'document.querySelectorAll(\'g[data-kind="prefix"][data-depth="1"]\').length'
 MISS_ROWS = "document.querySelectorAll('#misses tbody tr').length"
 
 
