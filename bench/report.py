@@ -3,7 +3,8 @@ generated section of docs/benchmarks.md (between its ``bench:start`` / ``bench:e
 
 Sizes are modest on purpose (a few minutes on a 2-core CPU with the demo model):
 
-    TTFT          prefix 256..4096 tokens + a 64-token question, cold vs warm (bench/ttft.py)
+    TTFT          prefix 256..4096 tokens + a 64-token question, cold vs warm, median of 3
+                  (bench/ttft.py)
     burst         N = 4..64 requests over one 512-token prefix + 16 own tokens (bench/burst.py)
     cascade       decode batch 2..32 over a 2048-token shared prefix (bench/shared_decode.py)
     hit rate      40 system prompts of 1024 tokens, Zipf popularity, 2000 requests, pool
@@ -19,6 +20,7 @@ import argparse
 import json
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -44,6 +46,7 @@ FULL = {
     "cascade_prefix": 2048,
     "hit_pools": "128,256,512,1024,2048,4096",
     "hit_requests": 2000,
+    "repeats": 3,  # TTFT: median of 3 cold/warm pairs; cascade: median of 5 steps
 }
 QUICK = {
     "ttft_prefix": [32, 64],
@@ -55,6 +58,7 @@ QUICK = {
     "cascade_prefix": 128,
     "hit_pools": "16,64",
     "hit_requests": 50,
+    "repeats": 1,
 }
 
 
@@ -77,8 +81,20 @@ def ttft_sweep(sizes: dict) -> list[dict]:
         loaded = load_model("demo", dtype="float32", device="cpu")
         bar.update()
     rows = []
-    for prefix in tqdm(sizes["ttft_prefix"], desc="TTFT cold vs warm"):
-        rows.append(measure(loaded, [prefix, sizes["ttft_suffix"]], 2048, random.Random(prefix)))
+    repeats = sizes["repeats"]
+    with tqdm(total=len(sizes["ttft_prefix"]) * repeats, desc="TTFT cold vs warm") as bar:
+        for prefix in sizes["ttft_prefix"]:
+            runs = []
+            for k in range(repeats):
+                parts = [prefix, sizes["ttft_suffix"]]
+                runs.append(measure(loaded, parts, 2048, random.Random(prefix * 31 + k)))
+                bar.update()
+            row = dict(runs[0])  # the median cold and the median warm of the repeats
+            row["cold_s"] = statistics.median(r["cold_s"] for r in runs)
+            row["warm_s"] = statistics.median(r["warm_s"] for r in runs)
+            row["speedup"] = round(row["cold_s"] / row["warm_s"], 2)
+            row["efficiency"] = round(row["speedup"] / row["ideal_speedup"], 3)
+            rows.append(row)
     return rows
 
 
@@ -95,7 +111,8 @@ def cascade_sweep(sizes: dict) -> list[dict]:
     rows = []
     for batch in tqdm(sizes["cascade_batch"], desc="cascade decode"):
         args = ["--batch", str(batch), "--prefix", str(sizes["cascade_prefix"])]
-        rows.append(bench_json("shared_decode.py", *args, "--repeat", "3", "--no-check"))
+        repeat = str(sizes["repeats"] * 2 - 1)  # the median of this many timed steps
+        rows.append(bench_json("shared_decode.py", *args, "--repeat", repeat, "--no-check"))
     return rows
 
 
