@@ -5,6 +5,10 @@ Sizes are modest on purpose (a few minutes on a 2-core CPU with the demo model):
 
     TTFT          prefix 256..4096 tokens + a 64-token question, cold vs warm, median of 3
                   (bench/ttft.py)
+
+TTFT and cascade steps are timed in CPU seconds of one thread (torch at 1 thread,
+``time.thread_time``): on a box whose cores other jobs share, wall time mostly measures
+them. Burst times are wall-clock (the engine loop as a user sees it).
     burst         N = 4..64 requests over one 512-token prefix + 16 own tokens (bench/burst.py)
     cascade       decode batch 2..32 over a 2048-token shared prefix (bench/shared_decode.py)
     hit rate      40 system prompts of 1024 tokens, Zipf popularity, 2000 requests, pool
@@ -73,10 +77,12 @@ def bench_json(script: str, *args: str) -> dict:
 
 def ttft_sweep(sizes: dict) -> list[dict]:
     sys.path.insert(0, str(BENCH))
+    import torch
     from ttft import measure  # bench/ttft.py: one cold and one warm request
 
     from prefixcache.engine.loader import load_model
 
+    torch.set_num_threads(1)  # CPU time of this thread is then the whole work
     with tqdm(total=1, desc="load demo model", leave=False) as bar:
         loaded = load_model("demo", dtype="float32", device="cpu")
         bar.update()
@@ -87,7 +93,8 @@ def ttft_sweep(sizes: dict) -> list[dict]:
             runs = []
             for k in range(repeats):
                 parts = [prefix, sizes["ttft_suffix"]]
-                runs.append(measure(loaded, parts, 2048, random.Random(prefix * 31 + k)))
+                rng = random.Random(prefix * 31 + k)
+                runs.append(measure(loaded, parts, 2048, rng, time.thread_time))
                 bar.update()
             row = dict(runs[0])  # the median cold and the median warm of the repeats
             row["cold_s"] = statistics.median(r["cold_s"] for r in runs)
@@ -112,7 +119,8 @@ def cascade_sweep(sizes: dict) -> list[dict]:
     for batch in tqdm(sizes["cascade_batch"], desc="cascade decode"):
         args = ["--batch", str(batch), "--prefix", str(sizes["cascade_prefix"])]
         repeat = str(sizes["repeats"] * 2 - 1)  # the median of this many timed steps
-        rows.append(bench_json("shared_decode.py", *args, "--repeat", repeat, "--no-check"))
+        args += ["--repeat", repeat, "--threads", "1", "--clock", "cpu", "--no-check"]
+        rows.append(bench_json("shared_decode.py", *args))
     return rows
 
 
@@ -126,6 +134,13 @@ def hit_sweep(sizes: dict) -> dict:
 
 
 # --- plots ------------------------------------------------------------------------------
+
+
+def _log_x(ax: plt.Axes, values: list[int]) -> None:
+    """A log2 x axis labelled at the measured values only."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [str(v) for v in values])
+    ax.minorticks_off()
 
 
 def _save(fig: plt.Figure, path: Path) -> None:
@@ -143,7 +158,8 @@ def plot_all(results: dict, out: Path) -> list[str]:
     x = [r["cached"] for r in ttft]
     ax.plot(x, [r["cold_s"] * 1000 for r in ttft], "o-", label="cold (empty cache)")
     ax.plot(x, [r["warm_s"] * 1000 for r in ttft], "o-", label="warm (prefix cached)")
-    ax.set(xscale="log", yscale="log", xlabel="prefix tokens", ylabel="TTFT (ms)")
+    ax.set(yscale="log", xlabel="prefix tokens", ylabel="TTFT (CPU ms, 1 thread)")
+    _log_x(ax, x)
     ax.set_title(f"Time to first token, prefix + {results['sizes']['ttft_suffix']}-token question")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
@@ -154,14 +170,15 @@ def plot_all(results: dict, out: Path) -> list[str]:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
     n = [r["n"] for r in burst]
     a1.plot(n, [r["cached_all_first_token_s"] for r in burst], "o-")
-    a1.set(xlabel="concurrent requests N", ylabel="all first tokens (s)", xscale="log")
+    a1.set(xlabel="concurrent requests N", ylabel="all first tokens (s)")
     a1.set_title("Burst over one shared prefix")
     a2.plot(n, [r["peak_blocks"] for r in burst], "o-", label="peak blocks")
     a2.plot(n, [r["ideal_blocks"] for r in burst], "--", label="ideal (all resident)")
-    a2.set(xlabel="concurrent requests N", ylabel="KV blocks", xscale="log")
+    a2.set(xlabel="concurrent requests N", ylabel="KV blocks")
     a2.legend()
     for a in (a1, a2):
         a.grid(True, alpha=0.3)
+        _log_x(a, n)
     _save(fig, out / "bench_burst.png")
     names.append("bench_burst.png")
 
@@ -170,7 +187,8 @@ def plot_all(results: dict, out: Path) -> list[str]:
     b = [r["batch"] for r in cascade]
     ax.plot(b, [r["step_s_no_cascade"] * 1000 for r in cascade], "o-", label="plain attention")
     ax.plot(b, [r["step_s_cascade"] * 1000 for r in cascade], "o-", label="cascade")
-    ax.set(xscale="log", xlabel="decode batch", ylabel="decode step (ms)")
+    ax.set(xlabel="decode batch", ylabel="decode step (CPU ms, 1 thread)")
+    _log_x(ax, b)
     ax.set_title(f"Shared-prefix decode, {results['sizes']['cascade_prefix']}-token prefix")
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -183,7 +201,8 @@ def plot_all(results: dict, out: Path) -> list[str]:
     ax.plot(pools, [r["hit_rate"] for r in hit["rows"]], "o-", label="LRU, leaves first")
     ax.axhline(hit["ideal_hit_rate"], ls="--", color="grey", label="unbounded pool")
     ax.axvline(hit["working_set_blocks"], ls=":", color="grey", label="system prompts' blocks")
-    ax.set(xscale="log", xlabel="KV pool (blocks of 16 tokens)", ylabel="token hit rate")
+    ax.set(xlabel="KV pool (blocks of 16 tokens)", ylabel="token hit rate")
+    _log_x(ax, pools)
     ax.set_ylim(0, 1)
     ax.set_title(f"Hit rate vs pool size ({hit['prompts']} prompts, Zipf)")
     ax.grid(True, alpha=0.3)
@@ -201,13 +220,15 @@ def markdown(results: dict, img: str) -> str:
     lines = [
         START,
         "<!-- generated by `make bench` (bench/report.py); edit the script, not this part -->",
-        f"Run on {results['date']}, {results['seconds']:.0f} s in all (demo model, fp32, CPU).",
+        f"Run on {results['date']}, {results['seconds']:.0f} s in all (demo model, fp32, CPU). "
+        "TTFT and decode steps in CPU ms of one thread (torch at 1 thread); burst in wall "
+        "seconds.",
         "",
         f"### TTFT against prefix length (+ a {s['ttft_suffix']}-token question)",
         "",
         f"![TTFT cold vs warm]({img}/bench_ttft.png)",
         "",
-        "| prefix tokens | cold (ms) | warm (ms) | speedup | FLOP ideal |",
+        "| prefix tokens | cold (CPU ms) | warm (CPU ms) | speedup | FLOP ideal |",
         "|---:|---:|---:|---:|---:|",
     ]
     for r in results["ttft"]:
@@ -236,7 +257,7 @@ def markdown(results: dict, img: str) -> str:
         "",
         f"![cascade decode]({img}/bench_cascade.png)",
         "",
-        "| batch | plain step (ms) | cascade step (ms) | speedup | attention speedup |",
+        "| batch | plain step (CPU ms) | cascade step (CPU ms) | speedup | attention speedup |",
         "|---:|---:|---:|---:|---:|",
     ]
     for r in results["cascade"]:
@@ -282,20 +303,25 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img", help="where the PNGs go")
     ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument("--no-doc", action="store_true", help="plots only, leave the doc alone")
+    ap.add_argument("--replot", action="store_true", help="redraw from OUT/bench_results.json")
     args = ap.parse_args()
-    sizes = QUICK if args.quick else FULL
-    began = time.monotonic()
-    results = {
-        "sizes": sizes,
-        "ttft": ttft_sweep(sizes),
-        "burst": burst_sweep(sizes),
-        "cascade": cascade_sweep(sizes),
-        "hit_rate": hit_sweep(sizes),
-    }
-    results["seconds"] = time.monotonic() - began
-    results["date"] = time.strftime("%Y-%m-%d")
+    saved = args.out / "bench_results.json"
+    if args.replot:
+        results = json.loads(saved.read_text())
+    else:
+        sizes = QUICK if args.quick else FULL
+        began = time.monotonic()
+        results = {
+            "sizes": sizes,
+            "ttft": ttft_sweep(sizes),
+            "burst": burst_sweep(sizes),
+            "cascade": cascade_sweep(sizes),
+            "hit_rate": hit_sweep(sizes),
+        }
+        results["seconds"] = time.monotonic() - began
+        results["date"] = time.strftime("%Y-%m-%d")
     names = plot_all(results, args.out)
-    (args.out / "bench_results.json").write_text(json.dumps(results, indent=1))
+    saved.write_text(json.dumps(results, indent=1))
     if not args.no_doc:
         try:
             img = args.out.resolve().relative_to(args.doc.resolve().parent).as_posix()

@@ -79,7 +79,7 @@ class DashboardRoutes:
     async def _events(self, interval: float) -> AsyncIterator[bytes]:
         records = self.engine.cache_activity(0)[-BACKLOG:]
         cursor = records[-1].seq if records else 0
-        while True:
+        while self.engine.is_ready:  # ends when the engine shuts down
             stats = self.engine.cache_stats()
             yield sse_event(
                 LiveEvent(
