@@ -188,3 +188,24 @@ def test_engine_snapshot_of_100k_blocks_is_one_quick_pass() -> None:
     view = build_view(snap)
     assert len(view.nodes) <= 2 * 1500
     check_widths(view)
+
+
+def test_another_salt_of_the_same_tenant_is_a_namespace_miss(sidecar_server: Server) -> None:
+    def ask(salt: str) -> dict:
+        body = {
+            "model": "demo",
+            "segments": [
+                {"role": "system", "content": "[salted] keep it short. " * 8, "tag": "rules",
+                 "stability": "static"},
+                {"role": "user", "content": "Which shelf?", "tag": "q"},
+            ],
+            "cache_salt": salt,
+            "max_tokens": 1,
+        }  # fmt: skip
+        res = httpx.post(f"{sidecar_server.url}/chat/completions", json=body, timeout=60)
+        assert res.status_code == 200, res.text
+        return res.json()["prefixcache"]["segments"][0]
+
+    ask("salt-one")
+    rules = ask("salt-two")
+    assert rules["cached_tokens"] == 0 and rules["miss"]["reason"] == "namespace"

@@ -44,14 +44,17 @@ def own_sidecar(server_loop: ServerLoop, demo_loaded: Any) -> Iterator[Server]:
     server.stop()
 
 
-def ask(server: Server, intro: str, doc: str, question: str) -> dict:
-    segments = [
+def segments(intro: str, doc: str, question: str) -> list[dict]:
+    return [
         {"role": "system", "content": f"{intro}: " + "answer briefly and cite shelves. " * 5,
          "tag": "rules", "stability": "static"},
         {"role": "user", "content": doc * 6, "tag": "doc", "stability": "shared"},
         {"role": "user", "content": question, "tag": "question"},
     ]  # fmt: skip
-    body = {"model": "demo", "segments": segments, "max_tokens": 2}
+
+
+def ask(server: Server, intro: str, doc: str, question: str) -> dict:
+    body = {"model": "demo", "segments": segments(intro, doc, question), "max_tokens": 2}
     res = httpx.post(f"{server.url}/chat/completions", json=body, timeout=120)
     assert res.status_code == 200, res.text
     return res.json()
@@ -67,6 +70,9 @@ def test_dashboard_in_chromium(chromium: str, own_sidecar: Server, tmp_path: Pat
     for intro in PREFIXES:
         for doc in ("Shelf A: atlases and maps. ", "Shelf B: poetry and plays. "):
             ask(own_sidecar, intro, doc, "Where is it?")
+    pin = {"segments": segments(PREFIXES[0], "Shelf A: atlases and maps. ", "?"), "pin": True}
+    warmed = httpx.post(f"{own_sidecar.root}/v1/cache/warm", json=pin, timeout=120)
+    assert warmed.status_code == 200 and warmed.json()["pinned_blocks"] > 0, warmed.text
     assert top_level_in_tree(own_sidecar) == len(PREFIXES)
 
     browser = Browser.launch(chromium, tmp_path / "profile")
@@ -75,6 +81,7 @@ def test_dashboard_in_chromium(chromium: str, own_sidecar: Server, tmp_path: Pat
         assert browser.wait_for(f"{TOP_LEVEL} === {len(PREFIXES)} && {TOP_LEVEL}")
         assert browser.wait_for(f"{MISS_ROWS} > 0 && {MISS_ROWS}")
         misses_before = browser.evaluate(MISS_ROWS)
+        assert browser.evaluate("document.querySelectorAll('g[data-pinned=\"1\"]').length") > 0
         assert browser.evaluate("document.getElementById('hit-rate').textContent") != "–"
 
         ask(own_sidecar, "Map annex", "Shelf C: cookery. ", "Anything else?")  # a new prefix
