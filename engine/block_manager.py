@@ -112,6 +112,7 @@ class BlockManager:
         self._roots: dict[str, bytes] = {}
         self._stats = ManagerStats(num_blocks=num_blocks, block_size=block_size)
         self.listener: BlockListener | None = None
+        self.on_evict: Callable[[Node, str], None] | None = None  # (leaf, cause): miss reasons
 
     # ---- counters
 
@@ -133,6 +134,17 @@ class BlockManager:
 
     def ref_count(self, block: int) -> int:
         return self._pool.ref_count[block]
+
+    def pin_count(self, block: int) -> int:
+        return self._pool.pin_count[block]
+
+    @property
+    def tree(self) -> PrefixTree:
+        """Read-only use (miss reasons, the cache view); changes go through this class."""
+        return self._tree
+
+    def root(self, namespace: str) -> bytes:
+        return self._root(namespace)
 
     # ---- lookup
 
@@ -317,7 +329,7 @@ class BlockManager:
             self.unpin_all()
         count = 0
         while (block := self._pool.oldest_idle(include_pinned=False)) is not None:
-            self._evict(block)
+            self._evict(block, "admin")
             count += 1
         return count
 
@@ -415,9 +427,11 @@ class BlockManager:
             assert block == victim
         return block
 
-    def _evict(self, block: int) -> None:
+    def _evict(self, block: int, cause: str = "pressure") -> None:
         node = self._tree.remove(block)  # asserts it is a leaf
         self._pool.evict(block)
         self._stats.evicted_tokens += self.block_size
         if self.listener is not None:
             self.listener.block_removed(node)
+        if self.on_evict is not None:
+            self.on_evict(node, cause)

@@ -20,6 +20,7 @@ from prefixcache.sdk.cache_stats import BlockStats, CacheStats, TokenizerPieceSt
 from . import output, prefix_store
 from .attention import create_backend
 from .block_manager import BlockManager
+from .cache_activity import CacheActivity
 from .config import EngineConfig
 from .kv_cache import KVCache
 from .kv_events import BlockEventRecorder, KVEventPublisher
@@ -64,6 +65,9 @@ class LLMEngine:
         backend = create_backend(config.attention_backend, self.loaded.device)
         self.runner = ModelRunner(self.loaded, self.kv_cache, backend, config.enable_cascade)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.activity = CacheActivity(self.block_manager)  # miss reasons, the dashboard's data
+        self.block_manager.on_evict = self.activity.on_evict
+        self.scheduler.explain_miss = self.activity.on_admit
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
         model_len = self.loaded.config.max_position_embeddings
@@ -246,6 +250,7 @@ class LLMEngine:
         return final
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+        self.activity.on_finish(seq, reason)
         self.scheduler.finish(seq)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
         self._sequences.pop(seq.request_id, None)

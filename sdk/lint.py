@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Any, Protocol
 
 from . import lint_patterns as pat
 from .lint_patterns import Detector, Span
@@ -30,7 +31,24 @@ RULES: dict[str, str] = {
     "PC007": "user-data-in-static",
     "PC008": "counter",
     "PC009": "shared-order",
+    "PC010": "cache-miss",
 }
+
+
+class SegmentOutcome(Protocol):
+    """What lint reads of one segment of a response's cache report (types.SegmentReport)."""
+
+    tag: str
+    tokens: int
+    cached_tokens: int
+    miss: str | dict[str, Any] | None
+
+
+class ReportLike(Protocol):
+    """A response's cache report (types.CacheReport: ``out.cache``)."""
+
+    @property
+    def segments(self) -> Sequence[SegmentOutcome]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +75,11 @@ class Finding:
         return f"{self.rule} {self.name} [{self.tag}]: {self.message} Fix: {self.fix}"
 
 
-def lint(prompt: PromptParts, previous: PromptParts | None = None) -> list[Finding]:
-    """All findings for ``prompt``, in declared segment order then rule order."""
+def lint(
+    prompt: PromptParts, previous: PromptParts | None = None, report: ReportLike | None = None
+) -> list[Finding]:
+    """All findings for ``prompt``, in declared segment order then rule order; ``report`` (a
+    response's ``out.cache``) adds advice on why a stable segment missed (PC010)."""
     findings: list[Finding] = []
     for seg in prompt.segments:
         if seg.is_stable:
@@ -70,6 +91,8 @@ def lint(prompt: PromptParts, previous: PromptParts | None = None) -> list[Findi
     if previous is not None:
         findings.extend(_drift_between(prompt, previous))
     findings.extend(_shared_order(prompt))
+    if report is not None:
+        findings.extend(_cache_miss(prompt, report))
     order = {s.tag: i for i, s in enumerate(prompt.segments)}
     findings.sort(key=lambda f: (order.get(f.tag, -1), f.rule))
     return findings
@@ -261,6 +284,60 @@ def _shared_order(prompt: PromptParts) -> Iterable[Finding]:
                 _whole(seg),
             )
             return
+
+
+_MISS_ADVICE: dict[str, tuple[str, str]] = {
+    "diverged": (
+        "the server's cached prefix goes on with other tokens from here: this segment's bytes "
+        "differ from an earlier request's{after}.",
+        "Keep it byte-identical across requests (lint with previous= shows the drift); move "
+        "what changes into a dynamic segment at the end.",
+    ),
+    "evicted": (
+        "it was cached, then evicted{by}{after}.",
+        "Pin it (client.warm(prompt, pin=True)), or give the server more KV memory.",
+    ),
+    "namespace": (
+        "the same tokens are cached under another cache_salt of your tenant{after}; different "
+        "salts never share blocks.",
+        "Send the same cache_salt with every request that shares this prefix.",
+    ),
+    "partial_block": (
+        "less than one KV block of new tokens follows the cached prefix{after}; only full "
+        "blocks are cached.",
+        "Nothing to fix for a short tail; a stable part shorter than a block is cached once "
+        "more stable text follows it.",
+    ),
+    "below_min": (
+        "the prompt is shorter than one KV block; nothing is cached below a block.",
+        "Expected for short prompts; put shared text first so longer prompts reuse it.",
+    ),
+}
+
+
+def _cache_miss(prompt: PromptParts, report: ReportLike) -> Iterable[Finding]:
+    """One finding per request: on the stable segment where the server's cached prefix
+    stopped, for the reasons a prompt can fix ("cold", a first request, is not one)."""
+    stable = {s.tag: s for s in prompt.segments if s.is_stable}
+    for outcome in report.segments:
+        miss = outcome.miss
+        reason = miss.get("reason") if isinstance(miss, dict) else miss
+        advice = _MISS_ADVICE.get(str(reason))
+        if advice is None or outcome.cached_tokens >= outcome.tokens:
+            continue
+        detail = miss if isinstance(miss, dict) else {}
+        where = detail.get("segment")
+        seg = stable.get(where) if isinstance(where, str) else None
+        seg = seg or stable.get(outcome.tag)
+        if seg is None:
+            continue  # a dynamic segment: new every request by design
+        by = f" by {detail['evicted_by']}" if detail.get("evicted_by") else ""
+        after = "" if seg.tag == where or where is None else f" (at segment {where!r})"
+        message, fix = advice
+        yield Finding(
+            seg.tag, "PC010", f"{reason}: " + message.format(by=by, after=after), fix, _whole(seg)
+        )
+        return
 
 
 def _whole(seg: Segment) -> tuple[Span, ...]:

@@ -34,6 +34,10 @@ CASES = {
             "speedup_vs_nocache",
         },
     ),
+    "hit_rate.py": (
+        ["--prompts", "4", "--prefix", "64", "--requests", "40", "--pools", "8,64"],
+        {"ideal_hit_rate", "rows", "working_set_blocks"},
+    ),
     "ttft.py": (["--scale", "0.004"], {"cold_s", "warm_s", "speedup", "ideal_speedup"}),
     "shared_decode.py": (
         ["--batch", "4", "--prefix", "128", "--suffix", "8", "--repeat", "1"],
