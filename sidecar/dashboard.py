@@ -19,7 +19,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from prefixcache.engine.api import EngineAPI, RequestRecord
-from prefixcache.sdk.cache_stats import BlockStats, TokenStats
+from prefixcache.sdk.cache_stats import BlockStats, CacheStats, TokenStats
 
 from .cache_view import DEFAULT_MAX_NODES, build_view
 from .errors import bad_request
@@ -44,7 +44,7 @@ class DashboardRoutes:
     def __init__(self, engine: EngineAPI, gate: RequestGate) -> None:
         self.engine = engine
         self.gate = gate
-        self._tree: tuple[float, int, bytes] | None = None  # (built at, max nodes, body)
+        self._tree: tuple[float, tuple[int, int], bytes] | None = None  # (built, key, body)
         self._tree_lock = asyncio.Lock()
 
     def routes(self) -> list[Route]:
@@ -64,11 +64,13 @@ class DashboardRoutes:
         max_nodes = _int_param(request, "max_nodes", DEFAULT_MAX_NODES, 16, 5000)
         async with self._tree_lock:
             cached = self._tree
-            now = time.monotonic()
-            if cached is None or now - cached[0] > TREE_MAX_AGE_S or cached[1] != max_nodes:
+            key = (max_nodes, _tree_version(self.engine.cache_stats()))
+            # a fold is shared for a second, but never once the tree changed: a viewer told of
+            # a new version by /v1/cache/live must not be handed the fold from before it
+            if cached is None or time.monotonic() - cached[0] > TREE_MAX_AGE_S or cached[1] != key:
                 snap = await self.engine.cache_tree()
                 view = await asyncio.to_thread(build_view, snap, max_nodes)
-                cached = self._tree = (time.monotonic(), max_nodes, msgspec.json.encode(view))
+                cached = self._tree = (time.monotonic(), key, msgspec.json.encode(view))
         return Response(cached[2], media_type="application/json")
 
     async def live(self, request: Request) -> SSEResponse:
@@ -87,7 +89,7 @@ class DashboardRoutes:
                     blocks=stats.blocks,
                     tokens=stats.tokens,
                     hit_rate=stats.hit_rate,
-                    tree_version=stats.tokens.inserted + stats.tokens.evicted,
+                    tree_version=_tree_version(stats),
                     waiting=self.engine.num_waiting,
                     requests=records,
                 )
@@ -131,3 +133,8 @@ def _float_param(request: Request, name: str, default: float, lo: float, hi: flo
     if not lo <= value <= hi:
         raise bad_request(f"{name} must be a number in [{lo}, {hi}]", name)
     return value
+
+
+def _tree_version(stats: CacheStats) -> int:
+    """Changes whenever blocks were inserted into or evicted from the tree."""
+    return stats.tokens.inserted + stats.tokens.evicted
