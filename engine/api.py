@@ -109,7 +109,11 @@ class EngineAPI(Protocol):
     # -- cache admin (ValueError: the engine refused the input) ---------------------------
 
     async def warm(
-        self, token_ids: list[int], namespace: str = "", pin: bool = False
+        self,
+        token_ids: list[int],
+        namespace: str = "",
+        pin: bool = False,
+        ttl_s: float | None = None,
     ) -> WarmResult: ...
 
     async def unpin(self, token_ids: list[int], namespace: str = "") -> int: ...

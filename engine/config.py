@@ -25,6 +25,12 @@ class EngineConfig:
     lpm_queue_limit: int = 128  # above this many waiting requests, plain arrival order
     max_wait_steps: int = 64  # age bound: a request waiting this many steps goes first
     seed: int = 0
+    # A second KV tier below the pool: "host:GIB" or "disk:DIR:GIB" (None: none).
+    kv_offload: str | None = None
+    kv_offload_keep_files: bool = False  # a disk tier's file outlives the process
+    kv_spill_policy: str = "all"  # "all" evicted blocks, or "hit": only blocks hit before
+    max_pin_ttl_s: float = 3600.0  # retention hints (cache_control ttl) are capped at this
+    max_hint_pinned_blocks: int | None = None  # per namespace; None: a quarter of the pool
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -33,3 +39,7 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.kv_spill_policy not in ("all", "hit"):
+            raise ValueError(f"kv_spill_policy must be all or hit, got {self.kv_spill_policy!r}")
+        if not self.max_pin_ttl_s > 0:
+            raise ValueError("max_pin_ttl_s must be > 0")

@@ -68,6 +68,16 @@ class EngineRequest:
     namespace: str = ""  # cache namespace (tenant + salt), derived by the server
     priority: int = 0  # lower value = more important (vLLM's convention); preempted last
     segments: list[SegmentSpan] | None = None
+    retain: list[RetentionHint] | None = None  # cache_control: keep these prefixes a while
+
+
+@dataclass(slots=True, frozen=True)
+class RetentionHint:
+    """Keep the prompt's first ``end`` tokens cached at least ``ttl_s`` (a TTL pin once they
+    are computed; the engine caps the TTL and the blocks each namespace may pin this way)."""
+
+    end: int
+    ttl_s: float
 
 
 @dataclass(slots=True)
@@ -81,6 +91,8 @@ class SegmentUsage:
 class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the cache (incl. copy-on-write tokens)
+    # cached_tokens by where they came from: "pool", and "host" or "disk" (the KV tier)
+    cached_tokens_by_tier: dict[str, int] | None = None
     computed_prompt_tokens: int = 0  # prompt tokens whose KV this request computed
     completion_tokens: int = 0
     segments: list[SegmentUsage] | None = None
