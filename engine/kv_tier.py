@@ -306,10 +306,10 @@ class KVTier:
         )
 
     def corrupt_slot(self, digest: bytes) -> None:
-        """Flip a byte of an entry's slot (tests: a damaged slot must read as a miss)."""
+        """Change a byte of an entry's slot (tests: a damaged slot must read as a miss)."""
         self.drain()
         slot = self._entries[digest].slot
-        self.storage.slots[slot, 0] ^= 0xFF
+        self.storage.slots[slot, 0] += 1  # uint8: wraps; a second damage never repairs it
 
     def check(self) -> None:
         """Bytes used equal the live entries' slots; no slot is held twice or both held and free."""
