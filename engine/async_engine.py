@@ -183,8 +183,9 @@ class AsyncEngine:
     async def unpin(self, token_ids: list[int], namespace: str = "") -> int:
         return await self._call(lambda: self.engine.unpin(token_ids, namespace))
 
-    async def evict_all(self, include_pinned: bool = False) -> int:
-        return await self._call(lambda: self.engine.evict_all(include_pinned))
+    async def evict_all(self, include_pinned: bool = False, keep_tier: bool = False) -> int:
+        """Evict the pool's idle blocks and empty the KV tier (``keep_tier``: spill into it)."""
+        return await self._call(lambda: self.engine.evict_all(include_pinned, keep_tier))
 
     async def save_pinned(self, path: str | Path) -> SaveResult:
         """Write every pinned prefix and its KV to ``path`` (the file work off the engine thread)."""

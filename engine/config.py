@@ -7,6 +7,35 @@ from dataclasses import dataclass
 from .paging import DEFAULT_BLOCK_SIZE
 
 
+@dataclass(slots=True, frozen=True)
+class TierSpec:
+    """``--kv-offload`` parsed: ``host:GIB`` or ``disk:DIR:GIB``."""
+
+    kind: str
+    num_bytes: int
+    path: str | None = None  # the directory of a disk tier
+
+    @staticmethod
+    def parse(text: str) -> TierSpec:
+        parts = text.split(":")
+        kind = parts[0]
+        try:
+            if kind == "host" and len(parts) == 2:
+                return TierSpec("host", _gib(parts[1]))
+            if kind == "disk" and len(parts) >= 3:
+                return TierSpec("disk", _gib(parts[-1]), ":".join(parts[1:-1]))
+        except ValueError as exc:
+            raise ValueError(f"--kv-offload {text!r}: {exc}") from None
+        raise ValueError(f"--kv-offload must be host:GIB or disk:DIR:GIB, got {text!r}")
+
+
+def _gib(text: str) -> int:
+    gib = float(text)
+    if not 0 < gib < 2**20:
+        raise ValueError("the size must be a positive number of GiB")
+    return int(gib * 1024**3)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str = "demo"  # "demo" or a local Hugging Face folder
@@ -43,3 +72,5 @@ class EngineConfig:
             raise ValueError(f"kv_spill_policy must be all or hit, got {self.kv_spill_policy!r}")
         if not self.max_pin_ttl_s > 0:
             raise ValueError("max_pin_ttl_s must be > 0")
+        if self.kv_offload is not None:
+            TierSpec.parse(self.kv_offload)  # a clear error at start-up

@@ -19,9 +19,9 @@ from prefixcache.sdk.cache_stats import BlockStats, CacheStats, TokenizerPieceSt
 from . import output, prefix_store
 from .attention import create_backend
 from .block_manager import BlockManager
-from .config import EngineConfig
+from .config import EngineConfig, TierSpec
 from .kv_cache import KVCache
-from .kv_tier import KVTier, TierSpec, TierStats, create_tier
+from .kv_tier import KVTier, TierStats, create_tier
 from .loader import LoadedModel, load_model
 from .metrics import EngineMetrics
 from .model_runner import BatchEntry, ModelRunner

@@ -38,6 +38,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from .config import TierSpec
+
 
 class PageIO(Protocol):
     """The pool's side: copy whole pages out as bytes, and bytes back into pages."""
@@ -58,35 +60,6 @@ class SlotStorage(Protocol):
     slots: np.ndarray  # uint8 [num_slots, slot_bytes]
 
     def close(self) -> None: ...
-
-
-@dataclass(slots=True, frozen=True)
-class TierSpec:
-    """``--kv-offload`` parsed: ``host:GIB`` or ``disk:DIR:GIB``."""
-
-    kind: str
-    num_bytes: int
-    path: str | None = None  # the directory of a disk tier
-
-    @staticmethod
-    def parse(text: str) -> TierSpec:
-        parts = text.split(":")
-        kind = parts[0]
-        try:
-            if kind == "host" and len(parts) == 2:
-                return TierSpec("host", _gib(parts[1]))
-            if kind == "disk" and len(parts) >= 3:
-                return TierSpec("disk", _gib(parts[-1]), ":".join(parts[1:-1]))
-        except ValueError as exc:
-            raise ValueError(f"--kv-offload {text!r}: {exc}") from None
-        raise ValueError(f"--kv-offload must be host:GIB or disk:DIR:GIB, got {text!r}")
-
-
-def _gib(text: str) -> int:
-    gib = float(text)
-    if not gib > 0:
-        raise ValueError("the size must be a positive number of GiB")
-    return int(gib * 1024**3)
 
 
 class HostSlots:

@@ -91,11 +91,11 @@ class SegmentUsage:
 class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the cache (incl. copy-on-write tokens)
-    # cached_tokens by where they came from: "pool", and "host" or "disk" (the KV tier)
-    cached_tokens_by_tier: dict[str, int] | None = None
     computed_prompt_tokens: int = 0  # prompt tokens whose KV this request computed
     completion_tokens: int = 0
     segments: list[SegmentUsage] | None = None
+    # cached_tokens by where they came from: "pool", and "host" or "disk" (the KV tier)
+    cached_tokens_by_tier: dict[str, int] | None = None
 
 
 @dataclass(slots=True)

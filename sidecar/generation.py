@@ -135,6 +135,7 @@ class GenerationRoutes:
             namespace=self.gate.namespace(tenant.name, req.cache_salt),
             priority=req.priority,
             segments=prompt.spans or None,
+            retain=prompt.retain or None,  # cache_control marks: TTL pins once computed
         )
         return Job(
             id=request_id,

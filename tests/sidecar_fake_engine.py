@@ -163,7 +163,7 @@ class FakeEngine:
         self.pinned -= digests
         return len(digests)
 
-    async def evict_all(self, include_pinned: bool = False) -> int:
+    async def evict_all(self, include_pinned: bool = False, keep_tier: bool = False) -> int:
         if include_pinned:
             self.pinned.clear()
         evicted = len(self.cached - self.pinned)

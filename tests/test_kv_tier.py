@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from prefixcache.engine.block_manager import BlockManager
-from prefixcache.engine.config import EngineConfig
+from prefixcache.engine.config import EngineConfig, TierSpec
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.kv_tier import DiskSlots, HostSlots, KVTier, TierSpec
+from prefixcache.engine.kv_tier import DiskSlots, HostSlots, KVTier
 from prefixcache.engine.loader import load_model
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
