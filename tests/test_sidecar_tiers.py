@@ -44,7 +44,7 @@ def chat(root: str, body: dict) -> dict:
 
 
 def test_a_request_over_spilled_blocks_reloads_them(tier_server: Any) -> None:
-    server, engine, loop = tier_server
+    server = tier_server[0]
     root: str = server.root
     messages = [{"role": "system", "content": "[reload] " + DOC}, {"role": "user", "content": "Hi"}]
     cold = chat(root, {"messages": messages})
