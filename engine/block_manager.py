@@ -235,6 +235,8 @@ class BlockManager:
         pool.ref_all(match.blocks)
         if match.blocks:
             self._hit(match.blocks)
+        if self._ttl and match.partial_block is not None and match.partial_tokens:
+            self._renew(tree.node_of(match.partial_block))  # e.g. a warm of that very prefix
         table = BlockTable(
             namespace, list(match.blocks), len(match.blocks) * bs, len(match.blocks), hashes, bs
         )
@@ -293,16 +295,18 @@ class BlockManager:
 
     def _hit(self, blocks: list[int]) -> None:
         """Count a hit on each matched node; renew the TTL pins along the prefix."""
-        node_of = self._tree.node_of
-        ttl, now = self._ttl, None
+        node_of, ttl = self._tree.node_of, self._ttl
         for block in blocks:
             node = node_of(block)
             assert node is not None
             node.hits += 1
             if ttl and node in ttl:
-                now = self._clock() if now is None else now
-                pin = ttl[node]
-                pin.expires = max(pin.expires, now + pin.ttl_s)
+                self._renew(node)
+
+    def _renew(self, node: Node | None) -> None:
+        pin = self._ttl.get(node) if node is not None else None
+        if pin is not None:
+            pin.expires = max(pin.expires, self._clock() + pin.ttl_s)
 
     def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
         return self._blocks_to_grow(table, num_tokens) <= self._pool.num_available

@@ -204,6 +204,21 @@ def test_hits_renew_a_ttl_pin() -> None:
     assert bm.expire_pins() == 1 and bm.num_pinned_blocks == 0
 
 
+def test_a_request_ending_on_the_pinned_prefix_renews_it() -> None:
+    """A warm of the pinned prefix itself matches its last block only in part (len - 1)."""
+    clock = Clock()
+    bm = BlockManager(8, BS, b"m", copy_slots=lambda src, dst, k: None, clock=clock)
+    prefix = list(range(8))
+    compute_plain(bm, prefix)
+    bm.pin(prefix, "a", ttl_s=10)
+    clock.now = 8
+    compute_plain(bm, prefix)
+    clock.now = 12
+    assert bm.expire_pins() == 0
+    clock.now = 18
+    assert bm.expire_pins() == 1
+
+
 def test_ttl_pins_of_a_namespace_are_capped() -> None:
     bm = BlockManager(16, BS, b"m", clock=Clock())
     a, b = list(range(13)), list(range(100, 113))
