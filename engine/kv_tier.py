@@ -230,23 +230,27 @@ class KVTier:
             (e := self._entries.get(d)) is not None and not e.written for d in digests
         ):  # a spill still on its way: wait for it rather than recompute
             self.drain()
-        slots = self.storage.slots
-        rows: list[np.ndarray] = []
+        entries: list[TierEntry] = []
         for digest in digests:
             entry = self._entries.get(digest)
             if entry is None:
                 break
-            row = np.array(slots[entry.slot])
-            if not entry.written or zlib.crc32(row) != entry.checksum:
+            entries.append(entry)
+        if not entries:
+            return 0
+        rows = self.storage.slots[[e.slot for e in entries]]  # one gather: a copy
+        count = len(entries)
+        for i, (digest, entry) in enumerate(zip(digests, entries, strict=False)):
+            if not entry.written or zlib.crc32(rows[i]) != entry.checksum:
                 self._stats.corrupt += 1
                 self._drop(digest, count=False)
+                count = i
                 break
             self._entries.move_to_end(digest)
-            rows.append(row)
-        if rows:
-            self.pages.write_pages(pages[: len(rows)], np.stack(rows))
-            self._stats.reloads += len(rows)
-        return len(rows)
+        if count:
+            self.pages.write_pages(pages[:count], rows[:count])
+            self._stats.reloads += count
+        return count
 
     # ---- upkeep
 
