@@ -13,7 +13,8 @@ unwritten slot is a miss (the entry is dropped), never wrong KV.
 
 Writes never stall a step: ``spill`` copies the page out (one block) into a staging buffer
 and a writer thread checksums it and stores it in the slot; a spill that finds the writer
-``max_pending`` blocks behind is refused (counted as a drop). ``writer=False`` writes inline
+``max_pending_bytes`` of staged copies behind is refused (counted as a drop; an admin
+``evict_all`` waits instead). ``writer=False`` writes inline
 (tests). The pool's pages are read and written through ``PageIO`` (``KVCache`` implements it),
 so this module knows nothing about layers.
 
@@ -141,7 +142,7 @@ class KVTier:
         storage: SlotStorage,
         pages: PageIO,
         writer: bool = True,
-        max_pending: int = 256,
+        max_pending_bytes: int = 256 * 1024**2,
     ) -> None:
         if storage.num_slots < 1:
             raise ValueError("the KV tier holds no block: give it more bytes")
@@ -152,7 +153,7 @@ class KVTier:
         self._entries: OrderedDict[bytes, TierEntry] = OrderedDict()  # LRU, oldest first
         self._free = list(range(storage.num_slots - 1, -1, -1))
         self._stats = TierStats(storage.kind, storage.num_slots, self.slot_bytes)
-        self._max_pending = max_pending
+        self._max_pending = max(16, max_pending_bytes // self.slot_bytes)  # staged copies
         self._queue: queue.Queue[tuple[TierEntry, np.ndarray] | None] | None = None
         self._thread: threading.Thread | None = None
         if writer:
@@ -181,15 +182,21 @@ class KVTier:
 
     # ---- writes
 
-    def spill(self, digest: bytes, parent: bytes, tokens: bytes, page: int) -> bool:
-        """Keep an evicted page's KV under ``digest``; False if refused. Already held: a touch."""
+    def spill(
+        self, digest: bytes, parent: bytes, tokens: bytes, page: int, wait: bool = False
+    ) -> bool:
+        """Keep an evicted page's KV under ``digest``; False if refused (the writer is
+        ``max_pending_bytes`` behind; ``wait``: wait for it instead, off the step path).
+        Already held: a touch."""
         entry = self._entries.get(digest)
         if entry is not None:
             self._entries.move_to_end(digest)
             return True
         if self._queue is not None and self._queue.qsize() >= self._max_pending:
-            self._stats.drops += 1
-            return False
+            if not wait:
+                self._stats.drops += 1
+                return False
+            self.drain()
         if not self._free:
             self._drop(next(iter(self._entries)))
         entry = TierEntry(self._free.pop(), parent, tokens)

@@ -10,6 +10,7 @@ injected clock; no sleeps). Files: a disk tier's file goes at close unless kept.
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -318,3 +319,34 @@ def test_reloaded_kv_gives_the_cold_tokens_and_logprobs(loaded, kind: str, tmp_p
     assert registry.get_sample_value("prefixcache:kv_tier_reloads_total") == 9
     engine.block_manager.check_invariants()
     engine.close()
+
+
+def test_a_step_never_waits_for_the_writer_but_an_admin_evict_does() -> None:
+    pages = Pages(64)
+    tier = KVTier(HostSlots(64, Pages.bytes_per_block, False), pages, max_pending_bytes=0)
+    release = threading.Event()
+    store = tier._store
+
+    def slow_store(entry, data) -> None:  # a writer stuck on a slow disk
+        release.wait(timeout=30)
+        store(entry, data)
+
+    tier._store = slow_store  # type: ignore[method-assign]
+    accepted = [tier.spill(bytes([i]) * 16, b"p", b"t", 0) for i in range(24)]
+    assert not all(accepted) and tier.stats().drops == accepted.count(False)  # refused
+    release.set()
+    tier.drain()
+    assert tier.stats().writes == accepted.count(True)
+    tier.clear()
+
+    release.clear()
+    bm = BlockManager(64, BS, b"m", tier=tier)
+    for i in range(8):
+        compute(bm, [i * 100 + k for k in range(21)], "a", i)  # 40 full blocks cached
+    timer = threading.Timer(0.2, release.set)
+    timer.start()
+    assert bm.evict_all(keep_tier=True) == 40
+    tier.drain()
+    assert len(tier) == 40 and tier.stats().writes == accepted.count(True) + 40
+    timer.join()
+    tier.close()
