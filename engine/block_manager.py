@@ -477,7 +477,7 @@ class BlockManager:
             self.unpin_all()
         count = 0
         while (block := self._pool.oldest_idle(include_pinned=False)) is not None:
-            self._evict(block, wait=True)  # an admin call: it may wait for the tier's writer
+            self._evict(block, spill=keep_tier, wait=True)  # an admin call: it may wait
             count += 1
         if self.tier is not None and not keep_tier:
             self.tier.clear()
@@ -582,12 +582,12 @@ class BlockManager:
             assert block == victim
         return block
 
-    def _evict(self, block: int, wait: bool = False) -> None:
+    def _evict(self, block: int, spill: bool = True, wait: bool = False) -> None:
         node = self._tree.remove(block)  # asserts it is a leaf
         pin = self._ttl.pop(node, None) if self._ttl else None
         if pin is not None:
             self._pass_ttl_pin(node, pin)
-        if self.tier is not None and (self._spill_all or node.hits):
+        if spill and self.tier is not None and (self._spill_all or node.hits):
             self.tier.spill(node.digest, node.parent_digest, node.tokens, block, wait)
         self._pool.evict(block)
         self._stats.evicted_tokens += self.block_size
