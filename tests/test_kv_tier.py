@@ -350,3 +350,24 @@ def test_a_step_never_waits_for_the_writer_but_an_admin_evict_does() -> None:
     assert len(tier) == 40 and tier.stats().writes == accepted.count(True) + 40
     timer.join()
     tier.close()
+
+
+def test_through_the_engine_a_tenant_never_reloads_another_tenants_blocks(loaded) -> None:
+    config = EngineConfig(
+        model="demo", dtype="float32", device="cpu", num_blocks=64, kv_offload="host:0.05"
+    )
+    engine = LLMEngine(config, loaded)
+    prompt = list(range(3, 3 + 70))
+    sampling = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def cached(rid: str, namespace: str) -> tuple[int, dict[str, int] | None]:
+        request = EngineRequest(rid, list(prompt), sampling, namespace=namespace)
+        (result,) = engine.generate([request])
+        return result.usage.cached_tokens, result.usage.cached_tokens_by_tier
+
+    assert cached("a1", "tenant-a")[0] == 0
+    engine.evict_all(keep_tier=True)
+    assert cached("b1", "tenant-b") == (0, {"pool": 0})  # a's spilled blocks: not b's
+    engine.evict_all(keep_tier=True)
+    assert cached("a2", "tenant-a") == (64, {"pool": 0, "host": 64})
+    engine.close()
