@@ -140,12 +140,16 @@ class EngineAPI(Protocol):
     # -- cache admin (ValueError: the engine refused the input) ---------------------------
 
     async def warm(
-        self, token_ids: list[int], namespace: str = "", pin: bool = False
+        self,
+        token_ids: list[int],
+        namespace: str = "",
+        pin: bool = False,
+        ttl_s: float | None = None,
     ) -> WarmResult: ...
 
     async def unpin(self, token_ids: list[int], namespace: str = "") -> int: ...
 
-    async def evict_all(self, include_pinned: bool = False) -> int: ...
+    async def evict_all(self, include_pinned: bool = False, keep_tier: bool = False) -> int: ...
 
     def cache_stats(self) -> CacheStats: ...
 

@@ -75,7 +75,7 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
         if self._engine is not None:
-            self._engine.close()
+            self._engine.close()  # the KV tier's writer and file
         for request_id, stream in list(self._streams.items()):
             stream.put_nowait(aborted_output(request_id, "engine shut down"))
 
@@ -157,9 +157,14 @@ class AsyncEngine:
     # -- cache admin -------------------------------------------------------------------------
 
     async def warm(
-        self, token_ids: list[int], namespace: str = "", pin: bool = False
+        self,
+        token_ids: list[int],
+        namespace: str = "",
+        pin: bool = False,
+        ttl_s: float | None = None,
     ) -> WarmResult:
-        """Compute and cache a prefix (its full blocks), optionally pinning them."""
+        """Compute and cache a prefix (its full blocks), optionally pinning them (for ``ttl_s``
+        seconds, renewed by hits and warms; None: until unpinned)."""
         request = EngineRequest(
             f"warm-{next(self._ids)}-{time.monotonic_ns()}",
             list(token_ids),
@@ -170,14 +175,17 @@ class AsyncEngine:
         async for out in self.generate(request):
             final = out
         assert final is not None and final.usage is not None
-        pinned = await self._call(lambda: self.engine.pin(token_ids, namespace)) if pin else 0
+        pinned = 0
+        if pin:
+            pinned = await self._call(lambda: self.engine.pin(token_ids, namespace, ttl_s))
         return WarmResult(len(token_ids), final.usage.cached_tokens, pinned)
 
     async def unpin(self, token_ids: list[int], namespace: str = "") -> int:
         return await self._call(lambda: self.engine.unpin(token_ids, namespace))
 
-    async def evict_all(self, include_pinned: bool = False) -> int:
-        return await self._call(lambda: self.engine.evict_all(include_pinned))
+    async def evict_all(self, include_pinned: bool = False, keep_tier: bool = False) -> int:
+        """Evict the pool's idle blocks and empty the KV tier (``keep_tier``: spill into it)."""
+        return await self._call(lambda: self.engine.evict_all(include_pinned, keep_tier))
 
     async def save_pinned(self, path: str | Path) -> SaveResult:
         """Write every pinned prefix and its KV to ``path`` (the file work off the engine thread)."""

@@ -22,17 +22,33 @@ a leaf, and evicting it is O(1); ``tree.remove`` asserts the leaf.
 
 Saving pinned prefixes and restoring them is ``pinned_blocks.py``'s job, over
 ``pinned_nodes``, ``cache_block``, ``release`` and ``pin_path``.
+
+With a KV tier (``kv_tier.py``), an evicted block's KV is spilled to the tier under its digest
+(every block, or only blocks hit at least once: ``spill_policy``). A match continues past the
+pool's last cached block through the tier (digests chained from there, each entry checked
+against its parent digest and tokens), and ``allocate`` copies those blocks back into fresh
+pages in one batch and inserts them into the tree, before the request's first step: the
+request computes only what neither level holds. Reloaded tokens count as hits and, apart, as
+``reloaded_tokens``.
+
+A pin may carry a TTL (``pin(..., ttl_s=)``): it lapses at ``expire_pins`` once its deadline
+passed, unless a hit on its prefix or another pin renewed it; a lapsed pin leaves an ordinary
+LRU entry. ``clock`` is injectable for tests.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .block_pool import BlockPool
 from .paging import DEFAULT_BLOCK_SIZE, ceil_div
 from .prefix_tree import TOKEN_BYTES, NewBlock, Node, PrefixTree, root_digest, token_bytes
+
+if TYPE_CHECKING:
+    from .kv_tier import KVTier
 
 CopySlots = Callable[[int, int, int], None]
 
@@ -55,10 +71,11 @@ class PrefixMatch:
     partial_block: int | None  # next cached block whose leading tokens also match
     partial_tokens: int  # how many of its leading tokens match (0 if none)
     block_size: int = DEFAULT_BLOCK_SIZE
+    tier: list[bytes] = field(default_factory=list)  # digests of the next blocks, in the tier
 
     @property
     def num_tokens(self) -> int:
-        return len(self.blocks) * self.block_size + self.partial_tokens
+        return (len(self.blocks) + len(self.tier)) * self.block_size + self.partial_tokens
 
 
 @dataclass(slots=True)
@@ -69,6 +86,7 @@ class BlockTable:
     num_committed_blocks: int  # leading blocks already in the tree (shared or inserted)
     hashes: list[bytes] = field(default_factory=list)  # digests of the committed blocks
     block_size: int = DEFAULT_BLOCK_SIZE
+    num_reloaded_tokens: int = 0  # of num_cached_tokens, copied back from the KV tier
 
     @property
     def num_slots(self) -> int:
@@ -78,7 +96,8 @@ class BlockTable:
 @dataclass(slots=True)
 class ManagerStats:
     query_tokens: int = 0
-    hit_tokens: int = 0
+    hit_tokens: int = 0  # includes reloaded_tokens
+    reloaded_tokens: int = 0  # hits copied back from the KV tier
     inserted_tokens: int = 0
     evicted_tokens: int = 0
     num_free_blocks: int = 0
@@ -87,6 +106,20 @@ class ManagerStats:
     num_pinned_blocks: int = 0
     num_blocks: int = 0
     block_size: int = DEFAULT_BLOCK_SIZE
+    num_ttl_pins: int = 0
+
+
+@dataclass(slots=True)
+class TTLPin:
+    """One pin (of the node's ``own_pins``) that lapses at ``expires`` unless renewed."""
+
+    namespace: str
+    ttl_s: float
+    expires: float
+    depth: int  # blocks it covers (its node and every block above)
+
+
+SPILL_POLICIES = ("all", "hit")
 
 
 class BlockManager:
@@ -97,11 +130,17 @@ class BlockManager:
         identity: bytes,
         copy_slots: CopySlots | None = None,
         enable_caching: bool = True,
+        tier: KVTier | None = None,
+        spill_policy: str = "all",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``copy_slots(src, dst, k)`` copies a block's first k token slots of KV. Without it
-        (an index-only manager) partial-block reuse is off."""
+        (an index-only manager) partial-block reuse is off. ``tier``: where evicted blocks'
+        KV goes (``spill_policy`` "all", or "hit": only blocks hit at least once)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if spill_policy not in SPILL_POLICIES:
+            raise ValueError(f"spill_policy must be one of {SPILL_POLICIES}, got {spill_policy!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.identity = identity
@@ -113,6 +152,10 @@ class BlockManager:
         self._stats = ManagerStats(num_blocks=num_blocks, block_size=block_size)
         self.listener: BlockListener | None = None
         self.on_evict: Callable[[Node, str], None] | None = None  # (leaf, cause): miss reasons
+        self.tier = tier if enable_caching else None
+        self._spill_all = spill_policy == "all"
+        self._clock = clock
+        self._ttl: dict[Node, TTLPin] = {}
 
     # ---- counters
 
@@ -161,14 +204,36 @@ class BlockManager:
         end = (max_tokens // bs + 1) * bs
         data = token_bytes(token_ids[:end] if end < len(token_ids) else token_ids)
         nodes = self._tree.walk(root, data, max_tokens // bs)
+        blocks = [node.block for node in nodes]
+        tier = self._match_tier(nodes, root, data, max_tokens // bs)
+        if tier:
+            return PrefixMatch(blocks, None, 0, bs, tier)
         matched = len(nodes) * bs
         partial, k = None, 0
         if self._copy_slots is not None:
             parent = nodes[-1] if nodes else None
             limit = min(max_tokens - matched, bs - 1)
             partial, k = self._tree.best_partial(parent, root, data[matched * TOKEN_BYTES :], limit)
-        blocks = [node.block for node in nodes]
         return PrefixMatch(blocks, partial.block if partial is not None else None, k, bs)
+
+    def _match_tier(
+        self, nodes: list[Node], root: bytes, data: bytes, max_blocks: int
+    ) -> list[bytes]:
+        """Digests of the blocks after ``nodes`` that the tier holds, in order (read-only)."""
+        tier = self.tier
+        if tier is None or not len(tier) or len(nodes) >= max_blocks:
+            return []
+        nbytes, digest = self.block_size * TOKEN_BYTES, self._tree.digest
+        parent = nodes[-1].digest if nodes else root
+        out: list[bytes] = []
+        for i in range(len(nodes), max_blocks):
+            tokens = data[i * nbytes : (i + 1) * nbytes]
+            key = digest(parent, tokens)
+            if not tier.find(key, parent, tokens):
+                break
+            out.append(key)
+            parent = key
+        return out
 
     # ---- allocation
 
@@ -189,9 +254,15 @@ class BlockManager:
         pool, tree, bs = self._pool, self._tree, self.block_size
         hashes = tree.digests_of(match.blocks)  # asserts the match is still valid
         pool.ref_all(match.blocks)
+        if match.blocks:
+            self._hit(match.blocks)
+        if self._ttl and match.partial_block is not None and match.partial_tokens:
+            self._renew(tree.node_of(match.partial_block))  # e.g. a warm of that very prefix
         table = BlockTable(
             namespace, list(match.blocks), len(match.blocks) * bs, len(match.blocks), hashes, bs
         )
+        if match.tier:
+            self._reload(table, token_ids, match.tier)
         src = match.partial_block
         if src is not None and match.partial_tokens > 0:
             # A cached node, or a live table's partly filled block (its written slots are final).
@@ -207,7 +278,56 @@ class BlockManager:
         self._extend(table, num_tokens)
         self._stats.query_tokens += len(token_ids)
         self._stats.hit_tokens += table.num_cached_tokens
+        self._stats.reloaded_tokens += table.num_reloaded_tokens
         return table
+
+    def _reload(self, table: BlockTable, token_ids: Sequence[int], digests: list[bytes]) -> None:
+        """Copy the tier's blocks back into fresh pages (one batch) and cache them; a block the
+        tier lost meanwhile (dropped, corrupt) ends the reload there: the rest is computed."""
+        tier, bs = self.tier, self.block_size
+        assert tier is not None
+        tier.touch(digests)  # spills made room for them while pages are taken
+        count = min(len(digests), self._pool.num_available)
+        pages = [self._take_block() for _ in range(count)]
+        done = tier.reload(digests[:count], pages)
+        self.release(pages[done:])  # not cached: straight back to the free list
+        root = self._root(table.namespace)
+        parent = self._tree.node_of(table.block_ids[-1]) if table.block_ids else None
+        start = len(table.block_ids)
+        data = token_bytes(token_ids[start * bs : (start + done) * bs])
+        nbytes = bs * TOKEN_BYTES
+        for i, page in enumerate(pages[:done]):
+            node, inserted = self._cache(parent, root, data[i * nbytes : (i + 1) * nbytes], page)
+            if node is None:  # a digest collision: the rest is computed
+                self.release(pages[i:done])
+                done = i
+                break
+            if not inserted:  # cached meanwhile: share that page instead
+                self._pool.ref(node.block)
+                self._pool.deref(page)
+                page = node.block
+            node.hits += 1
+            table.block_ids.append(page)
+            table.hashes.append(node.digest)
+            parent = node
+        table.num_committed_blocks = len(table.block_ids)
+        table.num_cached_tokens += done * bs
+        table.num_reloaded_tokens += done * bs
+
+    def _hit(self, blocks: list[int]) -> None:
+        """Count a hit on each matched node; renew the TTL pins along the prefix."""
+        node_of, ttl = self._tree.node_of, self._ttl
+        for block in blocks:
+            node = node_of(block)
+            assert node is not None
+            node.hits += 1
+            if ttl and node in ttl:
+                self._renew(node)
+
+    def _renew(self, node: Node | None) -> None:
+        pin = self._ttl.get(node) if node is not None else None
+        if pin is not None:
+            pin.expires = max(pin.expires, self._clock() + pin.ttl_s)
 
     def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
         return self._blocks_to_grow(table, num_tokens) <= self._pool.num_available
@@ -261,11 +381,40 @@ class BlockManager:
 
     # ---- pinning and eviction
 
-    def pin(self, token_ids: Sequence[int], namespace: str) -> int:
-        """Pin the cached full blocks of this prefix; returns how many blocks it covers."""
+    def pin(
+        self,
+        token_ids: Sequence[int],
+        namespace: str,
+        ttl_s: float | None = None,
+        max_blocks: int | None = None,
+    ) -> int:
+        """Pin the cached full blocks of this prefix; returns how many blocks it covers.
+
+        ``ttl_s``: the pin lapses after that long unless renewed (a hit on the prefix, or
+        pinning it again, which adds no second pin). ``max_blocks``: a cap on the blocks this
+        namespace's TTL pins cover together; the pin is cut short to fit (0: nothing left)."""
         nodes = self._walk(token_ids, namespace)
-        if nodes:
-            self.pin_path(nodes[-1], 1)
+        if ttl_s is None:
+            if nodes:
+                self.pin_path(nodes[-1], 1)
+            return len(nodes)
+        if max_blocks is not None and nodes:
+            used = sum(
+                p.depth
+                for n, p in self._ttl.items()
+                if p.namespace == namespace and n is not nodes[-1]
+            )
+            nodes = nodes[: max(0, max_blocks - used)]
+        if not nodes:
+            return 0
+        node, expires = nodes[-1], self._clock() + ttl_s
+        pin = self._ttl.get(node)
+        if pin is not None:
+            pin.expires = max(pin.expires, expires)
+            pin.ttl_s = max(pin.ttl_s, ttl_s)
+        else:
+            self.pin_path(node, 1)
+            self._ttl[node] = TTLPin(namespace, ttl_s, expires, len(nodes))
         return len(nodes)
 
     def unpin(self, token_ids: Sequence[int], namespace: str) -> int:
@@ -273,7 +422,9 @@ class BlockManager:
         nodes = self._walk(token_ids, namespace)
         depth = next((i + 1 for i in range(len(nodes) - 1, -1, -1) if nodes[i].own_pins), 0)
         if depth:
-            self.pin_path(nodes[depth - 1], -1)
+            node = nodes[depth - 1]
+            self._ttl.pop(node, None)  # the TTL pin goes first
+            self.pin_path(node, -1)
         return depth
 
     def unpin_all(self) -> int:
@@ -282,7 +433,24 @@ class BlockManager:
         pinned = self.pinned_nodes()
         for node in pinned:
             self.pin_path(node, -node.own_pins)
+        self._ttl.clear()
         return len(pinned)
+
+    def expire_pins(self) -> int:
+        """Lift the TTL pins whose deadline passed; returns how many."""
+        if not self._ttl:
+            return 0
+        now = self._clock()
+        lapsed = [node for node, pin in self._ttl.items() if pin.expires <= now]
+        for node in lapsed:
+            del self._ttl[node]
+            self.pin_path(node, -1)
+        return len(lapsed)
+
+    def ttl_pin_of(self, token_ids: Sequence[int], namespace: str) -> TTLPin | None:
+        """The TTL pin ending where this prefix's cached full blocks end, if any."""
+        nodes = self._walk(token_ids, namespace)
+        return self._ttl.get(nodes[-1]) if nodes else None
 
     def pin_path(self, node: Node, count: int) -> None:
         """Add ``count`` pins (remove, if negative) ending at ``node``; a pin covers every block
@@ -323,14 +491,17 @@ class BlockManager:
             self._pool.ref(node.block)  # an idle parent must not be evicted for its child
         return node, inserted
 
-    def evict_all(self, include_pinned: bool = False) -> int:
-        """Evict every idle cached block, pinned ones too if asked; returns how many."""
+    def evict_all(self, include_pinned: bool = False, keep_tier: bool = False) -> int:
+        """Evict every idle cached block, pinned ones too if asked; returns how many. The KV
+        tier is emptied too, unless ``keep_tier`` (then the blocks spill into it)."""
         if include_pinned:
             self.unpin_all()
         count = 0
         while (block := self._pool.oldest_idle(include_pinned=False)) is not None:
-            self._evict(block, "admin")
+            self._evict(block, "admin", spill=keep_tier, wait=True)  # an admin call: it may wait
             count += 1
+        if self.tier is not None and not keep_tier:
+            self.tier.clear()
         return count
 
     def stats(self) -> ManagerStats:
@@ -338,6 +509,7 @@ class BlockManager:
         return ManagerStats(
             query_tokens=s.query_tokens,
             hit_tokens=s.hit_tokens,
+            reloaded_tokens=s.reloaded_tokens,
             inserted_tokens=s.inserted_tokens,
             evicted_tokens=s.evicted_tokens,
             num_free_blocks=self.num_free_blocks,
@@ -346,6 +518,7 @@ class BlockManager:
             num_pinned_blocks=self.num_pinned_blocks,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
+            num_ttl_pins=len(self._ttl),
         )
 
     def check_invariants(self) -> None:
@@ -364,6 +537,11 @@ class BlockManager:
         assert sum(pool.cached) == len(tree)
         for node in tree.nodes():
             assert pool.pin_count[node.block] == pins.get(node.block, 0)
+        for node, pin in self._ttl.items():  # a TTL pin is one of its node's own pins
+            assert tree.node_of(node.block) is node and node.own_pins >= 1
+            assert pin.depth == sum(1 for _ in node.path_up())
+        if self.tier is not None:
+            self.tier.check()
         for pinned in (False, True):  # the LRU holds every block before its parent
             order = pool.idle_order(pinned)
             pos = {block: i for i, block in enumerate(order)}
@@ -427,11 +605,32 @@ class BlockManager:
             assert block == victim
         return block
 
-    def _evict(self, block: int, cause: str = "pressure") -> None:
+    def _evict(
+        self, block: int, cause: str = "pressure", spill: bool = True, wait: bool = False
+    ) -> None:
         node = self._tree.remove(block)  # asserts it is a leaf
+        pin = self._ttl.pop(node, None) if self._ttl else None
+        if pin is not None:
+            self._pass_ttl_pin(node, pin)
+        if spill and self.tier is not None and (self._spill_all or node.hits):
+            self.tier.spill(node.digest, node.parent_digest, node.tokens, block, wait)
         self._pool.evict(block)
         self._stats.evicted_tokens += self.block_size
         if self.listener is not None:
             self.listener.block_removed(node)
         if self.on_evict is not None:
             self.on_evict(node, cause)
+
+    def _pass_ttl_pin(self, node: Node, pin: TTLPin) -> None:
+        """A pinned leaf evicted (no unpinned page left): ``tree.remove`` passed its pins to
+        the parent; its TTL goes along, merged into one the parent may already have."""
+        parent = node.parent
+        if parent is None:
+            return
+        held = self._ttl.get(parent)
+        if held is None:
+            self._ttl[parent] = TTLPin(pin.namespace, pin.ttl_s, pin.expires, pin.depth - 1)
+        else:
+            held.expires = max(held.expires, pin.expires)
+            held.ttl_s = max(held.ttl_s, pin.ttl_s)
+            self.pin_path(parent, -1)  # two pins on one path, one deadline: keep one

@@ -7,6 +7,35 @@ from dataclasses import dataclass
 from .paging import DEFAULT_BLOCK_SIZE
 
 
+@dataclass(slots=True, frozen=True)
+class TierSpec:
+    """``--kv-offload`` parsed: ``host:GIB`` or ``disk:DIR:GIB``."""
+
+    kind: str
+    num_bytes: int
+    path: str | None = None  # the directory of a disk tier
+
+    @staticmethod
+    def parse(text: str) -> TierSpec:
+        parts = text.split(":")
+        kind = parts[0]
+        try:
+            if kind == "host" and len(parts) == 2:
+                return TierSpec("host", _gib(parts[1]))
+            if kind == "disk" and len(parts) >= 3:
+                return TierSpec("disk", _gib(parts[-1]), ":".join(parts[1:-1]))
+        except ValueError as exc:
+            raise ValueError(f"--kv-offload {text!r}: {exc}") from None
+        raise ValueError(f"--kv-offload must be host:GIB or disk:DIR:GIB, got {text!r}")
+
+
+def _gib(text: str) -> int:
+    gib = float(text)
+    if not 0 < gib < 2**20:
+        raise ValueError("the size must be a positive number of GiB")
+    return int(gib * 1024**3)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str = "demo"  # "demo" or a local Hugging Face folder
@@ -32,6 +61,12 @@ class EngineConfig:
     # kv_events_token_namespaces). Anyone who can connect to the endpoint reads them.
     kv_events_token_ids: str = "none"
     kv_events_token_namespaces: tuple[str, ...] = ()
+    # A second KV tier below the pool: "host:GIB" or "disk:DIR:GIB" (None: none).
+    kv_offload: str | None = None
+    kv_offload_keep_files: bool = False  # a disk tier's file outlives the process
+    kv_spill_policy: str = "all"  # "all" evicted blocks, or "hit": only blocks hit before
+    max_pin_ttl_s: float = 3600.0  # retention hints (cache_control ttl) are capped at this
+    max_hint_pinned_blocks: int | None = None  # per namespace; None: a quarter of the pool
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -44,3 +79,9 @@ class EngineConfig:
             raise ValueError("kv_events_token_ids must be none, all or listed")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("a KV event replay endpoint needs kv_events_endpoint")
+        if self.kv_spill_policy not in ("all", "hit"):
+            raise ValueError(f"kv_spill_policy must be all or hit, got {self.kv_spill_policy!r}")
+        if not self.max_pin_ttl_s > 0:
+            raise ValueError("max_pin_ttl_s must be > 0")
+        if self.kv_offload is not None:
+            TierSpec.parse(self.kv_offload)  # a clear error at start-up

@@ -21,9 +21,10 @@ from . import output, prefix_store
 from .attention import create_backend
 from .block_manager import BlockManager
 from .cache_activity import CacheActivity
-from .config import EngineConfig
+from .config import EngineConfig, TierSpec
 from .kv_cache import KVCache
 from .kv_events import BlockEventRecorder, KVEventPublisher
+from .kv_tier import KVTier, TierStats, create_tier
 from .loader import LoadedModel, load_model
 from .metrics import EngineMetrics
 from .model_runner import BatchEntry, ModelRunner
@@ -55,13 +56,24 @@ class LLMEngine:
         spec = self.loaded.kv_cache_spec(config.block_size)
         num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_memory_bytes)
         self.kv_cache = KVCache(spec, num_blocks)
+        self.tier: KVTier | None = None
+        if config.kv_offload and config.enable_prefix_caching:
+            self.tier = create_tier(
+                TierSpec.parse(config.kv_offload),
+                self.kv_cache,
+                str(self.loaded.device),
+                keep_files=config.kv_offload_keep_files,
+            )
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
             identity=self.cache_identity(self.loaded),
             copy_slots=self.kv_cache.copy_slots,
             enable_caching=config.enable_prefix_caching,
+            tier=self.tier,
+            spill_policy=config.kv_spill_policy,
         )
+        self.max_hint_pinned_blocks = config.max_hint_pinned_blocks or max(1, num_blocks // 4)
         backend = create_backend(config.attention_backend, self.loaded.device)
         self.runner = ModelRunner(self.loaded, self.kv_cache, backend, config.enable_cascade)
         self.scheduler = Scheduler(config, self.block_manager)
@@ -78,6 +90,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._stop_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._last_stats = self.block_manager.stats()
+        self._last_tier = self.tier.stats() if self.tier is not None else TierStats()
         self.peak_used_blocks = 0  # high-water mark of blocks held by requests, for benchmarks
         self.kv_events: KVEventPublisher | None = None
         self._kv_recorder: BlockEventRecorder | None = None
@@ -116,7 +129,10 @@ class LLMEngine:
             self.kv_events.publish(events)
 
     def close(self) -> None:
-        """Stop the KV event publisher (sends what it has queued first)."""
+        """Release what outlives a step: the KV tier's writer and its file, and the KV event
+        publisher (it sends what it has queued first)."""
+        if self.tier is not None:
+            self.tier.close()
         if self.kv_events is not None:
             self.flush_kv_events()
             self.kv_events.close()
@@ -195,6 +211,9 @@ class LLMEngine:
             self.metrics.prompt_tokens_computed.inc(self.scheduler.on_step_done(out))
             self._count_cache_stats()
             ready = [c.seq for c in out.chunks if c.seq.num_uncomputed_tokens == 0]
+            for seq in ready:
+                if seq.request.retain and seq.num_output_tokens == 0:
+                    self._retain(seq)
             assert logits.shape[0] == len(ready)
             params = [s.request.sampling for s in ready]
             histories = None
@@ -261,11 +280,34 @@ class LLMEngine:
             self.metrics.e2e_latency.observe(now - seq.arrival_time)
         return output.final_output(seq, reason, now)
 
+    def _retain(self, seq: Sequence) -> None:
+        """The request's retention hints, now that its prompt is cached: TTL pins, each capped
+        at --max-pin-ttl, together within the namespace's share of pinned blocks."""
+        assert seq.request.retain is not None
+        for hint in seq.request.retain:
+            self.block_manager.pin(
+                seq.token_ids[: min(hint.end, seq.num_prompt_tokens)],
+                seq.namespace,
+                ttl_s=min(hint.ttl_s, self.config.max_pin_ttl_s),
+                max_blocks=self.max_hint_pinned_blocks,
+            )
+
     def _count_cache_stats(self) -> None:
         stats = self.block_manager.stats()
         last, self._last_stats = self._last_stats, stats
         self.metrics.prefix_cache_queries.inc(stats.query_tokens - last.query_tokens)
-        self.metrics.prefix_cache_hits.inc(stats.hit_tokens - last.hit_tokens)
+        reloaded = stats.reloaded_tokens - last.reloaded_tokens
+        hits = self.metrics.prefix_cache_hits
+        hits.labels("pool").inc(stats.hit_tokens - last.hit_tokens - reloaded)
+        if self.tier is not None:
+            hits.labels(self.tier.kind).inc(reloaded)
+            tier = self.tier.stats()
+            before, self._last_tier = self._last_tier, tier
+            self.metrics.kv_tier_writes.inc(tier.writes - before.writes)
+            self.metrics.kv_tier_reloads.inc(tier.reloads - before.reloads)
+            self.metrics.kv_tier_drops.inc(
+                tier.drops + tier.corrupt - before.drops - before.corrupt
+            )
         self.metrics.evictions.inc((stats.evicted_tokens - last.evicted_tokens) // stats.block_size)
 
     def _update_gauges(self) -> None:
@@ -275,11 +317,16 @@ class LLMEngine:
         self.metrics.kv_blocks.labels("in_use").set(manager.num_used_blocks)
         self.metrics.kv_blocks.labels("cached_idle").set(manager.num_cached_idle_blocks)
         self.metrics.kv_blocks.labels("free").set(manager.num_free_blocks)
+        if self.tier is not None:
+            tier = self.tier.stats()
+            self.metrics.kv_tier_bytes.labels("used").set(tier.bytes_used)
+            self.metrics.kv_tier_bytes.labels("free").set(tier.bytes_free)
 
     # -- cache admin -------------------------------------------------------------------------
 
-    def pin(self, token_ids: list[int], namespace: str) -> int:
-        return self.block_manager.pin(token_ids, namespace)
+    def pin(self, token_ids: list[int], namespace: str, ttl_s: float | None = None) -> int:
+        """Pin a cached prefix; with ``ttl_s`` the pin lapses unless renewed by hits or pins."""
+        return self.block_manager.pin(token_ids, namespace, ttl_s)
 
     def unpin(self, token_ids: list[int], namespace: str) -> int:
         return self.block_manager.unpin(token_ids, namespace)
@@ -310,8 +357,12 @@ class LLMEngine:
     def load_pinned(self, path: str | Path) -> LoadResult:
         return self.restore_pinned(self.read_pinned(path))
 
-    def evict_all(self, include_pinned: bool = False) -> int:
-        evicted = self.block_manager.evict_all(include_pinned)
+    def evict_all(self, include_pinned: bool = False, keep_tier: bool = False) -> int:
+        """Evict the pool's idle blocks (and empty the KV tier, unless ``keep_tier``: then the
+        evicted blocks spill into it)."""
+        evicted = self.block_manager.evict_all(include_pinned, keep_tier)
+        if self.tier is not None:
+            self.tier.drain()
         self.flush_kv_events()
         self.metrics.evictions.inc(evicted)
         self._last_stats = self.block_manager.stats()
@@ -338,6 +389,9 @@ class LLMEngine:
             hit_rate=s.hit_tokens / s.query_tokens if s.query_tokens else 0.0,
             tokenizer_pieces=self.piece_stats(),
         )
+
+    def tier_stats(self) -> TierStats | None:
+        return self.tier.stats() if self.tier is not None else None
 
     def piece_stats(self) -> TokenizerPieceStats | msgspec.UnsetType:
         """The tokenizer's memo of text between special tokens; UNSET where it keeps none."""

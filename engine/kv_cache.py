@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .paging import DEFAULT_BLOCK_SIZE
@@ -56,3 +57,25 @@ class KVCache:
         assert 0 < num_tokens <= self.spec.block_size and src_block != dst_block
         for layer in self.layers:
             layer[dst_block, :, :num_tokens].copy_(layer[src_block, :, :num_tokens])
+
+    # The KV tier's side (``kv_tier.PageIO``): whole pages as bytes, every layer in order.
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.spec.bytes_per_block
+
+    def read_pages(self, pages: list[int]) -> np.ndarray:
+        """A host copy of the pages' KV: uint8 ``[len(pages), bytes_per_block]``."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.layers[0].device)
+        rows = torch.cat([layer.index_select(0, index).flatten(1) for layer in self.layers], 1)
+        return rows.view(torch.uint8).cpu().numpy()
+
+    def write_pages(self, pages: list[int], data: np.ndarray) -> None:
+        """Fill pages from ``read_pages``' bytes (one batched copy per layer)."""
+        rows = torch.from_numpy(np.ascontiguousarray(data)).view(self.spec.dtype)
+        rows = rows.to(self.layers[0].device, non_blocking=True)
+        index = torch.tensor(pages, dtype=torch.long, device=self.layers[0].device)
+        per_layer = rows.shape[1] // len(self.layers)
+        for i, layer in enumerate(self.layers):
+            part = rows[:, i * per_layer : (i + 1) * per_layer]
+            layer.index_copy_(0, index, part.reshape(len(pages), *layer.shape[1:]))

@@ -19,7 +19,26 @@ class EngineMetrics:
         )
         self.prefix_cache_hits = Counter(
             "prefixcache:prefix_cache_hits",
-            "Prompt tokens served from the prefix cache.",
+            "Prompt tokens served from the prefix cache, by where their KV was: pool, or the "
+            "KV tier (host, disk) it was copied back from.",
+            ["tier"],
+            registry=r,
+        )
+        self.kv_tier_bytes = Gauge(
+            "prefixcache:kv_tier_bytes",
+            "Bytes of the KV tier (--kv-offload) by state: used, free.",
+            ["state"],
+            registry=r,
+        )
+        self.kv_tier_writes = Counter(
+            "prefixcache:kv_tier_writes", "Evicted KV blocks written to the KV tier.", registry=r
+        )
+        self.kv_tier_reloads = Counter(
+            "prefixcache:kv_tier_reloads", "KV blocks copied back from the KV tier.", registry=r
+        )
+        self.kv_tier_drops = Counter(
+            "prefixcache:kv_tier_drops",
+            "KV tier entries dropped (its LRU, a refused write, a failed checksum).",
             registry=r,
         )
         self.prompt_tokens = Counter(

@@ -83,9 +83,13 @@ def usage_of(seq: Sequence) -> Usage:
             )
             for s, miss in zip(spans, misses, strict=True)
         ]
+    tiers = {"pool": cached - seq.num_reloaded_tokens}
+    if seq.num_reloaded_tokens:
+        tiers[seq.reload_tier] = seq.num_reloaded_tokens
     return Usage(
         prompt_tokens=seq.num_prompt_tokens,
         cached_tokens=cached,
+        cached_tokens_by_tier=tiers,
         computed_prompt_tokens=seq.num_computed_prompt_tokens,
         completion_tokens=seq.num_output_tokens,
         segments=segments,

@@ -75,6 +75,7 @@ class Node:
     parent: Node | None  # None: a child of the namespace root
     children: Children = field(default_factory=Children)
     own_pins: int = 0  # pins whose prefix ends at this node
+    hits: int = 0  # matches that reused this block (the tier's write-after-hit policy)
 
     @property
     def num_children(self) -> int:

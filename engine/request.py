@@ -69,6 +69,7 @@ class EngineRequest:
     priority: int = 0  # lower value = more important (vLLM's convention); preempted last
     segments: list[SegmentSpan] | None = None
     tenant: str = ""  # opaque; namespaces with the same tenant are one tenant's salts
+    retain: list[RetentionHint] | None = None  # cache_control: keep these prefixes a while
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,6 +80,15 @@ class SegmentMiss:
     segment: str | None = None  # the segment where the cached prefix stopped (diverged: changed)
     evicted_at: float | None = None  # evicted: unix time of the eviction
     evicted_by: str | None = None  # evicted: "pressure" | "admin" | "ttl"
+
+
+@dataclass(slots=True, frozen=True)
+class RetentionHint:
+    """Keep the prompt's first ``end`` tokens cached at least ``ttl_s`` (a TTL pin once they
+    are computed; the engine caps the TTL and the blocks each namespace may pin this way)."""
+
+    end: int
+    ttl_s: float
 
 
 @dataclass(slots=True)
@@ -96,6 +106,8 @@ class Usage:
     computed_prompt_tokens: int = 0  # prompt tokens whose KV this request computed
     completion_tokens: int = 0
     segments: list[SegmentUsage] | None = None
+    # cached_tokens by where they came from: "pool", and "host" or "disk" (the KV tier)
+    cached_tokens_by_tier: dict[str, int] | None = None
 
 
 @dataclass(slots=True)

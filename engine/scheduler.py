@@ -59,6 +59,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
+        self.block_manager.expire_pins()  # lapsed TTL pins: ordinary LRU entries from now on
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:  # a step that had to preempt admits nothing new
@@ -107,6 +108,9 @@ class Scheduler:
             seq.num_computed_tokens = seq.table.num_cached_tokens  # < match if no room to copy
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+                seq.num_reloaded_tokens = seq.table.num_reloaded_tokens
+                if manager.tier is not None:
+                    seq.reload_tier = manager.tier.kind
                 seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.waiting.remove(seq)
@@ -170,7 +174,7 @@ class Scheduler:
         """Only full blocks enter the tree; a running sequence's partly filled block can still
         lend the written slots it shares with ``seq`` (copied, like a partial hit). This keeps a
         burst exact when the shared prefix does not end on a block boundary."""
-        if not self._caching or match.partial_tokens == self.block_size - 1:
+        if not self._caching or match.tier or match.partial_tokens == self.block_size - 1:
             return match
         full, bs = len(match.blocks), self.block_size
         parent = self._hashes(seq)[full - 1] if full else b""

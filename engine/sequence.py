@@ -32,6 +32,8 @@ class Sequence:
     table: BlockTable | None = None
     num_computed_tokens: int = 0  # tokens whose KV is written in the table's blocks
     num_cached_tokens: int | None = None  # prompt tokens hit at the first admission
+    num_reloaded_tokens: int = 0  # of those, copied back from the KV tier
+    reload_tier: str = ""  # that tier's kind: "host" | "disk"
     num_computed_prompt_tokens: int = 0  # prompt tokens this request computed (incl. recompute)
     block_hashes: list[bytes] = field(default_factory=list)  # of token_ids' full blocks
     hit_estimate: int = 0  # cached-prefix length while waiting, for admission order only

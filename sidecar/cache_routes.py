@@ -46,9 +46,14 @@ class CacheRoutes:
     async def warm(self, request: Request) -> Response:
         token_ids, namespace, req = await self._target(request)
         with _engine_refusals():
-            result = await self.engine.warm(token_ids, namespace, bool(req.pin))
+            result = await self.engine.warm(token_ids, namespace, bool(req.pin), req.ttl_s)
         return json_response(
-            rt.WarmResponse(result.tokens, result.cached_tokens, result.pinned_blocks)
+            rt.WarmResponse(
+                result.tokens,
+                result.cached_tokens,
+                result.pinned_blocks,
+                req.ttl_s if result.pinned_blocks else None,
+            )
         )
 
     async def unpin(self, request: Request) -> Response:
@@ -61,7 +66,9 @@ class CacheRoutes:
         self.gate.admin(request)
         req = await self.gate.read_optional(request, p.EvictRequest)
         with _engine_refusals():
-            evicted = await self.engine.evict_all(include_pinned=bool(req.include_pinned))
+            evicted = await self.engine.evict_all(
+                include_pinned=bool(req.include_pinned), keep_tier=req.keep_tier
+            )
         return json_response(rt.EvictResponse(evicted))
 
     async def save(self, request: Request) -> Response:

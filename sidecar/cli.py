@@ -67,6 +67,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV pool size in blocks (wins over --kv-memory-mib)",
     )
     serve.add_argument(
+        "--kv-offload",
+        default=None,
+        metavar="host:GIB|disk:DIR:GIB",
+        help="a second KV tier below the pool: evicted prefixes spill there (host memory, or "
+        "one preallocated file in DIR) and are copied back instead of recomputed",
+    )
+    serve.add_argument(
+        "--kv-offload-keep",
+        action="store_true",
+        help="keep a disk tier's file at exit (it is removed by default)",
+    )
+    serve.add_argument(
+        "--kv-spill-policy",
+        choices=("all", "hit"),
+        default="all",
+        help="which evicted blocks go to the tier: all, or only blocks hit at least once",
+    )
+    serve.add_argument(
+        "--max-pin-ttl",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="cap on the TTL of retention hints (cache_control) in requests",
+    )
+    serve.add_argument(
+        "--max-hint-pinned-blocks",
+        type=int,
+        default=None,
+        help="blocks one tenant may keep pinned through retention hints (default: a quarter "
+        "of the pool)",
+    )
+    serve.add_argument(
         "--max-batch-tokens",
         type=int,
         default=2048,
@@ -318,6 +350,11 @@ def serve(args: argparse.Namespace) -> None:
             max_model_len=args.max_model_len,
             max_waiting=args.queue_limit,
             enable_prefix_caching=not args.no_prefix_caching,
+            kv_offload=args.kv_offload,
+            kv_offload_keep_files=args.kv_offload_keep,
+            kv_spill_policy=args.kv_spill_policy,
+            max_pin_ttl_s=args.max_pin_ttl,
+            max_hint_pinned_blocks=args.max_hint_pinned_blocks,
         )
         keys = KeyStore.from_file(args.api_keys_file) if args.api_keys_file else KeyStore()
         if args.load_cache and args.cache_dir is None:

@@ -136,6 +136,7 @@ class GenerationRoutes:
             priority=req.priority,
             segments=prompt.spans or None,
             tenant=self.gate.namespace(tenant.name, None),  # opaque: groups a tenant's salts
+            retain=prompt.retain or None,  # cache_control marks: TTL pins once computed
         )
         return Job(
             id=request_id,

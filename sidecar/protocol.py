@@ -44,9 +44,24 @@ class Error(ValueError):
 # --- requests -------------------------------------------------------------------------------
 
 
+# Anthropic's retention hint: "keep the prompt up to here cached at least this long".
+CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}
+MAX_CACHE_BREAKPOINTS = 4  # as Anthropic's
+
+
+class CacheControl(msgspec.Struct):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+    @property
+    def ttl_s(self) -> float:
+        return CACHE_TTLS[self.ttl]
+
+
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["text"]
     text: str
+    cache_control: CacheControl | None = None
 
 
 class Message(msgspec.Struct):
@@ -67,6 +82,7 @@ class Segment(msgspec.Struct):
     content: str
     tag: Tag
     stability: Stability = "dynamic"
+    cache_control: CacheControl | None = None  # keep the prompt up to this segment's end
 
 
 def order_segments(segments: list[Segment]) -> list[Segment]:
@@ -206,11 +222,14 @@ class CacheRequest(msgspec.Struct, kw_only=True):
     messages: list[Message] | None = None
     segments: list[Segment] | None = None
     pin: bool | None = False
+    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=30 * 86400)] | None = None  # pin's lifetime
     cache_salt: CacheSalt | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # as the requests that will reuse it
 
     def __post_init__(self) -> None:
         _fill_defaults(self, {"pin": False})
+        if self.ttl_s is not None and not self.pin:
+            raise Error('ttl_s is the lifetime of a pin: it needs "pin": true', "ttl_s")
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
@@ -221,6 +240,7 @@ class EvictRequest(msgspec.Struct, kw_only=True):
     """Body of /v1/cache/evict (optional)."""
 
     include_pinned: bool = False  # unpin everything first
+    keep_tier: bool = False  # the pool's blocks spill into the KV tier instead of being lost
 
 
 class CacheFileRequest(msgspec.Struct, kw_only=True):
@@ -238,6 +258,19 @@ def check_sampling(req: SamplingFields) -> None:
         raise Error("stream_options is only allowed with stream=true", "stream_options")
 
 
+def check_cache_breakpoints(messages: list[Message] | None, segments: list[Segment] | None) -> None:
+    """At most MAX_CACHE_BREAKPOINTS ``cache_control`` marks in one request."""
+    marks = sum(1 for s in segments or () if s.cache_control is not None)
+    for m in messages or ():
+        if isinstance(m.content, list):
+            marks += sum(1 for part in m.content if part.cache_control is not None)
+    if marks > MAX_CACHE_BREAKPOINTS:
+        raise Error(
+            f"{marks} cache_control breakpoints; at most {MAX_CACHE_BREAKPOINTS} are allowed",
+            "messages" if messages is not None else "segments",
+        )
+
+
 def check_prompt_source(messages: list[Message] | None, segments: list[Segment] | None) -> None:
     """Exactly one of ``messages`` / ``segments``, non-empty, with unique non-empty tags."""
     if (messages is None) == (segments is None):
@@ -250,6 +283,7 @@ def check_prompt_source(messages: list[Message] | None, segments: list[Segment] 
         tags = [s.tag for s in segments]
         if len(set(tags)) != len(tags):
             raise Error("segment tags must be unique", "segments")
+    check_cache_breakpoints(messages, segments)
 
 
 def _unsupported(req: ChatCompletionRequest) -> str | None:

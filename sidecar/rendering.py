@@ -18,11 +18,11 @@ ids; for SentencePiece templates without them a piece boundary can tokenize diff
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
 
-from prefixcache.engine.request import SegmentSpan
+from prefixcache.engine.request import RetentionHint, SegmentSpan
 from prefixcache.engine.tokenizer import ChatTemplateError
 
 from .protocol import Message, Segment, order_segments
@@ -43,6 +43,7 @@ class TemplateError(ValueError):
 class RenderedPrompt:
     token_ids: list[int]
     spans: list[SegmentSpan]  # one per tagged segment, in prompt order; [] for plain messages
+    retain: list[RetentionHint] = field(default_factory=list)  # from cache_control marks
 
 
 class PromptRenderer:
@@ -112,11 +113,45 @@ class PromptRenderer:
         if segments is not None:
             ordered = order_segments(segments)
             tags = [s.tag for s in ordered]
-            return self.render_pieces(_dicts(ordered), tags, add_generation_prompt, template_kwargs)
+            out = self.render_pieces(_dicts(ordered), tags, add_generation_prompt, template_kwargs)
+            out.retain = [
+                RetentionHint(span.end, s.cache_control.ttl_s)
+                for s, span in zip(ordered, out.spans, strict=True)
+                if s.cache_control is not None
+            ]
+            return out
         assert messages is not None
-        return self.render_messages(
+        out = self.render_messages(
             _dicts(messages), add_generation_prompt, template_kwargs, continue_final_message
         )
+        out.retain = self._message_hints(messages, out.token_ids, template_kwargs)
+        return out
+
+    def _message_hints(
+        self,
+        messages: list[Message],
+        token_ids: list[int],
+        template_kwargs: dict[str, Any] | None,
+    ) -> list[RetentionHint]:
+        """A ``cache_control`` on message i's content part j keeps the prompt up to the end of
+        that part: the conversation cut there, rendered alone, and matched against the prompt
+        (the tokens the two share)."""
+        hints: list[RetentionHint] = []
+        for i, message in enumerate(messages):
+            if not isinstance(message.content, list):
+                continue
+            for j, part in enumerate(message.content):
+                if part.cache_control is None:
+                    continue
+                cut = [
+                    *messages[:i],
+                    Message(message.role, list(message.content[: j + 1])),
+                ]
+                head = self.render_messages(_dicts(cut), False, template_kwargs).token_ids
+                hints.append(
+                    RetentionHint(_common_prefix(head, token_ids), part.cache_control.ttl_s)
+                )
+        return hints
 
     def render_stable(
         self,
@@ -162,6 +197,15 @@ def _cut_at_continue_tag(text: str, final: str) -> str:
     if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
         return text[:at]
     return text[:at].rstrip()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _difference(shorter: str, longer: str, index: int) -> str:

@@ -38,6 +38,8 @@ class CacheReport(msgspec.Struct):
     prompt_tokens: int
     computed_tokens: int
     segments: list[SegmentReport]
+    # cached_tokens by where the KV was: "pool", "host" or "disk" (copied back from the tier)
+    cached_tokens_by_tier: dict[str, int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatMessage(msgspec.Struct):
@@ -127,6 +129,7 @@ class WarmResponse(msgspec.Struct):
     tokens: int
     cached_tokens: int
     pinned_blocks: int
+    ttl_s: float | None = None  # the pin's lifetime (renewed by hits); None: until unpinned
 
 
 class UnpinResponse(msgspec.Struct):

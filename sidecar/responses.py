@@ -72,6 +72,7 @@ def cache_report(usage: Usage, spans: list[SegmentSpan]) -> rt.CacheReport:
         prompt_tokens=usage.prompt_tokens,
         computed_tokens=usage.computed_prompt_tokens,
         segments=segments,
+        cached_tokens_by_tier=usage.cached_tokens_by_tier or msgspec.UNSET,
     )
 
 

@@ -80,6 +80,7 @@ class FakeEngine:
         self.num_running = 0
         self.cached: set[bytes] = set()
         self.pinned: set[bytes] = set()
+        self.warm_ttls: list[float | None] = []  # ttl_s of each warm, in order
         self.queries = self.hits = 0
         self.received: list[EngineRequest] = []  # everything that reached the engine
 
@@ -143,8 +144,13 @@ class FakeEngine:
         pass
 
     async def warm(
-        self, token_ids: list[int], namespace: str = "", pin: bool = False
+        self,
+        token_ids: list[int],
+        namespace: str = "",
+        pin: bool = False,
+        ttl_s: float | None = None,
     ) -> WarmResult:
+        self.warm_ttls.append(ttl_s)
         cached = self._hit([*token_ids, 0], namespace)
         digests = self._digests(token_ids, namespace)
         self.cached.update(digests)
@@ -157,7 +163,7 @@ class FakeEngine:
         self.pinned -= digests
         return len(digests)
 
-    async def evict_all(self, include_pinned: bool = False) -> int:
+    async def evict_all(self, include_pinned: bool = False, keep_tier: bool = False) -> int:
         if include_pinned:
             self.pinned.clear()
         evicted = len(self.cached - self.pinned)

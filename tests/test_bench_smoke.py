@@ -59,6 +59,10 @@ CASES = {
         ["--prefix-tokens", "300", "--requests", "3"],
         {"whole_ms", "cached_ms", "speedup", "ideal_speedup"},
     ),
+    "tiers.py": (
+        ["--quick"],
+        {"sweep", "hit_rate_vs_unbounded", "spill_policy", "long_prefix", "no_hits"},
+    ),
     "sidecar_overhead.py": (
         ["--requests", "3", "--warmup", "1", "--streams", "4", "--stream-tokens", "2"],
         {"http_added_outside_engine_p50_ms", "http_added_p50_ms", "stream_errors"},

@@ -1,4 +1,6 @@
-"""Random interleavings of allocate, prefill, decode, commit, fork, free, evict, pin and unpin.
+"""Random interleavings of allocate, prefill, decode, commit, fork, free, evict, pin and unpin,
+with a small KV tier below the pool (spill on eviction, reload on match, damaged slots) and TTL
+pins on an injected clock (renewal by hits, expiry).
 
 A fake KV store holds one int per token slot. Each sequence writes, into the slots it owns, a
 value derived from its namespace and its whole token history up to that position (so token id,
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 
@@ -23,9 +26,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from prefixcache.engine.block_manager import BlockManager, BlockTable, OutOfBlocksError
+from prefixcache.engine.kv_tier import HostSlots, KVTier, TierEntry
+from prefixcache.engine.prefix_tree import root_digest
 
 BS = 4
 NUM_BLOCKS = 20
+TIER_SLOTS = 12
 MAX_SEQS = 4
 NAMESPACES = ("tenant-a", "tenant-b")
 _rng = random.Random(7)
@@ -50,13 +56,37 @@ class Seq:
     num_computed: int
 
 
+class FakePages:
+    """``PageIO`` over the machine's slot values: a page is BS int64s."""
+
+    bytes_per_block = BS * 8
+
+    def __init__(self, kv: np.ndarray) -> None:
+        self.kv = kv
+
+    def read_pages(self, pages: list[int]) -> np.ndarray:
+        return self.kv[pages].view(np.uint8).copy()
+
+    def write_pages(self, pages: list[int], data: np.ndarray) -> None:
+        self.kv[pages] = np.ascontiguousarray(data).view(np.int64).reshape(len(pages), BS)
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.kv = np.zeros((NUM_BLOCKS, BS), dtype=np.int64)
-        self.bm = BlockManager(NUM_BLOCKS, BS, b"model|tok|fp32", self.copy_slots)
+        slots = HostSlots(TIER_SLOTS, FakePages.bytes_per_block, pin_memory=False)
+        self.tier = KVTier(slots, FakePages(self.kv), writer=False)
+        self.now = 0.0
+        self.bm = BlockManager(
+            NUM_BLOCKS, BS, b"model|tok|fp32", self.copy_slots, tier=self.tier, clock=self.clock
+        )
         self.seqs: list[Seq] = []
         self.pins: list[tuple[list[int], str]] = []
+        self.damaged: dict[bytes, TierEntry] = {}  # tier entries whose slot a rule corrupted
+
+    def clock(self) -> float:
+        return self.now
 
     def copy_slots(self, src: int, dst: int, k: int) -> None:
         assert src != dst and 0 < k <= BS
@@ -115,7 +145,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert match.partial_tokens < BS
         # what the match points at really is this prompt's history
         expected = history_values(namespace, prompt)
-        for pos in range(match.num_tokens):
+        for pos in range(match.num_tokens - len(match.tier) * BS):  # the pool's part
             block = match.blocks[pos // BS] if pos // BS < len(match.blocks) else None
             block = match.partial_block if block is None else block
             assert self.kv[block, pos % BS] == expected[pos]
@@ -128,6 +158,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         evicted = self.bm.stats().evicted_tokens
         pinned_idle = self.pinned_idle()
+        bad = {d for d, e in self.damaged.items() if self.tier._entries.get(d) is e}
         table = self.bm.allocate(prompt, namespace, match, len(prompt))
         self.check_pinned_evicted_last(pinned_idle, exempt=match.partial_block)
         if self.bm.stats().evicted_tokens > evicted:
@@ -135,7 +166,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if table.num_cached_tokens % BS:
             event("partial block copied")
         assert table.num_slots >= len(prompt)
-        assert table.num_cached_tokens in (match.num_tokens, len(match.blocks) * BS)
+        if match.tier:
+            reloaded = table.num_reloaded_tokens
+            assert reloaded % BS == 0 and reloaded <= len(match.tier) * BS
+            assert table.num_cached_tokens == len(match.blocks) * BS + reloaded
+            assert not set(match.tier[: reloaded // BS]) & bad, "reloaded a damaged slot"
+            missed = match.tier[reloaded // BS : reloaded // BS + 1]
+            if missed and missed[0] in bad:
+                assert missed[0] not in self.tier, "a damaged slot stays in the tier"
+                event("damaged slot read as a miss")
+            event("reloaded from the tier" if reloaded else "tier reload missed")
+        else:
+            assert table.num_cached_tokens in (match.num_tokens, len(match.blocks) * BS)
         assert table.block_ids[: len(match.blocks)] == match.blocks
         seq = Seq(table, list(prompt), table.num_cached_tokens)
         self.seqs.append(seq)
@@ -230,13 +272,79 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_cached_idle_blocks == 0
         assert self.bm.num_used_blocks == used_before
 
-    @rule(data=st.data(), namespace=st.sampled_from(NAMESPACES))
-    def pin(self, data: st.DataObject, namespace: str) -> None:
+    @rule(
+        data=st.data(),
+        namespace=st.sampled_from(NAMESPACES),
+        ttl=st.one_of(st.none(), st.floats(1, 20)),
+    )
+    def pin(self, data: st.DataObject, namespace: str, ttl: float | None) -> None:
         choices = [(s.tokens, s.table.namespace) for s in self.seqs]
         choices += [(b, namespace) for b in BASES]
         tokens, ns = data.draw(st.sampled_from(choices))
-        if self.bm.pin(tokens, ns):
+        depth = self.bm.pin(tokens, ns, ttl_s=ttl, max_blocks=6 if ttl else None)
+        if depth and ttl is None:
             self.pins.append((list(tokens), ns))
+        elif depth:
+            pin = self.bm.ttl_pin_of(tokens[: depth * BS], ns)
+            assert pin is not None and pin.expires >= self.now + ttl and pin.depth == depth
+            event("TTL pin")
+        if ttl is not None:  # the cap: TTL pins of one namespace cover at most 6 blocks
+            assert sum(p.depth for p in self.bm._ttl.values() if p.namespace == ns) <= 6
+
+    @rule(dt=st.floats(0, 10))
+    def tick_and_expire(self, dt: float) -> None:
+        self.now += dt
+        pinned_before = self.bm.num_pinned_blocks
+        if self.bm.expire_pins():
+            event("TTL pin expired")
+            assert self.bm.num_pinned_blocks <= pinned_before
+        assert all(p.expires > self.now for p in self.bm._ttl.values())
+
+    @rule(data=st.data())
+    def spill_all_to_tier(self, data: st.DataObject) -> None:
+        """Evict every idle block into the tier (the pool forgets, the tier remembers)."""
+        pinned = self.bm.num_pinned_blocks
+        if self.bm.evict_all(keep_tier=True):
+            event("spilled to the tier")
+        assert self.bm.num_pinned_blocks == pinned
+
+    @precondition(lambda self: len(self.seqs) < MAX_SEQS)
+    @rule(prompt=prompts, namespace=st.sampled_from(NAMESPACES), chunk=st.integers(1, 32))
+    def spill_then_allocate(self, prompt: list[int], namespace: str, chunk: int) -> None:
+        """The pool forgets its idle blocks; a prompt over them reloads what the tier kept."""
+        self.bm.evict_all(keep_tier=True)
+        self._allocate(prompt, namespace, chunk)
+
+    @precondition(lambda self: len(self.tier))
+    @rule(data=st.data(), reload=st.booleans())
+    def damage_tier_slot(self, data: st.DataObject, reload: bool) -> None:
+        """Corrupt a slot; then (maybe) ask for its prefix: the reload must stop before it."""
+        digest = data.draw(st.sampled_from(list(self.tier._entries)))
+        self.tier.corrupt_slot(digest)
+        self.damaged[digest] = self.tier._entries[digest]
+        found = self.prefix_of(digest)
+        if reload and found is not None and len(self.seqs) < MAX_SEQS:
+            tokens, namespace = found
+            self.bm.evict_all(keep_tier=True)
+            self._allocate(tokens + [0], namespace, 1)
+
+    def prefix_of(self, digest: bytes) -> tuple[list[int], str] | None:
+        """The token ids and namespace of the prefix ending at a tier entry's block."""
+        roots = {root_digest(b"model|tok|fp32", ns): ns for ns in NAMESPACES}
+        chunks: list[bytes] = []
+        while digest not in roots:
+            entry = self.tier._entries.get(digest)
+            node = self.bm._tree._nodes.get(digest)
+            if entry is not None:
+                chunks.append(entry.tokens)
+                digest = entry.parent
+            elif node is not None:
+                chunks.append(node.tokens)
+                digest = node.parent_digest
+            else:
+                return None  # its parent is gone from both levels
+        data = b"".join(reversed(chunks))
+        return list(array("I", data)), roots[digest]
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
@@ -275,6 +383,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for users in owners.values():
             if len(users) > 1:
                 assert all(i < seq.table.num_committed_blocks for seq, i in users)
+
+    @invariant()
+    def tier_entries_hold_their_blocks(self) -> None:
+        """Every undamaged tier entry's slot holds exactly its block's history values."""
+        live = self.tier._entries
+        self.damaged = {d: e for d, e in self.damaged.items() if live.get(d) is e}
+        self.tier.check()
+        stats = self.tier.stats()
+        assert stats.bytes_used == len(self.tier._entries) * FakePages.bytes_per_block
+        for digest, entry in self.tier._entries.items():
+            assert entry.written
+            if digest in self.damaged:
+                continue
+            values = self.tier.storage.slots[entry.slot].view(np.int64)
+            assert zlib.crc32(self.tier.storage.slots[entry.slot]) == entry.checksum
+            assert (
+                digest not in self.bm._tree._nodes
+                or values.tolist() == self.kv[self.bm._tree._nodes[digest].block].tolist()
+            )
 
     @invariant()
     def every_table_reads_back_its_own_history(self) -> None:

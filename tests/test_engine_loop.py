@@ -247,7 +247,8 @@ def test_metrics_count_hits_and_tokens(loaded) -> None:
     engine.generate([prompt], greedy(3))
     engine.generate([prompt], greedy(3))
     registry = engine.metrics.registry
-    assert registry.get_sample_value("prefixcache:prefix_cache_hits_total") == 47
+    hits = registry.get_sample_value("prefixcache:prefix_cache_hits_total", {"tier": "pool"})
+    assert hits == 47
     assert registry.get_sample_value("prefixcache:prefix_cache_queries_total") == 96
     assert registry.get_sample_value("prefixcache:prompt_tokens_computed_total") == 49
     assert registry.get_sample_value("prefixcache:generation_tokens_total") == 6
