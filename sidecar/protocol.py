@@ -214,7 +214,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     tools: Annotated[list[ToolDef], msgspec.Meta(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
-    parallel_tool_calls: bool | None = None  # accepted; the model decides how many it calls
+    parallel_tool_calls: bool | None = None  # false: tool_choice required forces one call
     response_format: ResponseFormat | None = None
     # OpenAI options this server does not implement: accepted by the decoder so that
     # check_chat can refuse them by name instead of silently ignoring them.

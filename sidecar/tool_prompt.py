@@ -57,7 +57,9 @@ def grammar_for(req: p.ChatCompletionRequest) -> GrammarSpec | None:
             }
             for t in req.tools or ()
         ]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if req.parallel_tool_calls is False:
+            schema["maxItems"] = 1
         return GrammarSpec("json_schema", canonical_json(schema))
     return None
 
