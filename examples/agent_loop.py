@@ -111,7 +111,10 @@ def main() -> int:
             "content": "You answer questions about the prefix cache. Use the tools: look "
             "documents up, compute numbers, then answer briefly.",
         },
-        {"role": "user", "content": "How many tokens do 12 full blocks hold, and what is evicted first?"},
+        {
+            "role": "user",
+            "content": "How many tokens do 12 full blocks hold, and what is evicted first?",
+        },
     ]
     for step in range(1, args.steps + 1):
         choice = "required" if step <= args.force_tools else "auto"
