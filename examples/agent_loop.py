@@ -6,7 +6,7 @@ and all earlier turns come from the prefix cache (printed per step).
     prefixcache serve --model PATH_OR_NAME     # a model whose chat template supports tools
     python examples/agent_loop.py [--base-url URL] [--model NAME] [--steps 6] [--force-tools 2]
 
-``--force-tools N`` sends ``tool_choice="required"`` for the first N steps, so the loop calls
+``--force-tools N`` sends ``tool_choice="required"`` (one call per step) for the first N steps, so the loop calls
 tools even on a model that would not (the grammar engine then forces a valid call); after
 that the model decides (``auto``) and the loop ends when it answers in text.
 """
@@ -124,6 +124,7 @@ def main() -> int:
                 messages=messages,
                 tools=TOOLS,
                 tool_choice=choice,
+                parallel_tool_calls=False,  # one call per step
                 max_tokens=args.max_tokens,
                 temperature=0,
             )
