@@ -77,7 +77,14 @@ class StructuredOutput:
 
     def mask(self, logits: torch.Tensor, request_ids: list[str]) -> None:
         """Set to -inf, in place, every token the grammar forbids in the constrained rows."""
-        rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
+        matchers = self._matchers
+        # A terminated matcher (its stop token sampled, yet the request goes on, e.g. with
+        # ignore_eos) has nothing left to allow: its row is left as it is.
+        rows = [
+            i
+            for i, rid in enumerate(request_ids)
+            if rid in matchers and not matchers[rid].is_terminated()
+        ]
         if not rows:
             return
         import xgrammar as xgr

@@ -94,7 +94,7 @@ class ToolTemplate:
     def parser(self, req: p.ChatCompletionRequest) -> ToolCallParser | None:
         """How this request's output becomes tool calls, or None (no tools, or "none")."""
         mode = req.tool_mode
-        if mode == "none":
+        if mode == "none" or not req.tools:
             return None
         if mode == "named":
             assert isinstance(req.tool_choice, p.NamedToolChoice)

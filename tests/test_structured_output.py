@@ -101,7 +101,7 @@ def test_constrained_outputs_parse_and_validate(
     for i, schema in enumerate(schemas):
         spec = GrammarSpec("json_schema", canonical_json(schema))
         sampling = SamplingParams(
-            max_tokens=40, temperature=0.0 if i % 4 == 0 else 1.0, seed=seed + i, grammar=spec
+            max_tokens=32, temperature=0.0 if i % 4 == 0 else 1.0, seed=seed + i, grammar=spec
         )
         requests.append(EngineRequest(f"s{next(IDS)}", prompt, sampling))
     for schema, result in zip(schemas, engine.generate(requests), strict=True):
@@ -128,9 +128,9 @@ def test_json_object_mode_gives_objects(engine: LLMEngine) -> None:
         EngineRequest(
             f"obj-{i}",
             prompt,
-            SamplingParams(max_tokens=96, temperature=1.0, seed=i, grammar=GrammarSpec("json")),
+            SamplingParams(max_tokens=64, temperature=1.0, seed=i, grammar=GrammarSpec("json")),
         )
-        for i in range(12)
+        for i in range(6)
     ]
     results = engine.generate(requests)
     finished = [r for r in results if r.finish_reason == "stop"]
@@ -143,9 +143,9 @@ def test_unconstrained_requests_in_a_constrained_batch_sample_the_same(engine: L
     tok = engine.tokenizer
     plain = [tok.encode(t) for t in ("The cache", "A block of tokens is", "Prefix sharing")]
     params = [
-        SamplingParams(max_tokens=24),
-        SamplingParams(max_tokens=24, temperature=0.9, seed=7),
-        SamplingParams(max_tokens=24, temperature=1.0, top_k=20, seed=3),
+        SamplingParams(max_tokens=16),
+        SamplingParams(max_tokens=16, temperature=0.9, seed=7),
+        SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=3),
     ]
     alone = [
         engine.generate([EngineRequest(f"alone-{i}", p, s)])[0].token_ids
@@ -170,7 +170,7 @@ def test_unconstrained_requests_in_a_constrained_batch_sample_the_same(engine: L
             EngineRequest(
                 f"constrained-{i}",
                 p,
-                SamplingParams(max_tokens=24, temperature=1.0, seed=i, grammar=grammar),
+                SamplingParams(max_tokens=16, temperature=1.0, seed=i, grammar=grammar),
             )
         )
     results = {r.request_id: r for r in engine.generate(mixed)}
@@ -209,3 +209,25 @@ def test_a_schema_the_grammar_engine_refuses_is_a_value_error(engine: LLMEngine)
             EngineRequest("bad", engine.tokenizer.encode("x"), SamplingParams(grammar=bad))
         )
     assert not engine.has_unfinished
+
+
+def test_a_finished_grammar_with_ignore_eos_does_not_break_the_step(engine: LLMEngine) -> None:
+    """After the value ends only the stop token is allowed; with ignore_eos the request goes
+    on past it, unconstrained, and the rest of the batch is unharmed."""
+    schema = canonical_json({"enum": ["a"]})
+    prompt = engine.tokenizer.encode(PROMPT_TEXT)
+    grammar = GrammarSpec("json_schema", schema)
+    requests = [
+        EngineRequest(
+            "eos-ignored", prompt, SamplingParams(max_tokens=8, ignore_eos=True, grammar=grammar)
+        ),
+        EngineRequest("plain-neighbour", prompt, SamplingParams(max_tokens=8)),
+    ]
+    ignored, plain = engine.generate(requests)
+    assert ignored.finish_reason == "length" and ignored.text.startswith('"a"')
+    assert (
+        plain.token_ids
+        == engine.generate([EngineRequest("plain-alone", prompt, SamplingParams(max_tokens=8))])[
+            0
+        ].token_ids
+    )
