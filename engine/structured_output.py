@@ -117,8 +117,13 @@ class StructuredOutput:
 
             tok = self.tokenizer
             special = tok.special_token_ids
-            # Control tokens are never text: an empty entry keeps them out of every value.
-            vocab = [b"" if i in special else tok.token_bytes(i) for i in range(tok.vocab_size)]
+            # An empty entry keeps a token out of every value: control tokens are never text,
+            # and JSON without free whitespace never holds a raw control character (xgrammar's
+            # strings would let some through, which JSON parsers refuse).
+            vocab = []
+            for i in range(tok.vocab_size):
+                piece = b"" if i in special else tok.token_bytes(i)
+                vocab.append(b"" if any(byte < 0x20 for byte in piece) else piece)
             info = xgr.TokenizerInfo(
                 vocab,
                 xgr.VocabType.RAW,
