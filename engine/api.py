@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from prefixcache.sdk.cache_stats import CacheStats
 
-from .request import EngineRequest, RequestOutput
+from .request import EngineRequest, RequestOutput, SegmentMiss
 
 if TYPE_CHECKING:  # prefix_store imports torch; only its result types are named here
     from .prefix_store import LoadResult, SaveResult
@@ -27,6 +27,37 @@ class WarmResult:
     tokens: int
     cached_tokens: int  # of those, already cached before warming
     pinned_blocks: int
+
+
+@dataclass(slots=True, frozen=True)
+class RequestRecord:
+    """One finished request, as the cache saw it (the dashboard's recent activity)."""
+
+    seq: int  # increasing: ask for the records after the last one seen
+    finished_at: float  # unix time
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float | None  # None: ended before its first token
+    finish_reason: str
+    namespace: str  # an opaque label ("tenant/salt" prefixes of the server-side HMACs)
+    miss: SegmentMiss | None  # why the cached prefix stopped (None: a full hit)
+
+
+@dataclass(slots=True)
+class TreeSnapshot:
+    """Every cached block of the prefix tree as parallel lists (index i = one block), parents
+    before children. ``parent[i]`` is the index of block i's parent, or ``-1 - k`` for a top
+    block of ``namespaces[k]``."""
+
+    block_size: int
+    taken_at: float  # unix time
+    namespaces: list[str]  # opaque labels, one per namespace root in use
+    parent: list[int]
+    in_use: list[bool]  # held by a running request
+    pinned: list[bool]
+    hits: list[int]  # requests whose cached prefix ended at this block
+    last_used: list[float]  # unix time a request last ended its match or prompt here (0: never)
+    tags: list[str]  # the tag of a segment starting in this block ("": none known)
 
 
 class TokenizerAPI(Protocol):
@@ -117,6 +148,14 @@ class EngineAPI(Protocol):
     async def evict_all(self, include_pinned: bool = False) -> int: ...
 
     def cache_stats(self) -> CacheStats: ...
+
+    async def cache_tree(self) -> TreeSnapshot:
+        """Every cached block, copied on the engine's side (one pass over the tree)."""
+        ...
+
+    def cache_activity(self, after: int = 0) -> list[RequestRecord]:
+        """The finished requests with ``seq > after`` still remembered (a bounded ring)."""
+        ...
 
     async def save_pinned(self, path: str | Path) -> SaveResult: ...
 

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from prefixcache.sdk.cache_stats import CacheStats
 
 from . import prefix_store
-from .api import WarmResult
+from .api import RequestRecord, TreeSnapshot, WarmResult
 from .config import EngineConfig
 from .engine import LLMEngine
 from .loader import LoadedModel
@@ -74,6 +74,8 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        if self._engine is not None:
+            self._engine.close()
         for request_id, stream in list(self._streams.items()):
             stream.put_nowait(aborted_output(request_id, "engine shut down"))
 
@@ -194,6 +196,12 @@ class AsyncEngine:
         if self._engine is None:
             return self._stats
         return msgspec.structs.replace(self._stats, tokenizer_pieces=self._engine.piece_stats())
+
+    async def cache_tree(self) -> TreeSnapshot:
+        return await self._call(self.engine.activity.snapshot)
+
+    def cache_activity(self, after: int = 0) -> list[RequestRecord]:
+        return self.engine.activity.records(after) if self._engine is not None else []
 
     # -- the engine thread -------------------------------------------------------------------
 

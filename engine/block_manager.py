@@ -28,12 +28,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .block_pool import BlockPool
 from .paging import DEFAULT_BLOCK_SIZE, ceil_div
 from .prefix_tree import TOKEN_BYTES, NewBlock, Node, PrefixTree, root_digest, token_bytes
 
 CopySlots = Callable[[int, int, int], None]
+
+
+class BlockListener(Protocol):
+    """Told of every change to the tree (KV events, engine/kv_events.py)."""
+
+    def block_stored(self, node: Node, root: bytes) -> None: ...
+
+    def block_removed(self, node: Node) -> None: ...
 
 
 class OutOfBlocksError(RuntimeError):
@@ -102,6 +111,8 @@ class BlockManager:
         self._tree = PrefixTree(block_size, num_blocks)
         self._roots: dict[str, bytes] = {}
         self._stats = ManagerStats(num_blocks=num_blocks, block_size=block_size)
+        self.listener: BlockListener | None = None
+        self.on_evict: Callable[[Node, str], None] | None = None  # (leaf, cause): miss reasons
 
     # ---- counters
 
@@ -123,6 +134,17 @@ class BlockManager:
 
     def ref_count(self, block: int) -> int:
         return self._pool.ref_count[block]
+
+    def pin_count(self, block: int) -> int:
+        return self._pool.pin_count[block]
+
+    @property
+    def tree(self) -> PrefixTree:
+        """Read-only use (miss reasons, the cache view); changes go through this class."""
+        return self._tree
+
+    def root(self, namespace: str) -> bytes:
+        return self._root(namespace)
 
     # ---- lookup
 
@@ -307,7 +329,7 @@ class BlockManager:
             self.unpin_all()
         count = 0
         while (block := self._pool.oldest_idle(include_pinned=False)) is not None:
-            self._evict(block)
+            self._evict(block, "admin")
             count += 1
         return count
 
@@ -389,6 +411,8 @@ class BlockManager:
             assert node is not None
             self._pool.mark_cached(node.block)
             self._stats.inserted_tokens += self.block_size
+            if self.listener is not None:
+                self.listener.block_stored(node, root)
         return node, inserted
 
     def _take_block(self) -> int:
@@ -403,7 +427,11 @@ class BlockManager:
             assert block == victim
         return block
 
-    def _evict(self, block: int) -> None:
-        self._tree.remove(block)  # asserts it is a leaf
+    def _evict(self, block: int, cause: str = "pressure") -> None:
+        node = self._tree.remove(block)  # asserts it is a leaf
         self._pool.evict(block)
         self._stats.evicted_tokens += self.block_size
+        if self.listener is not None:
+            self.listener.block_removed(node)
+        if self.on_evict is not None:
+            self.on_evict(node, cause)

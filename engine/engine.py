@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -19,12 +20,15 @@ from prefixcache.sdk.cache_stats import BlockStats, CacheStats, TokenizerPieceSt
 from . import output, prefix_store
 from .attention import create_backend
 from .block_manager import BlockManager
+from .cache_activity import CacheActivity
 from .config import EngineConfig
 from .kv_cache import KVCache
+from .kv_events import BlockEventRecorder, KVEventPublisher
 from .loader import LoadedModel, load_model
 from .metrics import EngineMetrics
 from .model_runner import BatchEntry, ModelRunner
 from .prefix_store import LoadResult, SaveResult, Snapshot
+from .prefix_tree import root_digest
 from .request import EngineRequest, RequestOutput, SamplingParams, TokenLogprob, Usage
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
@@ -62,6 +66,9 @@ class LLMEngine:
         backend = create_backend(config.attention_backend, self.loaded.device)
         self.runner = ModelRunner(self.loaded, self.kv_cache, backend, config.enable_cascade)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.activity = CacheActivity(self.block_manager)  # miss reasons, the dashboard's data
+        self.block_manager.on_evict = self.activity.on_evict
+        self.scheduler.explain_miss = self.activity.on_admit
         self.sampler = Sampler()
         self.structured = StructuredOutput(self.tokenizer, self.loaded.config.vocab_size)
         self.metrics = EngineMetrics()
@@ -74,6 +81,48 @@ class LLMEngine:
         self._stop_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._last_stats = self.block_manager.stats()
         self.peak_used_blocks = 0  # high-water mark of blocks held by requests, for benchmarks
+        self.kv_events: KVEventPublisher | None = None
+        self._kv_recorder: BlockEventRecorder | None = None
+        if config.kv_events_endpoint:
+            self._start_kv_events(config)
+
+    def _start_kv_events(self, config: EngineConfig) -> None:
+        """Publish what the cache stores and evicts; a fresh pool starts with AllBlocksCleared
+        (a restarted replica tells its subscribers to forget what it held)."""
+        manager = self.block_manager
+        roots: frozenset[bytes] | Literal["all"] = "all"
+        if config.kv_events_token_ids != "all":
+            listed = (
+                config.kv_events_token_namespaces if config.kv_events_token_ids == "listed" else ()
+            )
+            roots = frozenset(root_digest(manager.identity, ns) for ns in listed)
+        recorder = BlockEventRecorder(
+            config.block_size,
+            roots,
+            medium="GPU" if self.loaded.device.type == "cuda" else "CPU",
+        )
+        self.kv_events = KVEventPublisher(
+            config.kv_events_endpoint or "",
+            config.kv_events_replay_endpoint,
+            topic=config.kv_events_topic,
+        )
+        recorder.all_cleared()
+        manager.listener = self._kv_recorder = recorder
+        self.flush_kv_events()
+
+    def flush_kv_events(self) -> None:
+        """Hand the events since the last flush to the publisher (never waits)."""
+        if self._kv_recorder is None or self.kv_events is None:
+            return
+        if events := self._kv_recorder.drain():
+            self.kv_events.publish(events)
+
+    def close(self) -> None:
+        """Stop the KV event publisher (sends what it has queued first)."""
+        if self.kv_events is not None:
+            self.flush_kv_events()
+            self.kv_events.close()
+            self.kv_events = None
 
     @staticmethod
     def cache_identity(loaded: LoadedModel) -> bytes:
@@ -170,6 +219,7 @@ class LLMEngine:
             for seq, token, logprob in zip(ready, tokens, logprobs, strict=True):
                 outputs.append(self._append_token(seq, token, logprob, now))
         self._update_gauges()
+        self.flush_kv_events()
         return outputs
 
     def _batch(self, out: SchedulerOutput) -> list[BatchEntry]:
@@ -207,6 +257,7 @@ class LLMEngine:
         return final
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+        self.activity.on_finish(seq, reason)
         self.scheduler.finish(seq)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
         self._sequences.pop(seq.request_id, None)
@@ -256,6 +307,7 @@ class LLMEngine:
     def restore_pinned(self, snap: Snapshot) -> LoadResult:
         """Cache and pin a snapshot ``read_pinned`` checked against this engine."""
         result = prefix_store.restore(snap, self.block_manager, self.kv_cache)
+        self.flush_kv_events()
         self._last_stats = self.block_manager.stats()
         self._update_gauges()
         return result
@@ -268,6 +320,7 @@ class LLMEngine:
 
     def evict_all(self, include_pinned: bool = False) -> int:
         evicted = self.block_manager.evict_all(include_pinned)
+        self.flush_kv_events()
         self.metrics.evictions.inc(evicted)
         self._last_stats = self.block_manager.stats()
         self._update_gauges()

@@ -8,6 +8,7 @@ the rest of a sequence's life (blocks, metrics).
 
 from __future__ import annotations
 
+from .miss_reasons import segment_misses
 from .request import RequestOutput, RequestTiming, SegmentUsage, TokenLogprob, Usage
 from .sequence import Sequence
 
@@ -70,14 +71,17 @@ def aborted_output(request_id: str, message: str) -> RequestOutput:
 def usage_of(seq: Sequence) -> Usage:
     cached = seq.num_cached_tokens or 0
     segments = None
-    if seq.request.segments is not None:
+    spans = seq.request.segments
+    if spans is not None:
+        misses = segment_misses(spans, cached, seq.miss)
         segments = [
             SegmentUsage(
                 tag=s.tag,
                 tokens=s.end - s.start,
                 cached_tokens=max(0, min(cached, s.end) - s.start),
+                miss=miss,
             )
-            for s in seq.request.segments
+            for s, miss in zip(spans, misses, strict=True)
         ]
     return Usage(
         prompt_tokens=seq.num_prompt_tokens,

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .request import EngineRequest
+from .request import EngineRequest, SegmentMiss
 
 if TYPE_CHECKING:
     from .block_manager import BlockTable
@@ -36,6 +36,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # of token_ids' full blocks
     hit_estimate: int = 0  # cached-prefix length while waiting, for admission order only
     hit_estimate_step: int = -1  # the step it was last measured (-1: never)
+    miss: SegmentMiss | None = None  # why the first admission's match stopped where it did
     pending_text: str = ""  # generated text held back while it may start a stop string
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args
 
 from .canonical import to_text
 from .fingerprint import Fingerprint, compute_fingerprint
-from .lint import Finding, lint
+from .lint import Finding, ReportLike, lint
 from .render_anthropic import render_anthropic
 from .render_openai import render_openai
 from .render_sidecar import render_segments
@@ -101,9 +101,12 @@ class Prompt:
         """Chained digests of the tools and the stable segments, in render order."""
         return compute_fingerprint(self)
 
-    def lint(self, previous: Prompt | None = None) -> list[Finding]:
-        """Cache-breakers in this prompt; ``previous`` adds checks across two renders."""
-        return lint(self, previous)
+    def lint(
+        self, previous: Prompt | None = None, report: ReportLike | None = None
+    ) -> list[Finding]:
+        """Cache-breakers in this prompt; ``previous`` adds checks across two renders;
+        ``report`` (a response's ``out.cache``) adds why a stable segment missed."""
+        return lint(self, previous, report)
 
     # --- new prompts from this one ------------------------------------------------------
 

@@ -25,6 +25,7 @@ from prefixcache.engine.api import EngineAPI
 from . import reply_types as rt
 from .admission import Admission
 from .cache_routes import CacheRoutes
+from .dashboard import DashboardRoutes
 from .gate import RequestGate
 from .generation import GenerationRoutes
 from .http_app import build_app, health_reply, metrics_reply, openai_routes
@@ -51,6 +52,7 @@ class Sidecar:
         self.admission = Admission(engine, settings.max_waiting, settings.retry_after_s)
         self.generation = GenerationRoutes(engine, self.gate, self.admission, settings)
         self.cache = CacheRoutes(engine, self.gate, settings.cache_dir)
+        self.dashboard = DashboardRoutes(engine, self.gate)
         self.metrics_registry = CollectorRegistry()  # the HTTP series
         self.created = int(time.time())
         self.start_error: str | None = None
@@ -65,7 +67,7 @@ class Sidecar:
             models=self.models,
             model=self.model,
         )
-        return [*serving, *self.cache.routes()]
+        return [*serving, *self.cache.routes(), *self.dashboard.routes()]
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:

@@ -168,6 +168,7 @@ class GenerationRoutes:
             namespace=self.gate.namespace(tenant.name, req.cache_salt),
             priority=req.priority,
             segments=prompt.spans or None,
+            tenant=self.gate.namespace(tenant.name, None),  # opaque: groups a tenant's salts
         )
         return Job(
             id=request_id,

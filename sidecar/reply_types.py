@@ -17,10 +17,20 @@ class UsageInfo(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails
 
 
+class SegmentMiss(msgspec.Struct, omit_defaults=True):
+    """Why a segment was not (all) served from the cache; engine/miss_reasons.py."""
+
+    reason: str
+    segment: str | None = None
+    evicted_at: float | None = None
+    evicted_by: str | None = None
+
+
 class SegmentReport(msgspec.Struct):
     tag: str
     tokens: int
     cached_tokens: int
+    miss: SegmentMiss | None = None
 
 
 class CacheReport(msgspec.Struct):

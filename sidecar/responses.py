@@ -16,7 +16,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from prefixcache.engine.api import TokenizerAPI
-from prefixcache.engine.request import RequestTiming, SegmentSpan, TokenLogprob, Usage
+from prefixcache.engine.request import (
+    RequestTiming,
+    SegmentMiss,
+    SegmentSpan,
+    TokenLogprob,
+    Usage,
+)
 
 from . import reply_types as rt
 from .admission import EngineStream
@@ -53,7 +59,10 @@ def server_timing(timing: RequestTiming) -> str:
 def cache_report(usage: Usage, spans: list[SegmentSpan]) -> rt.CacheReport:
     """The ``prefixcache`` object. Segment hits come from the engine, or else from the spans."""
     if usage.segments is not None:
-        segments = [rt.SegmentReport(s.tag, s.tokens, s.cached_tokens) for s in usage.segments]
+        segments = [
+            rt.SegmentReport(s.tag, s.tokens, s.cached_tokens, miss_report(s.miss))
+            for s in usage.segments
+        ]
     else:
         segments = [
             rt.SegmentReport(s.tag, s.end - s.start, _overlap(s, usage.cached_tokens))
@@ -65,6 +74,12 @@ def cache_report(usage: Usage, spans: list[SegmentSpan]) -> rt.CacheReport:
         computed_tokens=usage.computed_prompt_tokens,
         segments=segments,
     )
+
+
+def miss_report(miss: SegmentMiss | None) -> rt.SegmentMiss | None:
+    if miss is None:
+        return None
+    return rt.SegmentMiss(miss.reason, miss.segment, miss.evicted_at, miss.evicted_by)
 
 
 def _overlap(span: SegmentSpan, cached_tokens: int) -> int:

@@ -1,7 +1,9 @@
-"""Upstream mode: the sidecar as a prefix-affinity router in front of OpenAI-compatible servers.
+"""Upstream mode: the sidecar as a cache-aware router in front of OpenAI-compatible servers.
 
 ``create_upstream_app(settings)`` proxies /v1/chat/completions and /v1/completions to the
-upstream sidecar/upstream.py chooses for the request's affinity key. Bodies are forwarded as
+upstream the routing policy chooses: ``cache_aware`` (sidecar/routing.py: precise over the
+upstreams' KV events, approximate over a tree of what was sent where) or ``hash``
+(sidecar/upstream.py: bounded-load rendezvous hashing of the request's affinity key). Bodies are forwarded as
 they came, except that a chat body with ``segments`` becomes plain ``messages`` (upstreams do
 not know segments). Statuses, bodies and content types come back unchanged; SSE streams are
 relayed as their bytes arrive. A connection that fails before any response byte marks its
@@ -14,13 +16,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -28,6 +31,18 @@ from starlette.responses import Response
 from .errors import APIError
 from .http_app import build_app, health_reply, metrics_reply, openai_routes
 from .http_io import read_body
+from .kv_index import ReplicaIndex
+from .kv_subscriber import EventSubscriber
+from .rendering import ChatTokenizer
+from .route_input import RouteInput, RouteReader
+from .routing import (
+    REASONS,
+    CacheAwareRouter,
+    Decision,
+    PendingPrefill,
+    Replica,
+    RoutingSettings,
+)
 from .streaming import SSEResponse, run_until_disconnect
 from .tenancy import KeyStore
 from .upstream import ROUTES, Upstream, UpstreamPool, affinity_key
@@ -47,9 +62,19 @@ CONNECT_FAILURES: tuple[type[Exception], ...] = (
 )
 
 
+@dataclass(slots=True, frozen=True)
+class EventSource:
+    endpoint: str  # the upstream's KV event PUB socket, e.g. tcp://10.0.0.7:5557
+    replay_endpoint: str | None = None  # its ROUTER replay socket
+
+
 @dataclass(slots=True)
 class UpstreamSettings:
     upstreams: tuple[str, ...]  # base URLs, e.g. ("http://10.0.0.7:8000/v1", ...)
+    routing: str = "cache_aware"  # cache_aware | hash
+    events: dict[str, EventSource] = field(default_factory=dict)  # by upstream URL
+    tokenizer: ChatTokenizer | None = None  # the upstreams' model's, for precise routing
+    cache_aware: RoutingSettings = field(default_factory=RoutingSettings)
     keys: KeyStore = field(default_factory=KeyStore)  # who may call this sidecar
     upstream_api_key: str | None = None  # sent upstream as "Authorization: Bearer ..."
     load_factor: float = 1.25
@@ -102,16 +127,79 @@ class UpstreamMetrics:
             ["upstream"],
             registry=self.registry,
         )
+        self.decisions = Counter(
+            "prefixcache:routing_decisions",
+            "Cache-aware routing decisions, by upstream and reason",
+            ["upstream", "reason"],
+            registry=self.registry,
+        )
+        self.predicted_cached = Counter(
+            "prefixcache:routing_predicted_cached_tokens",
+            "Prompt tokens the router expected the chosen upstream to have cached",
+            ["upstream"],
+            registry=self.registry,
+        )
+        self.reported_cached = Counter(
+            "prefixcache:routing_reported_cached_tokens",
+            "Cached prompt tokens the upstream reported (usage.prompt_tokens_details)",
+            ["upstream"],
+            registry=self.registry,
+        )
+        self.event_lag = Histogram(
+            "prefixcache:kv_event_lag_seconds",
+            "From a KV event batch's timestamp to its arrival here",
+            ["upstream"],
+            buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+            registry=self.registry,
+        )
+        self.event_stats = Gauge(
+            "prefixcache:kv_event_batches",
+            "KV event batches from each upstream: received, missed (gaps), replayed (gaps "
+            "filled), unfilled_gaps (index cleared), restarts (numbering started over)",
+            ["upstream", "kind"],
+            registry=self.registry,
+        )
+        self.events_live = Gauge(
+            "prefixcache:kv_events_live",
+            "1 while an upstream's KV events are current (precise routing), else 0",
+            ["upstream"],
+            registry=self.registry,
+        )
+        self.index_blocks = Gauge(
+            "prefixcache:kv_index_blocks",
+            "Blocks the router believes each upstream caches (from its events)",
+            ["upstream"],
+            registry=self.registry,
+        )
         for url in urls:  # every series exists from the start, at 0
             for route in ROUTES:
                 self.requests.labels(url, route)
+            for reason in REASONS:
+                self.decisions.labels(url, reason)
+            self.predicted_cached.labels(url)
+            self.reported_cached.labels(url)
             self.connect_failures.labels(url)
 
-    def update(self, pool: UpstreamPool) -> None:
+    def update(self, pool: UpstreamPool, router: CacheAwareRouter | None) -> None:
         """Set the gauges from the pool, before the registry is rendered."""
         for upstream in pool.upstreams:
             self.in_flight.labels(upstream.url).set(upstream.in_flight)
             self.healthy.labels(upstream.url).set(int(pool.is_healthy(upstream)))
+        for replica in router.replicas.values() if router is not None else ():
+            url, sub = replica.upstream.url, replica.subscriber
+            if sub is None or replica.index is None:
+                continue
+            self.events_live.labels(url).set(int(sub.is_live()))
+            self.index_blocks.labels(url).set(len(replica.index))
+            st = sub.stats
+            for kind, value in (
+                ("received", st.batches),
+                ("missed", st.missed),
+                ("replayed", st.replayed),
+                ("unfilled_gaps", st.unfilled_gaps),
+                ("restarts", st.restarts),
+            ):
+                self.event_stats.labels(url, kind).set(value)
 
 
 class UpstreamProxy:
@@ -124,13 +212,57 @@ class UpstreamProxy:
             min_load=settings.min_load,
         )
         self.metrics = UpstreamMetrics([u.url for u in self.pool.upstreams])
+        if settings.routing not in ("cache_aware", "hash"):
+            raise ValueError(f"routing must be cache_aware or hash, not {settings.routing!r}")
+        self.reader = RouteReader(settings.tokenizer)
+        self.router: CacheAwareRouter | None = None
+        if settings.routing == "cache_aware":
+            self.router = CacheAwareRouter(
+                self.pool, self._replicas(settings), settings.cache_aware
+            )
         self.upstream_headers = {"accept-encoding": "identity"}  # relay bytes as sent
         if settings.upstream_api_key:
             self.upstream_headers["authorization"] = f"Bearer {settings.upstream_api_key}"
         self._client: httpx.AsyncClient | None = None
 
+    def _replicas(self, settings: UpstreamSettings) -> list[Replica]:
+        events = {url.rstrip("/"): source for url, source in settings.events.items()}
+        unknown = set(events) - {u.url for u in self.pool.upstreams}
+        if unknown:
+            raise ValueError(f"events given for unknown upstreams: {sorted(unknown)}")
+        replicas = []
+        for upstream in self.pool.upstreams:
+            replica = Replica(upstream)
+            if (source := events.get(upstream.url)) is not None:
+                replica.index = ReplicaIndex()
+                replica.subscriber = EventSubscriber(
+                    source.endpoint,
+                    replica.index,
+                    source.replay_endpoint,
+                    stale_after_s=settings.cache_aware.stale_after_s,
+                    on_lag=self.metrics.event_lag.labels(upstream.url).observe,
+                )
+            replicas.append(replica)
+        return replicas
+
+    def _subscribers(self) -> list[EventSubscriber]:
+        if self.router is None:
+            return []
+        return [r.subscriber for r in self.router.replicas.values() if r.subscriber is not None]
+
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        for subscriber in self._subscribers():
+            subscriber.start()
+        try:
+            async with self._http_client():
+                yield
+        finally:
+            for subscriber in self._subscribers():
+                subscriber.stop()
+
+    @contextlib.asynccontextmanager
+    async def _http_client(self) -> AsyncIterator[None]:
         timeout = httpx.Timeout(self.settings.timeout_s, connect=self.settings.connect_timeout_s)
         # No connection cap: the upstreams queue; the load bound already spreads the work.
         # Idle connections expire before the upstreams' own keep-alive (uvicorn's is 5 s), so
@@ -159,7 +291,7 @@ class UpstreamProxy:
         return health_reply("unavailable", "no upstream reachable", self._retry_after())
 
     async def metrics_text(self, request: Request) -> Response:
-        self.metrics.update(self.pool)
+        self.metrics.update(self.pool, self.router)
         return metrics_reply(self.metrics.registry)
 
     async def models(self, request: Request) -> Response:
@@ -179,37 +311,73 @@ class UpstreamProxy:
         body = decode_object(payload)
         key = affinity_key(body)  # before the rewrite: it needs the stability classes
         if "segments" in body:
-            payload = msgspec.json.encode(segments_to_messages(body))
-        return await self._proxy(request, "/chat/completions", payload, key, body)
+            body = segments_to_messages(body)
+            payload = msgspec.json.encode(body)
+        route = self.reader.chat(body) if self.router is not None else None
+        return await self._proxy(request, "/chat/completions", payload, key, body, route)
 
     async def completions(self, request: Request) -> Response | SSEResponse:
         self.settings.keys.authenticate(request.headers.get("authorization"))
         payload = await read_body(request, self.settings.max_body_bytes)
         body = decode_object(payload)
-        return await self._proxy(request, "/completions", payload, affinity_key(body), body)
+        route = self.reader.completion(body) if self.router is not None else None
+        return await self._proxy(request, "/completions", payload, affinity_key(body), body, route)
 
     async def _proxy(
-        self, request: Request, path: str, payload: bytes, key: bytes, body: dict[str, Any]
+        self,
+        request: Request,
+        path: str,
+        payload: bytes,
+        key: bytes,
+        body: dict[str, Any],
+        route: RouteInput | None,
     ) -> Response | SSEResponse:
-        exchange = await run_until_disconnect(self._open(path, payload, key), request.receive)
+        opened = await run_until_disconnect(self._open(path, payload, key, route), request.receive)
+        exchange, routed = opened
         if body.get("stream") is True and exchange.is_event_stream:
             headers = {"content-type": exchange.content_type}
+
+            async def close() -> None:
+                try:
+                    await exchange.aclose()
+                finally:
+                    routed.finish()
+
             return SSEResponse(
-                relay_events(exchange.response), on_close=exchange.aclose, headers=headers
+                routed.watch(relay_events(exchange.response)), on_close=close, headers=headers
             )
         # Anything else, a 429 or 503 with its Retry-After too, comes back whole.
-        return await self._buffered(exchange, request)
+        try:
+            response = await self._buffered(exchange, request)
+            routed.first_byte()
+            routed.report(response.body)
+            return response
+        finally:
+            routed.finish()
 
-    async def _open(self, path: str, payload: bytes, key: bytes) -> Exchange:
+    async def _open(
+        self, path: str, payload: bytes, key: bytes, route: RouteInput | None
+    ) -> tuple[Exchange, Routed]:
         """The response headers of the first choice that accepts the connection."""
         tried: set[str] = set()
-        while (choice := self.pool.choose(key, exclude=tried)) is not None:
-            self.metrics.requests.labels(choice.upstream.url, choice.route).inc()
-            exchange = await self._connect(choice.upstream, "POST", path, payload)
+        while True:
+            decision = None
+            if self.router is not None and route is not None:
+                decision = self.router.choose(route.text, route.token_ids, exclude=tried)
+                upstream = decision.upstream if decision is not None else None
+            else:
+                choice = self.pool.choose(key, exclude=tried)
+                upstream = choice.upstream if choice is not None else None
+                if choice is not None:
+                    self.metrics.requests.labels(choice.upstream.url, choice.route).inc()
+            if upstream is None:
+                raise self._no_upstream()
+            routed = Routed(self, upstream, decision, route.token_ids if route else None)
+            exchange = await self._connect(upstream, "POST", path, payload)
             if exchange is not None:
-                return exchange
-            tried.add(choice.upstream.url)
-        raise self._no_upstream()
+                return exchange, routed
+            routed.abandon()
+            tried.add(upstream.url)
 
     async def _connect(
         self, upstream: Upstream, method: str, path: str, payload: bytes | None
@@ -289,3 +457,78 @@ class UpstreamProxy:
             type="server_error",
             code="upstream_timeout",
         )
+
+
+def legacy_route(decision: Decision) -> str:
+    """The hash policy's route label for a cache-aware decision (one series for both)."""
+    if decision.reason == "failover":
+        return "failover"
+    return "overflow" if decision.overflow else "affinity"
+
+
+FIRST_OUTPUT = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]|"finish_reason"\s*:\s*"')
+CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+
+class Routed:
+    """One routed request's bookkeeping: its pending prefill on the replica until its first
+    output comes back (the whole answer when not streamed), the predicted and reported cached tokens, and the events it should cause."""
+
+    def __init__(
+        self,
+        proxy: UpstreamProxy,
+        upstream: Upstream,
+        decision: Decision | None,
+        token_ids: list[int] | None = None,
+    ) -> None:
+        self.proxy = proxy
+        self.upstream = upstream
+        self.decision = decision
+        self.replica: Replica | None = None
+        self._finished = False
+        self._reported = False
+        router = proxy.router
+        if decision is not None and router is not None:
+            self.replica = router.replicas[upstream.url]
+            self.replica.pending[id(self)] = PendingPrefill(token_ids, decision.prefill_tokens)
+            metrics = proxy.metrics
+            metrics.decisions.labels(upstream.url, decision.reason).inc()
+            metrics.requests.labels(upstream.url, legacy_route(decision)).inc()
+            metrics.predicted_cached.labels(upstream.url).inc(decision.predicted_tokens)
+
+    def first_byte(self) -> None:
+        if self.replica is not None:
+            self.replica.pending.pop(id(self), None)
+
+    def report(self, data: bytes) -> None:
+        if self._reported or self.decision is None:
+            return
+        if (found := CACHED_TOKENS.search(data)) is not None:
+            self._reported = True
+            self.proxy.metrics.reported_cached.labels(self.upstream.url).inc(int(found.group(1)))
+
+    def abandon(self) -> None:
+        """The connection failed: the request never ran there."""
+        self._finished = True
+        self.first_byte()
+
+    def finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self.first_byte()
+        replica, decision = self.replica, self.decision
+        if replica is None or decision is None or replica.subscriber is None:
+            return
+        block_size = replica.index.block_size if replica.index is not None else None
+        if decision.prefill_tokens >= (block_size or 16):
+            replica.subscriber.expect()  # new full blocks: events should follow
+
+    async def watch(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Relay ``events``; the prefill is over at the first generated text (an opening
+        chunk with only the role may come before it)."""
+        async for chunk in events:
+            if FIRST_OUTPUT.search(chunk):
+                self.first_byte()
+            self.report(chunk)
+            yield chunk

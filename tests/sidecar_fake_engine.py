@@ -16,7 +16,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter
 
-from prefixcache.engine.api import WarmResult
+from prefixcache.engine.api import RequestRecord, TreeSnapshot, WarmResult
 from prefixcache.engine.request import EngineRequest, RequestOutput, SegmentUsage, Usage
 from prefixcache.sdk.cache_stats import BlockStats, CacheStats, TokenStats
 
@@ -177,6 +177,17 @@ class FakeEngine:
             tokens=TokenStats(queries=self.queries, hits=self.hits),
             hit_rate=self.hits / self.queries if self.queries else 0.0,
         )
+
+    async def cache_tree(self) -> TreeSnapshot:
+        """Each cached digest as a top block of one namespace (the fake keeps no parents)."""
+        n = len(self.cached)
+        return TreeSnapshot(
+            self.block_size, 0.0, ["fake"], [-1] * n, [False] * n,
+            [d in self.pinned for d in self.cached], [0] * n, [0.0] * n, [""] * n,
+        )  # fmt: skip
+
+    def cache_activity(self, after: int = 0) -> list[RequestRecord]:
+        return []
 
     async def save_pinned(self, path: str | Path) -> SaveResult:
         """The pinned block digests as a JSON list (one "prefix" per block)."""

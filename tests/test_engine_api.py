@@ -84,6 +84,8 @@ def test_engine_api_lists_what_the_sidecar_uses() -> None:
         "unpin",
         "evict_all",
         "cache_stats",
+        "cache_tree",
+        "cache_activity",
         "save_pinned",
         "load_pinned",
     }
