@@ -34,6 +34,7 @@ from .request import EngineRequest, RequestOutput, SamplingParams, TokenLogprob,
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
+from .structured_output import StructuredOutput
 from .tokenizer import IncrementalDetokenizer
 
 
@@ -81,6 +82,7 @@ class LLMEngine:
         self.block_manager.on_evict = self.activity.on_evict
         self.scheduler.explain_miss = self.activity.on_admit
         self.sampler = Sampler()
+        self.structured = StructuredOutput(self.tokenizer, self.loaded.config.vocab_size)
         self.metrics = EngineMetrics()
         model_len = self.loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
@@ -175,8 +177,12 @@ class LLMEngine:
             arrival_order=next(self._arrivals),
             arrival_step=self.scheduler.num_steps,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, request.sampling.skip_special_tokens
+            ),
         )
+        if request.sampling.grammar is not None:  # ValueError for a schema it cannot use
+            self.structured.add(request.request_id, request.sampling.grammar)
         self._sequences[request.request_id] = seq
         self.scheduler.add(seq)
 
@@ -224,9 +230,10 @@ class LLMEngine:
                     else ((), ())
                     for s, p in zip(ready, params, strict=True)
                 ]
-            tokens, logprobs = self.sampler.sample(
-                logits, params, [s.request_id for s in ready], histories
-            )
+            request_ids = [s.request_id for s in ready]
+            self.structured.mask(logits, request_ids)  # constrained rows only
+            tokens, logprobs = self.sampler.sample(logits, params, request_ids, histories)
+            self.structured.accept(request_ids, tokens)
             now = time.monotonic()
             for seq, token, logprob in zip(ready, tokens, logprobs, strict=True):
                 outputs.append(self._append_token(seq, token, logprob, now))
@@ -274,6 +281,7 @@ class LLMEngine:
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
         self._sequences.pop(seq.request_id, None)
         self.sampler.forget(seq.request_id)
+        self.structured.forget(seq.request_id)
         self.metrics.requests_finished.labels(reason).inc()
         now = time.monotonic()
         if seq.first_token_time is not None:

@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(slots=True, frozen=True)
+class GrammarSpec:
+    """What a constrained request's output must be: a JSON object (``json``), or JSON valid
+    against ``schema`` (canonical JSON text: the same schema always has the same digest)."""
+
+    kind: Literal["json", "json_schema"]
+    schema: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.kind == "json_schema") != bool(self.schema):
+            raise ValueError("a json_schema grammar needs a schema, and only it takes one")
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(f"{self.kind}\0{self.schema}".encode()).hexdigest()
 
 
 @dataclass(slots=True)
@@ -22,6 +41,8 @@ class SamplingParams:
     # vLLM's / transformers': logits of tokens in the prompt or output, divided if positive,
     # multiplied if negative.
     repetition_penalty: float = 1.0
+    grammar: GrammarSpec | None = None  # constrained decoding (engine/structured_output.py)
+    skip_special_tokens: bool = True  # False: the text keeps e.g. [TOOL_CALLS] for parsers
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

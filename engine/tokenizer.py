@@ -131,6 +131,12 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Added tokens marked special (control tokens, skipped when decoding)."""
+        added = self._tok.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -1,116 +1,153 @@
-"""An agent loop whose tool calls and results are appended, never rewritten.
+"""A tool-using agent loop with the official ``openai`` client: a calculator and a document
+lookup, run against ``prefixcache serve``. Every step resends the same tools block and the
+growing transcript; the sidecar renders tools canonically, so from step 2 on the tools block
+and all earlier turns come from the prefix cache (printed per step).
 
-First, lint catches the classic cache-breaker: the current time in the system prompt. The
-loop then runs twice over the same scripted tool calls: once with the timestamp in the system
-prompt (every step recomputes everything), once with the fix (the time is a dynamic segment at
-the end, and each step reuses all earlier steps).
+    prefixcache serve --model PATH_OR_NAME     # a model whose chat template supports tools
+    python examples/agent_loop.py [--base-url URL] [--model NAME] [--steps 6] [--force-tools 2]
 
-    prefixcache serve --model demo            # in another terminal
-    python examples/agent_loop.py [--base-url URL] [--steps 4]
+``--force-tools N`` sends ``tool_choice="required"`` (one call per step) for the first N steps, so the loop calls
+tools even on a model that would not (the grammar engine then forces a valid call); after
+that the model decides (``auto``) and the loop ends when it answers in text.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import os
+import ast
+import json
+import operator
 import sys
 
-from prefixcache.sdk import Client, PermissionDeniedError, Prompt, PromptBuilder, Segment
+import openai
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 
-INSTRUCTIONS = (
-    "You are an operations agent. Use the tools to investigate an alert, one call per step, "
-    "then write a short incident summary. Reply with the next tool call as JSON."
-)
-# The demo model cannot really call tools, so the calls and results are scripted.
-SCRIPT = [
-    ({"tool": "get_alert", "args": {"id": "disk-usage"}}, "Disk usage on db-2 is at 93%."),
-    ({"tool": "list_files", "args": {"host": "db-2", "path": "/var/log"}}, "app.log 41 GB"),
-    ({"tool": "read_tail", "args": {"file": "app.log", "lines": 5}}, "DEBUG logging enabled"),
-    ({"tool": "set_log_level", "args": {"level": "INFO"}}, "Log level set to INFO."),
-    ({"tool": "rotate_logs", "args": {"host": "db-2"}}, "Rotated; disk usage now 51%."),
+DOCUMENTS = {
+    "prefix-cache": "A prefix cache keeps the KV state of token prefixes in 16-token blocks.",
+    "eviction": "Blocks no request uses stay cached; the least recently used leaves go first.",
+    "pinning": "Pinned prefixes are evicted last and can be saved to disk and loaded back.",
+}
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression (+ - * / ** and parentheses).",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look up a document by key: " + ", ".join(DOCUMENTS) + ".",
+            "parameters": {
+                "type": "object",
+                "properties": {"key": {"enum": list(DOCUMENTS)}},
+                "required": ["key"],
+            },
+        },
+    },
 ]
 
-
-def base(fixed: bool, now: dt.datetime) -> PromptBuilder:
-    b = Prompt.builder()
-    b.tool(
-        "get_alert", "Fetch an alert.", {"type": "object", "properties": {"id": {"type": "string"}}}
-    )
-    b.tool(
-        "list_files", "List files.", {"type": "object", "properties": {"path": {"type": "string"}}}
-    )
-    if fixed:
-        b.static(INSTRUCTIONS, tag="instructions")
-        b.dynamic(f"Current time: {now:%Y-%m-%d %H:%M:%S} UTC.", tag="clock", role="system")
-    else:
-        # the classic draft: the clock first, so everything after it changes every step
-        b.static(f"Current time: {now:%Y-%m-%d %H:%M:%S} UTC.\n{INSTRUCTIONS}", tag="instructions")
-    return b
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+}
 
 
-def evict(client: Client) -> None:
+def calculate(expression: str) -> str:
+    def value(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.operand))
+        raise ValueError("only numbers and + - * / ** are allowed")
+
     try:
-        client.evict()
-    except PermissionDeniedError:
-        print("  (cannot evict without an admin key; numbers include earlier runs)")
+        return str(value(ast.parse(expression, mode="eval").body))
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError) as exc:
+        return f"error: {exc}"
 
 
-def run_loop(client: Client, fixed: bool, steps: int, max_tokens: int) -> float:
-    """Run the scripted loop; return the fraction of prompt tokens served from the cache."""
-    history: list[Segment] = []
-    prompt_tokens = cached_tokens = 0
-    for step in range(steps):
-        now = dt.datetime(2026, 1, 1, 12, 0, 0) + dt.timedelta(seconds=7 * step)
-        b = base(fixed, now)
-        for seg in history:
-            b.add(seg)
-        prompt = b.dynamic("What is the next tool call?", tag="ask").build()
-        out = client.complete(prompt, max_tokens=max_tokens, temperature=0.0)
-        prompt_tokens += out.usage.prompt_tokens or 0
-        cached_tokens += out.usage.cached_tokens
+def run_tool(name: str, arguments: str) -> str:
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return "error: arguments are not JSON"
+    if name == "calculator":
+        return calculate(str(args.get("expression", "")))
+    if name == "lookup":
+        return DOCUMENTS.get(str(args.get("key")), "error: no such document")
+    return f"error: unknown tool {name!r}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", default=DEFAULT_BASE_URL)
+    parser.add_argument("--model", default=None, help="model name (default: the server's)")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--force-tools", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    args = parser.parse_args()
+
+    client = openai.OpenAI(base_url=args.base_url, api_key="unused", max_retries=0)
+    model = args.model or client.models.list().data[0].id
+    messages: list[dict] = [
+        {
+            "role": "system",
+            "content": "You answer questions about the prefix cache. Use the tools: look "
+            "documents up, compute numbers, then answer briefly.",
+        },
+        {
+            "role": "user",
+            "content": "How many tokens do 12 full blocks hold, and what is evicted first?",
+        },
+    ]
+    for step in range(1, args.steps + 1):
+        choice = "required" if step <= args.force_tools else "auto"
+        try:
+            reply = client.chat.completions.create(
+                model=model,
+                messages=messages,
+                tools=TOOLS,
+                tool_choice=choice,
+                parallel_tool_calls=False,  # one call per step
+                max_tokens=args.max_tokens,
+                temperature=0,
+            )
+        except openai.BadRequestError as exc:
+            print(f"the server refused the request: {exc.message}", file=sys.stderr)
+            return 1
+        usage = reply.usage
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        message = reply.choices[0].message
         print(
-            f"  step {step + 1}: prompt {out.usage.prompt_tokens:5d}"
-            f" cached {out.usage.cached_tokens:5d}"
+            f"step {step}: prompt {usage.prompt_tokens} tokens, cached {cached}, "
+            f"finish {reply.choices[0].finish_reason}"
         )
-        call, result = SCRIPT[step % len(SCRIPT)]
-        # append-only: the call and its result become session segments
-        history.append(Segment("assistant", call, f"call-{step}", "session"))
-        history.append(Segment("user", f"Tool result: {result}", f"result-{step}", "session"))
-    return cached_tokens / max(prompt_tokens, 1)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base-url", default=os.environ.get("PREFIXCACHE_BASE_URL", DEFAULT_BASE_URL))
-    p.add_argument("--model", default=None)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--keep-cache", action="store_true", help="do not evict before each run")
-    args = p.parse_args(argv)
-
-    now = dt.datetime(2026, 1, 1, 12, 0, 0)
-    broken = base(False, now).dynamic("What is the next tool call?", tag="ask").build()
-    print("lint on the first draft:")
-    for finding in broken.lint():
-        print("  ", finding)
-    fixed = base(True, now).dynamic("What is the next tool call?", tag="ask").build()
-    print(f"lint after the fix: {len(fixed.lint())} finding(s)\n")
-
-    with Client(args.base_url, model=args.model) as client:
-        print("timestamp in the system prompt:")
-        if not args.keep_cache:
-            evict(client)
-        bad = run_loop(client, fixed=False, steps=args.steps, max_tokens=args.max_tokens)
-        print("timestamp in a dynamic segment:")
-        if not args.keep_cache:
-            evict(client)
-        good = run_loop(client, fixed=True, steps=args.steps, max_tokens=args.max_tokens)
-    print(f"\nprompt tokens from cache: {bad:.0%} before the fix, {good:.0%} after")
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            print(f"answer: {message.content}")
+            break
+        for call in message.tool_calls:
+            result = run_tool(call.function.name, call.function.arguments)
+            print(f"  {call.function.name}({call.function.arguments}) -> {result}")
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

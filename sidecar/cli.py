@@ -298,6 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body accepted, in MiB; larger ones get 413",
     )
     serve.add_argument(
+        "--tool-call-parser",
+        choices=["auto", "hermes", "llama3_json", "mistral"],
+        default="auto",
+        help="how model output becomes tool_calls (vLLM's names); auto: from the chat template",
+    )
+    serve.add_argument(
         "--log-level",
         choices=["debug", "info", "warning", "error"],
         default="info",
@@ -372,6 +378,7 @@ def serve(args: argparse.Namespace) -> None:
         cache_dir=args.cache_dir,
         load_on_start=tuple(args.load_cache),
         use_generation_config=args.generation_config == "auto",
+        tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
     )
     app = create_app(AsyncEngine(config), settings)
     uvicorn.run(

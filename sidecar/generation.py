@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from prefixcache.engine.api import EngineAPI
-from prefixcache.engine.request import EngineRequest, SamplingParams
+from prefixcache.engine.request import EngineRequest, GrammarSpec, SamplingParams
 
 from . import protocol as p
 from .admission import Admission
@@ -22,6 +22,7 @@ from .responses import Job, reply
 from .settings import SidecarSettings
 from .streaming import SSEResponse
 from .tenancy import Tenant
+from .tool_prompt import ToolTemplate, canonical_tools, grammar_for
 
 
 class GenerationRoutes:
@@ -38,25 +39,53 @@ class GenerationRoutes:
         self.use_generation_config = settings.use_generation_config
         self._fingerprint: str | None = None
         self._sampling_defaults: dict[str, float] | None = None
+        self.tool_call_parser = settings.tool_call_parser
+        self._tool_template: ToolTemplate | None = None
 
     async def chat_completions(self, request: Request) -> Response | SSEResponse:
         gate = self.gate
         tenant, req = await gate.generation_request(request, p.ChatCompletionRequest, p.check_chat)
+        template_kwargs = req.template_kwargs
+        if req.tools:
+            if not self.tool_template.supports_tools:
+                raise bad_request(
+                    f"the chat template of {self.engine.model_name!r} does not support tools "
+                    "(it renders the same prompt with and without them)",
+                    "tools",
+                    "tools_not_supported",
+                )
+            template_kwargs = {**template_kwargs, "tools": canonical_tools(req.tools)}
         prompt = gate.render(
             lambda r: r.render_chat(
                 req.messages,
                 req.segments,
                 bool(req.add_generation_prompt),
-                req.template_kwargs,
+                template_kwargs,
                 bool(req.continue_final_message),
             )
         )
         max_tokens = req.max_completion_tokens or req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
+        parser = self.tool_template.parser(req)
         job = self._submit(
-            "chat", f"chatcmpl-{uuid.uuid4().hex}", req, tenant, prompt, max_tokens, top
+            "chat",
+            f"chatcmpl-{uuid.uuid4().hex}",
+            req,
+            tenant,
+            prompt,
+            max_tokens,
+            top,
+            grammar=grammar_for(req),
+            skip_special_tokens=parser is None or not parser.needs_special_tokens,
         )
+        job.tool_parser = parser
         return await reply(job, req.stream, request, self.engine.tokenizer)
+
+    @property
+    def tool_template(self) -> ToolTemplate:
+        if self._tool_template is None:  # the tokenizer exists once the engine is ready
+            self._tool_template = ToolTemplate(self.engine.tokenizer, self.tool_call_parser)
+        return self._tool_template
 
     async def completions(self, request: Request) -> Response | SSEResponse:
         gate = self.gate
@@ -92,6 +121,8 @@ class GenerationRoutes:
         prompt: RenderedPrompt,
         max_tokens: int | None,
         logprobs: int | None,
+        grammar: GrammarSpec | None = None,
+        skip_special_tokens: bool = True,
     ) -> Job:
         num_prompt = len(prompt.token_ids)
         context = self.engine.max_model_len
@@ -125,6 +156,8 @@ class GenerationRoutes:
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=self._sampling(req.repetition_penalty, "repetition_penalty"),
+                grammar=grammar,
+                skip_special_tokens=skip_special_tokens,
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None

@@ -10,6 +10,7 @@ below.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -18,6 +19,8 @@ from prefixcache.sdk.stability import RANK, Stability
 
 # "developer": OpenAI's newer name for the system role; templates see it as "system".
 Role = Literal["system", "developer", "user", "assistant"]
+MessageRole = Literal["system", "developer", "user", "assistant", "tool"]
+FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
@@ -64,9 +67,25 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     cache_control: CacheControl | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: FunctionName
+    arguments: str  # JSON text of an object (OpenAI's form)
+
+
+class ToolCallItem(msgspec.Struct):
+    """An earlier assistant turn's tool call, sent back in the history."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class Message(msgspec.Struct):
-    role: Role
+    role: MessageRole
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: which call this is the result of
 
     @property
     def text(self) -> str:
@@ -88,6 +107,42 @@ class Segment(msgspec.Struct):
 def order_segments(segments: list[Segment]) -> list[Segment]:
     """static → shared → session → dynamic, stable within a class."""
     return sorted(segments, key=lambda s: RANK[s.stability])
+
+
+class FunctionDef(msgspec.Struct, omit_defaults=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object
+    strict: bool | None = None
+
+
+class ToolDef(msgspec.Struct):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(msgspec.Struct):
+    name: FunctionName
+
+
+class NamedToolChoice(msgspec.Struct):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JSONSchemaFormat(msgspec.Struct):
+    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class StreamOptions(msgspec.Struct):
@@ -173,14 +228,14 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    tools: Annotated[list[ToolDef], msgspec.Meta(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # false: tool_choice required forces one call
+    response_format: ResponseFormat | None = None
     # OpenAI options this server does not implement: accepted by the decoder so that
     # check_chat can refuse them by name instead of silently ignoring them.
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
-    parallel_tool_calls: Any = None
     modalities: Any = None
     audio: Any = None
     reasoning_effort: Any = None
@@ -196,6 +251,14 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     @property
     def template_kwargs(self) -> dict[str, Any]:
         return self.chat_template_kwargs or {}
+
+    @property
+    def tool_mode(self) -> str:
+        """ "none", "auto", "required", or "named" (tool_choice names one function)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        return choice or ("auto" if self.tools else "none")
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -288,19 +351,13 @@ def check_prompt_source(messages: list[Message] | None, segments: list[Segment] 
 
 def _unsupported(req: ChatCompletionRequest) -> str | None:
     """The first option that would change what the model must do but is not implemented."""
-    if req.tools:
-        return "tools"
-    if req.tool_choice not in (None, "none"):
-        return "tool_choice"
     if req.functions:
         return "functions"
     if req.function_call not in (None, "none"):
         return "function_call"
-    if req.response_format not in (None, {"type": "text"}):
-        return "response_format"
     if req.modalities not in (None, ["text"]):
         return "modalities"
-    for name in ("parallel_tool_calls", "audio", "reasoning_effort", "prediction"):
+    for name in ("audio", "reasoning_effort", "prediction"):
         if getattr(req, name) is not None:
             return name
     return None
@@ -323,6 +380,54 @@ def check_chat(req: ChatCompletionRequest) -> None:
         )
     if req.continue_final_message and req.segments is not None:
         raise Error("continue_final_message needs 'messages', not segments", "segments")
+    check_tools(req)
+    check_response_format(req.response_format)
+    constrained = req.response_format is not None and req.response_format.type != "text"
+    if constrained and req.tool_mode in ("required", "named"):
+        raise Error(
+            "response_format cannot be combined with tool_choice required or a named "
+            "function: both constrain the output",
+            "response_format",
+        )
+
+
+def check_tools(req: ChatCompletionRequest) -> None:
+    names = [t.function.name for t in req.tools or ()]
+    if len(set(names)) != len(names):
+        raise Error("tool function names must be unique", "tools")
+    mode = req.tool_mode
+    if mode in ("required", "named") and not names:
+        raise Error(f"tool_choice {mode!r} needs 'tools'", "tool_choice")
+    if isinstance(req.tool_choice, NamedToolChoice) and req.tool_choice.function.name not in names:
+        raise Error(
+            f"tool_choice names {req.tool_choice.function.name!r}, which is not in 'tools'",
+            "tool_choice",
+        )
+    for message in req.messages or ():
+        if message.role == "tool" and not message.tool_call_id:
+            raise Error("a 'tool' message needs 'tool_call_id'", "messages")
+        if message.tool_calls and message.role != "assistant":
+            raise Error("only assistant messages may carry 'tool_calls'", "messages")
+        for call in message.tool_calls or ():
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise Error(
+                    f"tool call {call.id!r}: 'arguments' must be the JSON text of an object",
+                    "messages",
+                )
+
+
+def check_response_format(fmt: ResponseFormat | None) -> None:
+    if fmt is None or fmt.type != "json_schema":
+        return
+    if fmt.json_schema is None or not isinstance(fmt.json_schema.schema, dict):
+        raise Error(
+            "response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}",
+            "response_format",
+        )
 
 
 # Set by the server from the request itself; chat_template_kwargs may not replace them.

@@ -18,12 +18,14 @@ ids; for SentencePiece templates without them a piece boundary can tokenize diff
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
 
 from prefixcache.engine.request import RetentionHint, SegmentSpan
 from prefixcache.engine.tokenizer import ChatTemplateError
+from prefixcache.sdk.canonical import canonical_json
 
 from .protocol import Message, Segment, order_segments
 
@@ -31,7 +33,7 @@ from .protocol import Message, Segment, order_segments
 class ChatTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **extra: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str: ...
 
 
@@ -57,7 +59,7 @@ class PromptRenderer:
 
     def render_messages(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
@@ -75,7 +77,7 @@ class PromptRenderer:
 
     def render_pieces(
         self,
-        messages: list[dict[str, str]],
+        messages: list[dict[str, Any]],
         tags: list[str],
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
@@ -83,7 +85,7 @@ class PromptRenderer:
         """Tokenize ``messages`` piece by piece; ``tags[i]`` names message i's span."""
         extra = template_kwargs or {}
 
-        def template(part: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        def template(part: list[dict[str, Any]], add_generation_prompt: bool) -> str:
             return self.tokenizer.apply_chat_template(part, add_generation_prompt, **extra)
 
         token_ids: list[int] = []
@@ -168,14 +170,32 @@ class PromptRenderer:
         return self.render_messages(_dicts(messages), False, template_kwargs)
 
 
-def _dicts(messages: list[Message] | list[Segment]) -> list[dict[str, str]]:
-    return [
-        {
-            "role": "system" if m.role == "developer" else m.role,  # OpenAI's alias
-            "content": m.text if isinstance(m, Message) else m.content,
-        }
-        for m in messages
-    ]
+def _dicts(messages: list[Message] | list[Segment]) -> list[dict[str, Any]]:
+    return [_dict(m) for m in messages]
+
+
+def _dict(m: Message | Segment) -> dict[str, Any]:
+    role = "system" if m.role == "developer" else m.role  # OpenAI's alias
+    if isinstance(m, Segment):
+        return {"role": role, "content": m.content}
+    out: dict[str, Any] = {"role": role, "content": m.text}
+    if m.tool_calls:  # arguments as objects, keys sorted: what templates expect (as vLLM)
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {
+                    "name": call.function.name,
+                    "arguments": json.loads(canonical_json(json.loads(call.function.arguments))),
+                },
+            }
+            for call in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
 
 
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers 5's marker, for identical text

@@ -42,10 +42,22 @@ class CacheReport(msgspec.Struct):
     cached_tokens_by_tier: dict[str, int] | msgspec.UnsetType = msgspec.UNSET
 
 
+class FunctionCallReply(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallReply(msgspec.Struct):
+    id: str
+    function: FunctionCallReply
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
-    content: str
+    content: str | None  # null when the reply is only tool calls (as OpenAI)
     refusal: None = None
+    tool_calls: list[ToolCallReply] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -66,9 +78,24 @@ class ChatCompletion(msgspec.Struct):
     object: str = "chat.completion"
 
 
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A piece of one tool call in a stream; ``index`` says which (OpenAI's chunk shape)."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

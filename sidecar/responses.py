@@ -28,6 +28,7 @@ from . import reply_types as rt
 from .admission import EngineStream
 from .errors import APIError, server_error
 from .streaming import DONE, SSEResponse, run_until_disconnect, sse_event
+from .tool_calls import ToolCall, ToolCallParser, ToolCallStream
 
 log = logging.getLogger("prefixcache.sidecar")
 
@@ -137,6 +138,7 @@ class Job:
     want_logprobs: bool
     include_usage: bool
     fingerprint: str  # system_fingerprint
+    tool_parser: ToolCallParser | None = None  # chat with tools: output → tool_calls
 
 
 @dataclass(slots=True)
@@ -167,8 +169,8 @@ async def reply(
     head = (job.id, job.created, job.model)
     logprobs = _logprobs(job, tokenizer, result.logprobs) if job.want_logprobs else None
     if job.kind == "chat":
-        message = rt.ChatMessage("assistant", result.text)
-        choice = rt.ChatChoice(0, message, result.finish_reason, logprobs)
+        message, finish = _chat_message(job, result)
+        choice = rt.ChatChoice(0, message, finish, logprobs)
         body: Any = rt.ChatCompletion(*head, [choice], usage, report, job.fingerprint)
     else:
         choice = rt.CompletionChoice(0, result.text, result.finish_reason, logprobs)
@@ -177,6 +179,31 @@ async def reply(
     if result.timing is not None:
         response.headers["server-timing"] = server_timing(result.timing)
     return response
+
+
+def _chat_message(job: Job, result: Collected) -> tuple[rt.ChatMessage, str]:
+    if job.tool_parser is None:
+        return rt.ChatMessage("assistant", result.text), result.finish_reason
+    parsed = job.tool_parser.parse(result.text)
+    if not parsed.tool_calls:
+        return rt.ChatMessage("assistant", result.text), result.finish_reason
+    calls = [_tool_call_reply(call) for call in parsed.tool_calls]
+    return rt.ChatMessage("assistant", parsed.content, tool_calls=calls), "tool_calls"
+
+
+def _tool_call_reply(call: ToolCall) -> rt.ToolCallReply:
+    return rt.ToolCallReply(call.id, rt.FunctionCallReply(call.name, call.arguments))
+
+
+def _tool_call_deltas(calls: list[ToolCall]) -> list[rt.ChatChunkChoice]:
+    """Each call as two deltas, as OpenAI streams them: its id and name, then its arguments."""
+    choices = []
+    for index, call in enumerate(calls):
+        head = rt.ToolCallDelta(index, call.id, "function", rt.FunctionDelta(call.name, ""))
+        body = rt.ToolCallDelta(index, function=rt.FunctionDelta(arguments=call.arguments))
+        choices.append(rt.ChatChunkChoice(0, rt.ChatDelta(tool_calls=[head])))
+        choices.append(rt.ChatChunkChoice(0, rt.ChatDelta(tool_calls=[body])))
+    return choices
 
 
 async def collect(job: Job) -> Collected:
@@ -211,6 +238,7 @@ async def stream_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[byte
         yield frame([rt.ChatChunkChoice(0, rt.ChatDelta(role="assistant", content=""))])
     num_tokens = 0
     offset = 0
+    calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
     try:
         async for out in job.stream:
             raise_engine_error(out.error, out.finish_reason)
@@ -219,11 +247,20 @@ async def stream_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[byte
             if job.want_logprobs and out.logprobs:
                 logprobs = _logprobs(job, tokenizer, out.logprobs, offset)
             offset += len(out.text_delta)
-            if out.text_delta or logprobs is not None:
-                yield frame([_delta_choice(job, out.text_delta, None, logprobs)])
+            text = out.text_delta if calls is None else calls.push(out.text_delta)
+            if text or logprobs is not None:
+                yield frame([_delta_choice(job, text, None, logprobs)])
             if out.finished:
                 usage = out.usage or _fallback_usage(job, num_tokens)
-                final = _delta_choice(job, None, out.finish_reason or "stop", None)
+                reason = out.finish_reason or "stop"
+                if calls is not None:
+                    rest = calls.finish()
+                    if rest.content:
+                        yield frame([_delta_choice(job, rest.content, None, None)])
+                    for choice in _tool_call_deltas(rest.tool_calls):
+                        yield frame([choice])
+                    reason = "tool_calls" if rest.tool_calls else reason
+                final = _delta_choice(job, None, reason, None)
                 yield frame([final], prefixcache=cache_report(usage, job.spans))
                 if job.include_usage:
                     yield frame([], usage=usage_info(usage))

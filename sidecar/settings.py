@@ -22,3 +22,4 @@ class SidecarSettings:
     use_generation_config: bool = True  # unset sampling fields take the model's values
     cache_dir: Path | None = None  # where /v1/cache/save and /load keep pinned-prefix files
     load_on_start: tuple[str, ...] = ()  # files in cache_dir loaded once the engine is up
+    tool_call_parser: str | None = None  # hermes / llama3_json / mistral; None: from the template

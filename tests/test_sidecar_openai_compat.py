@@ -95,14 +95,9 @@ async def test_templates_using_generation_and_loop_controls_render() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        ("tool_choice", "required"),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
-        ("response_format", {"type": "json_object"}),
         ("logit_bias", {"5": 100}),
-        ("parallel_tool_calls", False),
         ("modalities", ["text", "audio"]),
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("reasoning_effort", "low"),

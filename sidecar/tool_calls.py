@@ -1,0 +1,299 @@
+"""Model output → OpenAI ``tool_calls``: one parser per tool-call format, whole or streamed.
+
+Formats (named as vLLM's ``--tool-call-parser``):
+
+- ``hermes`` (Hermes, Qwen2.5/3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+  one block per call, text before the first block is content.
+- ``llama3_json`` (Llama 3.1/3.2/3.3): the whole output is ``{"name": ..., "parameters":
+  {...}}`` (optionally after ``<|python_tag|>``), several calls separated by ``;``.
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}``, or (newer
+  tokenizers) ``name[ARGS]{...}`` per call; text before the marker is content.
+
+Output that does not parse as the format's calls is plain content, never an error. A
+``ToolCallStream`` releases content as it comes, holds back what could start a tool-call
+section, and parses the section once generation ends, so a stream and a whole reply agree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+
+
+@dataclass(slots=True)
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call(name: Any, arguments: Any) -> ToolCall:
+    """One call from decoded JSON; ValueError unless a name and an object of arguments."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("a tool call needs a name")
+    if arguments is None:
+        arguments = {}
+    if isinstance(arguments, str):  # some models put the arguments' JSON text in a string
+        arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        raise ValueError("tool call arguments must be a JSON object")
+    return ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _content(text: str) -> str | None:
+    return text if text.strip() else None
+
+
+class ToolCallParser:
+    """A format: where a tool-call section starts, and how a whole output parses."""
+
+    name = ""
+    needs_special_tokens = False  # its markers are special tokens the detokenizer would drop
+
+    def section_start(self, text: str) -> int | None:
+        """Where the tool-call section begins in ``text`` (so far), or None."""
+        raise NotImplementedError
+
+    def held_back(self, text: str) -> int:
+        """How many trailing characters could still begin a section (not content yet)."""
+        raise NotImplementedError
+
+    def parse_calls(self, section: str) -> list[ToolCall]:
+        """The calls in a section; ValueError if it is not well formed."""
+        raise NotImplementedError
+
+    def parse(self, text: str) -> ParsedOutput:
+        at = self.section_start(text)
+        if at is None:
+            return ParsedOutput(_content(text))
+        try:
+            calls = self.parse_calls(text[at:])
+        except ValueError:  # json.JSONDecodeError is one
+            return ParsedOutput(_content(text))
+        if not calls:
+            return ParsedOutput(_content(text))
+        return ParsedOutput(_content(text[:at]), calls)
+
+
+class MarkerParser(ToolCallParser):
+    """Formats whose section starts at a marker anywhere in the output."""
+
+    marker = ""
+
+    def section_start(self, text: str) -> int | None:
+        at = text.find(self.marker)
+        return None if at < 0 else at
+
+    def held_back(self, text: str) -> int:
+        for n in range(min(len(self.marker) - 1, len(text)), 0, -1):
+            if self.marker.startswith(text[-n:]):
+                return n
+        return 0
+
+
+_DECODER = json.JSONDecoder()
+
+
+class HermesParser(MarkerParser):
+    name = "hermes"
+    marker = "<tool_call>"
+    _END = "</tool_call>"
+
+    def parse_calls(self, section: str) -> list[ToolCall]:
+        calls = []
+        rest = section
+        while rest.strip():
+            rest = rest.lstrip()
+            if not rest.startswith(self.marker):
+                raise ValueError("text between tool calls")
+            body = rest[len(self.marker) :]
+            end = body.find(self._END)
+            inner, rest = (body, "") if end < 0 else (body[:end], body[end + len(self._END) :])
+            obj = json.loads(inner)
+            if not isinstance(obj, dict):
+                raise ValueError("a tool call must be a JSON object")
+            calls.append(_call(obj.get("name"), obj.get("arguments")))
+        return calls
+
+
+class MistralParser(MarkerParser):
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+    needs_special_tokens = True
+    _ARGS = "[ARGS]"
+
+    def parse_calls(self, section: str) -> list[ToolCall]:
+        calls = []
+        for part in section.split(self.marker)[1:]:
+            part = part.strip()
+            if part.startswith("["):  # [{"name": ..., "arguments": {...}}, ...]
+                items = json.loads(part)
+                if not isinstance(items, list):
+                    raise ValueError("[TOOL_CALLS] must be followed by a list")
+                for item in items:
+                    if not isinstance(item, dict):
+                        raise ValueError("a tool call must be a JSON object")
+                    calls.append(_call(item.get("name"), item.get("arguments")))
+            elif self._ARGS in part:  # name[ARGS]{...}
+                name, _, arguments = part.partition(self._ARGS)
+                calls.append(_call(name.strip(), json.loads(arguments)))
+            else:
+                raise ValueError("not a tool call")
+        return calls
+
+
+class Llama3JsonParser(ToolCallParser):
+    name = "llama3_json"
+    needs_special_tokens = True  # <|python_tag|>
+    _TAG = "<|python_tag|>"
+
+    def section_start(self, text: str) -> int | None:
+        stripped = text.lstrip()
+        if stripped.startswith(("{", self._TAG)):
+            return len(text) - len(stripped)
+        return None
+
+    def held_back(self, text: str) -> int:
+        stripped = text.lstrip()
+        return len(text) if self._TAG.startswith(stripped) else 0  # "" or a part of the tag
+
+    def parse_calls(self, section: str) -> list[ToolCall]:
+        rest = section.strip().removeprefix(self._TAG).strip()
+        calls = []
+        while rest:
+            obj, end = _DECODER.raw_decode(rest)
+            if not isinstance(obj, dict):
+                raise ValueError("a tool call must be a JSON object")
+            arguments = obj.get("parameters", obj.get("arguments"))
+            calls.append(_call(obj.get("name"), arguments))
+            rest = rest[end:].strip()
+            if rest.startswith(";"):
+                rest = rest[1:].strip()
+            elif rest:
+                raise ValueError("text after a tool call")
+        return calls
+
+
+class ForcedParser(ToolCallParser):
+    """``tool_choice`` required or named: the output is JSON the grammar forced, not the
+    model's own format. Named: the arguments object; required: a list of
+    ``{"name", "parameters"}`` (as vLLM forces them)."""
+
+    name = "forced"
+
+    def __init__(self, function: str | None) -> None:
+        self.function = function  # the named function, or None for "required"
+
+    def section_start(self, text: str) -> int | None:
+        return 0
+
+    def held_back(self, text: str) -> int:
+        return 0
+
+    def parse_calls(self, section: str) -> list[ToolCall]:
+        value = json.loads(section)
+        if self.function is not None:
+            return [_call(self.function, value)]
+        if not isinstance(value, list):
+            raise ValueError("expected a list of tool calls")
+        return [_call(item.get("name"), item.get("parameters")) for item in value]
+
+
+PARSERS: dict[str, type[ToolCallParser]] = {
+    cls.name: cls for cls in (HermesParser, Llama3JsonParser, MistralParser)
+}
+
+
+def parser_named(name: str) -> ToolCallParser:
+    try:
+        return PARSERS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown tool-call parser {name!r}; choose one of {', '.join(sorted(PARSERS))}"
+        ) from None
+
+
+def parser_for_rendering(rendered: str) -> ToolCallParser:
+    """The format a template writes an assistant tool call in (its own history shows it)."""
+    if HermesParser.marker in rendered:
+        return HermesParser()
+    if MistralParser.marker in rendered:
+        return MistralParser()
+    if '"parameters"' in rendered or Llama3JsonParser._TAG in rendered:
+        return Llama3JsonParser()
+    return HermesParser()  # the most common format in open models
+
+
+class ToolCallStream:
+    """Streamed text in, content deltas out; the tool calls once the stream ends."""
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.emitted = 0  # characters of ``text`` released as content
+        self.in_section = False
+
+    def push(self, delta: str) -> str:
+        """The content that can be released now."""
+        self.text += delta
+        if self.in_section:
+            return ""
+        at = self.parser.section_start(self.text)
+        if at is not None:
+            self.in_section = True
+            upto = max(at, self.emitted)
+        else:
+            upto = len(self.text) - self.parser.held_back(self.text)
+        out = self.text[self.emitted : upto] if upto > self.emitted else ""
+        self.emitted = max(self.emitted, upto)
+        return out
+
+    def finish(self) -> ParsedOutput:
+        """The rest: content not yet released, and the tool calls (as ``parse`` would)."""
+        parsed = self.parser.parse(self.text)
+        if not parsed.tool_calls:
+            return ParsedOutput(self.text[self.emitted :] or None)
+        return ParsedOutput(None, parsed.tool_calls)
+
+
+# Used to probe a template: a conversation with one assistant tool call and its result.
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe_tool",
+        "description": "probe",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+    },
+}
+PROBE_CALL_MESSAGES: list[dict[str, Any]] = [
+    {"role": "user", "content": "probe question"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_probe0001",
+                "type": "function",
+                "function": {"name": "probe_tool", "arguments": {"q": "probe"}},
+            }
+        ],
+    },
+]
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def valid_function_name(name: str) -> bool:
+    return bool(_NAME.match(name))

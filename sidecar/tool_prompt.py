@@ -1,0 +1,122 @@
+"""The request side of tools and structured output: the canonical tools the template sees,
+whether the template renders tools at all, which tool-call format it writes, and the grammar
+a request's output must follow.
+
+Tools are canonicalised before rendering (keys sorted at every level, floats in one form), so
+the same tools always render to the same text and tokens and hit the cache, whatever order a
+client wrote their keys in. Templates print them with their own ``tojson``, as transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from prefixcache.engine.api import TokenizerAPI
+from prefixcache.engine.request import GrammarSpec
+from prefixcache.sdk.canonical import canonical_json
+
+from . import protocol as p
+from .tool_calls import (
+    PROBE_CALL_MESSAGES,
+    PROBE_TOOL,
+    ForcedParser,
+    ToolCallParser,
+    parser_for_rendering,
+    parser_named,
+)
+
+_PROBE_MESSAGES = [{"role": "user", "content": "probe question"}]
+
+
+def canonical_tools(tools: list[p.ToolDef]) -> list[dict[str, Any]]:
+    return [json.loads(canonical_json(msgspec.to_builtins(tool))) for tool in tools]
+
+
+def grammar_for(req: p.ChatCompletionRequest) -> GrammarSpec | None:
+    """What the output must be: a response_format, or a forced tool call's JSON."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        return GrammarSpec("json")
+    if fmt is not None and fmt.type == "json_schema":
+        assert fmt.json_schema is not None and fmt.json_schema.schema is not None
+        return GrammarSpec("json_schema", canonical_json(fmt.json_schema.schema))
+    mode = req.tool_mode
+    if mode == "named":
+        assert isinstance(req.tool_choice, p.NamedToolChoice)
+        (tool,) = [t for t in req.tools or () if t.function.name == req.tool_choice.function.name]
+        return GrammarSpec("json_schema", canonical_json(_parameters(tool)))
+    if mode == "required":  # a list of one or more calls of the given tools (vLLM's form)
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+                "required": ["name", "parameters"],
+            }
+            for t in req.tools or ()
+        ]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if req.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return GrammarSpec("json_schema", canonical_json(schema))
+    return None
+
+
+def _parameters(tool: p.ToolDef) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+class ToolTemplate:
+    """What the model's chat template does with tools, probed once by rendering."""
+
+    def __init__(self, tokenizer: TokenizerAPI, parser_name: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.parser_name = parser_name  # --tool-call-parser; None: from the template
+        self._supports: bool | None = None
+        self._parser: ToolCallParser | None = None
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template renders ``tools`` (a template that ignores them cannot)."""
+        if self._supports is None:
+            try:
+                without = self.tokenizer.apply_chat_template(_PROBE_MESSAGES, True)
+                with_tools = self.tokenizer.apply_chat_template(
+                    _PROBE_MESSAGES, True, tools=[PROBE_TOOL]
+                )
+                self._supports = with_tools != without
+            except Exception:  # a template that fails on tools does not support them
+                self._supports = False
+        return self._supports
+
+    def parser(self, req: p.ChatCompletionRequest) -> ToolCallParser | None:
+        """How this request's output becomes tool calls, or None (no tools, or "none")."""
+        mode = req.tool_mode
+        if mode == "none" or not req.tools:
+            return None
+        if mode == "named":
+            assert isinstance(req.tool_choice, p.NamedToolChoice)
+            return ForcedParser(req.tool_choice.function.name)
+        if mode == "required":
+            return ForcedParser(None)
+        return self.model_parser
+
+    @property
+    def model_parser(self) -> ToolCallParser:
+        if self._parser is None:
+            if self.parser_name is not None:
+                self._parser = parser_named(self.parser_name)
+            else:
+                self._parser = parser_for_rendering(self._probe_call())
+        return self._parser
+
+    def _probe_call(self) -> str:
+        """The template's rendering of an assistant tool call ("" if it cannot)."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                PROBE_CALL_MESSAGES, False, tools=[PROBE_TOOL]
+            )
+        except Exception:
+            return ""

@@ -1,0 +1,147 @@
+"""Tools and structured output end to end on the demo model (a Llama-3.1-style tools template
+installed on its tokenizer), with the official ``openai`` client: forced tool calls are valid
+against their schemas, json_schema replies validate, and step 2 of an agent loop finds the
+tools block and the first step's transcript in the prefix cache."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from conftest import ServerLoop, demo_engine, serve
+from tool_templates import LLAMA31_STYLE
+
+from prefixcache.engine.tokenizer import _compile_template
+from prefixcache.sidecar.app import SidecarSettings, create_app
+
+pytest.importorskip("xgrammar")
+
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a document up by key.",
+        "parameters": {
+            "type": "object",
+            "properties": {"key": {"enum": ["eviction", "pinning", "blocks"]}},
+            "required": ["key"],
+        },
+    },
+}
+COUNT = {
+    "type": "function",
+    "function": {
+        "name": "count",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                "ok": {"type": "boolean"},
+            },
+            "required": ["n", "ok"],
+        },
+    },
+}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (LOOKUP, COUNT)}
+START = [
+    {"role": "system", "content": "You are an agent. Use the tools, then answer briefly. " * 4},
+    {"role": "user", "content": "What is evicted first, and how many blocks are pinned?"},
+]
+
+
+@pytest.fixture(scope="module")
+def client(server_loop: ServerLoop, demo_loaded: Any) -> Iterator[openai.OpenAI]:
+    tokenizer = copy.copy(demo_loaded.tokenizer)
+    tokenizer.chat_template = LLAMA31_STYLE
+    tokenizer._template = _compile_template(LLAMA31_STYLE)
+    loaded = dataclasses.replace(demo_loaded, tokenizer=tokenizer)
+    server = serve(server_loop, create_app(demo_engine(loaded), SidecarSettings()))
+    yield openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    server.stop()
+
+
+def test_forced_tool_calls_are_valid_and_step_two_is_cached(client: openai.OpenAI) -> None:
+    messages: list[dict] = list(START)
+    first = client.chat.completions.create(
+        model="demo",
+        messages=messages,
+        tools=[LOOKUP, COUNT],
+        tool_choice="required",
+        parallel_tool_calls=False,  # one call: a random model would go on listing calls
+        max_tokens=64,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert len(choice.message.tool_calls) == 1
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    messages.append(choice.message.model_dump(exclude_none=True))
+    for call in choice.message.tool_calls:
+        messages.append(
+            {"role": "tool", "tool_call_id": call.id, "content": "Least recently used leaves."}
+        )
+    second = client.chat.completions.create(
+        model="demo",
+        messages=messages,
+        tools=[LOOKUP, COUNT],
+        tool_choice={"type": "function", "function": {"name": "count"}},
+        max_tokens=48,
+    )
+    # Step 2 starts with step 1's whole prompt (tools block and transcript): all of it cached
+    # but the last token, which is always computed.
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    named = second.choices[0]
+    assert named.finish_reason == "tool_calls"
+    (call,) = named.message.tool_calls
+    assert call.function.name == "count"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["count"])
+
+
+def test_json_schema_replies_validate(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"enum": ["yes", "no"]},
+            "score": {"type": "integer", "minimum": 1, "maximum": 5},
+        },
+        "required": ["answer", "score"],
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}}
+    for stream in (False, True):
+        if stream:
+            chunks = client.chat.completions.create(
+                model="demo", messages=START, response_format=fmt, max_tokens=48, stream=True
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            reply = client.chat.completions.create(
+                model="demo", messages=START, response_format=fmt, max_tokens=48
+            )
+            assert reply.choices[0].finish_reason == "stop"
+            text = reply.choices[0].message.content
+        jsonschema.validate(json.loads(text), schema)
+    reply = client.chat.completions.create(
+        model="demo",
+        messages=START,
+        response_format={"type": "json_object"},
+        max_tokens=200,
+        temperature=0,
+    )
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_a_schema_the_grammar_engine_cannot_use_is_a_400(client: openai.OpenAI) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"$ref": "#/missing"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="demo", messages=START, response_format=fmt, max_tokens=8
+        )
+    assert "schema" in str(refused.value)

@@ -1,0 +1,243 @@
+"""Tools in the prompt: ids equal transformers' ``apply_chat_template(messages, tools=...)``
+for a Qwen2.5-style and a Llama-3.1-style template on the demo tokenizer; canonical tools
+render the same whatever the key order; a template without tools support is a 400."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from sidecar_fake_engine import FakeEngine
+from tokenizers import Tokenizer as HFTokenizer
+from tool_templates import LLAMA31_STYLE, QWEN25_STYLE
+
+from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.sidecar.app import SidecarSettings, create_app
+from prefixcache.sidecar.tool_prompt import ToolTemplate
+
+transformers = pytest.importorskip("transformers")
+
+ASSETS = Path(__file__).resolve().parents[1] / "engine" / "demo_assets"
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "unit": {"enum": ["c", "f"], "type": "string"},
+                "city": {"type": "string", "description": "City name"},
+            },
+            "required": ["city"],
+        },
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+    },
+}
+ARGS = '{"unit": "c", "city": "Paris"}'
+CONVERSATION = [
+    {"role": "system", "content": "You are a careful assistant."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": ARGS},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    {"role": "user", "content": "And tomorrow?"},
+]
+
+
+def sort_keys(value: object) -> object:
+    return json.loads(json.dumps(value, sort_keys=True))
+
+
+def reorder(value: object) -> object:
+    """The same data with every object's keys in reverse order."""
+    if isinstance(value, dict):
+        return {k: reorder(value[k]) for k in reversed(list(value))}
+    if isinstance(value, list):
+        return [reorder(v) for v in value]
+    return value
+
+
+def hf_messages(messages: list[dict]) -> list[dict]:
+    """What the sidecar hands the template (as vLLM): arguments as objects, content as text."""
+    out = []
+    for m in messages:
+        m = {**m, "content": m.get("content") or ""}
+        if "tool_calls" in m:
+            m["tool_calls"] = [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": sort_keys(json.loads(c["function"]["arguments"])),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
+        out.append(m)
+    return out
+
+
+def folder_with(root: Path, name: str, template: str, specials: dict[str, str]) -> Path:
+    folder = root / name
+    folder.mkdir()
+    tok = HFTokenizer.from_file(str(ASSETS / "tokenizer.json"))
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    config = {**specials, "chat_template": template, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tool_templates")
+    return {
+        "qwen25": folder_with(root, "qwen25", QWEN25_STYLE, {"eos_token": "<|im_end|>"}),
+        "llama31": folder_with(
+            root,
+            "llama31",
+            LLAMA31_STYLE,
+            {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+        ),
+    }
+
+
+async def post(folder: Path | None, body: dict) -> tuple[httpx.Response, FakeEngine]:
+    engine = FakeEngine(max_model_len=8192)
+    if folder is not None:
+        engine.tokenizer = Tokenizer.from_folder(folder)  # type: ignore[assignment]
+    await engine.start()
+    app = create_app(engine, SidecarSettings(manage_engine=False))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        response = await client.post("/v1/chat/completions", json={"max_tokens": 1, **body})
+    return response, engine
+
+
+@pytest.mark.parametrize("kind", ["qwen25", "llama31"])
+@pytest.mark.parametrize("turns", [2, 5])
+async def test_tool_conversation_ids_equal_transformers(
+    folders: dict[str, Path], kind: str, turns: int
+) -> None:
+    messages = CONVERSATION[:turns]
+    tools = [WEATHER, SEARCH]
+    hf = transformers.AutoTokenizer.from_pretrained(folders[kind])
+    expected = hf.apply_chat_template(
+        hf_messages(messages), tools=sort_keys(tools), add_generation_prompt=True, tokenize=True
+    )
+    expected = list(expected["input_ids"]) if not isinstance(expected, list) else expected
+    response, engine = await post(folders[kind], {"messages": messages, "tools": tools})
+    assert response.status_code == 200, response.text
+    got = list(engine.received[-1].prompt_token_ids)
+    assert got == expected
+    # The tools block is there (the template rendered them) ...
+    text = engine.tokenizer.decode(got, skip_special_tokens=False)
+    assert '"get_weather"' in text and '"search"' in text
+    # ... and its bytes do not depend on the client's key order.
+    again, engine2 = await post(
+        folders[kind], {"messages": reorder(messages), "tools": reorder(tools)}
+    )
+    assert again.status_code == 200, again.text
+    assert list(engine2.received[-1].prompt_token_ids) == got
+
+
+@pytest.mark.parametrize(("kind", "parser"), [("qwen25", "hermes"), ("llama31", "llama3_json")])
+def test_the_parser_comes_from_the_template(
+    folders: dict[str, Path], kind: str, parser: str
+) -> None:
+    template = ToolTemplate(Tokenizer.from_folder(folders[kind]))  # type: ignore[arg-type]
+    assert template.supports_tools
+    assert template.model_parser.name == parser
+    assert (
+        ToolTemplate(Tokenizer.from_folder(folders[kind]), "mistral").model_parser.name == "mistral"
+    )  # type: ignore[arg-type]
+
+
+async def test_a_template_without_tools_support_is_a_400() -> None:
+    response, engine = await post(
+        None, {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert "does not support tools" in error["message"] and error["param"] == "tools"
+    assert engine.received == []
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
+    ],
+)
+async def test_inconsistent_tool_fields_are_400(
+    folders: dict[str, Path], body: dict, param: str
+) -> None:
+    response, engine = await post(
+        folders["qwen25"], {"messages": [{"role": "user", "content": "hi"}], **body}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert engine.received == []
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "tool", "content": "x"},  # no tool_call_id
+        {
+            "role": "user",
+            "content": "x",
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "f", "arguments": "[1"}}
+            ],
+        },
+    ],
+)
+async def test_malformed_tool_history_is_400(folders: dict[str, Path], message: dict) -> None:
+    messages = [{"role": "user", "content": "hi"}, message]
+    response, engine = await post(folders["qwen25"], {"messages": messages, "tools": [WEATHER]})
+    assert response.status_code == 400, response.text
+    assert engine.received == []
