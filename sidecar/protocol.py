@@ -24,7 +24,7 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 CacheSalt = Annotated[
-    str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+$")
+    str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+\Z")
 ]
 Tag = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 # A file name inside --cache-dir: no separators, no leading dot, so never a path elsewhere.
