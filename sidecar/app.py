@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
@@ -54,6 +54,9 @@ class Sidecar:
         self.metrics_registry = CollectorRegistry()  # the HTTP series
         self.created = int(time.time())
         self.start_error: str | None = None
+        # Called once the engine failed to start: `prefixcache serve` stops the server and
+        # exits non-zero (a supervisor restarts or alerts) rather than answer 503 forever.
+        self.on_start_failure: Callable[[], None] | None = None
         self.loading_cache = False  # /health says 503 until the start-up cache files are in
 
     def routes(self) -> list[Route]:
@@ -90,6 +93,8 @@ class Sidecar:
         except Exception as exc:
             self.start_error = f"{type(exc).__name__}: {exc}"
             log.exception("engine failed to start")
+            if self.on_start_failure is not None:
+                self.on_start_failure()
         finally:
             self.loading_cache = False
 

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from .http_protocol import HalfCloseHTTPProtocol
+
 MIB = 1024**2
 
 
@@ -255,13 +257,24 @@ def serve(args: argparse.Namespace) -> None:
         use_generation_config=args.generation_config == "auto",
     )
     app = create_app(AsyncEngine(config), settings)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=5,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            http=HalfCloseHTTPProtocol,
+        )
     )
+    sidecar = app.state.sidecar
+    sidecar.on_start_failure = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if sidecar.start_error is not None:  # as vLLM: a model that cannot load ends the process
+        print(
+            f"prefixcache serve: the engine failed to start: {sidecar.start_error}", file=sys.stderr
+        )
+        raise SystemExit(1)
 
 
 def serve_upstream(args: argparse.Namespace) -> None:
@@ -286,7 +299,12 @@ def serve_upstream(args: argparse.Namespace) -> None:
     except (ValueError, OSError) as exc:
         raise SystemExit(f"prefixcache serve: {exc}") from None
     uvicorn.run(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        http=HalfCloseHTTPProtocol,
     )
 
 
