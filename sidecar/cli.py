@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -269,7 +270,8 @@ def serve(args: argparse.Namespace) -> None:
     )
     sidecar = app.state.sidecar
     sidecar.on_start_failure = lambda: setattr(server, "should_exit", True)
-    server.run()
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises SIGINT once it stopped
+        server.run()
     if sidecar.start_error is not None:  # as vLLM: a model that cannot load ends the process
         print(
             f"prefixcache serve: the engine failed to start: {sidecar.start_error}", file=sys.stderr
