@@ -62,6 +62,12 @@ class EngineAPI(Protocol):
     @property
     def is_ready(self) -> bool: ...
 
+    @property
+    def error(self) -> str | None:
+        """Why an engine that started cannot serve now (its last step failed as a whole, its
+        thread died); None while it works. /health answers 503 with it."""
+        ...
+
     # -- the model card and what the sidecar needs to check and render requests -----------
 
     @property

@@ -99,6 +99,10 @@ class Sidecar:
             self.loading_cache = False
 
     async def health(self, request: Request) -> Response:
+        """200 "ok"; 503 while starting (with Retry-After) and for an engine that broke."""
+        error = self.engine.error if self.start_error is None else None
+        if error is not None:
+            return health_reply("failed", error)
         if self.engine.is_ready and not self.loading_cache:
             return health_reply("ok")
         if self.start_error is not None:

@@ -76,6 +76,7 @@ class FakeEngine:
         self.steps = Counter("fake_engine_steps", "steps", registry=self.registry)
         self.delay = delay  # seconds per generated token
         self.is_ready = False
+        self.error: str | None = None
         self.num_waiting = 0
         self.num_running = 0
         self.cached: set[bytes] = set()

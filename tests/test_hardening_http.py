@@ -78,3 +78,48 @@ def test_half_closed_client_on_the_real_engine(sidecar_server: Server) -> None:
     assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
     payload = json.loads(raw.split(b"\r\n\r\n", 1)[1])
     assert payload["usage"]["completion_tokens"] >= 1
+
+
+def test_health_reports_an_engine_that_broke_after_serving(fake_server: Server) -> None:
+    engine = fake_server.app.state.sidecar.engine
+    assert httpx.get(f"{fake_server.root}/health", timeout=5).status_code == 200
+    engine.error = "the model step failed: RuntimeError: CUDA error"
+    try:
+        response = httpx.get(f"{fake_server.root}/health", timeout=5)
+        assert response.status_code == 503
+        assert response.json() == {"status": "failed", "error": engine.error}
+    finally:
+        engine.error = None
+    assert httpx.get(f"{fake_server.root}/health", timeout=5).status_code == 200
+
+
+@pytest.mark.timeout(180)
+def test_extreme_sampling_values_harm_no_bystander(sidecar_server: Server) -> None:
+    """8 greedy bystanders and 6 requests with overflowing values, all at once: every one
+    answers 200 and the bystanders' text is what it is alone."""
+    import asyncio
+
+    def body(i: int, **fields: object) -> dict:
+        msg = {"role": "user", "content": f"bystander {i} tells a story"}
+        return {"messages": [msg], "max_tokens": 6, "temperature": 0, **fields}
+
+    extreme = [
+        {"temperature": 1e-300},
+        {"temperature": 1e-40},
+        {"temperature": 1, "top_p": 1e-46},
+        {"temperature": 1, "top_p": 5e-324},
+        {"temperature": 1, "repetition_penalty": 1e-300},
+        {"repetition_penalty": 1e-300},
+    ]
+
+    async def run(bodies: list[dict]) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=sidecar_server.url, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/chat/completions", json=b) for b in bodies))
+
+    alone = [
+        r.json()["choices"][0]["message"]["content"]
+        for r in asyncio.run(run([body(i) for i in range(8)]))
+    ]
+    mixed = asyncio.run(run([*(body(i) for i in range(8)), *(body(9, **f) for f in extreme)]))
+    assert [r.status_code for r in mixed] == [200] * len(mixed), [r.text for r in mixed]
+    assert [r.json()["choices"][0]["message"]["content"] for r in mixed[:8]] == alone
