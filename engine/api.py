@@ -124,8 +124,11 @@ class EngineAPI(Protocol):
 
     def cache_stats(self) -> CacheStats: ...
 
-    async def save_pinned(self, path: str | Path) -> SaveResult: ...
+    async def save_pinned(self, path: str | Path, key: bytes) -> SaveResult:
+        """Write the pinned prefixes, signed with ``key`` (HMAC, from the server secret)."""
+        ...
 
-    async def load_pinned(self, path: str | Path) -> LoadResult:
-        """Raises ValueError (PrefixStoreError) for a missing, damaged or foreign file."""
+    async def load_pinned(self, path: str | Path, key: bytes) -> LoadResult:
+        """Raises ValueError (PrefixStoreError) for a missing, damaged or foreign file, or one
+        not signed with ``key``."""
         ...

@@ -186,15 +186,15 @@ class AsyncEngine:
     async def evict_all(self, include_pinned: bool = False) -> int:
         return await self._call(lambda: self.engine.evict_all(include_pinned))
 
-    async def save_pinned(self, path: str | Path) -> SaveResult:
+    async def save_pinned(self, path: str | Path, key: bytes) -> SaveResult:
         """Write every pinned prefix and its KV to ``path`` (the file work off the engine thread)."""
         snap = await self._call(self.engine.snapshot_pinned)
-        return await asyncio.to_thread(prefix_store.write, snap, path)
+        return await asyncio.to_thread(prefix_store.write, snap, path, key)
 
-    async def load_pinned(self, path: str | Path) -> LoadResult:
+    async def load_pinned(self, path: str | Path, key: bytes) -> LoadResult:
         """Cache and pin the prefixes of a file ``save_pinned`` wrote with this model."""
         engine = self.engine
-        snap = await asyncio.to_thread(engine.read_pinned, path)
+        snap = await asyncio.to_thread(engine.read_pinned, path, key)
         return await self._call(lambda: engine.restore_pinned(snap))
 
     def cache_stats(self) -> CacheStats:

@@ -285,9 +285,10 @@ class LLMEngine:
         """The pinned prefixes and their KV, for ``prefix_store.write``."""
         return prefix_store.snapshot(self.block_manager, self.kv_cache)
 
-    def read_pinned(self, path: str | Path) -> Snapshot:
-        """A file's pinned prefixes, refused unless this engine made it (any thread)."""
-        return prefix_store.read(path, self.block_manager.identity, self.kv_cache)
+    def read_pinned(self, path: str | Path, key: bytes = b"") -> Snapshot:
+        """A file's pinned prefixes, refused unless signed with ``key`` by this engine's
+        identity (any thread). The empty key is public: scripts and tests only."""
+        return prefix_store.read(path, self.block_manager.identity, self.kv_cache, key)
 
     def restore_pinned(self, snap: Snapshot) -> LoadResult:
         """Cache and pin a snapshot ``read_pinned`` checked against this engine."""
@@ -295,11 +296,11 @@ class LLMEngine:
         self._last_stats = self.block_manager.stats()
         return result
 
-    def save_pinned(self, path: str | Path) -> SaveResult:
-        return prefix_store.write(self.snapshot_pinned(), path)
+    def save_pinned(self, path: str | Path, key: bytes = b"") -> SaveResult:
+        return prefix_store.write(self.snapshot_pinned(), path, key)
 
-    def load_pinned(self, path: str | Path) -> LoadResult:
-        return self.restore_pinned(self.read_pinned(path))
+    def load_pinned(self, path: str | Path, key: bytes = b"") -> LoadResult:
+        return self.restore_pinned(self.read_pinned(path, key))
 
     def evict_all(self, include_pinned: bool = False) -> int:
         evicted = self.block_manager.evict_all(include_pinned)

@@ -50,7 +50,7 @@ class Sidecar:
         self.gate = RequestGate(engine, settings)
         self.admission = Admission(engine, settings.max_waiting, settings.retry_after_s)
         self.generation = GenerationRoutes(engine, self.gate, self.admission, settings)
-        self.cache = CacheRoutes(engine, self.gate, settings.cache_dir)
+        self.cache = CacheRoutes(engine, self.gate, settings.cache_dir, settings.secret)
         self.metrics_registry = CollectorRegistry()  # the HTTP series
         self.created = int(time.time())
         self.start_error: str | None = None

@@ -19,15 +19,19 @@ from . import reply_types as rt
 from .errors import APIError, bad_request
 from .gate import RequestGate
 from .responses import json_response
+from .tenancy import cache_file_key
 
 log = logging.getLogger("prefixcache.sidecar")
 
 
 class CacheRoutes:
-    def __init__(self, engine: EngineAPI, gate: RequestGate, cache_dir: Path | None) -> None:
+    def __init__(
+        self, engine: EngineAPI, gate: RequestGate, cache_dir: Path | None, secret: bytes
+    ) -> None:
         self.engine = engine
         self.gate = gate
         self.cache_dir = cache_dir
+        self.file_key = cache_file_key(secret)  # files signed and checked with it (HMAC)
 
     def routes(self) -> list[Route]:
         return [
@@ -68,7 +72,7 @@ class CacheRoutes:
         """Write every pinned prefix and its KV to a file in --cache-dir."""
         self.gate.admin(request)
         req = await self.gate.read_optional(request, p.CacheFileRequest)
-        result = await self.engine.save_pinned(self.cache_file(req.name))
+        result = await self.engine.save_pinned(self.cache_file(req.name), self.file_key)
         return json_response(
             rt.CacheSaveResponse(req.name, result.prefixes, result.blocks, result.bytes)
         )
@@ -78,7 +82,7 @@ class CacheRoutes:
         self.gate.admin(request)
         req = await self.gate.read_optional(request, p.CacheFileRequest)
         try:
-            r = await self.engine.load_pinned(self.cache_file(req.name))
+            r = await self.engine.load_pinned(self.cache_file(req.name), self.file_key)
         except ValueError as exc:  # PrefixStoreError: missing, damaged, another model's
             raise bad_request(str(exc), "name", "cache_file_refused") from None
         return json_response(
@@ -97,7 +101,7 @@ class CacheRoutes:
         """Load each file at start-up; a bad one is logged and the server serves regardless."""
         for name in names:
             try:
-                result = await self.engine.load_pinned(self.cache_file(name))
+                result = await self.engine.load_pinned(self.cache_file(name), self.file_key)
             except Exception as exc:  # PrefixStoreError, or worse
                 message = exc.message if isinstance(exc, APIError) else str(exc)
                 log.error("pinned prefixes %r not loaded: %s", name, message)

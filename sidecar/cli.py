@@ -228,6 +228,8 @@ def serve(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        keys = KeyStore.from_file(args.api_keys_file) if args.api_keys_file else KeyStore()
+        secret = read_secret(args.secret_file, keys.enabled)
         config = EngineConfig(
             model=args.model,
             dtype=args.dtype,
@@ -242,14 +244,13 @@ def serve(args: argparse.Namespace) -> None:
             max_waiting=args.queue_limit,
             enable_prefix_caching=not args.no_prefix_caching,
         )
-        keys = KeyStore.from_file(args.api_keys_file) if args.api_keys_file else KeyStore()
         if args.load_cache and args.cache_dir is None:
             raise ValueError("--load-cache needs --cache-dir")
     except (ValueError, OSError) as exc:
         raise SystemExit(f"prefixcache serve: {exc}") from None
     settings = SidecarSettings(
         keys=keys,
-        secret=read_secret(args.secret_file, keys.enabled),
+        secret=secret,
         max_body_bytes=int(args.max_body_mib * MIB),
         max_waiting=args.queue_limit,
         model_aliases=(args.model, *args.served_model_name),

@@ -179,13 +179,13 @@ class FakeEngine:
             hit_rate=self.hits / self.queries if self.queries else 0.0,
         )
 
-    async def save_pinned(self, path: str | Path) -> SaveResult:
+    async def save_pinned(self, path: str | Path, key: bytes) -> SaveResult:
         """The pinned block digests as a JSON list (one "prefix" per block)."""
         data = json.dumps(sorted(d.hex() for d in self.pinned)).encode()
         Path(path).write_bytes(data)
         return SaveResult(str(path), len(self.pinned), len(self.pinned), len(data))
 
-    async def load_pinned(self, path: str | Path) -> LoadResult:
+    async def load_pinned(self, path: str | Path, key: bytes) -> LoadResult:
         try:
             digests = {bytes.fromhex(h) for h in json.loads(Path(path).read_bytes())}
         except (OSError, TypeError, ValueError) as exc:
