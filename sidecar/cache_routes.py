@@ -17,7 +17,7 @@ from prefixcache.engine.api import EngineAPI
 from . import protocol as p
 from . import reply_types as rt
 from .errors import APIError, bad_request
-from .gate import RequestGate
+from .gate import RequestGate, content_size
 from .responses import json_response
 from .tenancy import cache_file_key
 
@@ -132,20 +132,23 @@ class CacheRoutes:
         gate.check(p.check_prompt_source, req.messages, req.segments)
         gate.check(p.check_template_kwargs, req.chat_template_kwargs)
         gate.check_model(req.model)
-        prompt = gate.render(
-            lambda r: r.render_stable(req.messages, req.segments, req.template_kwargs)
+        namespace = gate.namespace(tenant.name, req.cache_salt)
+        prompt = await gate.render(
+            lambda r: r.render_stable(req.messages, req.segments, req.template_kwargs, namespace),
+            content_size(req.messages, req.segments),
         )
         if not prompt.token_ids:
             raise bad_request("nothing to cache: every segment is dynamic", "segments")
         context = self.engine.max_model_len
         if len(prompt.token_ids) >= context:
+            gate.forget(prompt)
             raise bad_request(
                 f"the prefix is {len(prompt.token_ids)} tokens; a cached prefix must be shorter "
                 f"than the model's context length of {context}",
                 "messages" if req.messages is not None else "segments",
                 code="context_length_exceeded",
             )
-        return prompt.token_ids, gate.namespace(tenant.name, req.cache_salt), req
+        return prompt.token_ids, namespace, req
 
 
 @contextlib.contextmanager

@@ -16,12 +16,11 @@ from prefixcache.engine.request import EngineRequest, SamplingParams
 from . import protocol as p
 from .admission import Admission
 from .errors import bad_request
-from .gate import RequestGate
+from .gate import RequestGate, content_size
 from .rendering import RenderedPrompt
 from .responses import Job, reply
 from .settings import SidecarSettings
 from .streaming import SSEResponse
-from .tenancy import Tenant
 
 
 class GenerationRoutes:
@@ -42,20 +41,21 @@ class GenerationRoutes:
     async def chat_completions(self, request: Request) -> Response | SSEResponse:
         gate = self.gate
         tenant, req = await gate.generation_request(request, p.ChatCompletionRequest, p.check_chat)
-        prompt = gate.render(
+        namespace = gate.namespace(tenant.name, req.cache_salt)
+        prompt = await gate.render(
             lambda r: r.render_chat(
                 req.messages,
                 req.segments,
                 bool(req.add_generation_prompt),
                 req.template_kwargs,
                 bool(req.continue_final_message),
-            )
+                namespace,
+            ),
+            content_size(req.messages, req.segments),
         )
         max_tokens = req.max_completion_tokens or req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
-        job = self._submit(
-            "chat", f"chatcmpl-{uuid.uuid4().hex}", req, tenant, prompt, max_tokens, top
-        )
+        job = self._submit("chat", f"chatcmpl-{uuid.uuid4().hex}", req, prompt, max_tokens, top)
         return await reply(job, req.stream, request, self.engine.tokenizer)
 
     async def completions(self, request: Request) -> Response | SSEResponse:
@@ -63,15 +63,10 @@ class GenerationRoutes:
         tenant, req = await gate.generation_request(
             request, p.CompletionRequest, p.check_completion
         )
-        prompt = RenderedPrompt(gate.completion_tokens(p.completion_prompt(req)), [])
+        namespace = gate.namespace(tenant.name, req.cache_salt)
+        prompt = await gate.completion_prompt(p.completion_prompt(req), namespace)
         job = self._submit(
-            "completion",
-            f"cmpl-{uuid.uuid4().hex}",
-            req,
-            tenant,
-            prompt,
-            req.max_tokens,
-            req.logprobs,
+            "completion", f"cmpl-{uuid.uuid4().hex}", req, prompt, req.max_tokens, req.logprobs
         )
         return await reply(job, req.stream, request, self.engine.tokenizer)
 
@@ -88,7 +83,22 @@ class GenerationRoutes:
         kind: str,
         request_id: str,
         req: p.SamplingFields,
-        tenant: Tenant,
+        prompt: RenderedPrompt,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> Job:
+        """The admitted job; a refused request leaves nothing of its prompt in the memos."""
+        try:
+            return self._admit(kind, request_id, req, prompt, max_tokens, logprobs)
+        except Exception:
+            self.gate.forget(prompt)
+            raise
+
+    def _admit(
+        self,
+        kind: str,
+        request_id: str,
+        req: p.SamplingFields,
         prompt: RenderedPrompt,
         max_tokens: int | None,
         logprobs: int | None,
@@ -132,7 +142,7 @@ class GenerationRoutes:
             request_id=request_id,
             prompt_token_ids=prompt.token_ids,
             sampling=sampling,
-            namespace=self.gate.namespace(tenant.name, req.cache_salt),
+            namespace=prompt.namespace,
             priority=req.priority,
             segments=prompt.spans or None,
         )

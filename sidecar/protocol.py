@@ -27,6 +27,8 @@ CacheSalt = Annotated[
     str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+\Z")
 ]
 Tag = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# Segments are rendered one prefix at a time (rendering.py): their count bounds that work.
+MAX_SEGMENTS = 256
 # A file name inside --cache-dir: no separators, no leading dot, so never a path elsewhere.
 CacheFileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")]
 StopList = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=16)]
@@ -149,7 +151,7 @@ SAMPLING_FALLBACKS: dict[str, float] = {
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[Message] | None = None
-    segments: list[Segment] | None = None
+    segments: Annotated[list[Segment], msgspec.Meta(max_length=MAX_SEGMENTS)] | None = None
     # vLLM's chat-template options: what the template sees and how the prompt ends.
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     add_generation_prompt: bool | None = True
@@ -204,7 +206,7 @@ class CacheRequest(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     messages: list[Message] | None = None
-    segments: list[Segment] | None = None
+    segments: Annotated[list[Segment], msgspec.Meta(max_length=MAX_SEGMENTS)] | None = None
     pin: bool | None = False
     cache_salt: CacheSalt | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # as the requests that will reuse it

@@ -28,9 +28,12 @@ class FakeTokenizer:
     eos_token_ids = (EOS,)
     vocab_size = 256 + OFFSET
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, namespace: str = "") -> list[int]:
         ids = [b + OFFSET for b in text.encode()]
         return [BOS, *ids] if add_special_tokens else ids
+
+    def forget(self, text: str, namespace: str = "") -> None:
+        pass  # no memo
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
