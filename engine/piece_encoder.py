@@ -93,6 +93,7 @@ class PieceEncoder:
         self._max_chars = max_chars
         self._max_bytes = max_bytes
         self._pieces: OrderedDict[tuple[str, str], array] = OrderedDict()  # (namespace, piece)
+        self._fresh: set[tuple[str, str]] = set()  # stored, not hit since: what forget drops
         self._lock = threading.Lock()
         self.stats = PieceCacheStats()
 
@@ -135,23 +136,28 @@ class PieceEncoder:
                         cached = array("l", self._tok.encode(part, add_special_tokens=False).ids)
                     else:
                         self._pieces.move_to_end(key)
+                        if part not in missing:
+                            self._fresh.discard(key)  # another request's: forget keeps it
                     ids.extend(cached)
             self.stats.hits += len(pieces) - len(missing)
             self.stats.misses += len(missing)
         return ids
 
     def forget(self, text: str, namespace: str = "") -> None:
-        """Drop the pieces of ``text`` remembered under ``namespace`` (a refused request's)."""
+        """Drop the pieces of ``text`` under ``namespace`` that no request has hit since they
+        were stored (a refused request's own; a shared system prompt stays)."""
         with self._lock:
             for piece in self._split.split(text)[0::2]:
-                ids = self._pieces.pop((namespace, piece), None)
-                if ids is not None:
-                    self._account(piece, ids, -1)
+                key = (namespace, piece)
+                if key in self._fresh:
+                    self._fresh.discard(key)
+                    self._account(piece, self._pieces.pop(key), -1)
             self.stats.entries = len(self._pieces)
 
     def clear(self) -> None:
         with self._lock:
             self._pieces.clear()
+            self._fresh.clear()
             self.stats = PieceCacheStats()
 
     def _store(self, namespace: str, pieces: list[str]) -> None:
@@ -164,10 +170,12 @@ class PieceEncoder:
                 if too_big or key in self._pieces:
                     continue
                 self._pieces[key] = ids
+                self._fresh.add(key)
                 self._account(piece, ids, +1)
             while self.stats.chars > self._max_chars or self.stats.bytes > self._max_bytes:
-                (_, evicted), evicted_ids = self._pieces.popitem(last=False)
-                self._account(evicted, evicted_ids, -1)
+                old_key, evicted_ids = self._pieces.popitem(last=False)
+                self._fresh.discard(old_key)
+                self._account(old_key[1], evicted_ids, -1)
             self.stats.entries = len(self._pieces)
 
     def _account(self, piece: str, ids: array, sign: int) -> None:

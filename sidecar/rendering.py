@@ -64,6 +64,7 @@ class EncodingMemo:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._entries: OrderedDict[tuple[str, str], array] = OrderedDict()
+        self._fresh: set[tuple[str, str]] = set()  # stored, not hit since: what pop_fresh drops
         self._lock = threading.Lock()  # rendering runs on worker threads too
 
     def get(self, namespace: str, text: str) -> array | None:
@@ -71,6 +72,7 @@ class EncodingMemo:
             ids = self._entries.get((namespace, text))
             if ids is not None:
                 self._entries.move_to_end((namespace, text))
+                self._fresh.discard((namespace, text))
             return ids
 
     def put(self, namespace: str, text: str, ids: array) -> None:
@@ -81,16 +83,19 @@ class EncodingMemo:
             if (namespace, text) in self._entries:
                 return
             self._entries[(namespace, text)] = ids
+            self._fresh.add((namespace, text))
             self.bytes += size
             while self.bytes > self.max_bytes:
-                (_, old), old_ids = self._entries.popitem(last=False)
-                self.bytes -= _entry_bytes(old, old_ids)
+                old, old_ids = self._entries.popitem(last=False)
+                self._fresh.discard(old)
+                self.bytes -= _entry_bytes(old[1], old_ids)
 
-    def pop(self, namespace: str, text: str) -> None:
+    def pop_fresh(self, namespace: str, text: str) -> None:
+        """Drop the entry if no request hit it since it was stored (a refused one's own)."""
         with self._lock:
-            ids = self._entries.pop((namespace, text), None)
-            if ids is not None:
-                self.bytes -= _entry_bytes(text, ids)
+            if (namespace, text) in self._fresh:
+                self._fresh.discard((namespace, text))
+                self.bytes -= _entry_bytes(text, self._entries.pop((namespace, text)))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -118,7 +123,7 @@ class PromptRenderer:
     def forget(self, prompt: RenderedPrompt) -> None:
         """Keep nothing of a prompt whose request was refused (its texts and their pieces)."""
         for text in prompt.texts:
-            self.memo.pop(prompt.namespace, text)
+            self.memo.pop_fresh(prompt.namespace, text)
             self.tokenizer.forget(text, prompt.namespace)
 
     def render_messages(
