@@ -243,6 +243,7 @@ async def half_closed(port: int, rng: random.Random, who: str, tally: Tally) -> 
     writer.write_eof()
     data = await asyncio.wait_for(reader.read(), timeout=120)
     writer.close()
+    data = data.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")  # the server's probe
     code = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else 0
     tally.status("half_closed", code)
     if code == 0:

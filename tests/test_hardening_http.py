@@ -57,7 +57,8 @@ def half_closed_exchange(root: str, path: str, body: bytes, timeout: float = 20)
         received = b""
         while chunk := sock.recv(65536):
             received += chunk
-    return received
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"  # the server's probe: is the client still there
+    return received.removeprefix(interim)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -123,3 +124,16 @@ def test_extreme_sampling_values_harm_no_bystander(sidecar_server: Server) -> No
     mixed = asyncio.run(run([*(body(i) for i in range(8)), *(body(9, **f) for f in extreme)]))
     assert [r.status_code for r in mixed] == [200] * len(mixed), [r.text for r in mixed]
     assert [r.json()["choices"][0]["message"]["content"] for r in mixed[:8]] == alone
+
+
+def test_a_client_that_leaves_a_plain_request_still_aborts_it(sidecar_server: Server) -> None:
+    """A full close is not taken for a half close: the server's probe meets a reset."""
+    body = {"messages": [USER], "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{sidecar_server.url}/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.3)
+        )
+    from conftest import wait_for_idle_blocks
+
+    stats = wait_for_idle_blocks(sidecar_server.root, timeout=5)
+    assert stats["blocks"]["in_use"] == 0  # aborted, not run for 900 tokens
