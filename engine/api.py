@@ -66,7 +66,13 @@ class TokenizerAPI(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False, namespace: str = "") -> list[int]:
+        """Ids of ``text``; any memo is used under the caller's cache ``namespace`` only."""
+        ...
+
+    def forget(self, text: str, namespace: str = "") -> None:
+        """Keep nothing of ``text`` in any memo (it was encoded for a refused request)."""
+        ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -92,6 +98,12 @@ class EngineAPI(Protocol):
 
     @property
     def is_ready(self) -> bool: ...
+
+    @property
+    def error(self) -> str | None:
+        """Why an engine that started cannot serve now (its last step failed as a whole, its
+        thread died); None while it works. /health answers 503 with it."""
+        ...
 
     # -- the model card and what the sidecar needs to check and render requests -----------
 
@@ -161,8 +173,11 @@ class EngineAPI(Protocol):
         """The finished requests with ``seq > after`` still remembered (a bounded ring)."""
         ...
 
-    async def save_pinned(self, path: str | Path) -> SaveResult: ...
+    async def save_pinned(self, path: str | Path, key: bytes) -> SaveResult:
+        """Write the pinned prefixes, signed with ``key`` (HMAC, from the server secret)."""
+        ...
 
-    async def load_pinned(self, path: str | Path) -> LoadResult:
-        """Raises ValueError (PrefixStoreError) for a missing, damaged or foreign file."""
+    async def load_pinned(self, path: str | Path, key: bytes) -> LoadResult:
+        """Raises ValueError (PrefixStoreError) for a missing, damaged or foreign file, or one
+        not signed with ``key``."""
         ...

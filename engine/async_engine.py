@@ -54,6 +54,7 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._stats = CacheStats()
         self._ids = itertools.count()
+        self._thread_error: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -81,7 +82,15 @@ class AsyncEngine:
 
     @property
     def is_ready(self) -> bool:
-        return self._engine is not None and not self._stopping
+        return self._engine is not None and not self._stopping and self._thread_error is None
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine cannot serve although it started (its thread died, or its last step
+        failed as a whole); None while it works."""
+        if self._thread_error is not None:
+            return self._thread_error
+        return self._engine.error if self._engine is not None else None
 
     @property
     def engine(self) -> LLMEngine:
@@ -187,15 +196,15 @@ class AsyncEngine:
         """Evict the pool's idle blocks and empty the KV tier (``keep_tier``: spill into it)."""
         return await self._call(lambda: self.engine.evict_all(include_pinned, keep_tier))
 
-    async def save_pinned(self, path: str | Path) -> SaveResult:
+    async def save_pinned(self, path: str | Path, key: bytes) -> SaveResult:
         """Write every pinned prefix and its KV to ``path`` (the file work off the engine thread)."""
         snap = await self._call(self.engine.snapshot_pinned)
-        return await asyncio.to_thread(prefix_store.write, snap, path)
+        return await asyncio.to_thread(prefix_store.write, snap, path, key)
 
-    async def load_pinned(self, path: str | Path) -> LoadResult:
+    async def load_pinned(self, path: str | Path, key: bytes) -> LoadResult:
         """Cache and pin the prefixes of a file ``save_pinned`` wrote with this model."""
         engine = self.engine
-        snap = await asyncio.to_thread(engine.read_pinned, path)
+        snap = await asyncio.to_thread(engine.read_pinned, path, key)
         return await self._call(lambda: engine.restore_pinned(snap))
 
     def cache_stats(self) -> CacheStats:
@@ -215,19 +224,26 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
-        while not self._stopping:
-            self._drain_commands()
-            if engine.has_unfinished:
-                try:
-                    outputs = engine.step()
-                except Exception as exc:  # a bug must not take the server down: fail the batch
-                    log.exception("engine step failed")
-                    outputs = self._fail_all(engine, f"internal engine error: {exc}")
-                self._publish(outputs)  # first: the loop waits for these, not for the stats
-                self._stats = engine.cache_stats()
-            else:
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if engine.has_unfinished:
+                    try:
+                        outputs = engine.step()
+                    except Exception as exc:  # a bug outside the model step: fail everything
+                        log.exception("engine step failed")
+                        engine.error = f"internal engine error: {type(exc).__name__}: {exc}"
+                        outputs = engine.fail_all("engine_error", engine.error)
+                    self._publish(outputs)  # first: the loop waits for these, not for the stats
+                    self._stats = engine.cache_stats()
+                else:
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+        except BaseException as exc:
+            self._thread_error = f"the engine thread died: {type(exc).__name__}: {exc}"
+            log.exception("the engine thread died")
+            self._publish([aborted_output(rid, self._thread_error) for rid in list(self._streams)])
+            raise
 
     def _drain_commands(self) -> None:
         while True:
@@ -242,15 +258,6 @@ class AsyncEngine:
         self._stats = self.engine.cache_stats()
         if out is not None:
             self._publish([out])
-
-    def _fail_all(self, engine: LLMEngine, message: str) -> list[RequestOutput]:
-        outputs = []
-        for seq in [*engine.scheduler.running, *engine.scheduler.waiting]:
-            out = engine.abort_request(seq.request_id)
-            if out is not None:
-                out.finish_reason, out.error = "error", message
-                outputs.append(out)
-        return outputs
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if outputs and self._loop is not None and not self._loop.is_closed():

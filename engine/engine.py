@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from .kv_cache import KVCache
 from .kv_events import BlockEventRecorder, KVEventPublisher
 from .kv_tier import KVTier, TierStats, create_tier
 from .loader import LoadedModel, load_model
-from .metrics import EngineMetrics
+from .metrics import EngineMetrics, GaugeValues
 from .model_runner import BatchEntry, ModelRunner
 from .prefix_store import LoadResult, SaveResult, Snapshot
 from .prefix_tree import root_digest
@@ -36,6 +37,8 @@ from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .structured_output import StructuredOutput
 from .tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("prefixcache.engine")
 
 
 @dataclass(slots=True)
@@ -84,6 +87,10 @@ class LLMEngine:
         self.sampler = Sampler()
         self.structured = StructuredOutput(self.tokenizer, self.loaded.config.vocab_size)
         self.metrics = EngineMetrics()
+        self.metrics.read_gauges_from(self._gauge_values)  # read live at every scrape
+        # Why the last step failed as a whole (not attributable to one request); None once a
+        # step succeeds again. /health reports it.
+        self.error: str | None = None
         model_len = self.loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         # A sequence never outgrows the pool, so a lone request can always make progress.
@@ -193,6 +200,21 @@ class LLMEngine:
             return None
         return self._finish(seq, "abort")
 
+    def fail_request(self, request_id: str, reason: str, message: str) -> RequestOutput | None:
+        """End a request with an error: freed as an abort, counted as a failure (``reason``),
+        its final output carries ``message`` (finish reason "error"). None if unknown."""
+        seq = self._sequences.get(request_id)
+        if seq is None:
+            return None
+        final = self._finish(seq, "error", failure=reason)
+        final.error = message
+        return final
+
+    def fail_all(self, reason: str, message: str) -> list[RequestOutput]:
+        """End every request (running and waiting) with an error."""
+        ids = [s.request_id for s in [*self.scheduler.running, *self.scheduler.waiting]]
+        return [out for rid in ids if (out := self.fail_request(rid, reason, message))]
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -208,12 +230,23 @@ class LLMEngine:
     # -- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One scheduled step. An error attributable to one request (its sampling, its output)
+        ends that request only; a failed forward pass ends the requests of its batch."""
         out = self.scheduler.schedule()
         self.metrics.preemptions.inc(len(out.preempted))
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         outputs: list[RequestOutput] = []
         if out.chunks:
-            logits = self.runner.execute(self._batch(out))
+            try:
+                logits = self.runner.execute(self._batch(out))
+            except Exception as exc:
+                log.exception("the model step failed")
+                self.error = f"the model step failed: {type(exc).__name__}: {exc}"
+                batch = dict.fromkeys(c.seq.request_id for c in out.chunks)
+                return [
+                    f for rid in batch if (f := self.fail_request(rid, "engine_error", self.error))
+                ]
+            self.error = None
             self.metrics.prompt_tokens_computed.inc(self.scheduler.on_step_done(out))
             self._count_cache_stats()
             ready = [c.seq for c in out.chunks if c.seq.num_uncomputed_tokens == 0]
@@ -232,12 +265,23 @@ class LLMEngine:
                 ]
             request_ids = [s.request_id for s in ready]
             self.structured.mask(logits, request_ids)  # constrained rows only
-            tokens, logprobs = self.sampler.sample(logits, params, request_ids, histories)
-            self.structured.accept(request_ids, tokens)
+            tokens, logprobs, errors = self.sampler.sample(logits, params, request_ids, histories)
+            self.structured.accept(
+                [r for r, e in zip(request_ids, errors, strict=True) if e is None],
+                [t for t, e in zip(tokens, errors, strict=True) if e is None],
+            )
             now = time.monotonic()
-            for seq, token, logprob in zip(ready, tokens, logprobs, strict=True):
-                outputs.append(self._append_token(seq, token, logprob, now))
-        self._update_gauges()
+            for seq, token, logprob, error in zip(ready, tokens, logprobs, errors, strict=True):
+                if error is None:
+                    try:
+                        outputs.append(self._append_token(seq, token, logprob, now))
+                        continue
+                    except Exception as exc:
+                        log.exception("output failed for request %s", seq.request_id)
+                        error = f"output failed: {type(exc).__name__}: {exc}"
+                failed = self.fail_request(seq.request_id, "request_error", error)
+                if failed is not None:
+                    outputs.append(failed)
         self.flush_kv_events()
         return outputs
 
@@ -275,14 +319,17 @@ class LLMEngine:
         final.logprobs = [logprob] if logprob is not None else None
         return final
 
-    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: str, failure: str | None = None) -> RequestOutput:
         self.activity.on_finish(seq, reason)
         self.scheduler.finish(seq)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
         self._sequences.pop(seq.request_id, None)
         self.sampler.forget(seq.request_id)
         self.structured.forget(seq.request_id)
-        self.metrics.requests_finished.labels(reason).inc()
+        if failure is None:
+            self.metrics.requests_finished.labels(reason).inc()
+        else:
+            self.metrics.requests_failed.labels(failure).inc()
         now = time.monotonic()
         if seq.first_token_time is not None:
             self.metrics.e2e_latency.observe(now - seq.arrival_time)
@@ -318,17 +365,18 @@ class LLMEngine:
             )
         self.metrics.evictions.inc((stats.evicted_tokens - last.evicted_tokens) // stats.block_size)
 
-    def _update_gauges(self) -> None:
+    def _gauge_values(self) -> GaugeValues:
         manager = self.block_manager
-        self.metrics.requests_running.set(self.num_running)
-        self.metrics.requests_waiting.set(self.num_waiting)
-        self.metrics.kv_blocks.labels("in_use").set(manager.num_used_blocks)
-        self.metrics.kv_blocks.labels("cached_idle").set(manager.num_cached_idle_blocks)
-        self.metrics.kv_blocks.labels("free").set(manager.num_free_blocks)
-        if self.tier is not None:
-            tier = self.tier.stats()
-            self.metrics.kv_tier_bytes.labels("used").set(tier.bytes_used)
-            self.metrics.kv_tier_bytes.labels("free").set(tier.bytes_free)
+        tier = self.tier.stats() if self.tier is not None else None
+        return GaugeValues(
+            running=self.num_running,
+            waiting=self.num_waiting,
+            in_use=manager.num_used_blocks,
+            cached_idle=manager.num_cached_idle_blocks,
+            free=manager.num_free_blocks,
+            tier_used=tier.bytes_used if tier is not None else 0,
+            tier_free=tier.bytes_free if tier is not None else 0,
+        )
 
     # -- cache admin -------------------------------------------------------------------------
 
@@ -347,23 +395,23 @@ class LLMEngine:
         """The pinned prefixes and their KV, for ``prefix_store.write``."""
         return prefix_store.snapshot(self.block_manager, self.kv_cache)
 
-    def read_pinned(self, path: str | Path) -> Snapshot:
-        """A file's pinned prefixes, refused unless this engine made it (any thread)."""
-        return prefix_store.read(path, self.block_manager.identity, self.kv_cache)
+    def read_pinned(self, path: str | Path, key: bytes = b"") -> Snapshot:
+        """A file's pinned prefixes, refused unless signed with ``key`` by this engine's
+        identity (any thread). The empty key is public: scripts and tests only."""
+        return prefix_store.read(path, self.block_manager.identity, self.kv_cache, key)
 
     def restore_pinned(self, snap: Snapshot) -> LoadResult:
         """Cache and pin a snapshot ``read_pinned`` checked against this engine."""
         result = prefix_store.restore(snap, self.block_manager, self.kv_cache)
         self.flush_kv_events()
         self._last_stats = self.block_manager.stats()
-        self._update_gauges()
         return result
 
-    def save_pinned(self, path: str | Path) -> SaveResult:
-        return prefix_store.write(self.snapshot_pinned(), path)
+    def save_pinned(self, path: str | Path, key: bytes = b"") -> SaveResult:
+        return prefix_store.write(self.snapshot_pinned(), path, key)
 
-    def load_pinned(self, path: str | Path) -> LoadResult:
-        return self.restore_pinned(self.read_pinned(path))
+    def load_pinned(self, path: str | Path, key: bytes = b"") -> LoadResult:
+        return self.restore_pinned(self.read_pinned(path, key))
 
     def evict_all(self, include_pinned: bool = False, keep_tier: bool = False) -> int:
         """Evict the pool's idle blocks (and empty the KV tier, unless ``keep_tier``: then the
@@ -374,7 +422,6 @@ class LLMEngine:
         self.flush_kv_events()
         self.metrics.evictions.inc(evicted)
         self._last_stats = self.block_manager.stats()
-        self._update_gauges()
         return evicted
 
     def cache_stats(self) -> CacheStats:

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)  # fmt: skip
+
+
+class GaugeValues(NamedTuple):
+    running: int
+    waiting: int
+    in_use: int
+    cached_idle: int
+    free: int
+    tier_used: int = 0  # bytes of the KV tier (0 without one)
+    tier_free: int = 0
 
 
 class EngineMetrics:
@@ -62,6 +75,13 @@ class EngineMetrics:
             ["finished_reason"],
             registry=r,
         )
+        self.requests_failed = Counter(
+            "prefixcache:request_failure",
+            "Requests ended by an error (not counted as finished or aborted), by reason: "
+            "request_error (its own sampling or output), engine_error (its batch's model step).",
+            ["reason"],
+            registry=r,
+        )
         self.requests_running = Gauge(
             "prefixcache:num_requests_running", "Requests in the running batch.", registry=r
         )
@@ -92,3 +112,14 @@ class EngineMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
+
+    def read_gauges_from(self, values: Callable[[], GaugeValues]) -> None:
+        """The gauges read ``values()`` whenever they are collected, so they are never stale
+        (after an abort, an error or a cache command as after a step)."""
+        self.requests_running.set_function(lambda: values().running)
+        self.requests_waiting.set_function(lambda: values().waiting)
+        self.kv_blocks.labels("in_use").set_function(lambda: values().in_use)
+        self.kv_blocks.labels("cached_idle").set_function(lambda: values().cached_idle)
+        self.kv_blocks.labels("free").set_function(lambda: values().free)
+        self.kv_tier_bytes.labels("used").set_function(lambda: values().tier_used)
+        self.kv_tier_bytes.labels("free").set_function(lambda: values().tier_free)

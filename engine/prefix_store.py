@@ -5,8 +5,10 @@ A file is one safetensors file: per layer the KV pages of every block on a pinne
 and the tree around them (``tokens``, ``parents``, ``pins``, ``roots``: parents before
 children; a root is the namespace root digest of a top block). Its metadata carries the
 format, a digest of the engine identity (model and tokenizer fingerprints, dtype), the block
-size, and a sha256 over everything else, so a file from another model, tokenizer, dtype or
-block size, or a damaged one, is refused with a message before any page is touched.
+size, and an HMAC-SHA256 over everything else keyed by a key the caller passes (the
+sidecar derives it from the server secret: tenancy.cache_file_key), so a file from another model, tokenizer, dtype or
+block size, a damaged one, or one edited and re-signed without the key, is refused with a
+message before any page is touched; so are pages that are not finite.
 
 Split by thread: ``snapshot``/``restore`` touch the block manager (through
 ``pinned_blocks.py``) and the pages (the engine thread); ``write``/``read`` do the file work and
@@ -16,6 +18,7 @@ its checks (any thread).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import tempfile
@@ -31,7 +34,7 @@ from .block_manager import BlockManager
 from .kv_cache import KVCache
 from .pinned_blocks import SavedBlock, restore_blocks, saved_blocks
 
-FORMAT = "prefixcache-pinned-prefixes/1"
+FORMAT = "prefixcache-pinned-prefixes/2"  # /2: HMAC-authenticated
 DIGEST_BYTES = 16  # the prefix tree's blake2b-128 digests
 
 
@@ -104,8 +107,9 @@ def restore(snap: Snapshot, manager: BlockManager, cache: KVCache) -> LoadResult
     )
 
 
-def write(snap: Snapshot, path: str | Path) -> SaveResult:
-    """Write a snapshot atomically (a temporary file renamed over ``path``)."""
+def write(snap: Snapshot, path: str | Path, key: bytes) -> SaveResult:
+    """Write a snapshot atomically (a temporary file renamed over ``path``), signed with
+    ``key``."""
     path = Path(path)
     tensors = _tensors(snap)
     metadata = {
@@ -114,7 +118,7 @@ def write(snap: Snapshot, path: str | Path) -> SaveResult:
         "block_size": str(snap.block_size),
         "num_layers": str(len(snap.kv)),
     }
-    metadata["checksum"] = _checksum(metadata, tensors)
+    metadata["hmac"] = sign(key, metadata, tensors)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -127,8 +131,9 @@ def write(snap: Snapshot, path: str | Path) -> SaveResult:
     return SaveResult(str(path), snap.num_prefixes, len(snap.blocks), path.stat().st_size)
 
 
-def read(path: str | Path, identity: bytes, cache: KVCache) -> Snapshot:
-    """A file's snapshot, refused unless it was made by this engine identity and layout."""
+def read(path: str | Path, identity: bytes, cache: KVCache, key: bytes) -> Snapshot:
+    """A file's snapshot, refused unless it was signed with ``key`` and made by this engine
+    identity and layout. Every refusal is a ``PrefixStoreError`` (a ValueError)."""
     source, path = str(path), Path(path)
     if not path.is_file():
         raise PrefixStoreError(f"{path}: no such file")
@@ -140,17 +145,35 @@ def read(path: str | Path, identity: bytes, cache: KVCache) -> Snapshot:
         raise PrefixStoreError(f"{path}: not a readable safetensors file ({e})") from e
     if metadata.get("format") != FORMAT:
         raise PrefixStoreError(f"{path}: not a pinned-prefix file of this version ({FORMAT})")
-    checksum = metadata.pop("checksum", None)
-    if checksum != _checksum(metadata, tensors):
-        raise PrefixStoreError(f"{path}: checksum mismatch: the file is damaged")
-    if metadata["identity"] != identity_digest(identity):
+    mac = metadata.pop("hmac", "")
+    if not hmac.compare_digest(mac, sign(key, metadata, tensors)):
         raise PrefixStoreError(
-            f"{path}: saved by another model, tokenizer or dtype; its KV does not apply here"
+            f"{path}: checksum mismatch: the file is damaged, or was not saved by a server "
+            "with this secret"
+        )
+    try:
+        return _checked(source, metadata, tensors, identity, cache)
+    except PrefixStoreError as e:
+        raise PrefixStoreError(f"{path}: {e}") from None
+    except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as e:  # signed, yet odd
+        raise PrefixStoreError(f"{path}: malformed ({type(e).__name__}: {e})") from None
+
+
+def _checked(
+    source: str,
+    metadata: dict[str, str],
+    tensors: dict[str, torch.Tensor],
+    identity: bytes,
+    cache: KVCache,
+) -> Snapshot:
+    if metadata.get("identity") != identity_digest(identity):
+        raise PrefixStoreError(
+            "saved by another model, tokenizer or dtype; its KV does not apply here"
         )
     spec = cache.spec
     if int(metadata["block_size"]) != spec.block_size:
         raise PrefixStoreError(
-            f"{path}: block size {metadata['block_size']}, this engine uses {spec.block_size}"
+            f"block size {metadata['block_size']}, this engine uses {spec.block_size}"
         )
     num_layers = int(metadata["num_layers"])
     page_shape = tuple(cache.layers[0].shape[1:])
@@ -158,10 +181,12 @@ def read(path: str | Path, identity: bytes, cache: KVCache) -> Snapshot:
     if num_layers != len(cache.layers) or any(
         t is None or tuple(t.shape[1:]) != page_shape or t.dtype != spec.dtype for t in kv
     ):
-        raise PrefixStoreError(f"{path}: its KV layout differs from this engine's cache")
+        raise PrefixStoreError("its KV layout differs from this engine's cache")
     blocks = _blocks(tensors, spec.block_size)
     if any(t.shape[0] != len(blocks) for t in kv):  # type: ignore[union-attr]
-        raise PrefixStoreError(f"{path}: its KV and its tree disagree on the number of blocks")
+        raise PrefixStoreError("its KV and its tree disagree on the number of blocks")
+    if not all(bool(torch.isfinite(t).all()) for t in kv):  # type: ignore[arg-type]
+        raise PrefixStoreError("its KV pages hold non-finite values (NaN or inf)")
     return Snapshot(blocks, kv, metadata["identity"], spec.block_size, source)  # type: ignore[arg-type]
 
 
@@ -205,8 +230,9 @@ def _blocks(tensors: dict[str, torch.Tensor], block_size: int) -> list[SavedBloc
     return blocks
 
 
-def _checksum(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256(json.dumps(metadata, sort_keys=True).encode())
+def sign(key: bytes, metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    """HMAC-SHA256 (hex) of the metadata and every tensor's name, dtype, shape and bytes."""
+    h = hmac.new(key, json.dumps(metadata, sort_keys=True).encode(), hashlib.sha256)
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())

@@ -1,14 +1,36 @@
-"""Turn last-token logits into next tokens: greedy rows in one argmax, sampled rows per request."""
+"""Turn last-token logits into next tokens: greedy rows in one argmax, sampled rows per request.
+
+Numerics are safe for every value validation lets through: a temperature below
+``GREEDY_BELOW`` is greedy (``logits / T`` would overflow), sampled rows are scaled and
+normalised in float64 on the CPU, top-p keeps the most likely token whatever ``top_p`` is, and
+penalised logits are clamped to finite values. A row that still fails (a non-finite model
+output, a bug) fails alone: its error is in ``Sampled.errors`` and the other rows are unchanged.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from .request import SamplingParams, TokenLogprob
 
+log = logging.getLogger("prefixcache.engine")
+
 History = tuple[Sequence[int], Sequence[int]]  # (prompt ids, output ids) of one request
+GREEDY_BELOW = 1e-5  # temperatures under this sample as greedy, as vLLM's _SAMPLING_EPS
+
+
+class Sampled(NamedTuple):
+    tokens: list[int]  # -1 where the row failed
+    logprobs: list[TokenLogprob | None]
+    errors: list[str | None]  # why a row failed; None for the rows that did not
+
+
+def is_greedy(p: SamplingParams) -> bool:
+    return p.greedy or p.temperature < GREEDY_BELOW
 
 
 class Sampler:
@@ -21,41 +43,65 @@ class Sampler:
         params: list[SamplingParams],
         request_ids: list[str],
         histories: list[History] | None = None,
-    ) -> tuple[list[int], list[TokenLogprob | None]]:
+    ) -> Sampled:
         """``logits`` is float32 ``[n, vocab]``; returns one token (and optional logprob) per row.
 
         Rows with penalties need their ``histories`` (prompt and output ids); logprobs are the
         model's own, before penalties, temperature and truncation (as vLLM reports them).
         """
         assert logits.shape[0] == len(params)
+        errors: list[str | None] = [None] * len(params)
         chosen_from = logits
         if histories is not None and any(p.penalized for p in params):
             chosen_from = logits.clone()
             for row, (p, history) in enumerate(zip(params, histories, strict=True)):
                 if p.penalized:
-                    apply_penalties(chosen_from[row], p, history)
+                    self._guard(
+                        errors, row, request_ids, apply_penalties, chosen_from[row], p, history
+                    )
         tokens = chosen_from.argmax(dim=-1).tolist()  # greedy for every row; sampled overwrite
         for row, (p, rid) in enumerate(zip(params, request_ids, strict=True)):
-            if not p.greedy:
-                tokens[row] = self._sample_row(chosen_from[row], p, rid)
+            if errors[row] is None and not is_greedy(p):
+                token = self._guard(
+                    errors, row, request_ids, self._sample_row, chosen_from[row], p, rid
+                )
+                tokens[row] = -1 if token is None else token
         logprobs: list[TokenLogprob | None] = [None] * len(params)
         for row, p in enumerate(params):
-            if p.logprobs is not None:
-                logprobs[row] = _logprob_of(logits[row], tokens[row], p.logprobs)
-        return tokens, logprobs
+            if p.logprobs is not None and errors[row] is None:
+                top = min(p.logprobs, logits.shape[-1])
+                logprobs[row] = self._guard(
+                    errors, row, request_ids, _logprob_of, logits[row], tokens[row], top
+                )
+        return Sampled(
+            [-1 if e else t for t, e in zip(tokens, errors, strict=True)], logprobs, errors
+        )
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    @staticmethod
+    def _guard(errors: list[str | None], row: int, request_ids: list[str], fn, *args):  # type: ignore[no-untyped-def]
+        """``fn(*args)``; an exception fails row ``row`` only (recorded in ``errors``)."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            log.exception("sampling failed for request %s", request_ids[row])
+            errors[row] = f"sampling failed: {type(exc).__name__}: {exc}"
+            return None
+
     def _sample_row(self, row: torch.Tensor, p: SamplingParams, request_id: str) -> int:
-        scaled = row.float().cpu() / p.temperature  # seeded generators live on the CPU
+        # float64 on the CPU (where seeded generators live): logits / T stays finite for
+        # T >= GREEDY_BELOW and the tail probabilities keep their precision.
+        scaled = row.detach().to("cpu", torch.float64) / p.temperature
         if p.top_k > 0 and p.top_k < scaled.shape[-1]:
             kth = torch.topk(scaled, p.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < p.top_p  # first always kept
+            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < p.top_p
+            keep[0] = True  # the most likely token, even for a top_p that rounds to 0
             sorted_probs = sorted_probs * keep
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self._generator(p, request_id)).item())
@@ -77,9 +123,11 @@ def apply_penalties(row: torch.Tensor, p: SamplingParams, history: History) -> N
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(list({*prompt, *output}), dtype=torch.long, device=row.device)
         values = row[seen]
-        row[seen] = torch.where(
+        largest = torch.finfo(row.dtype).max  # a tiny penalty would divide to inf
+        penalized = torch.where(
             values > 0, values / p.repetition_penalty, values * p.repetition_penalty
         )
+        row[seen] = penalized.clamp(-largest, largest)
     if output and (p.presence_penalty or p.frequency_penalty):
         ids = torch.tensor(output, dtype=torch.long, device=row.device)
         counts = torch.bincount(ids, minlength=vocab)[:vocab].to(row.dtype)

@@ -113,15 +113,21 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, namespace: str = "") -> list[int]:
+        """``text``'s ids; the piece memo is used under the caller's cache ``namespace``."""
         if self._pieces is None:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if not add_special_tokens:
-            return self._pieces.encode(text)
+            return self._pieces.encode(text, namespace)
         if self._post_wrap is None:
             return self._tok.encode(text, add_special_tokens=True).ids
         before, after = self._post_wrap
-        return before + self._pieces.encode(text) + after
+        return before + self._pieces.encode(text, namespace) + after
+
+    def forget(self, text: str, namespace: str = "") -> None:
+        """Keep nothing of ``text`` (encoded for a request that was refused) in the memo."""
+        if self._pieces is not None:
+            self._pieces.forget(text, namespace)
 
     @property
     def piece_cache(self) -> PieceEncoder | None:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
@@ -51,11 +51,14 @@ class Sidecar:
         self.gate = RequestGate(engine, settings)
         self.admission = Admission(engine, settings.max_waiting, settings.retry_after_s)
         self.generation = GenerationRoutes(engine, self.gate, self.admission, settings)
-        self.cache = CacheRoutes(engine, self.gate, settings.cache_dir)
+        self.cache = CacheRoutes(engine, self.gate, settings.cache_dir, settings.secret)
         self.dashboard = DashboardRoutes(engine, self.gate)
         self.metrics_registry = CollectorRegistry()  # the HTTP series
         self.created = int(time.time())
         self.start_error: str | None = None
+        # Called once the engine failed to start: `prefixcache serve` stops the server and
+        # exits non-zero (a supervisor restarts or alerts) rather than answer 503 forever.
+        self.on_start_failure: Callable[[], None] | None = None
         self.loading_cache = False  # /health says 503 until the start-up cache files are in
 
     def routes(self) -> list[Route]:
@@ -92,10 +95,16 @@ class Sidecar:
         except Exception as exc:
             self.start_error = f"{type(exc).__name__}: {exc}"
             log.exception("engine failed to start")
+            if self.on_start_failure is not None:
+                self.on_start_failure()
         finally:
             self.loading_cache = False
 
     async def health(self, request: Request) -> Response:
+        """200 "ok"; 503 while starting (with Retry-After) and for an engine that broke."""
+        error = self.engine.error if self.start_error is None else None
+        if error is not None:
+            return health_reply("failed", error)
         if self.engine.is_ready and not self.loading_cache:
             return health_reply("ok")
         if self.start_error is not None:

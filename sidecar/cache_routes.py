@@ -17,17 +17,21 @@ from prefixcache.engine.api import EngineAPI
 from . import protocol as p
 from . import reply_types as rt
 from .errors import APIError, bad_request
-from .gate import RequestGate
+from .gate import RequestGate, content_size
 from .responses import json_response
+from .tenancy import cache_file_key
 
 log = logging.getLogger("prefixcache.sidecar")
 
 
 class CacheRoutes:
-    def __init__(self, engine: EngineAPI, gate: RequestGate, cache_dir: Path | None) -> None:
+    def __init__(
+        self, engine: EngineAPI, gate: RequestGate, cache_dir: Path | None, secret: bytes
+    ) -> None:
         self.engine = engine
         self.gate = gate
         self.cache_dir = cache_dir
+        self.file_key = cache_file_key(secret)  # files signed and checked with it (HMAC)
 
     def routes(self) -> list[Route]:
         return [
@@ -75,7 +79,7 @@ class CacheRoutes:
         """Write every pinned prefix and its KV to a file in --cache-dir."""
         self.gate.admin(request)
         req = await self.gate.read_optional(request, p.CacheFileRequest)
-        result = await self.engine.save_pinned(self.cache_file(req.name))
+        result = await self.engine.save_pinned(self.cache_file(req.name), self.file_key)
         return json_response(
             rt.CacheSaveResponse(req.name, result.prefixes, result.blocks, result.bytes)
         )
@@ -85,7 +89,7 @@ class CacheRoutes:
         self.gate.admin(request)
         req = await self.gate.read_optional(request, p.CacheFileRequest)
         try:
-            r = await self.engine.load_pinned(self.cache_file(req.name))
+            r = await self.engine.load_pinned(self.cache_file(req.name), self.file_key)
         except ValueError as exc:  # PrefixStoreError: missing, damaged, another model's
             raise bad_request(str(exc), "name", "cache_file_refused") from None
         return json_response(
@@ -104,7 +108,7 @@ class CacheRoutes:
         """Load each file at start-up; a bad one is logged and the server serves regardless."""
         for name in names:
             try:
-                result = await self.engine.load_pinned(self.cache_file(name))
+                result = await self.engine.load_pinned(self.cache_file(name), self.file_key)
             except Exception as exc:  # PrefixStoreError, or worse
                 message = exc.message if isinstance(exc, APIError) else str(exc)
                 log.error("pinned prefixes %r not loaded: %s", name, message)
@@ -135,20 +139,23 @@ class CacheRoutes:
         gate.check(p.check_prompt_source, req.messages, req.segments)
         gate.check(p.check_template_kwargs, req.chat_template_kwargs)
         gate.check_model(req.model)
-        prompt = gate.render(
-            lambda r: r.render_stable(req.messages, req.segments, req.template_kwargs)
+        namespace = gate.namespace(tenant.name, req.cache_salt)
+        prompt = await gate.render(
+            lambda r: r.render_stable(req.messages, req.segments, req.template_kwargs, namespace),
+            content_size(req.messages, req.segments),
         )
         if not prompt.token_ids:
             raise bad_request("nothing to cache: every segment is dynamic", "segments")
         context = self.engine.max_model_len
         if len(prompt.token_ids) >= context:
+            gate.forget(prompt)
             raise bad_request(
                 f"the prefix is {len(prompt.token_ids)} tokens; a cached prefix must be shorter "
                 f"than the model's context length of {context}",
                 "messages" if req.messages is not None else "segments",
                 code="context_length_exceeded",
             )
-        return prompt.token_ids, gate.namespace(tenant.name, req.cache_salt), req
+        return prompt.token_ids, namespace, req
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -13,6 +14,8 @@ if TYPE_CHECKING:
     from prefixcache.engine.config import EngineConfig
 
     from .upstream_app import EventSource
+
+from .http_protocol import HalfCloseHTTPProtocol
 
 MIB = 1024**2
 
@@ -343,6 +346,8 @@ def serve(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        keys = KeyStore.from_file(args.api_keys_file) if args.api_keys_file else KeyStore()
+        secret = read_secret(args.secret_file, keys.enabled)
         config = EngineConfig(
             model=args.model,
             dtype=args.dtype,
@@ -362,7 +367,6 @@ def serve(args: argparse.Namespace) -> None:
             max_pin_ttl_s=args.max_pin_ttl,
             max_hint_pinned_blocks=args.max_hint_pinned_blocks,
         )
-        keys = KeyStore.from_file(args.api_keys_file) if args.api_keys_file else KeyStore()
         if args.load_cache and args.cache_dir is None:
             raise ValueError("--load-cache needs --cache-dir")
         secret = read_secret(args.secret_file, keys.enabled)
@@ -381,13 +385,25 @@ def serve(args: argparse.Namespace) -> None:
         tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
     )
     app = create_app(AsyncEngine(config), settings)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=5,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            http=HalfCloseHTTPProtocol,
+        )
     )
+    sidecar = app.state.sidecar
+    sidecar.on_start_failure = lambda: setattr(server, "should_exit", True)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises SIGINT once it stopped
+        server.run()
+    if sidecar.start_error is not None:  # as vLLM: a model that cannot load ends the process
+        print(
+            f"prefixcache serve: the engine failed to start: {sidecar.start_error}", file=sys.stderr
+        )
+        raise SystemExit(1)
 
 
 def set_kv_events(config: EngineConfig, args: argparse.Namespace, secret: bytes) -> None:
@@ -467,7 +483,12 @@ def serve_upstream(args: argparse.Namespace) -> None:
     except (ValueError, OSError) as exc:
         raise SystemExit(f"prefixcache serve: {exc}") from None
     uvicorn.run(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        http=HalfCloseHTTPProtocol,
     )
 
 

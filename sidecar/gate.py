@@ -7,6 +7,8 @@ cache admin routes alike.
 
 from __future__ import annotations
 
+import asyncio
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -26,7 +28,11 @@ from .tenancy import Tenant, cache_namespace
 S = TypeVar("S")
 R = TypeVar("R", bound=p.SamplingFields)
 
-_MAX_NAMESPACES = 65536  # remembered (tenant, salt) pairs; a few per tenant in practice
+_NAMESPACE_MEMO_BYTES = 4 * 1024**2  # remembered (tenant, salt) -> namespace, oldest out
+_NAMESPACE_ENTRY_OVERHEAD = 300  # the key tuple, the 64-char hex value, the dict slot
+# A prompt this large (characters of content) is rendered and tokenized on a worker thread,
+# so that the event loop goes on answering other requests meanwhile.
+OFF_LOOP_CHARS = 32 * 1024
 
 
 class RequestGate:
@@ -34,7 +40,8 @@ class RequestGate:
         self.engine = engine
         self.settings = settings
         self._renderer: PromptRenderer | None = None
-        self._namespaces: dict[tuple[str, str | None], str] = {}
+        self._namespaces: OrderedDict[tuple[str, str | None], str] = OrderedDict()
+        self._namespace_bytes = 0
 
     # -- who is asking, and can we answer --------------------------------------------------
 
@@ -60,14 +67,18 @@ class RequestGate:
             raise model_not_found(name)
 
     def namespace(self, tenant: str, salt: str | None) -> str:
-        """The HMAC-derived cache namespace, remembered."""
+        """The HMAC-derived cache namespace, remembered (bounded in bytes, oldest out)."""
         key = (tenant, salt)
         namespace = self._namespaces.get(key)
-        if namespace is None:
-            if len(self._namespaces) >= _MAX_NAMESPACES:
-                self._namespaces.clear()
-            namespace = cache_namespace(self.settings.secret, tenant, salt)
-            self._namespaces[key] = namespace
+        if namespace is not None:
+            self._namespaces.move_to_end(key)
+            return namespace
+        namespace = cache_namespace(self.settings.secret, tenant, salt)
+        self._namespaces[key] = namespace
+        self._namespace_bytes += _namespace_entry_bytes(key)
+        while self._namespace_bytes > _NAMESPACE_MEMO_BYTES:
+            old, _ = self._namespaces.popitem(last=False)
+            self._namespace_bytes -= _namespace_entry_bytes(old)
         return namespace
 
     # -- the body ------------------------------------------------------------------------------
@@ -106,19 +117,42 @@ class RequestGate:
             self._renderer = PromptRenderer(self.engine.tokenizer)
         return self._renderer
 
-    def render(self, render: Callable[[PromptRenderer], RenderedPrompt]) -> RenderedPrompt:
+    async def render(
+        self, render: Callable[[PromptRenderer], RenderedPrompt], size: int
+    ) -> RenderedPrompt:
+        """``render(renderer)``; on a worker thread when the content is ``size`` >=
+        ``OFF_LOOP_CHARS`` characters. Template failures are 400s."""
+        renderer = self.renderer
         try:
-            return render(self.renderer)
+            if size >= OFF_LOOP_CHARS:
+                return await asyncio.to_thread(render, renderer)
+            return render(renderer)
+        except RecursionError:
+            raise bad_request("the conversation is nested too deeply to render") from None
         except TemplateError as exc:
             raise bad_request(str(exc), "segments", "template_not_incremental") from None
         except (ChatTemplateError, JinjaError) as exc:
             message = f"The chat template rejected the conversation: {exc}"
             raise bad_request(message, "messages", "chat_template_error") from None
 
-    def completion_tokens(self, prompt: str | list[int]) -> list[int]:
+    def forget(self, prompt: RenderedPrompt) -> None:
+        """Keep nothing in the memos for a prompt whose request was refused."""
+        self.renderer.forget(prompt)
+
+    async def completion_prompt(self, prompt: str | list[int], namespace: str) -> RenderedPrompt:
+        """A completion's prompt ids (a string is encoded off the loop when large)."""
         tokenizer = self.engine.tokenizer
         if isinstance(prompt, str):  # as AutoTokenizer(prompt): the tokenizer's special tokens
-            return tokenizer.encode(prompt, add_special_tokens=True)
+
+            def encode() -> list[int]:
+                return tokenizer.encode(prompt, add_special_tokens=True, namespace=namespace)
+
+            ids = await asyncio.to_thread(encode) if len(prompt) >= OFF_LOOP_CHARS else encode()
+            return RenderedPrompt(ids, [], namespace, [prompt])
+        return RenderedPrompt(self.completion_tokens(prompt), [], namespace)
+
+    def completion_tokens(self, prompt: list[int]) -> list[int]:
+        tokenizer = self.engine.tokenizer
         vocab = tokenizer.vocab_size
         if max(prompt) >= vocab:
             raise bad_request(f"token ids must be below the vocabulary size {vocab}", "prompt")
@@ -131,3 +165,15 @@ class RequestGate:
                 f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids"
             )
         return list(ids or ())
+
+
+def _namespace_entry_bytes(key: tuple[str, str | None]) -> int:
+    tenant, salt = key
+    return len(tenant) + len(salt or "") + _NAMESPACE_ENTRY_OVERHEAD
+
+
+def content_size(messages: list[p.Message] | None, segments: list[p.Segment] | None) -> int:
+    """Characters of content in a chat prompt: decides whether it renders off the loop."""
+    if segments is not None:
+        return sum(len(s.content) for s in segments)
+    return sum(len(m.text) for m in messages or ())

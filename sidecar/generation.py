@@ -16,7 +16,7 @@ from prefixcache.engine.request import EngineRequest, GrammarSpec, SamplingParam
 from . import protocol as p
 from .admission import Admission
 from .errors import bad_request
-from .gate import RequestGate
+from .gate import RequestGate, content_size
 from .rendering import RenderedPrompt
 from .responses import Job, reply
 from .settings import SidecarSettings
@@ -55,14 +55,17 @@ class GenerationRoutes:
                     "tools_not_supported",
                 )
             template_kwargs = {**template_kwargs, "tools": canonical_tools(req.tools)}
-        prompt = gate.render(
+        namespace = gate.namespace(tenant.name, req.cache_salt)
+        prompt = await gate.render(
             lambda r: r.render_chat(
                 req.messages,
                 req.segments,
                 bool(req.add_generation_prompt),
                 template_kwargs,
                 bool(req.continue_final_message),
-            )
+                namespace,
+            ),
+            content_size(req.messages, req.segments),
         )
         max_tokens = req.max_completion_tokens or req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -92,7 +95,8 @@ class GenerationRoutes:
         tenant, req = await gate.generation_request(
             request, p.CompletionRequest, p.check_completion
         )
-        prompt = RenderedPrompt(gate.completion_tokens(p.completion_prompt(req)), [])
+        namespace = gate.namespace(tenant.name, req.cache_salt)
+        prompt = await gate.completion_prompt(p.completion_prompt(req), namespace)
         job = self._submit(
             "completion",
             f"cmpl-{uuid.uuid4().hex}",
@@ -113,6 +117,35 @@ class GenerationRoutes:
         return self._fingerprint
 
     def _submit(
+        self,
+        kind: str,
+        request_id: str,
+        req: p.SamplingFields,
+        tenant: Tenant,
+        prompt: RenderedPrompt,
+        max_tokens: int | None,
+        logprobs: int | None,
+        grammar: GrammarSpec | None = None,
+        skip_special_tokens: bool = True,
+    ) -> Job:
+        """The admitted job; a refused request leaves nothing of its prompt in the memos."""
+        try:
+            return self._admit(
+                kind,
+                request_id,
+                req,
+                tenant,
+                prompt,
+                max_tokens,
+                logprobs,
+                grammar,
+                skip_special_tokens,
+            )
+        except Exception:
+            self.gate.forget(prompt)
+            raise
+
+    def _admit(
         self,
         kind: str,
         request_id: str,
@@ -165,7 +198,7 @@ class GenerationRoutes:
             request_id=request_id,
             prompt_token_ids=prompt.token_ids,
             sampling=sampling,
-            namespace=self.gate.namespace(tenant.name, req.cache_salt),
+            namespace=prompt.namespace,
             priority=req.priority,
             segments=prompt.spans or None,
             tenant=self.gate.namespace(tenant.name, None),  # opaque: groups a tenant's salts

@@ -45,6 +45,8 @@ def decode_json(body: bytes, type_: type[T]) -> T:
         raise bad_request("The request body is not valid UTF-8", code="invalid_utf8") from None
     except msgspec.DecodeError as exc:
         raise bad_request(f"Malformed JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # msgspec's own depth limit, reached in any field (ignored ones too)
+        raise bad_request("The request body is nested too deeply", code="invalid_json") from None
 
 
 def exception_handlers() -> dict[Any, Any]:

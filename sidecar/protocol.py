@@ -27,9 +27,11 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 CacheSalt = Annotated[
-    str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+$")
+    str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+\Z")
 ]
 Tag = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# Segments are rendered one prefix at a time (rendering.py): their count bounds that work.
+MAX_SEGMENTS = 256
 # A file name inside --cache-dir: no separators, no leading dot, so never a path elsewhere.
 CacheFileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")]
 StopList = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=16)]
@@ -220,7 +222,7 @@ SAMPLING_FALLBACKS: dict[str, float] = {
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[Message] | None = None
-    segments: list[Segment] | None = None
+    segments: Annotated[list[Segment], msgspec.Meta(max_length=MAX_SEGMENTS)] | None = None
     # vLLM's chat-template options: what the template sees and how the prompt ends.
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     add_generation_prompt: bool | None = True
@@ -283,7 +285,7 @@ class CacheRequest(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     messages: list[Message] | None = None
-    segments: list[Segment] | None = None
+    segments: Annotated[list[Segment], msgspec.Meta(max_length=MAX_SEGMENTS)] | None = None
     pin: bool | None = False
     ttl_s: Annotated[float, msgspec.Meta(gt=0, le=30 * 86400)] | None = None  # pin's lifetime
     cache_salt: CacheSalt | None = None

@@ -14,13 +14,20 @@ what follows (the segment contract). The generation prompt is its own last piece
 
 For templates whose pieces meet at special tokens (Llama-3, ChatML) both paths give the same
 ids; for SentencePiece templates without them a piece boundary can tokenize differently.
+
+Every encode is under the request's cache namespace: the memo of segment encodings here and
+the tokenizer's own piece memo never let one tenant's timing depend on another's prompts. The
+memo is bounded in bytes; ``forget`` drops what a refused request added.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import threading
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, Protocol
 
 from prefixcache.engine.request import RetentionHint, SegmentSpan
@@ -31,7 +38,10 @@ from .protocol import Message, Segment, order_segments
 
 
 class ChatTokenizer(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def encode(
+        self, text: str, add_special_tokens: bool = False, namespace: str = ""
+    ) -> list[int]: ...
+    def forget(self, text: str, namespace: str = "") -> None: ...
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str: ...
@@ -45,17 +55,79 @@ class TemplateError(ValueError):
 class RenderedPrompt:
     token_ids: list[int]
     spans: list[SegmentSpan]  # one per tagged segment, in prompt order; [] for plain messages
+    namespace: str = ""
+    texts: list[str] = field(default_factory=list)  # what was encoded, for ``forget``
     retain: list[RetentionHint] = field(default_factory=list)  # from cache_control marks
 
 
+class EncodingMemo:
+    """(namespace, text) -> ids, least recently used first out, bounded in bytes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[str, str], array] = OrderedDict()
+        self._fresh: set[tuple[str, str]] = set()  # stored, not hit since: what pop_fresh drops
+        self._lock = threading.Lock()  # rendering runs on worker threads too
+
+    def get(self, namespace: str, text: str) -> array | None:
+        with self._lock:
+            ids = self._entries.get((namespace, text))
+            if ids is not None:
+                self._entries.move_to_end((namespace, text))
+                self._fresh.discard((namespace, text))
+            return ids
+
+    def put(self, namespace: str, text: str, ids: array) -> None:
+        size = _entry_bytes(text, ids)
+        if size > self.max_bytes // 4:
+            return  # one huge piece would flush everything else
+        with self._lock:
+            if (namespace, text) in self._entries:
+                return
+            self._entries[(namespace, text)] = ids
+            self._fresh.add((namespace, text))
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                old, old_ids = self._entries.popitem(last=False)
+                self._fresh.discard(old)
+                self.bytes -= _entry_bytes(old[1], old_ids)
+
+    def pop_fresh(self, namespace: str, text: str) -> None:
+        """Drop the entry if no request hit it since it was stored (a refused one's own)."""
+        with self._lock:
+            if (namespace, text) in self._fresh:
+                self._fresh.discard((namespace, text))
+                self.bytes -= _entry_bytes(text, self._entries.pop((namespace, text)))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _entry_bytes(text: str, ids: array) -> int:
+    return sys.getsizeof(text) + sys.getsizeof(ids) + 200  # + the key tuple and dict slot
+
+
 class PromptRenderer:
-    def __init__(self, tokenizer: ChatTokenizer, cache_size: int = 4096) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, memo_bytes: int = 32 * 1024**2) -> None:
         self.tokenizer = tokenizer
         # Stable pieces (system prompts, documents) repeat across requests: tokenize them once.
-        self._encode = lru_cache(maxsize=cache_size)(self._encode_uncached)
+        self.memo = EncodingMemo(memo_bytes)
 
-    def _encode_uncached(self, text: str) -> tuple[int, ...]:
-        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+    def _encode(self, text: str, namespace: str) -> array:
+        ids = self.memo.get(namespace, text)
+        if ids is None:
+            ids = array(
+                "l", self.tokenizer.encode(text, add_special_tokens=False, namespace=namespace)
+            )
+            self.memo.put(namespace, text, ids)
+        return ids
+
+    def forget(self, prompt: RenderedPrompt) -> None:
+        """Keep nothing of a prompt whose request was refused (its texts and their pieces)."""
+        for text in prompt.texts:
+            self.memo.pop_fresh(prompt.namespace, text)
+            self.tokenizer.forget(text, prompt.namespace)
 
     def render_messages(
         self,
@@ -63,6 +135,7 @@ class PromptRenderer:
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        namespace: str = "",
     ) -> RenderedPrompt:
         """The whole conversation rendered once and encoded once (transformers' way)."""
         final = messages[-1]["content"] if continue_final_message and messages else None
@@ -73,7 +146,8 @@ class PromptRenderer:
         )
         if final is not None:
             text = _cut_at_continue_tag(text, final)
-        return RenderedPrompt(self.tokenizer.encode(text, add_special_tokens=False), [])
+        ids = self.tokenizer.encode(text, add_special_tokens=False, namespace=namespace)
+        return RenderedPrompt(ids, [], namespace, [text])
 
     def render_pieces(
         self,
@@ -81,6 +155,7 @@ class PromptRenderer:
         tags: list[str],
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        namespace: str = "",
     ) -> RenderedPrompt:
         """Tokenize ``messages`` piece by piece; ``tags[i]`` names message i's span."""
         extra = template_kwargs or {}
@@ -90,18 +165,20 @@ class PromptRenderer:
 
         token_ids: list[int] = []
         spans: list[SegmentSpan] = []
+        pieces: list[str] = []
         previous = ""
         for i in range(len(messages)):
             text = template(messages[: i + 1], add_generation_prompt=False)
-            piece = _difference(previous, text, i)
+            pieces.append(_difference(previous, text, i))
             start = len(token_ids)
-            token_ids.extend(self._encode(piece))
+            token_ids.extend(self._encode(pieces[-1], namespace))
             spans.append(SegmentSpan(tags[i], start, len(token_ids)))
             previous = text
         if add_generation_prompt:
             text = template(messages, add_generation_prompt=True)
-            token_ids.extend(self._encode(_difference(previous, text, len(messages))))
-        return RenderedPrompt(token_ids, spans)
+            pieces.append(_difference(previous, text, len(messages)))
+            token_ids.extend(self._encode(pieces[-1], namespace))
+        return RenderedPrompt(token_ids, spans, namespace, pieces)
 
     def render_chat(
         self,
@@ -110,12 +187,15 @@ class PromptRenderer:
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        namespace: str = "",
     ) -> RenderedPrompt:
         """A chat request's prompt, by default ending with the generation prompt."""
         if segments is not None:
             ordered = order_segments(segments)
             tags = [s.tag for s in ordered]
-            out = self.render_pieces(_dicts(ordered), tags, add_generation_prompt, template_kwargs)
+            out = self.render_pieces(
+                _dicts(ordered), tags, add_generation_prompt, template_kwargs, namespace
+            )
             out.retain = [
                 RetentionHint(span.end, s.cache_control.ttl_s)
                 for s, span in zip(ordered, out.spans, strict=True)
@@ -124,9 +204,13 @@ class PromptRenderer:
             return out
         assert messages is not None
         out = self.render_messages(
-            _dicts(messages), add_generation_prompt, template_kwargs, continue_final_message
+            _dicts(messages),
+            add_generation_prompt,
+            template_kwargs,
+            continue_final_message,
+            namespace,
         )
-        out.retain = self._message_hints(messages, out.token_ids, template_kwargs)
+        out.retain = self._message_hints(messages, out.token_ids, template_kwargs, namespace)
         return out
 
     def _message_hints(
@@ -134,6 +218,7 @@ class PromptRenderer:
         messages: list[Message],
         token_ids: list[int],
         template_kwargs: dict[str, Any] | None,
+        namespace: str,
     ) -> list[RetentionHint]:
         """A ``cache_control`` on message i's content part j keeps the prompt up to the end of
         that part: the conversation cut there, rendered alone, and matched against the prompt
@@ -149,7 +234,9 @@ class PromptRenderer:
                     *messages[:i],
                     Message(message.role, list(message.content[: j + 1])),
                 ]
-                head = self.render_messages(_dicts(cut), False, template_kwargs).token_ids
+                head = self.render_messages(
+                    _dicts(cut), False, template_kwargs, namespace=namespace
+                ).token_ids
                 hints.append(
                     RetentionHint(_common_prefix(head, token_ids), part.cache_control.ttl_s)
                 )
@@ -160,14 +247,15 @@ class PromptRenderer:
         messages: list[Message] | None,
         segments: list[Segment] | None,
         template_kwargs: dict[str, Any] | None = None,
+        namespace: str = "",
     ) -> RenderedPrompt:
         """What /v1/cache/warm caches: no dynamic segments and no generation prompt."""
         if segments is not None:
             ordered = [s for s in order_segments(segments) if s.stability != "dynamic"]
             tags = [s.tag for s in ordered]
-            return self.render_pieces(_dicts(ordered), tags, False, template_kwargs)
+            return self.render_pieces(_dicts(ordered), tags, False, template_kwargs, namespace)
         assert messages is not None
-        return self.render_messages(_dicts(messages), False, template_kwargs)
+        return self.render_messages(_dicts(messages), False, template_kwargs, namespace=namespace)
 
 
 def _dicts(messages: list[Message] | list[Segment]) -> list[dict[str, Any]]:

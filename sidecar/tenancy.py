@@ -89,3 +89,8 @@ def cache_namespace(secret: bytes, tenant: str, salt: str | None = None) -> str:
     if salt:
         key = hmac.new(key, salt.encode(), hashlib.sha256).digest()
     return key.hex()
+
+
+def cache_file_key(secret: bytes) -> bytes:
+    """The HMAC key of pinned-prefix files: only a server with this secret signs or loads them."""
+    return hmac.new(secret, b"prefixcache: pinned-prefix files", hashlib.sha256).digest()

@@ -27,6 +27,7 @@ import pytest
 import uvicorn
 
 from prefixcache.sidecar.app import SidecarSettings, create_app
+from prefixcache.sidecar.http_protocol import HalfCloseHTTPProtocol
 from prefixcache.sidecar.tenancy import KeyStore
 
 TEST_NUM_BLOCKS = 512  # 8192 token slots at block size 16: room for 50 concurrent streams
@@ -77,7 +78,12 @@ def serve(loop: ServerLoop, app: Any, ready_timeout: float = 180) -> Server:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(
-        app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2, access_log=False
+        app,
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=2,
+        access_log=False,
+        http=HalfCloseHTTPProtocol,  # as `prefixcache serve`
     )
     server = uvicorn.Server(config)
     done = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), loop.loop)

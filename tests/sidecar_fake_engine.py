@@ -28,9 +28,12 @@ class FakeTokenizer:
     eos_token_ids = (EOS,)
     vocab_size = 256 + OFFSET
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, namespace: str = "") -> list[int]:
         ids = [b + OFFSET for b in text.encode()]
         return [BOS, *ids] if add_special_tokens else ids
+
+    def forget(self, text: str, namespace: str = "") -> None:
+        pass  # no memo
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
@@ -76,6 +79,7 @@ class FakeEngine:
         self.steps = Counter("fake_engine_steps", "steps", registry=self.registry)
         self.delay = delay  # seconds per generated token
         self.is_ready = False
+        self.error: str | None = None
         self.num_waiting = 0
         self.num_running = 0
         self.cached: set[bytes] = set()
@@ -195,13 +199,13 @@ class FakeEngine:
     def cache_activity(self, after: int = 0) -> list[RequestRecord]:
         return []
 
-    async def save_pinned(self, path: str | Path) -> SaveResult:
+    async def save_pinned(self, path: str | Path, key: bytes) -> SaveResult:
         """The pinned block digests as a JSON list (one "prefix" per block)."""
         data = json.dumps(sorted(d.hex() for d in self.pinned)).encode()
         Path(path).write_bytes(data)
         return SaveResult(str(path), len(self.pinned), len(self.pinned), len(data))
 
-    async def load_pinned(self, path: str | Path) -> LoadResult:
+    async def load_pinned(self, path: str | Path, key: bytes) -> LoadResult:
         try:
             digests = {bytes.fromhex(h) for h in json.loads(Path(path).read_bytes())}
         except (OSError, TypeError, ValueError) as exc:

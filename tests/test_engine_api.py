@@ -71,6 +71,7 @@ def test_engine_api_lists_what_the_sidecar_uses() -> None:
         "start",
         "shutdown",
         "is_ready",
+        "error",
         "model_name",
         "max_model_len",
         "tokenizer",

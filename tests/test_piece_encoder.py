@@ -138,7 +138,7 @@ def test_cache_stays_within_its_character_budget(tokenizers: dict[str, HFTokeniz
     assert encoder.stats.entries == len(encoder._pieces)
     big = "x" * 500  # longer than the whole budget: encoded, never stored
     assert encoder.encode(big) == hf.encode(big, add_special_tokens=False).ids
-    assert big not in encoder._pieces
+    assert ("", big) not in encoder._pieces
 
 
 def test_truncation_and_padding_in_tokenizer_json_never_cut_a_prompt(

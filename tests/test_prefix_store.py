@@ -173,8 +173,8 @@ def test_a_crafted_file_with_a_valid_checksum_is_refused_without_a_leak(
         metadata = dict(f.metadata())
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     tensors["kv.0"] = tensors["kv.0"][:2]  # fewer KV rows than blocks
-    metadata.pop("checksum")
-    metadata["checksum"] = prefix_store._checksum(metadata, tensors)
+    metadata.pop("hmac")
+    metadata["hmac"] = prefix_store.sign(b"", metadata, tensors)  # the test engines' key
     crafted = tmp_path / "crafted.safetensors"
     save_file(tensors, str(crafted), metadata=metadata)
     engine = make_engine(loaded)
@@ -189,7 +189,7 @@ def test_concurrent_saves_to_one_name_all_succeed(loaded, tmp_path: Path) -> Non
     snap = engine.snapshot_pinned()
     path = tmp_path / "same.safetensors"
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda _: prefix_store.write(snap, path), range(8)))
+        results = list(pool.map(lambda _: prefix_store.write(snap, path, b""), range(8)))
     assert all(r.blocks == 3 for r in results)
     assert make_engine(loaded).load_pinned(path).restored_blocks == 3
     assert [p.name for p in tmp_path.iterdir()] == ["same.safetensors"]  # no temporary left

@@ -42,7 +42,7 @@ def test_unpenalized_rows_and_logprobs_are_untouched() -> None:
     plain = SamplingParams()
     penalized = SamplingParams(frequency_penalty=2.0, logprobs=1)
     histories = [((), (1, 1, 1)), ((), (1, 1, 1))]
-    tokens, logprobs = Sampler().sample(logits, [plain, penalized], ["a", "b"], histories)
+    tokens, logprobs, _ = Sampler().sample(logits, [plain, penalized], ["a", "b"], histories)
     assert tokens == [1, 2]  # 5 - 2*3 = -1 < 1: the penalized row moves on
     assert logprobs[1] is not None  # the model's own distribution, before penalties
     assert logprobs[1].logprob == pytest.approx(float(torch.log_softmax(logits[1], -1)[2]))

@@ -114,17 +114,24 @@ def test_the_sdk_saves_and_loads(server_loop: ServerLoop, demo_loaded: Any, tmp_
 def test_evict_including_pinned_frees_prefixes_nobody_can_unpin(
     server_loop: ServerLoop, demo_loaded: Any, tmp_path: Path
 ) -> None:
-    """Prefixes loaded under another namespace secret never match, so no body can unpin them."""
+    """Prefixes pinned under a namespace nobody uses any more (here a salt) never match, so
+    nobody unpins them. (A file saved under another server secret is refused outright: files
+    are signed with a key derived from the secret.)"""
     first = start(server_loop, demo_loaded, tmp_path)
     try:
         warm = {"messages": [{"role": "system", "content": SYSTEM}], "pin": True}
-        httpx.post(f"{first.url}/cache/warm", json=warm, timeout=60)
+        httpx.post(f"{first.url}/cache/warm", json={**warm, "cache_salt": "v1"}, timeout=60)
         httpx.post(f"{first.url}/cache/save", json={"name": "old"})
     finally:
         first.stop()
-    settings = SidecarSettings(
-        secret=b"another secret!!", cache_dir=tmp_path, load_on_start=("old",)
-    )
+    other = SidecarSettings(secret=b"another secret!!", cache_dir=tmp_path)
+    third = serve(server_loop, create_app(demo_engine(demo_loaded), other))
+    try:
+        refused = httpx.post(f"{third.url}/cache/load", json={"name": "old"})
+        assert refused.status_code == 400, refused.text
+    finally:
+        third.stop()
+    settings = SidecarSettings(secret=SECRET, cache_dir=tmp_path, load_on_start=("old",))
     second = serve(server_loop, create_app(demo_engine(demo_loaded), settings))
     try:
         pinned = httpx.get(f"{second.url}/cache/stats").json()["blocks"]["pinned"]

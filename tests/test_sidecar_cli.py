@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -129,3 +130,26 @@ def test_serve_upstream_routes_to_another_server(fake_server: Server) -> None:
             f'prefixcache:upstream_requests_total{{route="affinity",upstream="{fake_server.url}"}}'
         )
         assert f"{series} 1.0" in metrics
+
+
+@pytest.mark.parametrize("broken", ["missing", "bad-config"])
+def test_a_model_that_cannot_load_ends_the_process(tmp_path: Path, broken: str) -> None:
+    """No zombie server answering 503 forever: exit non-zero with the error on stderr."""
+    model = tmp_path / "typo"
+    if broken == "bad-config":
+        model.mkdir()
+        (model / "config.json").write_text("{not json")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", "serve", "--port", str(port)]
+    proc = subprocess.run(
+        [*cmd, "--model", str(model), "--log-level", "warning"],
+        capture_output=True,
+        text=True,
+        timeout=60,  # the old code never exited: TimeoutExpired
+    )
+    assert proc.returncode != 0
+    assert "prefixcache serve: the engine failed to start" in proc.stderr
+    if broken == "missing":
+        assert model.name in proc.stderr

@@ -1,0 +1,139 @@
+"""Regression tests of issue 18's HTTP-edge defects: deep JSON nesting, exact salt validation,
+half-closed clients. Each failed on the code before its fix."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+from conftest import Server
+
+USER = {"role": "user", "content": "hello"}
+
+
+def nested(depth: int, kind: str) -> str:
+    if kind == "list":
+        return "[" * depth + "]" * depth
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+@pytest.mark.parametrize("field", ["metadata", "chat_template_kwargs", "user"])
+@pytest.mark.parametrize("kind", ["list", "dict"])
+def test_deep_nesting_is_a_400(fake_server: Server, field: str, kind: str) -> None:
+    head = json.dumps({"messages": [USER], "max_tokens": 2})[:-1]
+    body = f'{head}, "{field}": {nested(5000, kind)}}}'
+    response = httpx.post(f"{fake_server.url}/chat/completions", content=body, timeout=10)
+    assert response.status_code == 400, response.text
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(f"{fake_server.root}/health", timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize("salt", ["abc\n", "abc\r\n", "\nabc", "ab\nc"])
+def test_cache_salt_is_validated_exactly(fake_server: Server, salt: str) -> None:
+    body = {"messages": [USER], "max_tokens": 2, "cache_salt": salt}
+    response = httpx.post(f"{fake_server.url}/chat/completions", json=body, timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "cache_salt"
+    warm = httpx.post(f"{fake_server.root}/v1/cache/warm", json=body, timeout=10)
+    assert warm.status_code == 400, warm.text
+    ok = httpx.post(
+        f"{fake_server.url}/chat/completions", json={**body, "cache_salt": "abc"}, timeout=10
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def half_closed_exchange(root: str, path: str, body: bytes, timeout: float = 20) -> bytes:
+    """Send one request, shut the write side (SHUT_WR), read until the server closes."""
+    host, port = root.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode()
+        sock.sendall(head + body)
+        sock.shutdown(socket.SHUT_WR)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"  # the server's probe: is the client still there
+    return received.removeprefix(interim)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_half_closed_client_gets_its_full_response(fake_server: Server, stream: bool) -> None:
+    body = json.dumps({"messages": [USER], "max_tokens": 8, "stream": stream}).encode()
+    raw = half_closed_exchange(fake_server.root, "/v1/chat/completions", body)
+    assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
+    if stream:
+        assert b"data: [DONE]" in raw and raw.endswith(b"0\r\n\r\n"), raw[-200:]
+    else:
+        payload = raw.split(b"\r\n\r\n", 1)[1]
+        assert json.loads(payload)["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_half_closed_client_on_the_real_engine(sidecar_server: Server) -> None:
+    body = json.dumps({"messages": [USER], "max_tokens": 6, "temperature": 0}).encode()
+    raw = half_closed_exchange(sidecar_server.root, "/v1/chat/completions", body, timeout=60)
+    assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
+    payload = json.loads(raw.split(b"\r\n\r\n", 1)[1])
+    assert payload["usage"]["completion_tokens"] >= 1
+
+
+def test_health_reports_an_engine_that_broke_after_serving(fake_server: Server) -> None:
+    engine = fake_server.app.state.sidecar.engine
+    assert httpx.get(f"{fake_server.root}/health", timeout=5).status_code == 200
+    engine.error = "the model step failed: RuntimeError: CUDA error"
+    try:
+        response = httpx.get(f"{fake_server.root}/health", timeout=5)
+        assert response.status_code == 503
+        assert response.json() == {"status": "failed", "error": engine.error}
+    finally:
+        engine.error = None
+    assert httpx.get(f"{fake_server.root}/health", timeout=5).status_code == 200
+
+
+@pytest.mark.timeout(180)
+def test_extreme_sampling_values_harm_no_bystander(sidecar_server: Server) -> None:
+    """8 greedy bystanders and 6 requests with overflowing values, all at once: every one
+    answers 200 and the bystanders' text is what it is alone."""
+    import asyncio
+
+    def body(i: int, **fields: object) -> dict:
+        msg = {"role": "user", "content": f"bystander {i} tells a story"}
+        return {"messages": [msg], "max_tokens": 6, "temperature": 0, **fields}
+
+    extreme = [
+        {"temperature": 1e-300},
+        {"temperature": 1e-40},
+        {"temperature": 1, "top_p": 1e-46},
+        {"temperature": 1, "top_p": 5e-324},
+        {"temperature": 1, "repetition_penalty": 1e-300},
+        {"repetition_penalty": 1e-300},
+    ]
+
+    async def run(bodies: list[dict]) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=sidecar_server.url, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/chat/completions", json=b) for b in bodies))
+
+    alone = [
+        r.json()["choices"][0]["message"]["content"]
+        for r in asyncio.run(run([body(i) for i in range(8)]))
+    ]
+    mixed = asyncio.run(run([*(body(i) for i in range(8)), *(body(9, **f) for f in extreme)]))
+    assert [r.status_code for r in mixed] == [200] * len(mixed), [r.text for r in mixed]
+    assert [r.json()["choices"][0]["message"]["content"] for r in mixed[:8]] == alone
+
+
+def test_a_client_that_leaves_a_plain_request_still_aborts_it(sidecar_server: Server) -> None:
+    """A full close is not taken for a half close: the server's probe meets a reset."""
+    body = {"messages": [USER], "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{sidecar_server.url}/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.3)
+        )
+    from conftest import wait_for_idle_blocks
+
+    stats = wait_for_idle_blocks(sidecar_server.root, timeout=5)
+    assert stats["blocks"]["in_use"] == 0  # aborted, not run for 900 tokens

@@ -1,0 +1,214 @@
+"""Regression tests of issue 18's hostile-input defects: unbounded memos, a blocked event loop,
+and a cross-tenant timing oracle through the tokenizer memo. Each failed on the code before
+its fix. The server is the sidecar over the fake engine with the demo model's real tokenizer
+(its piece memo included), so only the request path is measured."""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import threading
+import time
+import tracemalloc
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from conftest import KEYS, Server, ServerLoop, serve
+
+from prefixcache.sidecar.app import SidecarSettings, create_app
+from prefixcache.sidecar.tenancy import KeyStore
+
+CONTEXT = 8192
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer_server(
+    server_loop: ServerLoop, demo_loaded: Any, keys_file: str
+) -> Iterator[Server]:
+    from sidecar_fake_engine import FakeEngine
+
+    engine = FakeEngine(max_model_len=CONTEXT)
+    engine.tokenizer = demo_loaded.tokenizer  # the real one, with its piece memo
+    settings = SidecarSettings(keys=KeyStore.from_file(keys_file), max_body_bytes=8 * 1024**2)
+    server = serve(server_loop, create_app(engine, settings))
+    yield server
+    server.stop()
+
+
+def auth(who: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {KEYS[who]['key']}"}
+
+
+def words(rng: random.Random, n_chars: int) -> str:
+    out: list[str] = []
+    size = 0
+    while size < n_chars:
+        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randrange(2, 9)))
+        out.append(word)
+        size += len(word) + 1
+    return " ".join(out)
+
+
+def test_refused_requests_leave_nothing_in_memory(real_tokenizer_server: Server) -> None:
+    """Distinct big segments refused for context length: the process does not grow."""
+    url = real_tokenizer_server.url
+    rng = random.Random(11)
+    with httpx.Client(timeout=120) as client:
+        for i in range(12):
+            if i == 2:  # Python allocations from here on (what the memos would hold)
+                tracemalloc.start()
+                before = tracemalloc.get_traced_memory()[0]
+            segments = [
+                {
+                    "role": "system",
+                    "tag": "doc",
+                    "content": words(rng, 300_000),
+                    "stability": "static",
+                },
+                {"role": "user", "tag": "q", "content": f"question {i}"},
+            ]
+            body = {"segments": segments, "max_tokens": 1}
+            response = client.post(f"{url}/chat/completions", json=body, headers=auth("a"))
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["code"] == "context_length_exceeded"
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 16 * 1024**2, f"kept {grown / 1024**2:.0f} MiB for 10 refused requests"
+    sidecar = real_tokenizer_server.app.state.sidecar
+    memo = sidecar.gate.renderer.memo
+    assert all(len(text) < 300_000 for _, text in memo._entries)
+
+
+def test_memos_are_bounded_in_bytes(demo_loaded: Any) -> None:
+    from prefixcache.engine.piece_encoder import PieceEncoder
+    from prefixcache.sidecar.rendering import PromptRenderer
+
+    rng = random.Random(12)
+    hf = demo_loaded.tokenizer._tok
+    encoder = PieceEncoder.create(hf, max_bytes=2 * 1024**2)
+    renderer = PromptRenderer(demo_loaded.tokenizer, memo_bytes=2 * 1024**2)
+    assert encoder is not None
+    for i in range(12):
+        text = words(rng, 60_000)
+        assert encoder.encode(text, f"ns{i % 3}") == hf.encode(text, add_special_tokens=False).ids
+        renderer._encode(text, f"ns{i % 3}")
+        assert encoder.stats.bytes <= 2 * 1024**2
+        assert renderer.memo.bytes <= 2 * 1024**2
+    assert encoder.stats.entries >= 2 and len(renderer.memo) >= 2  # it does remember
+
+
+def test_many_segments_are_a_quick_400(real_tokenizer_server: Server) -> None:
+    segments = [{"role": "user", "tag": f"t{i}", "content": "x"} for i in range(2000)]
+    started = time.monotonic()
+    response = httpx.post(
+        f"{real_tokenizer_server.url}/chat/completions",
+        json={"segments": segments, "max_tokens": 1},
+        headers=auth("a"),
+        timeout=120,
+    )
+    elapsed = time.monotonic() - started
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith("segments")
+    assert "256" in response.json()["error"]["message"]
+    assert elapsed < 1.5, f"{elapsed:.1f} s"
+
+
+def test_a_big_prompt_never_stalls_the_event_loop(real_tokenizer_server: Server) -> None:
+    """While 3 MB of segments render and tokenize (seconds), /health answers at once."""
+    rng = random.Random(13)
+    segments = [
+        {"role": "user" if i % 2 else "system", "tag": f"t{i}", "content": words(rng, 12_000)}
+        for i in range(250)
+    ]
+    body = json.dumps({"segments": segments, "max_tokens": 1}).encode()
+    done = threading.Event()
+    status: list[int] = []
+
+    def big() -> None:
+        response = httpx.post(
+            f"{real_tokenizer_server.url}/chat/completions",
+            content=body,
+            headers={**auth("b"), "content-type": "application/json"},
+            timeout=300,
+        )
+        status.append(response.status_code)
+        done.set()
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    time.sleep(0.3)  # the body is in; rendering has begun
+    worst = 0.0
+    probes = 0
+    with httpx.Client(timeout=60) as client:
+        while not done.is_set() and probes < 50:
+            started = time.monotonic()
+            assert client.get(f"{real_tokenizer_server.root}/health").status_code == 200
+            worst = max(worst, time.monotonic() - started)
+            probes += 1
+            time.sleep(0.05)
+    thread.join()
+    assert status == [400]  # far over the context
+    assert worst < 0.5, f"/health took {worst:.2f} s while the big prompt rendered"
+    assert probes >= 3, "the big request finished too fast to tell"
+
+
+@pytest.mark.timeout(300)
+def test_no_timing_oracle_across_tenants(real_tokenizer_server: Server) -> None:
+    """Tenant B guesses which of two texts tenant A sent from its own 400's latency (the
+    candidate plus filler is over-long, so it is refused before any prefill). With a memo
+    shared across tenants it guessed right ~100% of the time; now it must be a coin toss."""
+    url = real_tokenizer_server.url
+    rng = random.Random(14)
+    trials = 40
+    seen = [words(rng, 7000) for _ in range(trials)]
+    unseen = [words(rng, 7000) for _ in range(trials)]
+    filler = words(rng, 4000)
+    with httpx.Client(timeout=60) as client:
+        for text in seen:  # tenant A's accepted requests
+            body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+            assert (
+                client.post(f"{url}/chat/completions", json=body, headers=auth("a")).status_code
+                == 200
+            )
+
+        def probe(text: str) -> float:
+            messages = [{"role": "user", "content": text}, {"role": "user", "content": filler}]
+            started = time.perf_counter()
+            response = client.post(
+                f"{url}/chat/completions", json={"messages": messages}, headers=auth("b")
+            )
+            elapsed = time.perf_counter() - started
+            assert response.status_code == 400, response.text
+            return elapsed
+
+        right = 0
+        for i in range(trials):
+            if i % 2:
+                t_unseen, t_seen = probe(unseen[i]), probe(seen[i])
+            else:
+                t_seen, t_unseen = probe(seen[i]), probe(unseen[i])
+            right += t_seen < t_unseen
+    # Under no signal, right ~ Binomial(40, 0.5): P(right >= 30) < 0.1 %.
+    assert right < 30, f"tenant B guessed tenant A's text {right}/{trials} times"
+
+
+def test_a_refused_request_keeps_the_entries_others_use(demo_loaded: Any) -> None:
+    """forget drops only what the refused request itself added: a shared system prompt stays."""
+    from prefixcache.sidecar.rendering import PromptRenderer
+
+    tok = demo_loaded.tokenizer
+    renderer = PromptRenderer(tok)
+    rng = random.Random(15)
+    system, question, huge = words(rng, 3000), words(rng, 50), words(rng, 20000)
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    renderer.render_messages(chat, namespace="ns")
+    pieces = tok.piece_cache
+    kept = pieces.stats.entries
+    refused = renderer.render_messages([*chat, {"role": "user", "content": huge}], namespace="ns")
+    renderer.forget(refused)
+    assert pieces.stats.entries == kept  # the system prompt's pieces are still there
+    assert not any(huge in key[1] for key in pieces._pieces)
