@@ -1,4 +1,4 @@
-"""load_gguf(): a llama.cpp GGUF file -> LoadedModel, dequantized to the engine dtype.
+"""load_gguf(): a llama.cpp GGUF file -> GGUFModel, dequantized to the engine dtype.
 
 The file is memory-mapped by the ``gguf`` package's reader; tensors are dequantized one at a
 time (``gguf.dequantize``, float32) and cast to the engine dtype, so the process holds the
@@ -15,18 +15,19 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from .llama import LlamaForCausalLM, rope_inv_freq
 from .model_config import ModelConfig, UnsupportedModelError
+from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
-
-    from .loader import LoadedModel
 
 # GGUF general.architecture -> the Hugging Face architecture the engine runs.
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -71,6 +72,16 @@ ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-pair frequency divisors
 
 class GGUFLoadError(ValueError):
     """The file is not a readable GGUF, is truncated, or holds what the engine cannot run."""
+
+
+@dataclass(slots=True)
+class GGUFModel:
+    """What loader.load_model wraps into a LoadedModel."""
+
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    fingerprint: str
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -192,13 +203,7 @@ def check_tensor_types(reader: GGUFReader, path: Path) -> None:
         )
 
 
-def load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device, name: str | None = None
-) -> LoadedModel:
-    from .llama import LlamaForCausalLM, rope_inv_freq
-    from .loader import LoadedModel, ModelLoadError
-    from .tokenizer import Tokenizer
-
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> GGUFModel:
     reader = open_gguf(path)
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
@@ -215,12 +220,10 @@ def load_gguf(
     unknown = [n for n in tensors if n != ROPE_FREQS and hf_tensor_name(n) is None]
     unexpected = [n for n in tensors if (hf := hf_tensor_name(n)) and hf not in expected]
     if unknown or unexpected:
-        raise ModelLoadError(
-            f"{path.name}: tensors the engine cannot place: {unknown + unexpected}"
-        )
+        raise GGUFLoadError(f"{path.name}: tensors the engine cannot place: {unknown + unexpected}")
     missing = sorted(set(expected) - {hf_tensor_name(n) for n in tensors})
     if missing:
-        raise ModelLoadError(f"{path.name}: missing tensors: {missing[:6]}")
+        raise GGUFLoadError(f"{path.name}: missing tensors: {missing[:6]}")
 
     permute = raw_config["model_type"] in _PERMUTED_QK
     state: dict[str, torch.Tensor] = {}
@@ -229,7 +232,7 @@ def load_gguf(
         if hf is None:
             continue
         if tuple(int(d) for d in reversed(t.shape.tolist())) != expected[hf]:
-            raise ModelLoadError(
+            raise GGUFLoadError(
                 f"{path.name}: tensor {gguf_name} has shape {list(reversed(t.shape.tolist()))} but "
                 f"the metadata implies {list(expected[hf])}"
             )
@@ -247,16 +250,7 @@ def load_gguf(
         factors = torch.from_numpy(dequantize_tensor(tensors[ROPE_FREQS]).reshape(-1))
         model.model.rotary_emb.inv_freq_cpu = rope_inv_freq(config) / factors
     model.eval().requires_grad_(False)
-    return LoadedModel(
-        model=model,
-        config=config,
-        tokenizer=tokenizer,
-        name=name or path.name,
-        fingerprint=gguf_fingerprint(path, reader, raw_config),
-        dtype=dtype,
-        device=device,
-        path=path,
-    )
+    return GGUFModel(model, config, tokenizer, gguf_fingerprint(path, reader, raw_config))
 
 
 def gguf_fingerprint(path: Path, reader: GGUFReader, raw_config: dict[str, Any]) -> str:

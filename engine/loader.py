@@ -115,9 +115,19 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str) 
     from .gguf_loader import GGUFLoadError, load_gguf
 
     try:
-        return load_gguf(path, dtype, device, name=name)
+        loaded = load_gguf(path, dtype, device)
     except GGUFLoadError as exc:
         raise ModelLoadError(str(exc)) from exc
+    return LoadedModel(
+        model=loaded.model,
+        config=loaded.config,
+        tokenizer=loaded.tokenizer,
+        name=name,
+        fingerprint=loaded.fingerprint,
+        dtype=dtype,
+        device=device,
+        path=path,
+    )
 
 
 def load_folder(

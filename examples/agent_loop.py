@@ -5,7 +5,7 @@ loop then runs twice over the same scripted tool calls: once with the timestamp 
 prompt (every step recomputes everything), once with the fix (the time is a dynamic segment at
 the end, and each step reuses all earlier steps).
 
-    prefixcache serve --model demo            # in another terminal
+    prefixcache serve --model smollm2         # in another terminal
     python examples/agent_loop.py [--base-url URL] [--steps 4]
 """
 
@@ -24,7 +24,8 @@ INSTRUCTIONS = (
     "You are an operations agent. Use the tools to investigate an alert, one call per step, "
     "then write a short incident summary. Reply with the next tool call as JSON."
 )
-# The demo model cannot really call tools, so the calls and results are scripted.
+# A 135M model cannot be trusted to call tools, so the calls and results are scripted; the
+# model's own reply to each step is printed next to the scripted call.
 SCRIPT = [
     ({"tool": "get_alert", "args": {"id": "disk-usage"}}, "Disk usage on db-2 is at 93%."),
     ({"tool": "list_files", "args": {"host": "db-2", "path": "/var/log"}}, "app.log 41 GB"),
@@ -71,9 +72,10 @@ def run_loop(client: Client, fixed: bool, steps: int, max_tokens: int) -> float:
         out = client.complete(prompt, max_tokens=max_tokens, temperature=0.0)
         prompt_tokens += out.usage.prompt_tokens or 0
         cached_tokens += out.usage.cached_tokens
+        reply = " ".join(out.text.split())[:70] or "(empty reply)"
         print(
             f"  step {step + 1}: prompt {out.usage.prompt_tokens:5d}"
-            f" cached {out.usage.cached_tokens:5d}"
+            f" cached {out.usage.cached_tokens:5d}  model: {reply}"
         )
         call, result = SCRIPT[step % len(SCRIPT)]
         # append-only: the call and its result become session segments
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", default=os.environ.get("PREFIXCACHE_BASE_URL", DEFAULT_BASE_URL))
     p.add_argument("--model", default=None)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--keep-cache", action="store_true", help="do not evict before each run")
     args = p.parse_args(argv)
 
