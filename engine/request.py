@@ -68,6 +68,17 @@ class EngineRequest:
     namespace: str = ""  # cache namespace (tenant + salt), derived by the server
     priority: int = 0  # lower value = more important (vLLM's convention); preempted last
     segments: list[SegmentSpan] | None = None
+    tenant: str = ""  # opaque; namespaces with the same tenant are one tenant's salts
+
+
+@dataclass(slots=True, frozen=True)
+class SegmentMiss:
+    """Why a segment's tokens were not served from the cache (engine/miss_reasons.py)."""
+
+    reason: str  # cold | evicted | diverged | partial_block | below_min | namespace
+    segment: str | None = None  # the segment where the cached prefix stopped (diverged: changed)
+    evicted_at: float | None = None  # evicted: unix time of the eviction
+    evicted_by: str | None = None  # evicted: "pressure" | "admin" | "ttl"
 
 
 @dataclass(slots=True)
@@ -75,6 +86,7 @@ class SegmentUsage:
     tag: str
     tokens: int
     cached_tokens: int
+    miss: SegmentMiss | None = None  # None: fully cached, or not reported
 
 
 @dataclass(slots=True)

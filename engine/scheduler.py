@@ -9,11 +9,15 @@ preempted (freed, recomputed later; its committed blocks stay cached, so it re-h
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, PrefixMatch
 from .config import EngineConfig
+from .request import SegmentMiss
 from .sequence import Sequence, SequenceStatus
+
+ExplainMiss = Callable[[Sequence, PrefixMatch], SegmentMiss | None]
 
 _HIT_REFRESH_PER_STEP = 16
 
@@ -42,6 +46,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_steps = 0
+        self.explain_miss: ExplainMiss | None = None  # at first admission, before allocating
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -96,6 +101,8 @@ class Scheduler:
             target = match.num_tokens + num_tokens
             if not manager.can_allocate(match, target):
                 break  # head of line waits for memory; smaller requests do not jump it
+            if seq.num_cached_tokens is None and self.explain_miss is not None:
+                seq.miss = self.explain_miss(seq, match)
             seq.table = manager.allocate(seq.token_ids, seq.namespace, match, target)
             seq.num_computed_tokens = seq.table.num_cached_tokens  # < match if no room to copy
             if seq.num_cached_tokens is None:
@@ -227,12 +234,11 @@ class Scheduler:
         self.block_manager.free(seq.table)
         seq.table = None
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         self.running.remove(seq)
         self.waiting.append(seq)
         seq.status = SequenceStatus.WAITING
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -241,7 +247,6 @@ class Scheduler:
             self.block_manager.free(seq.table)
             seq.table = None
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
 
 
 def _least_important(candidates: list[Sequence]) -> Sequence:

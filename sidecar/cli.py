@@ -7,6 +7,12 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefixcache.engine.config import EngineConfig
+
+    from .upstream_app import EventSource
 
 MIB = 1024**2
 
@@ -126,14 +132,88 @@ def build_parser() -> argparse.ArgumentParser:
         "get the model's generation_config.json values (as vLLM does); none: OpenAI's defaults",
     )
     serve.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="ZMQ",
+        help="publish KV events (what the prefix cache stores and evicts) in vLLM's format on "
+        "this ZMQ PUB address, e.g. tcp://127.0.0.1:5557 (needs pyzmq: "
+        "pip install 'prefixcache[events]'); docs/kv-events.md",
+    )
+    serve.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="ZMQ",
+        help="ZMQ ROUTER address where subscribers ask for missed event batches again",
+    )
+    serve.add_argument(
+        "--kv-events-topic", default="", help="the topic frame of every KV event message"
+    )
+    serve.add_argument(
+        "--kv-events-token-ids",
+        default="none",
+        metavar="none|all|TENANT[,TENANT...]",
+        help="whose prompt token ids the KV events carry (routers need them to match "
+        "prefixes): none, all, or these tenants' (their unsalted namespaces). Anyone who can "
+        "connect to the endpoint reads those prompts token by token",
+    )
+    serve.add_argument(
         "--upstream",
         action="append",
         default=[],
-        metavar="URL",
+        metavar="URL[,events=ZMQ[,replay=ZMQ]]",
         help="upstream mode (repeatable): no embedded engine; route each request to one of "
         "these OpenAI-compatible servers (vLLM, SGLang, other sidecars; base URLs like "
-        "http://10.0.0.7:8000/v1) by prefix affinity: requests sharing a system prompt go to "
-        "the replica that already holds it, within --load-factor",
+        "http://10.0.0.7:8000/v1). events=: the upstream's KV event PUB address (vLLM's "
+        "--kv-events-config endpoint, or prefixcache's --kv-events-endpoint), replay=: its "
+        "replay address; with --tokenizer, requests go to the replica that holds their "
+        "longest prefix, weighed against load (docs/sidecar.md)",
+    )
+    serve.add_argument(
+        "--routing",
+        choices=["cache_aware", "hash"],
+        default="cache_aware",
+        help="upstream mode: cache_aware (precise over KV events, else an approximate tree "
+        "of what was sent where) or hash (rendezvous hash of the system prompt)",
+    )
+    serve.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="upstream mode: the upstreams' model folder (tokenizer.json, chat template), "
+        "for precise routing over KV events; torch is not needed",
+    )
+    serve.add_argument(
+        "--running-weight",
+        type=float,
+        default=32.0,
+        help="upstream mode, precise routing: cost of one request in flight, in prompt tokens",
+    )
+    serve.add_argument(
+        "--prefill-weight",
+        type=float,
+        default=0.25,
+        help="upstream mode, precise routing: cost of one pending prefill token on a replica",
+    )
+    serve.add_argument(
+        "--match-threshold",
+        type=float,
+        default=0.5,
+        help="upstream mode, approximate routing: share of the prompt a replica's match must "
+        "cover to take the request",
+    )
+    serve.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=4,
+        help="upstream mode, approximate routing: the least loaded replica takes a request "
+        "when max - min in flight exceeds this and ...",
+    )
+    serve.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=1.5,
+        help="... max in flight exceeds this times min",
     )
     serve.add_argument(
         "--load-factor",
@@ -242,11 +322,13 @@ def serve(args: argparse.Namespace) -> None:
         keys = KeyStore.from_file(args.api_keys_file) if args.api_keys_file else KeyStore()
         if args.load_cache and args.cache_dir is None:
             raise ValueError("--load-cache needs --cache-dir")
+        secret = read_secret(args.secret_file, keys.enabled)
+        set_kv_events(config, args, secret)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"prefixcache serve: {exc}") from None
     settings = SidecarSettings(
         keys=keys,
-        secret=read_secret(args.secret_file, keys.enabled),
+        secret=secret,
         max_body_bytes=int(args.max_body_mib * MIB),
         max_waiting=args.queue_limit,
         model_aliases=(args.model, *args.served_model_name),
@@ -264,17 +346,72 @@ def serve(args: argparse.Namespace) -> None:
     )
 
 
+def set_kv_events(config: EngineConfig, args: argparse.Namespace, secret: bytes) -> None:
+    """The --kv-events-* flags on the engine's configuration."""
+    from .tenancy import cache_namespace
+
+    if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
+        raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+    config.kv_events_endpoint = args.kv_events_endpoint
+    config.kv_events_replay_endpoint = args.kv_events_replay_endpoint
+    config.kv_events_topic = args.kv_events_topic
+    policy = args.kv_events_token_ids.strip()
+    if policy in ("none", "all"):
+        config.kv_events_token_ids = policy
+        return
+    tenants = [t.strip() for t in policy.split(",") if t.strip()]
+    if not tenants:
+        raise ValueError("--kv-events-token-ids: none, all, or a comma-separated tenant list")
+    config.kv_events_token_ids = "listed"
+    config.kv_events_token_namespaces = tuple(cache_namespace(secret, t) for t in tenants)
+
+
+def parse_upstream(spec: str) -> tuple[str, EventSource | None]:
+    """``URL[,events=ZMQ[,replay=ZMQ]]`` -> (URL, its event source)."""
+    from .upstream_app import EventSource
+
+    url, *options = [part.strip() for part in spec.split(",")]
+    fields: dict[str, str] = {}
+    for option in options:
+        name, sep, value = option.partition("=")
+        if not sep or name not in ("events", "replay") or not value or name in fields:
+            raise ValueError(f"--upstream {spec!r}: expected URL[,events=ZMQ[,replay=ZMQ]]")
+        fields[name] = value
+    if "replay" in fields and "events" not in fields:
+        raise ValueError(f"--upstream {spec!r}: replay= needs events=")
+    if "events" not in fields:
+        return url, None
+    return url, EventSource(fields["events"], fields.get("replay"))
+
+
 def serve_upstream(args: argparse.Namespace) -> None:
     """Upstream mode: a prefix-affinity router in front of OpenAI-compatible servers."""
     import uvicorn
 
+    from .routing import RoutingSettings
     from .tenancy import KeyStore
     from .upstream_app import UpstreamSettings, create_upstream_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        parsed = [parse_upstream(spec) for spec in args.upstream]
+        tokenizer = None
+        if args.tokenizer is not None:
+            from prefixcache.engine.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_folder(args.tokenizer)
         settings = UpstreamSettings(
-            upstreams=tuple(args.upstream),
+            upstreams=tuple(url for url, _ in parsed),
+            routing=args.routing,
+            events={url: source for url, source in parsed if source is not None},
+            tokenizer=tokenizer,
+            cache_aware=RoutingSettings(
+                match_threshold=args.match_threshold,
+                balance_abs_threshold=args.balance_abs_threshold,
+                balance_rel_threshold=args.balance_rel_threshold,
+                prefill_weight=args.prefill_weight,
+                running_weight=args.running_weight,
+            ),
             keys=KeyStore.from_file(args.api_keys_file) if args.api_keys_file else KeyStore(),
             upstream_api_key=args.upstream_api_key,
             load_factor=args.load_factor,

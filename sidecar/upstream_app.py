@@ -1,7 +1,9 @@
-"""Upstream mode: the sidecar as a prefix-affinity router in front of OpenAI-compatible servers.
+"""Upstream mode: the sidecar as a cache-aware router in front of OpenAI-compatible servers.
 
 ``create_upstream_app(settings)`` proxies /v1/chat/completions and /v1/completions to the
-upstream sidecar/upstream.py chooses for the request's affinity key. Bodies are forwarded as
+upstream the routing policy chooses: ``cache_aware`` (sidecar/routing.py: precise over the
+upstreams' KV events, approximate over a tree of what was sent where) or ``hash``
+(sidecar/upstream.py: bounded-load rendezvous hashing of the request's affinity key). Bodies are forwarded as
 they came, except that a chat body with ``segments`` becomes plain ``messages`` (upstreams do
 not know segments). Statuses, bodies and content types come back unchanged; SSE streams are
 relayed as their bytes arrive. A connection that fails before any response byte marks its
@@ -14,32 +16,38 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import msgspec
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import Response
 
-from . import protocol as p
-from .errors import APIError, bad_request, from_validation
-from .http_io import decode_json, exception_handlers, read_body
-from .http_metrics import HTTPMetrics
-from .streaming import DONE, SSEResponse, run_until_disconnect, sse_event
+from .errors import APIError
+from .http_app import build_app, health_reply, metrics_reply, openai_routes
+from .http_io import read_body
+from .kv_index import ReplicaIndex
+from .kv_subscriber import EventSubscriber
+from .rendering import ChatTokenizer
+from .route_input import RouteInput, RouteReader
+from .routing import (
+    REASONS,
+    CacheAwareRouter,
+    Decision,
+    PendingPrefill,
+    Replica,
+    RoutingSettings,
+)
+from .streaming import SSEResponse, run_until_disconnect
 from .tenancy import KeyStore
 from .upstream import ROUTES, Upstream, UpstreamPool, affinity_key
+from .upstream_bodies import decode_object, segments_to_messages
+from .upstream_relay import Exchange, relay_events, upstream_lost
 
 log = logging.getLogger("prefixcache.sidecar.upstream")
 
@@ -54,9 +62,19 @@ CONNECT_FAILURES: tuple[type[Exception], ...] = (
 )
 
 
+@dataclass(slots=True, frozen=True)
+class EventSource:
+    endpoint: str  # the upstream's KV event PUB socket, e.g. tcp://10.0.0.7:5557
+    replay_endpoint: str | None = None  # its ROUTER replay socket
+
+
 @dataclass(slots=True)
 class UpstreamSettings:
     upstreams: tuple[str, ...]  # base URLs, e.g. ("http://10.0.0.7:8000/v1", ...)
+    routing: str = "cache_aware"  # cache_aware | hash
+    events: dict[str, EventSource] = field(default_factory=dict)  # by upstream URL
+    tokenizer: ChatTokenizer | None = None  # the upstreams' model's, for precise routing
+    cache_aware: RoutingSettings = field(default_factory=RoutingSettings)
     keys: KeyStore = field(default_factory=KeyStore)  # who may call this sidecar
     upstream_api_key: str | None = None  # sent upstream as "Authorization: Bearer ..."
     load_factor: float = 1.25
@@ -69,12 +87,15 @@ class UpstreamSettings:
 
 def create_upstream_app(settings: UpstreamSettings) -> Starlette:
     proxy = UpstreamProxy(settings)
-    app = Starlette(
-        routes=proxy.routes(),
-        middleware=[Middleware(HTTPMetrics, paths=proxy.paths(), registry=proxy.metrics.registry)],
-        exception_handlers=exception_handlers(),
-        lifespan=proxy.lifespan,
+    routes = openai_routes(
+        chat_completions=proxy.chat_completions,
+        completions=proxy.completions,
+        health=proxy.health,
+        metrics=proxy.metrics_text,
+        models=proxy.models,
+        model=proxy.models,  # proxied as asked: the upstream answers both
     )
+    app = build_app(routes, proxy.metrics.registry, proxy.lifespan)
     app.state.upstream = proxy
     return app
 
@@ -106,47 +127,79 @@ class UpstreamMetrics:
             ["upstream"],
             registry=self.registry,
         )
+        self.decisions = Counter(
+            "prefixcache:routing_decisions",
+            "Cache-aware routing decisions, by upstream and reason",
+            ["upstream", "reason"],
+            registry=self.registry,
+        )
+        self.predicted_cached = Counter(
+            "prefixcache:routing_predicted_cached_tokens",
+            "Prompt tokens the router expected the chosen upstream to have cached",
+            ["upstream"],
+            registry=self.registry,
+        )
+        self.reported_cached = Counter(
+            "prefixcache:routing_reported_cached_tokens",
+            "Cached prompt tokens the upstream reported (usage.prompt_tokens_details)",
+            ["upstream"],
+            registry=self.registry,
+        )
+        self.event_lag = Histogram(
+            "prefixcache:kv_event_lag_seconds",
+            "From a KV event batch's timestamp to its arrival here",
+            ["upstream"],
+            buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+            registry=self.registry,
+        )
+        self.event_stats = Gauge(
+            "prefixcache:kv_event_batches",
+            "KV event batches from each upstream: received, missed (gaps), replayed (gaps "
+            "filled), unfilled_gaps (index cleared), restarts (numbering started over)",
+            ["upstream", "kind"],
+            registry=self.registry,
+        )
+        self.events_live = Gauge(
+            "prefixcache:kv_events_live",
+            "1 while an upstream's KV events are current (precise routing), else 0",
+            ["upstream"],
+            registry=self.registry,
+        )
+        self.index_blocks = Gauge(
+            "prefixcache:kv_index_blocks",
+            "Blocks the router believes each upstream caches (from its events)",
+            ["upstream"],
+            registry=self.registry,
+        )
         for url in urls:  # every series exists from the start, at 0
             for route in ROUTES:
                 self.requests.labels(url, route)
+            for reason in REASONS:
+                self.decisions.labels(url, reason)
+            self.predicted_cached.labels(url)
+            self.reported_cached.labels(url)
             self.connect_failures.labels(url)
 
-    def render(self, pool: UpstreamPool) -> bytes:
+    def update(self, pool: UpstreamPool, router: CacheAwareRouter | None) -> None:
+        """Set the gauges from the pool, before the registry is rendered."""
         for upstream in pool.upstreams:
             self.in_flight.labels(upstream.url).set(upstream.in_flight)
             self.healthy.labels(upstream.url).set(int(pool.is_healthy(upstream)))
-        return generate_latest(self.registry)
-
-
-@dataclass(slots=True)
-class Exchange:
-    """An upstream response whose headers have arrived. It holds its upstream's in-flight
-    count until ``aclose``."""
-
-    pool: UpstreamPool
-    upstream: Upstream
-    response: httpx.Response
-    closed: bool = False
-
-    @property
-    def content_type(self) -> str:
-        return self.response.headers.get("content-type", "application/json")
-
-    @property
-    def is_event_stream(self) -> bool:
-        return self.response.status_code == 200 and self.content_type.startswith(
-            "text/event-stream"
-        )
-
-    async def aclose(self) -> None:
-        """Closing an unfinished response drops its connection: the upstream aborts."""
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            await self.response.aclose()
-        finally:
-            self.pool.release(self.upstream)
+        for replica in router.replicas.values() if router is not None else ():
+            url, sub = replica.upstream.url, replica.subscriber
+            if sub is None or replica.index is None:
+                continue
+            self.events_live.labels(url).set(int(sub.is_live()))
+            self.index_blocks.labels(url).set(len(replica.index))
+            st = sub.stats
+            for kind, value in (
+                ("received", st.batches),
+                ("missed", st.missed),
+                ("replayed", st.replayed),
+                ("unfilled_gaps", st.unfilled_gaps),
+                ("restarts", st.restarts),
+            ):
+                self.event_stats.labels(url, kind).set(value)
 
 
 class UpstreamProxy:
@@ -159,26 +212,57 @@ class UpstreamProxy:
             min_load=settings.min_load,
         )
         self.metrics = UpstreamMetrics([u.url for u in self.pool.upstreams])
+        if settings.routing not in ("cache_aware", "hash"):
+            raise ValueError(f"routing must be cache_aware or hash, not {settings.routing!r}")
+        self.reader = RouteReader(settings.tokenizer)
+        self.router: CacheAwareRouter | None = None
+        if settings.routing == "cache_aware":
+            self.router = CacheAwareRouter(
+                self.pool, self._replicas(settings), settings.cache_aware
+            )
         self.upstream_headers = {"accept-encoding": "identity"}  # relay bytes as sent
         if settings.upstream_api_key:
             self.upstream_headers["authorization"] = f"Bearer {settings.upstream_api_key}"
         self._client: httpx.AsyncClient | None = None
 
-    def routes(self) -> list[Route]:
-        return [
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics_text, methods=["GET"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/models/{model:path}", self.models, methods=["GET"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-        ]
+    def _replicas(self, settings: UpstreamSettings) -> list[Replica]:
+        events = {url.rstrip("/"): source for url, source in settings.events.items()}
+        unknown = set(events) - {u.url for u in self.pool.upstreams}
+        if unknown:
+            raise ValueError(f"events given for unknown upstreams: {sorted(unknown)}")
+        replicas = []
+        for upstream in self.pool.upstreams:
+            replica = Replica(upstream)
+            if (source := events.get(upstream.url)) is not None:
+                replica.index = ReplicaIndex()
+                replica.subscriber = EventSubscriber(
+                    source.endpoint,
+                    replica.index,
+                    source.replay_endpoint,
+                    stale_after_s=settings.cache_aware.stale_after_s,
+                    on_lag=self.metrics.event_lag.labels(upstream.url).observe,
+                )
+            replicas.append(replica)
+        return replicas
 
-    def paths(self) -> list[str]:
-        return [route.path for route in self.routes()]
+    def _subscribers(self) -> list[EventSubscriber]:
+        if self.router is None:
+            return []
+        return [r.subscriber for r in self.router.replicas.values() if r.subscriber is not None]
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        for subscriber in self._subscribers():
+            subscriber.start()
+        try:
+            async with self._http_client():
+                yield
+        finally:
+            for subscriber in self._subscribers():
+                subscriber.stop()
+
+    @contextlib.asynccontextmanager
+    async def _http_client(self) -> AsyncIterator[None]:
         timeout = httpx.Timeout(self.settings.timeout_s, connect=self.settings.connect_timeout_s)
         # No connection cap: the upstreams queue; the load bound already spreads the work.
         # Idle connections expire before the upstreams' own keep-alive (uvicorn's is 5 s), so
@@ -203,15 +287,12 @@ class UpstreamProxy:
 
     async def health(self, request: Request) -> Response:
         if self.pool.healthy():
-            return JSONResponse({"status": "ok"})
-        return JSONResponse(
-            {"status": "unavailable", "error": "no upstream reachable"},
-            503,
-            headers={"Retry-After": self._retry_after()},
-        )
+            return health_reply("ok")
+        return health_reply("unavailable", "no upstream reachable", self._retry_after())
 
     async def metrics_text(self, request: Request) -> Response:
-        return Response(self.metrics.render(self.pool), media_type=CONTENT_TYPE_LATEST)
+        self.metrics.update(self.pool, self.router)
+        return metrics_reply(self.metrics.registry)
 
     async def models(self, request: Request) -> Response:
         """Proxied from the first healthy upstream, in configuration order."""
@@ -230,35 +311,73 @@ class UpstreamProxy:
         body = decode_object(payload)
         key = affinity_key(body)  # before the rewrite: it needs the stability classes
         if "segments" in body:
-            payload = msgspec.json.encode(segments_to_messages(body))
-        return await self._proxy(request, "/chat/completions", payload, key, body)
+            body = segments_to_messages(body)
+            payload = msgspec.json.encode(body)
+        route = self.reader.chat(body) if self.router is not None else None
+        return await self._proxy(request, "/chat/completions", payload, key, body, route)
 
     async def completions(self, request: Request) -> Response | SSEResponse:
         self.settings.keys.authenticate(request.headers.get("authorization"))
         payload = await read_body(request, self.settings.max_body_bytes)
         body = decode_object(payload)
-        return await self._proxy(request, "/completions", payload, affinity_key(body), body)
+        route = self.reader.completion(body) if self.router is not None else None
+        return await self._proxy(request, "/completions", payload, affinity_key(body), body, route)
 
     async def _proxy(
-        self, request: Request, path: str, payload: bytes, key: bytes, body: dict[str, Any]
+        self,
+        request: Request,
+        path: str,
+        payload: bytes,
+        key: bytes,
+        body: dict[str, Any],
+        route: RouteInput | None,
     ) -> Response | SSEResponse:
-        exchange = await run_until_disconnect(self._open(path, payload, key), request.receive)
+        opened = await run_until_disconnect(self._open(path, payload, key, route), request.receive)
+        exchange, routed = opened
         if body.get("stream") is True and exchange.is_event_stream:
             headers = {"content-type": exchange.content_type}
-            return SSEResponse(_relay(exchange.response), on_close=exchange.aclose, headers=headers)
-        # Anything else, a 429 or 503 with its Retry-After too, comes back whole.
-        return await self._buffered(exchange, request)
 
-    async def _open(self, path: str, payload: bytes, key: bytes) -> Exchange:
+            async def close() -> None:
+                try:
+                    await exchange.aclose()
+                finally:
+                    routed.finish()
+
+            return SSEResponse(
+                routed.watch(relay_events(exchange.response)), on_close=close, headers=headers
+            )
+        # Anything else, a 429 or 503 with its Retry-After too, comes back whole.
+        try:
+            response = await self._buffered(exchange, request)
+            routed.first_byte()
+            routed.report(response.body)
+            return response
+        finally:
+            routed.finish()
+
+    async def _open(
+        self, path: str, payload: bytes, key: bytes, route: RouteInput | None
+    ) -> tuple[Exchange, Routed]:
         """The response headers of the first choice that accepts the connection."""
         tried: set[str] = set()
-        while (choice := self.pool.choose(key, exclude=tried)) is not None:
-            self.metrics.requests.labels(choice.upstream.url, choice.route).inc()
-            exchange = await self._connect(choice.upstream, "POST", path, payload)
+        while True:
+            decision = None
+            if self.router is not None and route is not None:
+                decision = self.router.choose(route.text, route.token_ids, exclude=tried)
+                upstream = decision.upstream if decision is not None else None
+            else:
+                choice = self.pool.choose(key, exclude=tried)
+                upstream = choice.upstream if choice is not None else None
+                if choice is not None:
+                    self.metrics.requests.labels(choice.upstream.url, choice.route).inc()
+            if upstream is None:
+                raise self._no_upstream()
+            routed = Routed(self, upstream, decision, route.token_ids if route else None)
+            exchange = await self._connect(upstream, "POST", path, payload)
             if exchange is not None:
-                return exchange
-            tried.add(choice.upstream.url)
-        raise self._no_upstream()
+                return exchange, routed
+            routed.abandon()
+            tried.add(upstream.url)
 
     async def _connect(
         self, upstream: Upstream, method: str, path: str, payload: bytes | None
@@ -340,74 +459,76 @@ class UpstreamProxy:
         )
 
 
-# --- request bodies -------------------------------------------------------------------------
+def legacy_route(decision: Decision) -> str:
+    """The hash policy's route label for a cache-aware decision (one series for both)."""
+    if decision.reason == "failover":
+        return "failover"
+    return "overflow" if decision.overflow else "affinity"
 
 
-def decode_object(payload: bytes) -> dict[str, Any]:
-    body = decode_json(payload, object)
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object", code="invalid_json")
-    return body
+FIRST_OUTPUT = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]|"finish_reason"\s*:\s*"')
+CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
-class SegmentsField(msgspec.Struct):
-    segments: list[p.Segment]
+class Routed:
+    """One routed request's bookkeeping: its pending prefill on the replica until its first
+    output comes back (the whole answer when not streamed), the predicted and reported cached tokens, and the events it should cause."""
 
+    def __init__(
+        self,
+        proxy: UpstreamProxy,
+        upstream: Upstream,
+        decision: Decision | None,
+        token_ids: list[int] | None = None,
+    ) -> None:
+        self.proxy = proxy
+        self.upstream = upstream
+        self.decision = decision
+        self.replica: Replica | None = None
+        self._finished = False
+        self._reported = False
+        router = proxy.router
+        if decision is not None and router is not None:
+            self.replica = router.replicas[upstream.url]
+            self.replica.pending[id(self)] = PendingPrefill(token_ids, decision.prefill_tokens)
+            metrics = proxy.metrics
+            metrics.decisions.labels(upstream.url, decision.reason).inc()
+            metrics.requests.labels(upstream.url, legacy_route(decision)).inc()
+            metrics.predicted_cached.labels(upstream.url).inc(decision.predicted_tokens)
 
-def segments_to_messages(body: dict[str, Any]) -> dict[str, Any]:
-    """The body with ``segments`` replaced by ``messages`` in stability order."""
-    rewritten = {name: value for name, value in body.items() if name != "segments"}
-    if body["segments"] is None:  # an explicit null: there are no segments
-        return rewritten
-    try:  # wrapped, so that errors name the path `$.segments[i].field`
-        segments = msgspec.convert({"segments": body["segments"]}, SegmentsField).segments
-    except msgspec.ValidationError as exc:
-        raise from_validation(exc) from None
-    messages = body.get("messages")
-    try:  # the openai client requires `messages`: segment users send []
-        p.check_prompt_source(messages or None, segments)
-    except p.Error as exc:
-        raise bad_request(str(exc), exc.param) from None
-    ordered = p.order_segments(segments)
-    rewritten["messages"] = [{"role": s.role, "content": s.content} for s in ordered]
-    return rewritten
+    def first_byte(self) -> None:
+        if self.replica is not None:
+            self.replica.pending.pop(id(self), None)
 
+    def report(self, data: bytes) -> None:
+        if self._reported or self.decision is None:
+            return
+        if (found := CACHED_TOKENS.search(data)) is not None:
+            self._reported = True
+            self.proxy.metrics.reported_cached.labels(self.upstream.url).inc(int(found.group(1)))
 
-# --- responses ------------------------------------------------------------------------------
+    def abandon(self) -> None:
+        """The connection failed: the request never ran there."""
+        self._finished = True
+        self.first_byte()
 
+    def finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self.first_byte()
+        replica, decision = self.replica, self.decision
+        if replica is None or decision is None or replica.subscriber is None:
+            return
+        block_size = replica.index.block_size if replica.index is not None else None
+        if decision.prefill_tokens >= (block_size or 16):
+            replica.subscriber.expect()  # new full blocks: events should follow
 
-def upstream_lost() -> APIError:
-    return APIError(
-        502,
-        "the upstream connection was lost mid-response",
-        type="server_error",
-        code="upstream_disconnected",
-    )
-
-
-async def _relay(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The upstream's SSE events as they arrive, whole ones only (decoded if the upstream
-    compressed them); a lost upstream drops its half-sent event and ends with an in-band error."""
-    pending = b""
-    try:
-        async for chunk in response.aiter_bytes():
-            pending += chunk
-            end = _events_end(pending)
-            if end:
-                yield pending[:end]
-                pending = pending[end:]
-        if pending:
-            yield pending
-    except httpx.TransportError as exc:
-        log.warning("upstream stream from %s broke: %r", response.request.url, exc)
-        yield sse_event(upstream_lost().body()) + DONE
-
-
-def _events_end(data: bytes) -> int:
-    """Where the last complete SSE event in ``data`` ends (0: none is complete yet)."""
-    end = 0
-    for separator in (b"\n\n", b"\r\n\r\n", b"\r\r"):
-        at = data.rfind(separator)
-        if at >= 0:
-            end = max(end, at + len(separator))
-    return end
+    async def watch(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Relay ``events``; the prefill is over at the first generated text (an opening
+        chunk with only the role may come before it)."""
+        async for chunk in events:
+            if FIRST_OUTPUT.search(chunk):
+                self.first_byte()
+            self.report(chunk)
+            yield chunk

@@ -34,6 +34,10 @@ CASES = {
             "speedup_vs_nocache",
         },
     ),
+    "hit_rate.py": (
+        ["--prompts", "4", "--prefix", "64", "--requests", "40", "--pools", "8,64"],
+        {"ideal_hit_rate", "rows", "working_set_blocks"},
+    ),
     "ttft.py": (["--scale", "0.004"], {"cold_s", "warm_s", "speedup", "ideal_speedup"}),
     "shared_decode.py": (
         ["--batch", "4", "--prefix", "128", "--suffix", "8", "--repeat", "1"],
@@ -42,6 +46,10 @@ CASES = {
     "cache_files.py": (
         ["--prefix", "64", "--suffix", "8"],
         {"load_s", "cold_first_token_s", "loaded_first_token_s", "speedup", "cached_tokens"},
+    ),
+    "routing.py": (
+        ["--tenants", "2", "--conversations", "1", "--turns", "2", "--system-words", "40"],
+        {"round_robin", "approximate", "precise", "ideal_hit_rate"},
     ),
     "upstream_routing.py": (
         ["--replicas", "2", "--prompts", "2", "--questions", "2", "--hop-requests", "2"],
@@ -80,6 +88,10 @@ def test_benchmark_runs_and_reports(name: str) -> None:
         assert result["cached_tokens"] == 64 and result["max_logprob_diff"] < 1e-4
     if name == "sidecar_overhead.py":
         assert result["stream_errors"] == 0, result["stream_error_kinds"]
+    if name == "routing.py":
+        for policy in ("round_robin", "approximate", "precise"):
+            keys = {"ttft_p50_ms", "ttft_p90_ms", "hit_rate", "load_max_over_min"}
+            assert keys <= result[policy].keys()
     if name == "burst.py":
         assert result["prompt_tokens_computed"] == result["ideal_tokens"]
         assert result["peak_blocks"] <= result["ideal_blocks"] + 6

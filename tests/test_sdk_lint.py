@@ -38,6 +38,7 @@ def test_rule_ids_are_stable() -> None:
         "PC007": "user-data-in-static",
         "PC008": "counter",
         "PC009": "shared-order",
+        "PC010": "cache-miss",
     }
 
 
@@ -203,3 +204,39 @@ def test_finding_carries_tag_rule_message_and_fix() -> None:
     assert (f.tag, f.rule, f.name) == ("sys", "PC001", "clock-value")
     assert "Today is Friday" in f.message and "dynamic" in f.fix
     assert str(f).startswith("PC001 clock-value [sys]")
+
+
+def test_report_advice_on_the_segment_where_the_cache_stopped() -> None:
+    from prefixcache.sdk.types import CacheReport, SegmentReport
+
+    p = (
+        Prompt.builder()
+        .static("You are a careful assistant. " * 4, tag="rules")
+        .shared("Shelf A holds atlases. " * 4, tag="doc")
+        .dynamic("Where are the atlases?", tag="q")
+        .build()
+    )
+    diverged = {"reason": "diverged", "segment": "doc"}
+    report = CacheReport(
+        segments=[
+            SegmentReport("rules", 30, 30),
+            SegmentReport("doc", 30, 3, diverged),
+            SegmentReport("q", 8, 0, diverged),
+        ]
+    )
+    [finding] = [f for f in p.lint(report=report) if f.rule == "PC010"]
+    assert finding.tag == "doc" and finding.message.startswith("diverged")
+    evicted = {"reason": "evicted", "segment": "rules", "evicted_by": "pressure"}
+    report = CacheReport(segments=[SegmentReport("rules", 30, 0, evicted)])
+    [finding] = [f for f in p.lint(report=report) if f.rule == "PC010"]
+    assert finding.tag == "rules" and "by pressure" in finding.message and "pin" in finding.fix
+    cold = {"reason": "cold", "segment": "rules"}
+    assert not [
+        f
+        for f in p.lint(report=CacheReport(segments=[SegmentReport("rules", 30, 0, cold)]))
+        if f.rule == "PC010"
+    ]
+    dynamic_only = CacheReport(
+        segments=[SegmentReport("q", 8, 0, {"reason": "diverged", "segment": "q"})]
+    )
+    assert not [f for f in p.lint(report=dynamic_only) if f.rule == "PC010"]

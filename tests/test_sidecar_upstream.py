@@ -198,6 +198,7 @@ def start_sidecar(
     started: list[Server] = []
 
     def start(urls: list[str], **options: Any) -> Server:
+        options.setdefault("routing", "hash")  # these tests pin the hash policy down
         settings = UpstreamSettings(tuple(urls), **options)
         server = serve(server_loop, create_upstream_app(settings))
         started.append(server)

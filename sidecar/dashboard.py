@@ -1,0 +1,133 @@
+"""The live cache page: ``GET /dashboard`` (one self-contained HTML file, dashboard.html),
+``GET /v1/cache/tree`` (the folded prefix tree, cache_view.py) and ``GET /v1/cache/live``
+(SSE: block states, token counters and the requests that finished, with miss reasons).
+
+Every route needs an admin key when keys are configured. A browser cannot put a header on a
+page load, so these three also take the key as ``?key=``; the page sends it on as a header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from importlib import resources
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import Route
+
+from prefixcache.engine.api import EngineAPI, RequestRecord
+from prefixcache.sdk.cache_stats import BlockStats, TokenStats
+
+from .cache_view import DEFAULT_MAX_NODES, build_view
+from .errors import bad_request
+from .gate import RequestGate
+from .streaming import SSEResponse, sse_event
+
+TREE_MAX_AGE_S = 1.0  # viewers share one fold of the tree per second
+BACKLOG = 500  # records in a new stream's first event
+
+
+class LiveEvent(msgspec.Struct):
+    t: float  # unix time
+    blocks: BlockStats
+    tokens: TokenStats
+    hit_rate: float  # since start
+    tree_version: int  # changes whenever blocks were inserted or evicted
+    waiting: int
+    requests: list[RequestRecord]
+
+
+class DashboardRoutes:
+    def __init__(self, engine: EngineAPI, gate: RequestGate) -> None:
+        self.engine = engine
+        self.gate = gate
+        self._tree: tuple[float, int, bytes] | None = None  # (built at, max nodes, body)
+        self._tree_lock = asyncio.Lock()
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/dashboard", self.page, methods=["GET"]),
+            Route("/v1/cache/tree", self.tree, methods=["GET"]),
+            Route("/v1/cache/live", self.live, methods=["GET"]),
+        ]
+
+    async def page(self, request: Request) -> Response:
+        self._admin(request, ready=False)  # the page loads while the model does
+        html = resources.files(__package__).joinpath("dashboard.html").read_text("utf-8")
+        return HTMLResponse(html, headers={"cache-control": "no-store"})
+
+    async def tree(self, request: Request) -> Response:
+        self._admin(request)
+        max_nodes = _int_param(request, "max_nodes", DEFAULT_MAX_NODES, 16, 5000)
+        async with self._tree_lock:
+            cached = self._tree
+            now = time.monotonic()
+            if cached is None or now - cached[0] > TREE_MAX_AGE_S or cached[1] != max_nodes:
+                snap = await self.engine.cache_tree()
+                view = await asyncio.to_thread(build_view, snap, max_nodes)
+                cached = self._tree = (time.monotonic(), max_nodes, msgspec.json.encode(view))
+        return Response(cached[2], media_type="application/json")
+
+    async def live(self, request: Request) -> SSEResponse:
+        self._admin(request)
+        interval = _float_param(request, "interval", 1.0, 0.1, 10.0)
+        return SSEResponse(self._events(interval))
+
+    async def _events(self, interval: float) -> AsyncIterator[bytes]:
+        records = self.engine.cache_activity(0)[-BACKLOG:]
+        cursor = records[-1].seq if records else 0
+        while self.engine.is_ready:  # ends when the engine shuts down
+            stats = self.engine.cache_stats()
+            yield sse_event(
+                LiveEvent(
+                    t=time.time(),
+                    blocks=stats.blocks,
+                    tokens=stats.tokens,
+                    hit_rate=stats.hit_rate,
+                    tree_version=stats.tokens.inserted + stats.tokens.evicted,
+                    waiting=self.engine.num_waiting,
+                    requests=records,
+                )
+            )
+            await asyncio.sleep(interval)
+            records = self.engine.cache_activity(cursor)
+            if records:
+                cursor = records[-1].seq
+
+    def _admin(self, request: Request, ready: bool = True) -> None:
+        authorization = request.headers.get("authorization")
+        key = request.query_params.get("key")
+        if authorization is None and key:
+            authorization = f"Bearer {key}"
+        self.gate.settings.keys.authenticate_admin(authorization)
+        if ready:
+            self.gate.require_ready()
+
+
+def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise bad_request(f"{name} must be an integer in [{lo}, {hi}]", name)
+    return value
+
+
+def _float_param(request: Request, name: str, default: float, lo: float, hi: float) -> float:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise bad_request(f"{name} must be a number in [{lo}, {hi}]", name)
+    return value

@@ -1,0 +1,77 @@
+"""KV event batches as vLLM publishes them (``vllm/distributed/kv_events.py``), for reading.
+
+Our own structs, decoding both forms vLLM has used: array-like (``[ts, events, rank]``, each
+event ``[tag, field, ...]``) and map-like (``{"ts": ..., "events": [{"type": tag, ...}]}``).
+Fields after ``medium`` have defaults, so older and newer publishers both decode; unknown
+trailing fields are ignored. A block hash is an integer or bytes (vLLM's ExternalBlockHash).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+BlockHash = int | bytes
+
+
+class BlockStored(msgspec.Struct, tag="BlockStored", array_like=True):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: Any = None
+    group_idx: int | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+class _StoredMap(BlockStored, tag="BlockStored", array_like=False, tag_field="type"):
+    pass
+
+
+class _RemovedMap(BlockRemoved, tag="BlockRemoved", array_like=False, tag_field="type"):
+    pass
+
+
+class _ClearedMap(AllBlocksCleared, tag="AllBlocksCleared", array_like=False, tag_field="type"):
+    pass
+
+
+class _BatchMap(msgspec.Struct):
+    ts: float
+    events: list[_StoredMap | _RemovedMap | _ClearedMap]
+    data_parallel_rank: int | None = None
+
+
+_array = msgspec.msgpack.Decoder(EventBatch)
+_map = msgspec.msgpack.Decoder(_BatchMap)
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Raises ``msgspec.DecodeError`` for a payload in neither form."""
+    try:
+        return _array.decode(payload)
+    except msgspec.DecodeError:
+        batch = _map.decode(payload)
+    return EventBatch(batch.ts, list(batch.events), batch.data_parallel_rank)
