@@ -1,4 +1,5 @@
-"""load_model(): a local Hugging Face folder (or the built-in ``demo``) -> LoadedModel.
+"""load_model(): a local Hugging Face folder, a GGUF file, a named model (``smollm2``) or the
+built-in ``demo`` -> LoadedModel.
 
 A folder holds config.json, model.safetensors or shards listed in model.safetensors.index.json
 (or, from older tools, pytorch_model.bin or its shards, read with ``weights_only=True``),
@@ -99,9 +100,34 @@ def load_model(
         from .demo_model import DEMO_NAME, ensure_demo_model
 
         folder, name = ensure_demo_model(), DEMO_NAME
-    else:
-        folder, name = Path(name_or_path).expanduser(), Path(name_or_path).name
-    return load_folder(folder, dt, dev, name=name)
+        return load_folder(folder, dt, dev, name=name)
+    from .named_models import NAMED_MODELS, ensure_named_model
+
+    if name_or_path in NAMED_MODELS:
+        return _load_gguf(ensure_named_model(name_or_path), dt, dev, name=name_or_path)
+    path = Path(name_or_path).expanduser()
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        return _load_gguf(path, dt, dev, name=path.name)
+    return load_folder(path, dt, dev, name=path.name)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str) -> LoadedModel:
+    from .gguf_loader import GGUFLoadError, load_gguf
+
+    try:
+        loaded = load_gguf(path, dtype, device)
+    except GGUFLoadError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    return LoadedModel(
+        model=loaded.model,
+        config=loaded.config,
+        tokenizer=loaded.tokenizer,
+        name=name,
+        fingerprint=loaded.fingerprint,
+        dtype=dtype,
+        device=device,
+        path=path,
+    )
 
 
 def load_folder(
@@ -109,7 +135,8 @@ def load_folder(
 ) -> LoadedModel:
     if not folder.is_dir():
         raise ModelLoadError(
-            f"model {str(folder)!r} not found: pass 'demo' or a local Hugging Face folder"
+            f"model {str(folder)!r} not found: pass 'demo', 'smollm2', a .gguf file or a local "
+            "Hugging Face folder"
         )
     config_file = folder / "config.json"
     if not config_file.is_file():

@@ -1,4 +1,5 @@
-"""Tokenizer (tokenizer.json via the ``tokenizers`` package), chat template, detokenizing.
+"""Tokenizer (tokenizer.json via the ``tokenizers`` package, or a GGUF file's metadata), chat
+template, detokenizing.
 
 The chat template comes from ``chat_template.jinja`` (newer transformers) or the
 ``chat_template`` field of ``tokenizer_config.json``, rendered in a sandboxed jinja2 env that
@@ -107,6 +108,28 @@ class Tokenizer:
             extra_eos_ids=extra_eos_ids,
             fingerprint_source=raw,
             special_tokens=specials,
+        )
+
+    @classmethod
+    def from_gguf(cls, metadata: dict[str, Any], extra_eos_ids: Sequence[int] = ()) -> Tokenizer:
+        """From a GGUF file's ``tokenizer.*`` metadata (engine/gguf_tokenizer.py rebuilds the
+        pipeline); the fingerprint covers the rebuilt tokenizer.json."""
+        from .gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer
+
+        try:
+            parts = build_gguf_tokenizer(metadata)
+        except GGUFTokenizerError as exc:
+            raise TokenizerError(str(exc)) from exc
+        except Exception as exc:  # the tokenizers package refusing the vocabulary or merges
+            raise TokenizerError(f"the GGUF tokenizer metadata cannot be used: {exc}") from exc
+        return cls(
+            parts.tokenizer,
+            chat_template=parts.chat_template,
+            bos_token=parts.bos_token,
+            eos_tokens=parts.eos_tokens,
+            extra_eos_ids=extra_eos_ids,
+            fingerprint_source=parts.tokenizer.to_str().encode(),
+            special_tokens=parts.special_tokens,
         )
 
     @property

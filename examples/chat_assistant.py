@@ -5,7 +5,7 @@ Each turn sends: static instructions, the conversation so far (session), the new
 prompt extends the previous one and only the new text is computed. At the end two different
 follow-ups branch from the same history: both reuse it.
 
-    prefixcache serve --model demo            # in another terminal
+    prefixcache serve --model smollm2         # in another terminal
     python examples/chat_assistant.py [--base-url URL]
 """
 
@@ -51,6 +51,7 @@ def ask(
         f"[{tag}] prompt {out.usage.prompt_tokens} cached {out.usage.cached_tokens}: {per_segment}"
     )
     reply = out.text.strip() or "(empty reply)"
+    print(f"  user: {text}\n  assistant: {reply}")
     extended = history.append(
         Segment("user", text, f"{tag}:user", "session"),
         Segment("assistant", reply, f"{tag}:assistant", "session"),
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base-url", default=os.environ.get("PREFIXCACHE_BASE_URL", DEFAULT_BASE_URL))
     p.add_argument("--model", default=None)
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=48)
     args = p.parse_args(argv)
 
     history = Prompt([Segment("system", SYSTEM, "system", "static")])

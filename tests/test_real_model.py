@@ -1,0 +1,193 @@
+"""Real-model fidelity: SmolLM2-135M-Instruct from its GGUF (the named model ``smollm2``), in
+float32, against transformers reading the same GGUF file.
+
+A dozen chat prompts (a long public-domain document as the system prompt with several
+questions, multi-turn conversations, no system prompt): the engine's prompt token ids equal
+transformers' ``apply_chat_template``, and its greedy answers equal transformers' greedy
+``generate``, cold (no prefix cache), warm (the document cached) and all at once (batched).
+The GGUF is fetched once into the models cache (engine/named_models.py) and reused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from prefixcache.engine.config import EngineConfig  # noqa: E402
+from prefixcache.engine.engine import LLMEngine  # noqa: E402
+from prefixcache.engine.loader import LoadedModel, load_model  # noqa: E402
+from prefixcache.engine.named_models import ModelFetchError, ensure_named_model  # noqa: E402
+from prefixcache.engine.request import EngineRequest, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+FULL_TEXT = (
+    Path(__file__).resolve().parent.parent / "examples/documents/declaration_of_independence.txt"
+).read_text(encoding="utf-8")
+# About 900 tokens of it (the Declaration's opening and the Gettysburg Address): long enough
+# to span many blocks, short enough that a dozen uncached prefills fit this test's budget.
+DOCUMENT = (
+    FULL_TEXT[FULL_TEXT.index("THE DECLARATION") : FULL_TEXT.index("He has refused his Assent")]
+    + FULL_TEXT[FULL_TEXT.index("THE GETTYSBURG ADDRESS") :]
+)
+SYSTEM = "Answer questions about the document below in one short sentence.\n\n" + DOCUMENT
+MAX_NEW_TOKENS = 16
+BLOCK_SIZE = 16
+
+DOCUMENT_QUESTIONS = [
+    "When was the Declaration adopted?",
+    "Which rights are called unalienable?",
+    "Who delivered the Gettysburg Address?",
+    "Why are Governments instituted, according to the Declaration?",
+    "Where was the Gettysburg Address given?",
+    "What did the Colonies declare themselves to be?",
+]
+CONVERSATIONS: list[list[dict[str, str]]] = [
+    *(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        for q in DOCUMENT_QUESTIONS
+    ),
+    [  # multi-turn over the document
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Who is the document addressed against?"},
+        {"role": "assistant", "content": "The King of Great Britain."},
+        {"role": "user", "content": "Name one of his abuses."},
+    ],
+    [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "How does the Gettysburg Address begin?"},
+        {"role": "assistant", "content": "Four score and seven years ago."},
+        {"role": "user", "content": "And how does it end?"},
+    ],
+    [  # multi-turn, no system prompt
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is Paris."},
+        {"role": "user", "content": "And of Italy?"},
+    ],
+    [{"role": "user", "content": "What is the capital of France?"}],  # no system prompt
+    [{"role": "user", "content": "Write a haiku about bread."}],
+    [{"role": "user", "content": "List three colours of the rainbow."}],
+]
+NUM_SHARED = 8  # the first eight conversations start with SYSTEM
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    try:
+        return ensure_named_model("smollm2")
+    except ModelFetchError as exc:  # offline: nothing to compare
+        pytest.skip(f"smollm2 could not be fetched: {exc}")
+
+
+@pytest.fixture(scope="module")
+def loaded(gguf_path: Path) -> LoadedModel:
+    return load_model("smollm2", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference(gguf_path: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """transformers on the same GGUF: prompt ids and greedy answers (eos included)."""
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    ).eval()
+    prompts, answers = [], []
+    for messages in CONVERSATIONS:
+        ids = tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        prompts.append(list(ids))
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False,
+            )
+        answers.append(out[0, len(ids) :].tolist())
+    return prompts, answers
+
+
+def engine(loaded: LoadedModel, caching: bool = True) -> LLMEngine:
+    config = EngineConfig(
+        model="smollm2",
+        num_blocks=2048,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=caching,
+        attention_backend="torch",
+    )
+    return LLMEngine(config, loaded=loaded)
+
+
+def requests(loaded: LoadedModel, tag: str) -> list[EngineRequest]:
+    tok = loaded.tokenizer
+    sampling = SamplingParams(max_tokens=MAX_NEW_TOKENS)
+    return [
+        EngineRequest(f"{tag}-{i}", tok.encode(tok.apply_chat_template(m)), sampling)
+        for i, m in enumerate(CONVERSATIONS)
+    ]
+
+
+@pytest.mark.timeout(600)  # its set-up loads both models and runs transformers' generate
+def test_prompt_token_ids_equal_transformers_apply_chat_template(
+    loaded: LoadedModel, reference: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    prompts, _ = reference
+    ours = [r.prompt_token_ids for r in requests(loaded, "ids")]
+    for i, (mine, theirs) in enumerate(zip(ours, prompts, strict=True)):
+        assert mine == theirs, f"conversation {i}: prompt ids differ"
+    assert len(ours[0]) > 800  # the document really is in the prompt
+
+
+@pytest.mark.timeout(600)  # a shared 2-vCPU box can be several times slower than idle
+def test_greedy_answers_equal_transformers_cold(
+    loaded: LoadedModel, reference: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    _, answers = reference
+    tok = loaded.tokenizer
+    assert "Paris" in tok.decode(answers[9])  # the reference itself answers
+    cold = engine(loaded, caching=False)
+    for req, expected in zip(requests(loaded, "cold"), answers, strict=True):
+        (result,) = cold.generate([req])
+        assert result.usage.cached_tokens == 0
+        assert result.token_ids == expected, f"{req.request_id}: {tok.decode(result.token_ids)!r}"
+
+
+@pytest.mark.timeout(600)
+def test_greedy_answers_equal_transformers_warm_with_the_document_cached(
+    loaded: LoadedModel, reference: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    _, answers = reference
+    tok = loaded.tokenizer
+    warm = engine(loaded)
+    warm.generate(requests(loaded, "warm-up")[:1])  # computes the document's KV once
+    shared = len(tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM}])))
+    for i, (req, expected) in enumerate(zip(requests(loaded, "warm"), answers, strict=True)):
+        (result,) = warm.generate([req])
+        assert result.token_ids == expected, f"{req.request_id}: {tok.decode(result.token_ids)!r}"
+        if i < NUM_SHARED:  # the document is reported as cached, and was not recomputed
+            assert result.usage.cached_tokens >= shared // BLOCK_SIZE * BLOCK_SIZE, i
+            computed = result.usage.computed_prompt_tokens
+            assert computed <= len(req.prompt_token_ids) - shared + 2 * BLOCK_SIZE, i
+
+
+@pytest.mark.timeout(600)
+def test_greedy_answers_equal_transformers_batched(
+    loaded: LoadedModel, reference: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    _, answers = reference
+    tok = loaded.tokenizer
+    batch = requests(loaded, "batch")
+    results = engine(loaded).generate(batch)
+    for req, result, expected in zip(batch, results, answers, strict=True):
+        assert result.token_ids == expected, f"{req.request_id}: {tok.decode(result.token_ids)!r}"
+    # Arriving together, the document was computed once, not once per conversation.
+    shared = len(tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM}])))
+    computed = sum(r.usage.computed_prompt_tokens for r in results[:NUM_SHARED])
+    assert computed < shared + NUM_SHARED * 4 * BLOCK_SIZE
