@@ -125,8 +125,9 @@ class AsyncClient:
     async def complete(self, prompt: PromptLike, **params: Any) -> Completion:
         """Generate a whole answer. ``params``: model, max_tokens, temperature, top_p, stop,
         seed, cache_salt, ... (None values are dropped), and ``timeouts``. Anthropic needs
-        ``max_tokens``; ``stop`` becomes its ``stop_sequences`` and ``ttl`` ("5m", "1h") goes
-        into the cache breakpoints."""
+        ``max_tokens``; ``stop`` becomes its ``stop_sequences``. ``ttl`` ("5m", "1h") goes into
+        the cache breakpoints: Anthropic's ``cache_control``, and the same marks on the
+        sidecar's segments (retention hints); OpenAI has no such field, so it is dropped."""
         timeouts = params.pop("timeouts", None) or self.timeouts
         body = self._chat_body(prompt, stream=False, params=params)
         deadline = deadline_in(timeouts.total)
@@ -242,9 +243,10 @@ class AsyncClient:
         model = params.pop("model", None) or self.model
         if model is not None:
             body["model"] = model
+        ttl = params.pop("ttl", None)  # OpenAI has no per-request TTL: dropped there
         if isinstance(prompt, Prompt):
             if self.backend == "sidecar" and self.send_segments:
-                body["segments"] = prompt.to_segments()
+                body["segments"] = prompt.to_segments(ttl)
             else:
                 through = "shared" if self.prompt_cache_key else None
                 body.update(prompt.to_openai(cache_key_through=through))

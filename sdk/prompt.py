@@ -134,9 +134,10 @@ class Prompt:
 
     # --- renderers ----------------------------------------------------------------------
 
-    def to_segments(self) -> list[dict[str, str]]:
-        """The ``segments`` field of a prefixcache sidecar request (tools become a segment)."""
-        return render_segments(self)
+    def to_segments(self, ttl: str | None = None) -> list[dict[str, Any]]:
+        """The ``segments`` field of a prefixcache sidecar request (tools become a segment);
+        ``ttl`` ("5m", "1h") marks where each stable class ends with ``cache_control``."""
+        return render_segments(self, ttl)
 
     def to_messages(self) -> list[dict[str, Any]]:
         """Plain OpenAI chat messages in render order (tools are not included)."""

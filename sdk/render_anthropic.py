@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from .segment import PromptParts
+from .stability import class_ends
 
 MAX_BREAKPOINTS = 4
 
@@ -58,9 +59,8 @@ def render_anthropic(
 
     ordered = tools + system + [item for _, blocks in turns for item in blocks]
     marked = 0
-    for i, (block, stability) in enumerate(ordered):
-        following = ordered[i + 1][1] if i + 1 < len(ordered) else None
-        if stability != "dynamic" and following != stability:
+    for (block, _), ends in zip(ordered, class_ends([s for _, s in ordered]), strict=True):
+        if ends:
             block["cache_control"] = dict(marker)
             marked += 1
     assert marked <= MAX_BREAKPOINTS

@@ -19,3 +19,12 @@ STABLE: tuple[Stability, ...] = STABILITIES[:-1]  # everything but "dynamic"
 def is_stable(stability: str) -> bool:
     """Whether segments of this class belong to the cacheable prefix."""
     return RANK[stability] < RANK["dynamic"]
+
+
+def class_ends(stabilities: list[str]) -> list[bool]:
+    """For blocks in render order: whether each is the last of a stable class, i.e. where a
+    cache breakpoint goes (Anthropic ``cache_control``, a prefixcache retention hint)."""
+    return [
+        is_stable(s) and (i + 1 == len(stabilities) or stabilities[i + 1] != s)
+        for i, s in enumerate(stabilities)
+    ]

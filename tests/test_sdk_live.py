@@ -128,3 +128,28 @@ def test_session_report_names_the_segment_that_broke_the_prefix(sidecar_url: str
         assert miss.previous_cached_tokens == second.usage.cached_tokens
 
     _run(check, sidecar_url)
+
+
+def test_ttl_marks_keep_the_stable_prefix_pinned(sidecar_url: str) -> None:
+    """``ttl`` puts cache_control where each stable class ends, as the Anthropic rendering
+    does; the sidecar turns the marks into TTL pins of the prefix up to there."""
+    prompt = _prompt("ttl")
+    marked = [s["tag"] for s in prompt.to_segments("5m") if "cache_control" in s]
+    anthropic = prompt.to_anthropic(max_tokens=1, ttl="5m")
+    assert marked == ["rules", "doc"]
+    assert [b["cache_control"]["ttl"] for b in anthropic["system"]] == ["5m"]
+    assert all("cache_control" not in s for s in prompt.to_segments())
+
+    async def check(client: AsyncClient) -> None:
+        before = (await client.cache_stats()).blocks.pinned
+        await client.complete(prompt, max_tokens=1, temperature=0.0)
+        assert (await client.cache_stats()).blocks.pinned == before  # no marks, no pins
+        await client.complete(prompt, max_tokens=1, temperature=0.0, ttl="5m")
+        for _ in range(100):  # stats are the engine's snapshot after its next step
+            if (await client.cache_stats()).blocks.pinned > before:
+                break
+            await anyio.sleep(0.05)
+        assert (await client.cache_stats()).blocks.pinned > before
+        assert await client.unpin(prompt) > 0  # the TTL pin is an ordinary pin until it lapses
+
+    _run(check, sidecar_url)
