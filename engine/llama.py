@@ -97,12 +97,24 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=o_bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused, see fuse()
+
+    def fuse(self) -> None:
+        """One [q; k; v] weight; q/k/v_proj.weight become views of it (same names, no copy)."""
+        self.qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, rotation: Rotation, attend: AttendFn) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv is not None:
+            qkv = F.linear(x, *self.qkv)
+            q = qkv[:, : hq * d].view(t, hq, d)
+            k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+            v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+        else:
+            q = self.q_proj(x).view(t, hq, d)
+            k = self.k_proj(x).view(t, hk, d)
+            v = self.v_proj(x).view(t, hk, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rotation
@@ -118,9 +130,36 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.intermediate_size = i
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused, see fuse()
+
+    def fuse(self) -> None:
+        self.gate_up = _fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = F.linear(x, *self.gate_up)
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the linears' weights (and biases) along the output dim and re-point each
+    linear's parameters at its slice, so the state dict keeps its names and memory is not
+    doubled. Returns the fused (weight, bias) for ``F.linear``."""
+    weight = torch.cat([lin.weight for lin in linears])
+    has_bias = [lin.bias is not None for lin in linears]
+    assert all(has_bias) or not any(has_bias), "fused linears have biases on all or none"
+    bias = torch.cat([lin.bias for lin in linears]) if all(has_bias) else None  # type: ignore[misc]
+    row = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
 
 
 class DecoderLayer(nn.Module):
@@ -168,6 +207,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` for flat ``input_ids``/``positions`` ``[T]``."""
         return self.model(input_ids, positions, attend)
+
+    def fuse_projections(self) -> None:
+        """Fused QKV and gate/up matmuls (fewer, larger GEMMs per layer); idempotent."""
+        for layer in self.model.layers:
+            if layer.self_attn.qkv is None:
+                layer.self_attn.fuse()
+            if layer.mlp.gate_up is None:
+                layer.mlp.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -153,7 +153,7 @@ class _PrefillPlan:
     q_begin: int
     q_end: int
     num_cached: int  # cached tokens this sequence attends to on its own (after any group prefix)
-    cached_blocks: torch.Tensor  # int64: the blocks holding those tokens
+    cached_blocks: torch.Tensor  # int64: K page rows (2 * block) of the blocks holding them
     group: int | None = None  # index of its prefill group, whose shared prefix comes first
 
 
@@ -161,16 +161,16 @@ class _PrefillPlan:
 class _PrefillGroupPlan:
     q_begin: int
     q_end: int
-    shared_blocks: torch.Tensor  # int64 [S]: the prefix every member starts after
+    shared_blocks: torch.Tensor  # int64 [S]: K page rows of the prefix every member shares
 
 
 @dataclass(slots=True)
 class _DecodePlan:
     q_begin: int
     q_end: int
-    blocks: torch.Tensor  # int64 [n, max blocks]: each sequence's own blocks, padded with 0
+    blocks: torch.Tensor  # int64 [n, max blocks]: K page rows of each one's own blocks, 0-padded
     lens: torch.Tensor  # int64 [n]: valid tokens in those blocks
-    shared_blocks: torch.Tensor | None = None  # cascade: int64 [S], the group's prefix
+    shared_blocks: torch.Tensor | None = None  # cascade: K page rows of the group's prefix
 
 
 def _decode_chunks(kv_lens: list[int], block_size: int) -> list[tuple[int, int]]:
@@ -224,14 +224,16 @@ class TorchBackend(AttentionBackend):
         group_of: dict[int, tuple[int, int]] = {}  # prefill index -> (group, shared blocks)
         for gi, g in enumerate(meta.prefill_groups):
             shared = torch.as_tensor(tables[g.begin][: g.num_shared_blocks], dtype=torch.int64)
-            self._prefill_groups.append(_PrefillGroupPlan(qo[g.begin], qo[g.end], shared.to(dev)))
+            self._prefill_groups.append(
+                _PrefillGroupPlan(qo[g.begin], qo[g.end], (shared * 2).to(dev))
+            )
             group_of.update({i: (gi, g.num_shared_blocks) for i in range(g.begin, g.end)})
         self._prefills = []
         for i in range(meta.num_prefills):
             start = meta.seqs[i].start_pos
             group, n_shared = group_of.get(i, (None, 0))
             own = tables[i][n_shared : -(-start // bs)]
-            blocks = torch.as_tensor(own, dtype=torch.int64).to(dev)
+            blocks = (torch.as_tensor(own, dtype=torch.int64) * 2).to(dev)
             plan = _PrefillPlan(qo[i], qo[i + 1], start - n_shared * bs, blocks, group)
             self._prefills.append(plan)
 
@@ -242,7 +244,7 @@ class TorchBackend(AttentionBackend):
             own = [tables[i][: -(-s.kv_len // bs)] for i, s in enumerate(seqs, lo + a)]
             lens = torch.tensor([s.kv_len for s in seqs], dtype=torch.int64)
             self._decodes.append(
-                _DecodePlan(qo[lo + a], qo[lo + b], _padded(own).to(dev), lens.to(dev))
+                _DecodePlan(qo[lo + a], qo[lo + b], (_padded(own) * 2).to(dev), lens.to(dev))
             )
         for g in meta.cascade_groups:
             n_shared = g.num_shared_blocks
@@ -252,7 +254,11 @@ class TorchBackend(AttentionBackend):
             shared = torch.as_tensor(tables[g.begin][:n_shared], dtype=torch.int64)
             self._decodes.append(
                 _DecodePlan(
-                    qo[g.begin], qo[g.end], _padded(own).to(dev), lens.to(dev), shared.to(dev)
+                    qo[g.begin],
+                    qo[g.end],
+                    (_padded(own) * 2).to(dev),
+                    lens.to(dev),
+                    (shared * 2).to(dev),
                 )
             )
         self._meta, self._shape = meta, shape
@@ -260,8 +266,12 @@ class TorchBackend(AttentionBackend):
     def _gather(
         self, kv_layer: torch.Tensor, blocks: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of whole blocks, ``[len(blocks) * bs, Hk, D]`` each (scratch memory)."""
-        _, _, bs, hk, d = kv_layer.shape
+        """K and V of whole blocks, ``[len(blocks) * bs, Hk, D]`` each (scratch memory).
+
+        ``blocks`` holds K page rows (``2 * block``) of the layer viewed as one contiguous row
+        per (block, K|V) page: whole-row copies, much faster than gathering a strided view."""
+        num_blocks, _, bs, hk, d = kv_layer.shape
+        pages = kv_layer.view(num_blocks * 2, bs * hk * d)
         n = blocks.numel()
         out = []
         for j, name in enumerate(("k", "v")):
@@ -269,8 +279,8 @@ class TorchBackend(AttentionBackend):
             if buf is None or buf.numel() < n * bs * hk * d or buf.dtype != kv_layer.dtype:
                 buf = torch.empty(n * bs * hk * d, dtype=kv_layer.dtype, device=kv_layer.device)
                 self._scratch[name] = buf
-            view = buf[: n * bs * hk * d].view(n, bs, hk, d)
-            torch.index_select(kv_layer[:, j], 0, blocks, out=view)
+            view = buf[: n * bs * hk * d].view(n, bs * hk * d)
+            torch.index_select(pages, 0, blocks + j if j else blocks, out=view)
             out.append(view.view(n * bs, hk, d))
         return out[0], out[1]
 
