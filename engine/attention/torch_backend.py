@@ -85,6 +85,37 @@ def dense_attention(
     return _dense_attention_generic(q, k, v, scale, causal)
 
 
+def grouped_dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_groups: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``num_groups`` equal groups of queries, each over its own keys, no mask.
+
+    ``q`` ``[G * n, Hq, D]`` (group-major), ``k``/``v`` ``[G * L, Hk, D]``. Returns the output
+    ``[G * n, Hq, D]`` and base-2 LSE ``[G * n, Hq]`` (float32), as ``dense_attention`` would
+    per group."""
+    if num_groups == 1 or q.device.type != "cpu":
+        states = [
+            dense_attention(qg, kg, vg, scale, causal=False)
+            for qg, kg, vg in zip(
+                q.chunk(num_groups), k.chunk(num_groups), v.chunk(num_groups), strict=True
+            )
+        ]
+        return torch.cat([o for o, _ in states]), torch.cat([lse for _, lse in states])
+    rows, hq, d = q.shape
+    hk = k.shape[1]
+    g, n, length = hq // hk, rows // num_groups, k.shape[0] // num_groups
+    # Fold each kv head's g query heads and the group's n queries into rows: K/V read once.
+    qh = q.view(num_groups, n, hk, g, d).permute(0, 2, 3, 1, 4).reshape(num_groups, hk, g * n, d)
+    kh = k.view(num_groups, length, hk, d).permute(0, 2, 1, 3)
+    vh = v.view(num_groups, length, hk, d).permute(0, 2, 1, 3)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qh, kh, vh, 0.0, False, scale=scale
+    )
+    o = o.view(num_groups, hk, g, n, d).permute(0, 3, 1, 2, 4).reshape(rows, hq, d)
+    lse = lse.view(num_groups, hk, g, n).permute(0, 3, 1, 2).reshape(rows, hq) * LOG2E
+    return o, lse
+
+
 def _dense_attention_generic(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,11 +197,24 @@ class _PrefillGroupPlan:
 
 @dataclass(slots=True)
 class _DecodePlan:
+    """Consecutive decodes over their own pages (a cascade member's: those after the shared
+    prefix), in one padded call."""
+
     q_begin: int
     q_end: int
     blocks: torch.Tensor  # int64 [n, max blocks]: K page rows of each one's own blocks, 0-padded
     lens: torch.Tensor  # int64 [n]: valid tokens in those blocks
-    shared_blocks: torch.Tensor | None = None  # cascade: K page rows of the group's prefix
+
+
+@dataclass(slots=True)
+class _CascadePlan:
+    """Consecutive cascade groups with the same member count and shared length: their queries
+    attend to their shared prefixes in one batched call (a batch entry per group)."""
+
+    q_begin: int
+    q_end: int
+    num_groups: int
+    shared_blocks: torch.Tensor  # int64 [groups * S]: K page rows of each group's prefix
 
 
 def _decode_chunks(kv_lens: list[int], block_size: int) -> list[tuple[int, int]]:
@@ -205,6 +249,8 @@ class TorchBackend(AttentionBackend):
         self._prefills: list[_PrefillPlan] = []
         self._prefill_groups: list[_PrefillGroupPlan] = []
         self._decodes: list[_DecodePlan] = []
+        self._cascades: list[_CascadePlan] = []
+        self._num_decode_rows = 0
         # Gather buffers, reused across layers and steps: fresh multi-MB allocations on CPU
         # cost more in page faults than the copy itself.
         self._scratch: dict[str, torch.Tensor] = {}
@@ -237,30 +283,39 @@ class TorchBackend(AttentionBackend):
             plan = _PrefillPlan(qo[i], qo[i + 1], start - n_shared * bs, blocks, group)
             self._prefills.append(plan)
 
+        # Own pages of every decode (plain ones: all of them; cascade members: after the
+        # group's shared blocks), then the groups' shared prefixes, batched where alike.
+        lo = meta.decode_begin
+        shared_of = [0] * (meta.num_seqs - lo)
+        for g in meta.cascade_groups:
+            shared_of[g.begin - lo : g.end - lo] = [g.num_shared_blocks] * (g.end - g.begin)
+        own_lens = [s.kv_len - n * bs for s, n in zip(meta.seqs[lo:], shared_of, strict=True)]
         self._decodes = []
-        lo, hi = meta.decode_begin, meta.cascade_begin
-        for a, b in _decode_chunks([s.kv_len for s in meta.seqs[lo:hi]], bs):
-            seqs = meta.seqs[lo + a : lo + b]
-            own = [tables[i][: -(-s.kv_len // bs)] for i, s in enumerate(seqs, lo + a)]
-            lens = torch.tensor([s.kv_len for s in seqs], dtype=torch.int64)
+        for a, b in _decode_chunks(own_lens, bs):
+            own = [
+                tables[lo + i][shared_of[i] : -(-meta.seqs[lo + i].kv_len // bs)]
+                for i in range(a, b)
+            ]
+            lens = torch.tensor(own_lens[a:b], dtype=torch.int64)
             self._decodes.append(
                 _DecodePlan(qo[lo + a], qo[lo + b], (_padded(own) * 2).to(dev), lens.to(dev))
             )
-        for g in meta.cascade_groups:
-            n_shared = g.num_shared_blocks
-            seqs = meta.seqs[g.begin : g.end]
-            own = [tables[i][n_shared : -(-s.kv_len // bs)] for i, s in enumerate(seqs, g.begin)]
-            lens = torch.tensor([s.kv_len - n_shared * bs for s in seqs], dtype=torch.int64)
-            shared = torch.as_tensor(tables[g.begin][:n_shared], dtype=torch.int64)
-            self._decodes.append(
-                _DecodePlan(
-                    qo[g.begin],
-                    qo[g.end],
-                    (_padded(own) * 2).to(dev),
-                    lens.to(dev),
-                    (shared * 2).to(dev),
-                )
-            )
+        self._cascades = []
+        groups = meta.cascade_groups
+        i = 0
+        while i < len(groups):
+            g = groups[i]
+            j = i + 1
+            while j < len(groups) and (
+                groups[j].end - groups[j].begin,
+                groups[j].num_shared_blocks,
+            ) == (g.end - g.begin, g.num_shared_blocks):
+                j += 1
+            shared = [b for h in groups[i:j] for b in tables[h.begin][: h.num_shared_blocks]]
+            rows = (torch.as_tensor(shared, dtype=torch.int64) * 2).to(dev)
+            self._cascades.append(_CascadePlan(qo[g.begin], qo[groups[j - 1].end], j - i, rows))
+            i = j
+        self._num_decode_rows = qo[-1] - qo[lo]
         self._meta, self._shape = meta, shape
 
     def _gather(
@@ -318,16 +373,26 @@ class TorchBackend(AttentionBackend):
                 rows = slice(first, first + p.q_end - p.q_begin)
                 o, lse = merge_states(o_g[rows], lse_g[rows], o, lse)
             out[p.q_begin : p.q_end] = o
+        if not self._decodes:
+            return out
+        d0 = self._decodes[0].q_begin
+        own_lse = q.new_empty(self._num_decode_rows, q.shape[1], dtype=torch.float32)
         for dp in self._decodes:
-            qs = q[dp.q_begin : dp.q_end]
             n, width = dp.blocks.shape
             ok, ov = self._gather(kv_layer, dp.blocks.reshape(-1))
             o, lse = padded_decode_attention(
-                qs, ok.view(n, width * bs, hk, d), ov.view(n, width * bs, hk, d), dp.lens, scale
+                q[dp.q_begin : dp.q_end],
+                ok.view(n, width * bs, hk, d),
+                ov.view(n, width * bs, hk, d),
+                dp.lens,
+                scale,
             )
-            if dp.shared_blocks is not None:
-                sk, sv = self._gather(kv_layer, dp.shared_blocks)  # read once for the group
-                o_s, lse_s = dense_attention(qs, sk, sv, scale, causal=False)
-                o, lse = merge_states(o_s, lse_s, o, lse)
             out[dp.q_begin : dp.q_end] = o
+            own_lse[dp.q_begin - d0 : dp.q_end - d0] = lse
+        for cp in self._cascades:
+            rows = slice(cp.q_begin, cp.q_end)
+            sk, sv = self._gather(kv_layer, cp.shared_blocks)  # each prefix read once
+            o_s, lse_s = grouped_dense_attention(q[rows], sk, sv, cp.num_groups, scale)
+            own = slice(cp.q_begin - d0, cp.q_end - d0)
+            out[rows], _ = merge_states(o_s, lse_s, out[rows], own_lse[own])
         return out
