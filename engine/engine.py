@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("prefixcache.engine")
 
 
 @dataclass(slots=True)
@@ -67,6 +70,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
+        dtype_name = str(self.loaded.dtype).removeprefix("torch.")
+        self.metrics.model_info.labels(self.loaded.name, dtype_name).set(1)
+        log.info("model %s: dtype %s on %s", self.loaded.name, dtype_name, self.loaded.device)
         model_len = self.loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         # A sequence never outgrows the pool, so a lone request can always make progress.
