@@ -12,17 +12,21 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
+from prefixcache.sdk.cache_stats import CacheStats
+
 from . import prefix_store
+from .api import WarmResult
 from .config import EngineConfig
 from .engine import LLMEngine
 from .loader import LoadedModel
+from .output import aborted_output
 from .prefix_store import LoadResult, SaveResult
 from .request import EngineRequest, RequestOutput, SamplingParams
 from .tokenizer import Tokenizer
@@ -31,18 +35,13 @@ log = logging.getLogger("prefixcache.engine")
 T = TypeVar("T")
 
 
-@dataclass(slots=True)
-class WarmResult:
-    tokens: int
-    cached_tokens: int  # of those, already cached before warming
-    pinned_blocks: int
-
-
 class EngineNotReadyError(RuntimeError):
     pass
 
 
 class AsyncEngine:
+    """The in-process ``EngineAPI`` (engine/api.py)."""
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self._loaded = loaded
@@ -53,7 +52,7 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._stopping = False
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._stats: dict[str, Any] = {}
+        self._stats = CacheStats()
         self._ids = itertools.count()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -76,7 +75,7 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
         for request_id, stream in list(self._streams.items()):
-            stream.put_nowait(_aborted(request_id, "engine shut down"))
+            stream.put_nowait(aborted_output(request_id, "engine shut down"))
 
     @property
     def is_ready(self) -> bool:
@@ -96,6 +95,11 @@ class AsyncEngine:
     def sampling_defaults(self) -> dict[str, float]:
         """The model's generation_config.json sampling values (for unset request fields)."""
         return self.engine.loaded.sampling_defaults
+
+    @property
+    def cache_identity(self) -> bytes:
+        """Model fingerprint, tokenizer fingerprint and dtype: the root of every namespace."""
+        return self.engine.cache_identity(self.engine.loaded)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -123,7 +127,7 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Leaving the loop early (or being cancelled) aborts it."""
         engine = self.engine
         request_id = request.request_id
@@ -181,14 +185,15 @@ class AsyncEngine:
     async def load_pinned(self, path: str | Path) -> LoadResult:
         """Cache and pin the prefixes of a file ``save_pinned`` wrote with this model."""
         engine = self.engine
-        identity, cache = engine.block_manager.identity, engine.kv_cache
-        snap = await asyncio.to_thread(prefix_store.read, path, identity, cache)
-        restored = await self._call(lambda: engine.restore_pinned(snap))
-        return prefix_store.load_result(path, snap, restored)
+        snap = await asyncio.to_thread(engine.read_pinned, path)
+        return await self._call(lambda: engine.restore_pinned(snap))
 
-    def cache_stats(self) -> dict[str, Any]:
-        """The latest snapshot, refreshed by the engine thread after every step and command."""
-        return self._stats
+    def cache_stats(self) -> CacheStats:
+        """The latest block snapshot, refreshed by the engine thread after every step and
+        command, with the tokenizer's piece counts as of now (it runs on the caller's side)."""
+        if self._engine is None:
+            return self._stats
+        return msgspec.structs.replace(self._stats, tokenizer_pieces=self._engine.piece_stats())
 
     # -- the engine thread -------------------------------------------------------------------
 
@@ -268,7 +273,3 @@ class AsyncEngine:
 
         self._submit(command)
         return await future
-
-
-def _aborted(request_id: str, message: str) -> RequestOutput:
-    return RequestOutput(request_id, [], "", finished=True, finish_reason="abort", error=message)

@@ -19,6 +19,9 @@ block is committed only after its parent), so a parent is in use whenever a chil
 release their blocks last first, so a parent turns idle after its children; pinning touches a
 whole path deepest first, and a pin covers every block above it. Hence the LRU head is always
 a leaf, and evicting it is O(1); ``tree.remove`` asserts the leaf.
+
+Saving pinned prefixes and restoring them is ``pinned_blocks.py``'s job, over
+``pinned_nodes``, ``cache_block``, ``release`` and ``pin_path``.
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
-from .prefix_tree import Node, PrefixTree, root_digest, token_bytes
+from .paging import DEFAULT_BLOCK_SIZE, ceil_div
+from .prefix_tree import TOKEN_BYTES, NewBlock, Node, PrefixTree, root_digest, token_bytes
 
 CopySlots = Callable[[int, int, int], None]
-WriteBlock = Callable[[int, int], None]  # (index in the saved list, page): fill the page's KV
 
 
 class OutOfBlocksError(RuntimeError):
@@ -42,7 +45,7 @@ class PrefixMatch:
     blocks: list[int]  # cached full blocks of the longest prefix, in order
     partial_block: int | None  # next cached block whose leading tokens also match
     partial_tokens: int  # how many of its leading tokens match (0 if none)
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     @property
     def num_tokens(self) -> int:
@@ -56,34 +59,15 @@ class BlockTable:
     num_cached_tokens: int  # prompt tokens reused from the cache at allocation (full + partial)
     num_committed_blocks: int  # leading blocks already in the tree (shared or inserted)
     hashes: list[bytes] = field(default_factory=list)  # digests of the committed blocks
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     @property
     def num_slots(self) -> int:
         return len(self.block_ids) * self.block_size
 
 
-@dataclass(slots=True, frozen=True)
-class SavedBlock:
-    """One block of a pinned prefix as it goes to disk; a list has parents before children."""
-
-    root: bytes  # the namespace root digest (identity + namespace) when parent is -1, else b""
-    parent: int  # index of the parent block in the list, -1 under the root
-    tokens: bytes  # the block's token ids, uint32 bytes
-    pins: int  # pins whose prefix ends at this block
-    page: int  # where its KV lives now (on save)
-
-
-@dataclass(slots=True, frozen=True)
-class RestoreResult:
-    restored_blocks: int  # pages filled from the saved KV
-    reused_blocks: int  # already cached here: nothing to copy
-    skipped_blocks: int  # no page free or evictable (or under a skipped parent)
-    pinned_prefixes: int  # saved pins applied (a prefix pinned here already is left as is)
-
-
 @dataclass(slots=True)
-class CacheStats:
+class ManagerStats:
     query_tokens: int = 0
     hit_tokens: int = 0
     inserted_tokens: int = 0
@@ -93,7 +77,7 @@ class CacheStats:
     num_used_blocks: int = 0
     num_pinned_blocks: int = 0
     num_blocks: int = 0
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
 
 
 class BlockManager:
@@ -106,7 +90,7 @@ class BlockManager:
         enable_caching: bool = True,
     ) -> None:
         """``copy_slots(src, dst, k)`` copies a block's first k token slots of KV. Without it
-        (an index-only manager) partial-block reuse is off and ``fork`` cannot copy."""
+        (an index-only manager) partial-block reuse is off."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
@@ -117,7 +101,7 @@ class BlockManager:
         self._pool = BlockPool(num_blocks)
         self._tree = PrefixTree(block_size, num_blocks)
         self._roots: dict[str, bytes] = {}
-        self._stats = CacheStats(num_blocks=num_blocks, block_size=block_size)
+        self._stats = ManagerStats(num_blocks=num_blocks, block_size=block_size)
 
     # ---- counters
 
@@ -160,7 +144,7 @@ class BlockManager:
         if self._copy_slots is not None:
             parent = nodes[-1] if nodes else None
             limit = min(max_tokens - matched, bs - 1)
-            partial, k = self._tree.best_partial(parent, root, data[matched * 4 :], limit)
+            partial, k = self._tree.best_partial(parent, root, data[matched * TOKEN_BYTES :], limit)
         blocks = [node.block for node in nodes]
         return PrefixMatch(blocks, partial.block if partial is not None else None, k, bs)
 
@@ -223,181 +207,99 @@ class BlockManager:
             return
         root = self._root(table.namespace)
         data = token_bytes(token_ids[start * bs : end * bs])
-        nbytes = bs * 4
-        parent_digest = table.hashes[-1] if start else root
+        nbytes = bs * TOKEN_BYTES
         parent = tree.node_of(table.block_ids[start - 1]) if start else None
-        assert start == 0 or (parent is not None and parent.digest == parent_digest)
+        assert start == 0 or (parent is not None and parent.digest == table.hashes[-1])
         for i in range(start, end):
             chunk = data[(i - start) * nbytes : (i - start + 1) * nbytes]
             block = table.block_ids[i]
-            kids = tree.children(parent, root)
-            node = kids.by_tokens.get(chunk) if kids is not None else None
-            if node is not None:  # dedupe: re-point the table first, then free the copy
+            node, inserted = self._cache(parent, root, chunk, block)
+            if node is None:
+                break  # a digest collision: this block and the rest stay private
+            if not inserted:  # dedupe: re-point the table first, then free the copy
                 assert node.block != block and pool.ref_count[block] == 1
                 pool.ref(node.block)
                 table.block_ids[i] = node.block
                 pool.deref(block)
-            else:
-                digest = tree.digest(parent_digest, chunk)
-                if not tree.can_insert(digest):
-                    break  # a digest collision: this block and the rest stay private
-                node = tree.insert(parent, root, digest, chunk, block)
-                pool.mark_cached(block)
-                self._stats.inserted_tokens += bs
             table.hashes.append(node.digest)
             table.num_committed_blocks = i + 1
-            parent_digest, parent = node.digest, node
+            parent = node
 
     def free(self, table: BlockTable) -> None:
-        deref = self._pool.deref
-        for block in reversed(table.block_ids):
-            deref(block)
+        self.release(table.block_ids)
         table.block_ids = []
         table.hashes = []
         table.num_committed_blocks = 0
 
-    def can_fork(self, table: BlockTable) -> bool:
-        return len(table.block_ids) - table.num_committed_blocks <= self._pool.num_available
-
-    def fork(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> BlockTable:
-        """A new table sharing ``table``'s committed blocks; the first ``num_tokens`` slots of
-        its private blocks are copied into fresh ones."""
-        if not self.can_fork(table):
-            raise OutOfBlocksError("cannot fork a table")
-        bs, committed = self.block_size, table.num_committed_blocks
-        assert num_tokens <= min(len(token_ids), table.num_slots)
-        if num_tokens > committed * bs and self._copy_slots is None:
-            raise RuntimeError("fork needs copy_slots to copy private blocks")
-        for block in table.block_ids[:committed]:
-            self._pool.ref(block)
-        new = BlockTable(
-            table.namespace,
-            table.block_ids[:committed],
-            num_tokens,
-            committed,
-            list(table.hashes),
-            bs,
-        )
-        for i in range(committed, len(table.block_ids)):
-            dst = self._take_block()
-            k = min(bs, num_tokens - i * bs)
-            if k > 0:
-                assert self._copy_slots is not None
-                self._copy_slots(table.block_ids[i], dst, k)
-            new.block_ids.append(dst)
-        return new
+    def release(self, blocks: list[int]) -> None:
+        """Drop one ref on each block, last first (a chain's children turn idle first)."""
+        deref = self._pool.deref
+        for block in reversed(blocks):
+            deref(block)
 
     # ---- pinning and eviction
 
     def pin(self, token_ids: Sequence[int], namespace: str) -> int:
         """Pin the cached full blocks of this prefix; returns how many blocks it covers."""
         nodes = self._walk(token_ids, namespace)
-        if not nodes:
-            return 0
-        nodes[-1].own_pins += 1
-        for node in reversed(nodes):  # deepest first keeps children before parents in the LRU
-            self._pool.pin(node.block)
+        if nodes:
+            self.pin_path(nodes[-1], 1)
         return len(nodes)
 
     def unpin(self, token_ids: Sequence[int], namespace: str) -> int:
         """Undo the deepest pin along this prefix; returns how many blocks it covered."""
         nodes = self._walk(token_ids, namespace)
         depth = next((i + 1 for i in range(len(nodes) - 1, -1, -1) if nodes[i].own_pins), 0)
-        if depth == 0:
-            return 0
-        nodes[depth - 1].own_pins -= 1
-        for node in reversed(nodes[:depth]):
-            self._pool.unpin(node.block)
+        if depth:
+            self.pin_path(nodes[depth - 1], -1)
         return depth
-
-    # ---- saving pinned prefixes and restoring them
-
-    def pinned_blocks(self) -> list[SavedBlock]:
-        """Every cached block on a pinned prefix, each once, parents before children."""
-        index: dict[Node, int] = {}
-        out: list[SavedBlock] = []
-        for node in self._tree.nodes():
-            if not node.own_pins:
-                continue
-            chain: list[Node] = []
-            walk: Node | None = node
-            while walk is not None and walk not in index:
-                chain.append(walk)
-                walk = walk.parent
-            for n in reversed(chain):
-                parent = -1 if n.parent is None else index[n.parent]
-                root = n.parent_digest if n.parent is None else b""
-                index[n] = len(out)
-                out.append(SavedBlock(root, parent, n.tokens, n.own_pins, n.block))
-        return out
-
-    def restore(self, saved: list[SavedBlock], write: WriteBlock) -> RestoreResult:
-        """Cache saved blocks (parents first) that are not cached yet, filling each new page
-        with ``write(index, page)``, then re-apply their pins. Pages come from the free list or
-        by evicting idle unpinned blocks, never from running requests or pinned prefixes."""
-        if not self.enable_caching:
-            return RestoreResult(0, 0, len(saved), 0)
-        tree, pool = self._tree, self._pool
-        nodes: list[Node | None] = []
-        held: list[int] = []  # one ref on every restored or reused page until the end
-        restored = reused = 0
-        try:
-            for i, item in enumerate(saved):
-                parent = nodes[item.parent] if 0 <= item.parent < len(nodes) else None
-                if item.parent >= 0 and parent is None:
-                    nodes.append(None)
-                    continue
-                parent_digest = parent.digest if parent is not None else item.root
-                kids = tree.children(parent, item.root)
-                node = kids.by_tokens.get(item.tokens) if kids is not None else None
-                if node is not None:
-                    pool.ref(node.block)  # an idle parent must not be evicted for its child
-                    reused += 1
-                else:
-                    digest = tree.digest(parent_digest, item.tokens)
-                    if not tree.can_insert(digest) or not pool.num_available_unpinned:
-                        nodes.append(None)
-                        continue
-                    block = self._take_block()
-                    try:
-                        write(i, block)
-                    except BaseException:
-                        pool.deref(block)  # not cached yet: back to the free list
-                        raise
-                    node = tree.insert(parent, item.root, digest, item.tokens, block)
-                    pool.mark_cached(block)
-                    self._stats.inserted_tokens += self.block_size
-                    restored += 1
-                held.append(node.block)
-                nodes.append(node)
-        finally:
-            for block in reversed(held):  # children turn idle before their parents
-                pool.deref(block)
-        pinned = 0
-        for item, node in zip(saved, nodes, strict=True):
-            if node is None or not item.pins or node.own_pins:
-                continue
-            node.own_pins += item.pins
-            walk: Node | None = node
-            while walk is not None:  # deepest first, as pin()
-                for _ in range(item.pins):
-                    pool.pin(walk.block)
-                walk = walk.parent
-            pinned += 1
-        return RestoreResult(restored, reused, len(saved) - restored - reused, pinned)
 
     def unpin_all(self) -> int:
         """Drop every pin (e.g. prefixes loaded under another namespace secret); returns how
         many prefixes were pinned."""
-        pinned = [node for node in self._tree.nodes() if node.own_pins]
+        pinned = self.pinned_nodes()
         for node in pinned:
-            count, node.own_pins = node.own_pins, 0
-            walk: Node | None = node
-            while walk is not None:  # deepest first, as unpin()
-                for _ in range(count):
-                    self._pool.unpin(walk.block)
-                walk = walk.parent
+            self.pin_path(node, -node.own_pins)
         return len(pinned)
+
+    def pin_path(self, node: Node, count: int) -> None:
+        """Add ``count`` pins (remove, if negative) ending at ``node``; a pin covers every block
+        from there up to the root, and goes on deepest first, which keeps children before
+        parents in the LRU."""
+        node.own_pins += count
+        change = self._pool.pin if count > 0 else self._pool.unpin
+        for step in node.path_up():
+            for _ in range(abs(count)):
+                change(step.block)
+
+    def pinned_nodes(self) -> list[Node]:
+        """The nodes where a pinned prefix ends."""
+        return [node for node in self._tree.nodes() if node.own_pins]
+
+    def cache_block(
+        self, parent: Node | None, root: bytes, tokens: bytes, fill: Callable[[int], None]
+    ) -> tuple[Node | None, bool]:
+        """Find the block ``tokens`` under ``parent`` (None: under ``root``), or cache it on a
+        new page that ``fill(page)`` writes, and take a ref on it (``release`` drops it); says
+        whether it is new. A page comes from the free list or by evicting an idle unpinned
+        block, never from a running request or a pinned prefix. None: no such page, or a
+        digest collision."""
+
+        def new_page() -> int | None:
+            if not self._pool.num_available_unpinned:
+                return None
+            page = self._take_block()
+            try:
+                fill(page)
+            except BaseException:
+                self._pool.deref(page)  # not cached yet: back to the free list
+                raise
+            return page
+
+        node, inserted = self._cache(parent, root, tokens, new_page)
+        if node is not None and not inserted:
+            self._pool.ref(node.block)  # an idle parent must not be evicted for its child
+        return node, inserted
 
     def evict_all(self, include_pinned: bool = False) -> int:
         """Evict every idle cached block, pinned ones too if asked; returns how many."""
@@ -409,9 +311,9 @@ class BlockManager:
             count += 1
         return count
 
-    def stats(self) -> CacheStats:
+    def stats(self) -> ManagerStats:
         s = self._stats
-        return CacheStats(
+        return ManagerStats(
             query_tokens=s.query_tokens,
             hit_tokens=s.hit_tokens,
             inserted_tokens=s.inserted_tokens,
@@ -434,10 +336,9 @@ class BlockManager:
             assert pool.cached[node.block]
             if pool.ref_count[node.block] > 0 and node.parent is not None:
                 assert pool.ref_count[node.parent.block] > 0, "in-use block under an idle parent"
-            cur: Node | None = node if node.own_pins else None  # a pin covers all above it
-            while cur is not None:
-                pins[cur.block] = pins.get(cur.block, 0) + node.own_pins
-                cur = cur.parent
+            if node.own_pins:  # a pin covers every block above it
+                for step in node.path_up():
+                    pins[step.block] = pins.get(step.block, 0) + node.own_pins
         assert sum(pool.cached) == len(tree)
         for node in tree.nodes():
             assert pool.pin_count[node.block] == pins.get(node.block, 0)
@@ -469,15 +370,26 @@ class BlockManager:
 
     def _blocks_needed(self, match: PrefixMatch, num_tokens: int) -> int:
         bs = self.block_size
-        total = max(-(-num_tokens // bs), len(match.blocks) + (match.partial_tokens > 0))
+        total = max(ceil_div(num_tokens, bs), len(match.blocks) + (match.partial_tokens > 0))
         return total - len(match.blocks)
 
     def _blocks_to_grow(self, table: BlockTable, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(table.block_ids))
+        return max(0, ceil_div(num_tokens, self.block_size) - len(table.block_ids))
 
     def _extend(self, table: BlockTable, num_tokens: int) -> None:
         for _ in range(self._blocks_to_grow(table, num_tokens)):
             table.block_ids.append(self._take_block())
+
+    def _cache(
+        self, parent: Node | None, root: bytes, tokens: bytes, block: int | NewBlock
+    ) -> tuple[Node | None, bool]:
+        """``tree.find_or_insert``, counting a new node's page as cached."""
+        node, inserted = self._tree.find_or_insert(parent, root, tokens, block)
+        if inserted:
+            assert node is not None
+            self._pool.mark_cached(node.block)
+            self._stats.inserted_tokens += self.block_size
+        return node, inserted
 
     def _take_block(self) -> int:
         """A fresh block with ref count 1: a free one first, else evict the LRU idle leaf."""

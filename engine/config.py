@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .paging import DEFAULT_BLOCK_SIZE
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -12,7 +14,7 @@ class EngineConfig:
     dtype: str | None = "auto"
     device: str | None = None  # None: cuda if available, else cpu
     attention_backend: str = "auto"  # auto | torch | flashinfer
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None  # wins over kv_memory_bytes when set
     kv_memory_bytes: int = 512 * 1024**2
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)

@@ -13,24 +13,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import prefix_store
+import msgspec
+
+from prefixcache.sdk.cache_stats import BlockStats, CacheStats, TokenizerPieceStats, TokenStats
+
+from . import output, prefix_store
 from .attention import create_backend
-from .block_manager import BlockManager, RestoreResult
+from .block_manager import BlockManager
 from .config import EngineConfig
 from .kv_cache import KVCache
 from .loader import LoadedModel, load_model
 from .metrics import EngineMetrics
 from .model_runner import BatchEntry, ModelRunner
 from .prefix_store import LoadResult, SaveResult, Snapshot
-from .request import (
-    EngineRequest,
-    RequestOutput,
-    RequestTiming,
-    SamplingParams,
-    SegmentUsage,
-    TokenLogprob,
-    Usage,
-)
+from .request import EngineRequest, RequestOutput, SamplingParams, TokenLogprob, Usage
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -201,83 +197,24 @@ class LLMEngine:
             self.metrics.inter_token_latency.observe(now - (seq.last_token_time or now))
         seq.last_token_time = now
         self.metrics.generation_tokens.inc()
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-
-        params = seq.request.sampling
-        reason = None
-        cut_at_stop_string = False
-        if token in params.stop_token_ids or (
-            token in self._stop_token_ids and not params.ignore_eos
-        ):
-            reason = "stop"
-        else:
-            seq.pending_text += seq.detokenizer.push(token)
-            if params.stop and _cut_at_stop(seq, params):
-                reason, cut_at_stop_string = "stop", True
-        if reason is None and (
-            seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_seq_len
-        ):
-            reason = "length"
-        if reason is not None:
-            if not cut_at_stop_string:  # release what the detokenizer still holds back
-                seq.pending_text += seq.detokenizer.flush()
-                if params.stop and _cut_at_stop(seq, params):
-                    reason = "stop"
-            final = self._finish(seq, reason)
-            final.new_token_ids = [token]
-            final.logprobs = [logprob] if logprob is not None else None
-            return final
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=[token],
-            text_delta=_release_text(seq, params),
-            logprobs=[logprob] if logprob is not None else None,
-        )
+        reason = output.finish_reason(seq, token, self._stop_token_ids, self.max_seq_len)
+        if reason is None:
+            return output.delta_output(seq, token, logprob)
+        final = self._finish(seq, reason)
+        final.new_token_ids = [token]
+        final.logprobs = [logprob] if logprob is not None else None
+        return final
 
     def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
-        self.scheduler.finish(seq, reason)
+        self.scheduler.finish(seq)
         self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
         self._sequences.pop(seq.request_id, None)
         self.sampler.forget(seq.request_id)
-        delta = seq.pending_text
-        seq.text += delta
-        seq.pending_text = ""
         self.metrics.requests_finished.labels(reason).inc()
         now = time.monotonic()
         if seq.first_token_time is not None:
             self.metrics.e2e_latency.observe(now - seq.arrival_time)
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=[],
-            text_delta=delta,
-            finished=True,
-            finish_reason=reason,
-            usage=self.usage_of(seq),
-            timing=RequestTiming(
-                seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, now
-            ),
-        )
-
-    def usage_of(self, seq: Sequence) -> Usage:
-        cached = seq.num_cached_tokens or 0
-        segments = None
-        if seq.request.segments is not None:
-            segments = [
-                SegmentUsage(
-                    tag=s.tag,
-                    tokens=s.end - s.start,
-                    cached_tokens=max(0, min(cached, s.end) - s.start),
-                )
-                for s in seq.request.segments
-            ]
-        return Usage(
-            prompt_tokens=seq.num_prompt_tokens,
-            cached_tokens=cached,
-            computed_prompt_tokens=seq.num_computed_prompt_tokens,
-            completion_tokens=seq.num_output_tokens,
-            segments=segments,
-        )
+        return output.final_output(seq, reason, now)
 
     def _count_cache_stats(self) -> None:
         stats = self.block_manager.stats()
@@ -302,12 +239,20 @@ class LLMEngine:
     def unpin(self, token_ids: list[int], namespace: str) -> int:
         return self.block_manager.unpin(token_ids, namespace)
 
+    # Saving and loading pinned prefixes, split by thread: ``snapshot_pinned`` and
+    # ``restore_pinned`` touch the pages (engine thread); ``prefix_store.write`` and
+    # ``read_pinned`` do the file work (any thread). ``AsyncEngine`` runs the same halves.
+
     def snapshot_pinned(self) -> Snapshot:
         """The pinned prefixes and their KV, for ``prefix_store.write``."""
         return prefix_store.snapshot(self.block_manager, self.kv_cache)
 
-    def restore_pinned(self, snap: Snapshot) -> RestoreResult:
-        """Cache and pin a snapshot ``prefix_store.read`` checked against this engine."""
+    def read_pinned(self, path: str | Path) -> Snapshot:
+        """A file's pinned prefixes, refused unless this engine made it (any thread)."""
+        return prefix_store.read(path, self.block_manager.identity, self.kv_cache)
+
+    def restore_pinned(self, snap: Snapshot) -> LoadResult:
+        """Cache and pin a snapshot ``read_pinned`` checked against this engine."""
         result = prefix_store.restore(snap, self.block_manager, self.kv_cache)
         self._last_stats = self.block_manager.stats()
         self._update_gauges()
@@ -317,8 +262,7 @@ class LLMEngine:
         return prefix_store.write(self.snapshot_pinned(), path)
 
     def load_pinned(self, path: str | Path) -> LoadResult:
-        snap = prefix_store.read(path, self.block_manager.identity, self.kv_cache)
-        return prefix_store.load_result(path, snap, self.restore_pinned(snap))
+        return self.restore_pinned(self.read_pinned(path))
 
     def evict_all(self, include_pinned: bool = False) -> int:
         evicted = self.block_manager.evict_all(include_pinned)
@@ -327,25 +271,34 @@ class LLMEngine:
         self._update_gauges()
         return evicted
 
-    def cache_stats(self) -> dict:
+    def cache_stats(self) -> CacheStats:
         s = self.block_manager.stats()
-        return {
-            "block_size": s.block_size,
-            "blocks": {
-                "total": s.num_blocks,
-                "free": s.num_free_blocks,
-                "cached_idle": s.num_cached_idle_blocks,
-                "in_use": s.num_used_blocks,
-                "pinned": s.num_pinned_blocks,
-            },
-            "tokens": {
-                "queries": s.query_tokens,
-                "hits": s.hit_tokens,
-                "inserted": s.inserted_tokens,
-                "evicted": s.evicted_tokens,
-            },
-            "hit_rate": s.hit_tokens / s.query_tokens if s.query_tokens else 0.0,
-        }
+        return CacheStats(
+            block_size=s.block_size,
+            blocks=BlockStats(
+                total=s.num_blocks,
+                free=s.num_free_blocks,
+                cached_idle=s.num_cached_idle_blocks,
+                in_use=s.num_used_blocks,
+                pinned=s.num_pinned_blocks,
+            ),
+            tokens=TokenStats(
+                queries=s.query_tokens,
+                hits=s.hit_tokens,
+                inserted=s.inserted_tokens,
+                evicted=s.evicted_tokens,
+            ),
+            hit_rate=s.hit_tokens / s.query_tokens if s.query_tokens else 0.0,
+            tokenizer_pieces=self.piece_stats(),
+        )
+
+    def piece_stats(self) -> TokenizerPieceStats | msgspec.UnsetType:
+        """The tokenizer's memo of text between special tokens; UNSET where it keeps none."""
+        pieces = self.tokenizer.piece_cache
+        if pieces is None:
+            return msgspec.UNSET
+        s = pieces.stats
+        return TokenizerPieceStats(hits=s.hits, misses=s.misses, entries=s.entries, chars=s.chars)
 
     # -- scripts and tests -------------------------------------------------------------------
 
@@ -387,23 +340,3 @@ class LLMEngine:
                     result.usage = out.usage or Usage()
                     pending.discard(out.request_id)
         return [results[r.request_id] for r in requests]
-
-
-def _cut_at_stop(seq: Sequence, params: SamplingParams) -> bool:
-    """If a stop string appears in the held-back text, cut the text before it."""
-    hits = [i for i in (seq.pending_text.find(s) for s in params.stop if s) if i >= 0]
-    if not hits:
-        return False
-    seq.pending_text = seq.pending_text[: min(hits)]
-    return True
-
-
-def _release_text(seq: Sequence, params: SamplingParams) -> str:
-    """Text that can no longer become part of a stop string; the rest stays held back."""
-    hold = max((len(s) for s in params.stop), default=1) - 1
-    cut = len(seq.pending_text) - hold
-    if cut <= 0:
-        return ""
-    delta, seq.pending_text = seq.pending_text[:cut], seq.pending_text[cut:]
-    seq.text += delta
-    return delta

@@ -10,13 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .paging import DEFAULT_BLOCK_SIZE
+
 
 @dataclass(slots=True, frozen=True)
 class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
 
@@ -41,10 +43,6 @@ class KVCache:
         self.layers: list[torch.Tensor] = [
             torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)
         ]
-
-    @classmethod
-    def from_memory_budget(cls, spec: KVCacheSpec, memory_bytes: int) -> KVCache:
-        return cls(spec, spec.num_blocks_for(memory_bytes))
 
     @property
     def block_size(self) -> int:

@@ -8,8 +8,9 @@ format, a digest of the engine identity (model and tokenizer fingerprints, dtype
 size, and a sha256 over everything else, so a file from another model, tokenizer, dtype or
 block size, or a damaged one, is refused with a message before any page is touched.
 
-Split by thread: ``snapshot``/``restore`` touch the block manager and the pages (the engine
-thread); ``write``/``read`` do the file work and its checks (any thread).
+Split by thread: ``snapshot``/``restore`` touch the block manager (through
+``pinned_blocks.py``) and the pages (the engine thread); ``write``/``read`` do the file work and
+its checks (any thread).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .block_manager import BlockManager, RestoreResult, SavedBlock
+from .block_manager import BlockManager
 from .kv_cache import KVCache
+from .pinned_blocks import SavedBlock, restore_blocks, saved_blocks
 
 FORMAT = "prefixcache-pinned-prefixes/1"
 DIGEST_BYTES = 16  # the prefix tree's blake2b-128 digests
@@ -45,6 +47,7 @@ class Snapshot:
     kv: list[torch.Tensor]  # one per layer: [len(blocks), 2, block_size, kv_heads, head_dim]
     identity: str  # sha256 hex of the engine identity
     block_size: int
+    path: str = ""  # the file it was read from ("": taken from the pages)
 
     @property
     def num_prefixes(self) -> int:
@@ -70,9 +73,28 @@ class LoadResult:
     pinned_prefixes: int
 
 
-def load_result(path: str | Path, snap: Snapshot, restored: RestoreResult) -> LoadResult:
+def identity_digest(identity: bytes) -> str:
+    return hashlib.sha256(identity).hexdigest()
+
+
+def snapshot(manager: BlockManager, cache: KVCache) -> Snapshot:
+    """Copy out every pinned prefix (engine thread)."""
+    blocks = saved_blocks(manager)
+    pages = torch.tensor([b.page for b in blocks], dtype=torch.long, device=cache.spec.device)
+    kv = [layer.index_select(0, pages).cpu() for layer in cache.layers]
+    return Snapshot(blocks, kv, identity_digest(manager.identity), manager.block_size)
+
+
+def restore(snap: Snapshot, manager: BlockManager, cache: KVCache) -> LoadResult:
+    """Cache and pin what a snapshot holds (engine thread). Checks were done by ``read``."""
+
+    def write(index: int, page: int) -> None:  # page by page: no second copy of the file
+        for layer, kv in zip(cache.layers, snap.kv, strict=True):
+            layer[page].copy_(kv[index])
+
+    restored = restore_blocks(manager, snap.blocks, write)
     return LoadResult(
-        str(path),
+        snap.path,
         snap.num_prefixes,
         len(snap.blocks),
         restored.restored_blocks,
@@ -80,28 +102,6 @@ def load_result(path: str | Path, snap: Snapshot, restored: RestoreResult) -> Lo
         restored.skipped_blocks,
         restored.pinned_prefixes,
     )
-
-
-def identity_digest(identity: bytes) -> str:
-    return hashlib.sha256(identity).hexdigest()
-
-
-def snapshot(manager: BlockManager, cache: KVCache) -> Snapshot:
-    """Copy out every pinned prefix (engine thread)."""
-    blocks = manager.pinned_blocks()
-    pages = torch.tensor([b.page for b in blocks], dtype=torch.long, device=cache.spec.device)
-    kv = [layer.index_select(0, pages).cpu() for layer in cache.layers]
-    return Snapshot(blocks, kv, identity_digest(manager.identity), manager.block_size)
-
-
-def restore(snap: Snapshot, manager: BlockManager, cache: KVCache) -> RestoreResult:
-    """Cache and pin what a snapshot holds (engine thread). Checks were done by ``read``."""
-
-    def write(index: int, page: int) -> None:  # page by page: no second copy of the file
-        for layer, kv in zip(cache.layers, snap.kv, strict=True):
-            layer[page].copy_(kv[index])
-
-    return manager.restore(snap.blocks, write)
 
 
 def write(snap: Snapshot, path: str | Path) -> SaveResult:
@@ -129,7 +129,7 @@ def write(snap: Snapshot, path: str | Path) -> SaveResult:
 
 def read(path: str | Path, identity: bytes, cache: KVCache) -> Snapshot:
     """A file's snapshot, refused unless it was made by this engine identity and layout."""
-    path = Path(path)
+    source, path = str(path), Path(path)
     if not path.is_file():
         raise PrefixStoreError(f"{path}: no such file")
     try:
@@ -162,7 +162,7 @@ def read(path: str | Path, identity: bytes, cache: KVCache) -> Snapshot:
     blocks = _blocks(tensors, spec.block_size)
     if any(t.shape[0] != len(blocks) for t in kv):  # type: ignore[union-attr]
         raise PrefixStoreError(f"{path}: its KV and its tree disagree on the number of blocks")
-    return Snapshot(blocks, kv, metadata["identity"], spec.block_size)  # type: ignore[arg-type]
+    return Snapshot(blocks, kv, metadata["identity"], spec.block_size, source)  # type: ignore[arg-type]
 
 
 def _tensors(snap: Snapshot) -> dict[str, torch.Tensor]:

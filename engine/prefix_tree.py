@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 DigestFn = Callable[[bytes, bytes], bytes]
+NewBlock = Callable[[], int | None]  # a page for a new node, or None when there is none
 TOKEN_BYTES = 4
 
 
@@ -78,6 +79,13 @@ class Node:
     @property
     def num_children(self) -> int:
         return len(self.children.by_tokens)
+
+    def path_up(self) -> Iterator[Node]:
+        """This node, its parent, and so on up to its namespace's top block: deepest first."""
+        node: Node | None = self
+        while node is not None:
+            yield node
+            node = node.parent
 
 
 class PrefixTree:
@@ -145,6 +153,26 @@ class PrefixTree:
             if n > best_len:
                 best, best_len = child, n
         return best, best_len
+
+    def find_or_insert(
+        self, parent: Node | None, root: bytes, tokens: bytes, block: int | NewBlock
+    ) -> tuple[Node | None, bool]:
+        """The child of ``parent`` (None: of the namespace ``root``) holding exactly ``tokens``,
+        and whether it is new: inserted on ``block``, or on the page a ``block()`` call returns
+        (called only once the insert can go ahead, so no page is taken in vain). (None, False):
+        the digest is another node's (a collision: the caller keeps its block private), or
+        ``block()`` had no page."""
+        kids = self.children(parent, root)
+        node = kids.by_tokens.get(tokens) if kids is not None else None
+        if node is not None:
+            return node, False
+        digest = self.digest(parent.digest if parent is not None else root, tokens)
+        if not self.can_insert(digest):
+            return None, False
+        page = block() if callable(block) else block
+        if page is None:
+            return None, False
+        return self.insert(parent, root, digest, tokens, page), True
 
     def can_insert(self, digest: bytes) -> bool:
         """False when another node already holds this digest (a collision)."""

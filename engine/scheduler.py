@@ -227,12 +227,11 @@ class Scheduler:
         self.block_manager.free(seq.table)
         seq.table = None
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         self.running.remove(seq)
         self.waiting.append(seq)
         seq.status = SequenceStatus.WAITING
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -241,7 +240,6 @@ class Scheduler:
             self.block_manager.free(seq.table)
             seq.table = None
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
 
 
 def _least_important(candidates: list[Sequence]) -> Sequence:

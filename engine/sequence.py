@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .request import EngineRequest, TokenLogprob
+from .request import EngineRequest
 
 if TYPE_CHECKING:
     from .block_manager import BlockTable
@@ -33,17 +33,13 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is written in the table's blocks
     num_cached_tokens: int | None = None  # prompt tokens hit at the first admission
     num_computed_prompt_tokens: int = 0  # prompt tokens this request computed (incl. recompute)
-    num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of token_ids' full blocks
     hit_estimate: int = 0  # cached-prefix length while waiting, for admission order only
     hit_estimate_step: int = -1  # the step it was last measured (-1: never)
-    text: str = ""  # generated text released so far
     pending_text: str = ""  # generated text held back while it may start a stop string
-    logprobs: list[TokenLogprob] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    finish_reason: str | None = None
 
     @property
     def request_id(self) -> str:
@@ -66,17 +62,9 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def is_decoding(self) -> bool:
         return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED

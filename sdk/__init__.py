@@ -18,10 +18,12 @@ from .errors import (
     ServiceUnavailableError,
     StreamError,
     UnprocessableEntityError,
+    UnsupportedError,
 )
 from .fingerprint import Divergence, Fingerprint, diff
 from .lint import RULES, Finding, lint
 from .prompt import Prompt, PromptBuilder, Segment, Tool
+from .session_report import FamilyReport, Miss, Price, SessionReport
 from .sync_client import Client
 from .types import (
     CacheReport,
@@ -51,13 +53,16 @@ __all__ = [
     "CompletionStream",
     "Delta",
     "Divergence",
+    "FamilyReport",
     "Finding",
     "Fingerprint",
     "InternalServerError",
     "LoadResult",
+    "Miss",
     "NotFoundError",
     "PermissionDeniedError",
     "PrefixCacheError",
+    "Price",
     "Prompt",
     "PromptBuilder",
     "RateLimitError",
@@ -66,10 +71,12 @@ __all__ = [
     "Segment",
     "SegmentReport",
     "ServiceUnavailableError",
+    "SessionReport",
     "StreamError",
     "Timeouts",
     "Tool",
     "UnprocessableEntityError",
+    "UnsupportedError",
     "Usage",
     "WarmResult",
     "canonical_json",

@@ -1,65 +1,69 @@
-"""AsyncClient: send prompts to a prefixcache sidecar or any OpenAI-compatible server.
+"""AsyncClient: send prompts to a prefixcache sidecar, an OpenAI-compatible server or the
+Anthropic API, each in its own rendering, and read usage back in one shape.
 
 Runs on asyncio and trio (httpx + anyio). One core does every request: build the body, send,
-retry while no byte of a stream has been handed out, map errors to typed exceptions.
+retry while no byte of a stream has been handed out, map errors to typed exceptions. Every
+finished request is also recorded per prompt family for ``cache_report()``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import Any
+from typing import Any, Literal, get_args
 
 import anyio
 import httpx
 import msgspec
 
-from . import errors
+from . import anthropic_wire, errors
 from .prompt import Prompt
-from .sse import SSEDecoder
+from .session_report import Prices, SessionLedger, SessionReport
+from .stream import CompletionStream
+from .timeouts import Timeouts, deadline_in, remaining
 from .types import (
     CacheReport,
     CacheStats,
     ChatCompletion,
     Completion,
-    Delta,
     LoadResult,
     SaveResult,
     Usage,
     WarmResult,
     to_completion,
-    to_delta,
 )
 
+Backend = Literal["sidecar", "openai", "anthropic"]
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+_BACKEND_DEFAULTS: dict[str, tuple[str, str, str]] = {  # base URL env, base URL, key env
+    "sidecar": ("PREFIXCACHE_BASE_URL", DEFAULT_BASE_URL, "PREFIXCACHE_API_KEY"),
+    "openai": ("OPENAI_BASE_URL", "https://api.openai.com/v1", "OPENAI_API_KEY"),
+    "anthropic": ("ANTHROPIC_BASE_URL", "https://api.anthropic.com/v1", "ANTHROPIC_API_KEY"),
+}
 RETRY_STATUS = frozenset({408, 429, 502, 503, 504})
 MAX_RETRY_AFTER = 60.0  # seconds; a longer Retry-After is not waited for
 PromptLike = Prompt | Sequence[Mapping[str, Any]]
 
 
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    """Seconds (None: no limit). ``first_token``: from sending a streamed request to its first
-    text; ``total``: the whole call, retries and waits included."""
-
-    connect: float | None = 10.0
-    first_token: float | None = 120.0
-    total: float | None = 600.0
-
-
 class AsyncClient:
-    """``base_url`` defaults to $PREFIXCACHE_BASE_URL, then http://127.0.0.1:8000/v1;
-    ``api_key`` to $PREFIXCACHE_API_KEY.
+    """``backend`` says what the server speaks and so how a ``Prompt`` is rendered:
 
-    ``send_segments=True`` sends a ``Prompt`` as the sidecar's ``segments``; set it False for
-    other OpenAI-compatible servers, which then get plain ``messages`` (plus
-    ``prompt_cache_key`` unless ``prompt_cache_key=False``). Plain message lists always go as
-    ``messages``.
+    - ``"sidecar"`` (default): a prefixcache sidecar; a ``Prompt`` goes as ``segments``.
+      ``base_url`` defaults to $PREFIXCACHE_BASE_URL, then http://127.0.0.1:8000/v1;
+      ``api_key`` to $PREFIXCACHE_API_KEY. ``send_segments=False`` sends the OpenAI rendering
+      instead (as ``backend="openai"`` does).
+    - ``"openai"``: OpenAI or an OpenAI-compatible server (vLLM, SGLang, llama.cpp):
+      ``messages`` + ``tools`` + ``prompt_cache_key`` (unless ``prompt_cache_key=False``).
+      Defaults: $OPENAI_BASE_URL, then https://api.openai.com/v1; $OPENAI_API_KEY.
+    - ``"anthropic"``: the Messages API with ``cache_control`` breakpoints, ``x-api-key`` and
+      ``anthropic-version`` headers. Defaults: $ANTHROPIC_BASE_URL, then
+      https://api.anthropic.com/v1; $ANTHROPIC_API_KEY.
+
+    Plain message lists are accepted everywhere. ``family_through`` sets how much of the
+    stable part names a prompt family in ``cache_report()``.
     """
 
     def __init__(
@@ -75,18 +79,30 @@ class AsyncClient:
         prompt_cache_key: bool = True,
         headers: Mapping[str, str] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        backend: Backend = "sidecar",
+        family_through: str = "static",
     ) -> None:
-        self.base_url = base_url or os.environ.get("PREFIXCACHE_BASE_URL") or DEFAULT_BASE_URL
+        if backend not in get_args(Backend):
+            raise ValueError(f"backend must be one of {get_args(Backend)}, got {backend!r}")
+        url_env, default_url, key_env = _BACKEND_DEFAULTS[backend]
+        self.backend: Backend = backend
+        self.base_url = base_url or os.environ.get(url_env) or default_url
         self.model = model
         self.timeouts = timeouts or Timeouts()
         self.max_retries = max_retries
         self.retry_backoff = retry_backoff
         self.send_segments = send_segments
         self.prompt_cache_key = prompt_cache_key
-        api_key = api_key or os.environ.get("PREFIXCACHE_API_KEY")
-        all_headers = {"User-Agent": "prefixcache-sdk/0.1", **(headers or {})}
-        if api_key:
+        self._ledger = SessionLedger(family_through)
+        api_key = api_key or os.environ.get(key_env)
+        all_headers = {"User-Agent": "prefixcache-sdk/0.1"}
+        if backend == "anthropic":
+            all_headers["anthropic-version"] = anthropic_wire.ANTHROPIC_VERSION
+            if api_key:
+                all_headers["x-api-key"] = api_key
+        elif api_key:
             all_headers["Authorization"] = f"Bearer {api_key}"
+        all_headers.update(headers or {})
         t = self.timeouts.connect
         self._http = httpx.AsyncClient(
             base_url=self.base_url.rstrip("/") + "/",
@@ -108,20 +124,43 @@ class AsyncClient:
 
     async def complete(self, prompt: PromptLike, **params: Any) -> Completion:
         """Generate a whole answer. ``params``: model, max_tokens, temperature, top_p, stop,
-        seed, cache_salt, ... (None values are dropped), and ``timeouts``."""
+        seed, cache_salt, ... (None values are dropped), and ``timeouts``. Anthropic needs
+        ``max_tokens``; ``stop`` becomes its ``stop_sequences`` and ``ttl`` ("5m", "1h") goes
+        into the cache breakpoints."""
         timeouts = params.pop("timeouts", None) or self.timeouts
         body = self._chat_body(prompt, stream=False, params=params)
-        deadline = _deadline(timeouts.total)
-        response = await self._send("POST", "chat/completions", body, deadline, stream=False)
-        return to_completion(_decode(response, ChatCompletion))
+        deadline = deadline_in(timeouts.total)
+        response = await self._send("POST", self._chat_path, body, deadline, stream=False)
+        if self.backend == "anthropic":
+            out = anthropic_wire.to_completion(_decode(response, anthropic_wire.AnthropicMessage))
+        else:
+            out = to_completion(_decode(response, ChatCompletion))
+        self._record(prompt, out.usage, out.cache, out.model or body.get("model"))
+        return out
 
     def stream(self, prompt: PromptLike, **params: Any) -> CompletionStream:
         """Stream an answer: ``async for delta in client.stream(p)``, or ``async with`` to
         close it early. Same ``params`` as ``complete``."""
         timeouts = params.pop("timeouts", None) or self.timeouts
-        params.setdefault("stream_options", {"include_usage": True})
+        if self.backend != "anthropic":  # Anthropic always streams usage
+            params.setdefault("stream_options", {"include_usage": True})
         body = self._chat_body(prompt, stream=True, params=params)
-        return CompletionStream(self, body, timeouts)
+        return CompletionStream(
+            self._send,
+            self._chat_path,
+            body,
+            timeouts,
+            anthropic=self.backend == "anthropic",
+            on_finished=lambda usage, cache, model: self._record(prompt, usage, cache, model),
+        )
+
+    def cache_report(self, prices: Prices | None = None) -> SessionReport:
+        """What this client's finished requests got from the cache, per prompt family.
+
+        ``prices``: a ``Price`` (per million tokens) or a mapping from model name to ``Price``
+        (key "*" for any other model), for the estimated savings. ``print(report)`` shows a
+        short table."""
+        return self._ledger.report(prices)
 
     # --- cache admin -------------------------------------------------------------------
 
@@ -129,32 +168,38 @@ class AsyncClient:
         self, prompt: PromptLike, pin: bool = False, cache_salt: str | None = None
     ) -> WarmResult:
         """Compute and cache the prompt's stable part (dynamic segments are left out)."""
+        self._require_sidecar("warm")
         body = self._cache_body(prompt, pin=pin, cache_salt=cache_salt)
         response = await self._admin("POST", "cache/warm", body)
         return _decode(response, WarmResult)
 
     async def unpin(self, prompt: PromptLike, cache_salt: str | None = None) -> int:
+        self._require_sidecar("unpin")
         body = self._cache_body(prompt, cache_salt=cache_salt)
         response = await self._admin("POST", "cache/unpin", body)
         return int(_decode(response, dict).get("unpinned_blocks", 0))
 
     async def evict(self, include_pinned: bool = False) -> int:
         """Evict every idle cached block (pinned ones too with ``include_pinned``)."""
+        self._require_sidecar("evict")
         body = {"include_pinned": True} if include_pinned else {}
         response = await self._admin("POST", "cache/evict", body)
         return int(_decode(response, dict).get("evicted_blocks", 0))
 
     async def cache_stats(self) -> CacheStats:
+        self._require_sidecar("cache_stats")
         response = await self._admin("GET", "cache/stats", None)
         return _decode(response, CacheStats)
 
     async def cache_save(self, name: str = "pinned") -> SaveResult:
         """Write the server's pinned prefixes with their KV to ``name`` in its --cache-dir."""
+        self._require_sidecar("cache_save")
         response = await self._admin("POST", "cache/save", {"name": name})
         return _decode(response, SaveResult)
 
     async def cache_load(self, name: str = "pinned") -> LoadResult:
         """Cache and pin the prefixes a ``cache_save`` wrote (same model on the server)."""
+        self._require_sidecar("cache_load")
         response = await self._admin("POST", "cache/load", {"name": name})
         return _decode(response, LoadResult)
 
@@ -165,21 +210,64 @@ class AsyncClient:
 
     # --- the core ----------------------------------------------------------------------
 
+    @property
+    def _chat_path(self) -> str:
+        return "messages" if self.backend == "anthropic" else "chat/completions"
+
+    def _require_sidecar(self, operation: str) -> None:
+        if self.backend != "sidecar":
+            raise errors.UnsupportedError(
+                f"{operation}() is a prefixcache sidecar operation; this client's backend is "
+                f"{self.backend!r}"
+            )
+
+    def _record(
+        self, prompt: PromptLike, usage: Usage | None, cache: CacheReport | None, model: Any
+    ) -> None:
+        if usage is None or usage.prompt_tokens is None:
+            return  # the server did not say: nothing to count
+        if not isinstance(prompt, Prompt):
+            try:  # plain messages: a family with no static part, turns as session segments
+                prompt = Prompt.from_messages(prompt, stability="session")
+            except (KeyError, TypeError, ValueError):
+                return
+        self._ledger.record(prompt, usage, cache, model if isinstance(model, str) else "")
+
     def _chat_body(
         self, prompt: PromptLike, *, stream: bool, params: dict[str, Any]
     ) -> dict[str, Any]:
+        if self.backend == "anthropic":
+            return self._anthropic_body(prompt, stream=stream, params=params)
         body: dict[str, Any] = {}
         model = params.pop("model", None) or self.model
         if model is not None:
             body["model"] = model
         if isinstance(prompt, Prompt):
-            if self.send_segments:
+            if self.backend == "sidecar" and self.send_segments:
                 body["segments"] = prompt.to_segments()
             else:
                 through = "shared" if self.prompt_cache_key else None
                 body.update(prompt.to_openai(cache_key_through=through))
         else:
             body["messages"] = [dict(m) for m in prompt]
+        body.update({k: v for k, v in params.items() if v is not None})
+        body["stream"] = stream
+        return body
+
+    def _anthropic_body(
+        self, prompt: PromptLike, *, stream: bool, params: dict[str, Any]
+    ) -> dict[str, Any]:
+        model = params.pop("model", None) or self.model
+        max_tokens = params.pop("max_tokens", None)
+        if max_tokens is None:
+            raise ValueError("the Anthropic Messages API needs max_tokens")
+        ttl = params.pop("ttl", None)
+        stop = params.pop("stop", None)
+        if stop is not None:
+            params["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+        if not isinstance(prompt, Prompt):
+            prompt = Prompt.from_messages(prompt)
+        body = prompt.to_anthropic(model=model, max_tokens=max_tokens, ttl=ttl)
         body.update({k: v for k, v in params.items() if v is not None})
         body["stream"] = stream
         return body
@@ -196,7 +284,7 @@ class AsyncClient:
         return body
 
     async def _admin(self, method: str, path: str, body: Any) -> httpx.Response:
-        deadline = _deadline(self.timeouts.total)
+        deadline = deadline_in(self.timeouts.total)
         return await self._send(method, path, body, deadline, stream=False)
 
     async def _send(
@@ -221,7 +309,7 @@ class AsyncClient:
             request = self._http.build_request(method, path, json=body)
             response: httpx.Response | None = None
             try:
-                with anyio.fail_after(_remaining(deadline)):
+                with anyio.fail_after(remaining(deadline)):
                     response = await self._http.send(request, stream=stream)
             except TimeoutError:
                 raise errors.APITimeoutError(
@@ -254,108 +342,6 @@ class AsyncClient:
                 raise error
             await anyio.sleep(wait)
             attempt += 1
-
-
-class CompletionStream:
-    """Deltas of one streamed answer. After iteration: ``text``, ``finish_reason``,
-    ``usage``, ``cache`` and ``ttft`` (seconds from sending to the first text)."""
-
-    def __init__(self, client: AsyncClient, body: dict[str, Any], timeouts: Timeouts) -> None:
-        self._client = client
-        self._body = body
-        self._timeouts = timeouts
-        self._iter = self._run()
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.usage: Usage | None = None
-        self.cache: CacheReport | None = None
-        self.ttft: float | None = None
-
-    def __aiter__(self) -> CompletionStream:
-        return self
-
-    async def __anext__(self) -> Delta:
-        return await self._iter.__anext__()
-
-    async def __aenter__(self) -> CompletionStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        await self._iter.aclose()
-
-    async def _run(self) -> AsyncIterator[Delta]:
-        start = anyio.current_time()
-        deadline = _deadline(self._timeouts.total)
-        first = self._timeouts.first_token
-        first_deadline = None if first is None else start + first
-        limit = _earliest(deadline, first_deadline)
-        response = await self._client._send(
-            "POST",
-            "chat/completions",
-            self._body,
-            limit,
-            stream=True,
-            deadline_kind="first_token" if limit == first_deadline else "total",
-        )
-        try:
-            if "json" in response.headers.get("content-type", ""):
-                # a server that ignored stream=true answered with one JSON body
-                await response.aread()
-                delta = self._parse(response.text, response)
-                self.ttft = anyio.current_time() - start
-                yield delta
-                return
-            lines = response.aiter_lines()
-            decoder = SSEDecoder()
-            while True:
-                waiting_first = self.ttft is None
-                limit = _earliest(deadline, first_deadline if waiting_first else None)
-                ended = False
-                try:
-                    with anyio.fail_after(_remaining(limit)):
-                        line = await lines.__anext__()
-                except StopAsyncIteration:
-                    ended, sse = True, decoder.flush()  # ended without a blank line / [DONE]
-                except TimeoutError:
-                    kind = "first_token" if waiting_first and limit == first_deadline else "total"
-                    raise errors.APITimeoutError(f"{kind} timeout exceeded", kind=kind) from None
-                except httpx.TransportError as exc:  # the stream started: never retried
-                    raise errors.APIConnectionError(f"stream interrupted: {exc!r}") from exc
-                else:
-                    sse = decoder.feed(line.rstrip("\r\n"))
-                if sse is not None:
-                    if sse.data == "[DONE]":
-                        return
-                    delta = self._parse(sse.data, response)
-                    if self.ttft is None and (delta.text or delta.finish_reason):
-                        self.ttft = anyio.current_time() - start
-                    yield delta
-                if ended:
-                    return
-        finally:
-            await response.aclose()
-
-    def _parse(self, data: str, response: httpx.Response) -> Delta:
-        try:
-            payload = json.loads(data)
-        except ValueError as exc:
-            raise errors.ResponseFormatError(
-                f"stream event is not JSON: {data[:200]!r}", response=response
-            ) from exc
-        if isinstance(payload, dict) and payload.get("error") is not None:
-            raise errors.stream_error(payload, response)
-        try:
-            delta = to_delta(msgspec.convert(payload, ChatCompletion))
-        except msgspec.ValidationError as exc:
-            raise errors.ResponseFormatError(f"bad stream chunk: {exc}", response=response) from exc
-        self.text += delta.text
-        self.finish_reason = delta.finish_reason or self.finish_reason
-        self.usage = delta.usage or self.usage
-        self.cache = delta.cache or self.cache
-        return delta
 
 
 def _decode(response: httpx.Response, type_: Any) -> Any:
@@ -392,17 +378,3 @@ def _retry_after(value: str | None) -> float | None:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return (when - datetime.now(UTC)).total_seconds()
-
-
-def _deadline(seconds: float | None) -> float | None:
-    return None if seconds is None else anyio.current_time() + seconds
-
-
-def _earliest(a: float | None, b: float | None) -> float | None:
-    if a is None:
-        return b
-    return a if b is None else min(a, b)
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - anyio.current_time())

@@ -18,6 +18,7 @@
         │   └── ServiceUnavailableError 503
         ├── StreamError                 error sent in-band after a stream started
         └── ResponseFormatError         a 2xx response the client could not parse
+    UnsupportedError                    the client's backend has no such operation
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ import httpx
 
 class PrefixCacheError(Exception):
     """Base class for everything raised by prefixcache.sdk."""
+
+
+class UnsupportedError(PrefixCacheError):
+    """The client's backend has no such operation (e.g. cache admin on a hosted API)."""
 
 
 class APIError(PrefixCacheError):

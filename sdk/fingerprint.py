@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .prompt import Prompt
+from .segment import PromptParts, tools_segment
+from .stability import RANK, STABLE
 
 _ROOT = hashlib.sha256(b"prefixcache.sdk.fingerprint.v1").digest()
-_ORDER = ("static", "shared", "session")
 CACHE_KEY_HEX = 32  # 128 bits; keeps "pc-" + key well under OpenAI's 64-character limit
 
 
@@ -38,12 +36,12 @@ class Fingerprint:
 
     def through(self, stability: str) -> str:
         """The digest of the stable part up to the end of class ``stability`` (inclusive)."""
-        if stability not in _ORDER:
-            raise ValueError(f"stability must be one of {_ORDER}, got {stability!r}")
-        limit = _ORDER.index(stability)
+        if stability not in STABLE:
+            raise ValueError(f"stability must be one of {STABLE}, got {stability!r}")
+        limit = RANK[stability]
         last = _ROOT.hex()
         for seg in self.segments:
-            if _ORDER.index(seg.stability) > limit:
+            if RANK[seg.stability] > limit:
                 break
             last = seg.digest
         return last
@@ -69,12 +67,10 @@ class Divergence:
         return f"stable segment {self.index}: {self.tag_a!r} vs {self.tag_b!r}"
 
 
-def compute_fingerprint(prompt: Prompt) -> Fingerprint:
-    from .render_sidecar import tools_segment
-
+def compute_fingerprint(prompt: PromptParts) -> Fingerprint:
     chain = _ROOT
     out: list[SegmentDigest] = []
-    tools = tools_segment(prompt)
+    tools = tools_segment(prompt.tools)
     stable = ([tools] if tools else []) + [s for s in prompt.rendered() if s.is_stable]
     for seg in stable:
         chain = _link(chain, seg.role, seg.content)
@@ -82,10 +78,10 @@ def compute_fingerprint(prompt: Prompt) -> Fingerprint:
     return Fingerprint(tuple(out))
 
 
-def diff(a: Prompt | Fingerprint, b: Prompt | Fingerprint) -> Divergence | None:
+def diff(a: PromptParts | Fingerprint, b: PromptParts | Fingerprint) -> Divergence | None:
     """The first stable segment that differs between ``a`` and ``b``; None when they match."""
-    fa = a if isinstance(a, Fingerprint) else a.fingerprint()
-    fb = b if isinstance(b, Fingerprint) else b.fingerprint()
+    fa = a if isinstance(a, Fingerprint) else compute_fingerprint(a)
+    fb = b if isinstance(b, Fingerprint) else compute_fingerprint(b)
     n = max(len(fa.segments), len(fb.segments))
     for i in range(n):
         sa = fa.segments[i] if i < len(fa.segments) else None

@@ -1,25 +1,24 @@
 """Find cache-breakers: values that change per request inside segments meant to stay the same.
 
-Each rule has a stable id (``PC001`` ...) and a name; docs/prompt-layout.md lists them. Rules
-report at most one finding per segment. Patterns are tuned to stay quiet on ordinary prose:
-weak signals (a bare date, a time of day) count only in ``static`` segments, where per-request
-values hurt most; strong ones (a "today is ..." phrase, a full timestamp, a UUID) count in
-every stable segment. Dynamic segments are never flagged for content.
+Each rule has a stable id (``PC001`` ...) and a name; docs/prompt-layout.md lists them. A rule
+reports at most one finding per segment, carrying the character spans (into the segment's
+content) of every value it matched, so an editor can underline them. Patterns
+(``lint_patterns.py``) are tuned to stay quiet on ordinary prose: weak signals (a bare date, a
+time of day, an e-mail address) count only in ``static`` segments, where per-request values
+hurt most; strong ones (a "today is ..." phrase, a full timestamp, a UUID) count in every
+stable segment. Dynamic segments are never flagged for content.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import TYPE_CHECKING
 
-from .canonical import canonical_json
-
-if TYPE_CHECKING:
-    from .prompt import Prompt, Segment
+from . import lint_patterns as pat
+from .lint_patterns import Detector, Span
+from .segment import PromptParts, Segment
 
 RULES: dict[str, str] = {
     "PC001": "clock-value",
@@ -36,20 +35,29 @@ RULES: dict[str, str] = {
 
 @dataclass(frozen=True, slots=True)
 class Finding:
+    """``spans``: ``(start, end)`` character offsets into the segment's content, one per
+    value found, in order; rules about the whole segment cover all of it."""
+
     tag: str
     rule: str  # stable id, e.g. "PC001"
     message: str
     fix: str
+    spans: tuple[Span, ...] = ()
 
     @property
     def name(self) -> str:
         return RULES[self.rule]
 
+    @property
+    def span(self) -> Span | None:
+        """The first span (the value the message quotes)."""
+        return self.spans[0] if self.spans else None
+
     def __str__(self) -> str:
         return f"{self.rule} {self.name} [{self.tag}]: {self.message} Fix: {self.fix}"
 
 
-def lint(prompt: Prompt, previous: Prompt | None = None) -> list[Finding]:
+def lint(prompt: PromptParts, previous: PromptParts | None = None) -> list[Finding]:
     """All findings for ``prompt``, in declared segment order then rule order."""
     findings: list[Finding] = []
     for seg in prompt.segments:
@@ -67,152 +75,76 @@ def lint(prompt: Prompt, previous: Prompt | None = None) -> list[Finding]:
     return findings
 
 
-# --- patterns --------------------------------------------------------------------------------
-
-_I = re.IGNORECASE
-_MONTH = (
-    r"(?:jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?"
-    r"|sep(?:t(?:ember)?)?|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?)"
-)
-_WEEKDAY = r"(?:mon|tues|wednes|thurs|fri|satur|sun)day"
-
-_CLOCK_PHRASE = re.compile(
-    rf"\b(?:today(?:'s date)? is,?\s+(?:{_WEEKDAY}|{_MONTH}|\d)"
-    r"|current (?:date|time|timestamp|datetime)\b"
-    rf"|the (?:date|time) is\s+(?:now\s+)?(?:{_WEEKDAY}|{_MONTH}|\d)"
-    r"|(?:date|time) now\s*[:=]"
-    r"|as of (?:now|today|right now)\b)",
-    _I,
-)
-_DATETIME = re.compile(r"\b\d{4}-\d{2}-\d{2}[T ]\d{1,2}:\d{2}")
-_TIME_SECONDS = re.compile(r"\b\d{1,2}:\d{2}:\d{2}\b")
-_EPOCH = re.compile(r"\b(?:ts|timestamp|time|epoch|now)\s*[:=]\s*\d{9,13}\b", _I)
-_DATE = re.compile(
-    rf"\b\d{{4}}-\d{{2}}-\d{{2}}\b|\b\d{{1,2}}/\d{{1,2}}/\d{{2,4}}\b"
-    rf"|\b{_MONTH}\.? \d{{1,2}}(?:st|nd|rd|th)?,? \d{{4}}\b|\b\d{{1,2}} {_MONTH}\.? \d{{4}}\b",
-    _I,
-)
-_TIME_OF_DAY = re.compile(r"\b\d{1,2}:\d{2}\s*(?:[ap]\.?m\.?|utc|gmt|z)\b|\bat \d{1,2}:\d{2}\b", _I)
-
-_UUID = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", _I)
-_ULID = re.compile(
-    r"\b(?=[0-9A-HJKMNP-TV-Z]*\d)(?=[0-9A-HJKMNP-TV-Z]*[A-Z])[0-9A-HJKMNP-TV-Z]{26}\b"
-)
-_LONG_HEX = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{32,}\b", _I)
-_NONCE = re.compile(
-    r"\b(?:nonce|salt|random[ _-]?(?:id|seed|token|value)|session[ _-]?(?:id|token)"
-    r"|cache[ _-]?buster)"
-    r"\s*[:=]\s*(?=[\w+/=-]*\d)[\w+/=-]{6,}",  # a value with a digit: not "salt: a pinch"
-    _I,
-)
-_REQUEST_ID = re.compile(
-    r"\b(?:x-)?(?:request|req|trace|span|correlation|transaction|invocation)[ _-]?id\b"
-    r"(?:\s*[:=#]\s*[\w-]{3,}|\s+(?=[\w-]*\d)[\w-]{4,})|\btraceparent\b",
-    _I,
-)
-_ROLE_MAILBOX = (
-    r"(?:support|help|info|sales|admin|contact|noreply|no-reply|team|security|privacy|billing"
-    r"|hello|feedback|press|legal|abuse|webmaster|postmaster)"
-)
-_EMAIL = re.compile(rf"\b(?!{_ROLE_MAILBOX}@)[\w.+-]+@[\w-]+\.[\w.-]+\b", _I)
-_PHONE = re.compile(
-    r"\+\d{1,3}[\s.-]?\(?\d{1,4}\)?(?:[\s.-]?\d{2,4}){2,4}\b|\(\d{3}\)\s?\d{3}-\d{4}\b"
-)
-_USER_FIELD = re.compile(  # keywords in any case; a name must start with a capital
-    r"\b(?i:user|customer|client|member|account|patient|subscriber)[ _-]?"
-    r"(?i:id|name|email|number|no\.?|phone|address)\s*[:=]"
-    r"|\b(?i:my name is)\b|\b(?i:the user(?:'s name)? is (?:named |called )?)[A-Z]"
-    r"|\b(?i:you are (?:talking|speaking|chatting) (?:to|with) )[A-Z]"
-)
-_COUNTER = re.compile(
-    r"\b(?:turn|attempt|retry|iteration|round|request|message)\s*(?:#|no\.?|number)?\s*\d+\b"
-    r"(?!\s*(?:times|x)\b)"
-    r"|\b\d+(?:st|nd|rd|th) (?:attempt|try|turn|retry|iteration)\b"
-    r"|\b(?:attempts?|retries|tries|turns?|requests?)\s+(?:left|remaining|so far|used)"
-    r"\s*[:=]?\s*\d+"
-    r"|\b\d+\s+(?:attempts?|retries|tries|turns?|requests?)\s+(?:left|remaining|so far)\b",
-    _I,
-)
-_TRAILING_WS = re.compile(r"[ \t]+\n")
-_FENCED_JSON = re.compile(r"```json\s*\n(.*?)\n\s*```", re.DOTALL)
-
-
 # --- content rules (one segment at a time) ---------------------------------------------------
 
 
 def _clock_value(seg: Segment) -> Finding | None:
-    patterns = [_CLOCK_PHRASE, _DATETIME, _TIME_SECONDS, _EPOCH]
+    detectors: Sequence[Detector] = (*pat.CLOCK_PHRASES, *pat.CLOCK_STRONG)
     if seg.stability == "static":
-        patterns += [_DATE, _TIME_OF_DAY]
-    elif seg.stability == "session":
-        patterns = [_CLOCK_PHRASE, _EPOCH]
-    m = _search(patterns, seg.content)
-    if m is None:
-        return None
-    return Finding(
-        seg.tag,
+        detectors = (*detectors, *pat.CLOCK_WEAK)
+    elif seg.stability == "session":  # history is written once; only "now" phrases recur
+        detectors = (*pat.CLOCK_PHRASES, *pat.CLOCK_EPOCH)
+    return _finding(
+        seg,
         "PC001",
-        f"clock value {m!r} in a {seg.stability} segment changes its bytes every request.",
+        pat.find(detectors, seg.content),
+        "clock value {value!r} in a {stability} segment changes its bytes every request.",
         "Move the date/time into a dynamic segment at the end (e.g. tag 'now'), "
         "or round it to a value that stays fixed (the day, not the second) and mark it so.",
     )
 
 
 def _random_id(seg: Segment) -> Finding | None:
-    m = _search([_UUID, _NONCE, _ULID, _LONG_HEX], seg.content)
-    if m is None:
-        return None
-    return Finding(
-        seg.tag,
+    request_ids = pat.find(pat.REQUEST_IDS, seg.content)  # reported once, as PC003
+    spans = [
+        (start, end)
+        for start, end in pat.find(pat.RANDOM_IDS, seg.content)
+        if not any(start < e and s < end for s, e in request_ids)
+    ]
+    return _finding(
+        seg,
         "PC002",
-        f"random-looking id {m!r} in a {seg.stability} segment; a fresh value per request "
+        spans,
+        "random-looking id {value!r} in a {stability} segment; a fresh value per request "
         "breaks the cached prefix from here on.",
         "Drop the id from the prompt or move it into a dynamic segment (or request metadata).",
     )
 
 
 def _request_id(seg: Segment) -> Finding | None:
-    m = _search([_REQUEST_ID], seg.content)
-    if m is None:
-        return None
-    return Finding(
-        seg.tag,
+    return _finding(
+        seg,
         "PC003",
-        f"request/trace id {m!r} in a {seg.stability} segment.",
+        pat.find(pat.REQUEST_IDS, seg.content),
+        "request/trace id {value!r} in a {stability} segment.",
         "Send request and trace ids as HTTP headers or metadata, never in the prompt text.",
     )
 
 
 def _non_canonical_json(seg: Segment) -> Finding | None:
-    text = seg.content.strip()
-    candidates = [text] if text[:1] in "{[" else []
-    candidates += _FENCED_JSON.findall(seg.content)
-    for candidate in candidates:
-        try:
-            value = json.loads(candidate)
-        except ValueError:
-            continue
-        if not isinstance(value, (dict, list)):
-            continue
-        if canonical_json(value) != candidate.strip():
-            return Finding(
-                seg.tag,
-                "PC004",
-                "JSON text that is not in canonical form (key order, spacing or float format "
-                "can change between renders).",
-                "Pass the data itself as the segment content (Segment(role, data, tag, ...)) "
-                "so it is serialized canonically: sorted keys, fixed separators.",
-            )
-    return None
+    problems = pat.json_problems(seg.content)
+    if not problems:
+        return None
+    return Finding(
+        seg.tag,
+        "PC004",
+        f"JSON text that is not in canonical form: {problems[0][1]}; key order, spacing or "
+        "number format can change between renders.",
+        "Pass the data itself as the segment content (Segment(role, data, tag, ...)) "
+        "so it is serialized canonically: sorted keys, fixed separators, UTF-8 text.",
+        tuple(span for span, _ in problems),
+    )
 
 
 def _whitespace(seg: Segment) -> Finding | None:
-    if "\r" in seg.content:
-        what = "carriage returns (CRLF or CR line endings)"
-    elif _TRAILING_WS.search(seg.content + "\n"):
-        what = "trailing spaces or tabs at line ends"
+    crs = [(i, i + 1) for i, c in enumerate(seg.content) if c == "\r"]
+    if crs:
+        what, spans = "carriage returns (CRLF or CR line endings)", crs
     else:
-        return None
+        spans = [m.span() for m in _TRAILING_WS.finditer(seg.content)]
+        if not spans:
+            return None
+        what = "trailing spaces or tabs at line ends"
     return Finding(
         seg.tag,
         "PC006",
@@ -220,19 +152,18 @@ def _whitespace(seg: Segment) -> Finding | None:
         "can differ.",
         "Normalize the text once when building the segment: '\\n' line endings, no trailing "
         "whitespace.",
+        tuple(spans),
     )
 
 
 def _user_data(seg: Segment) -> Finding | None:
     if seg.stability != "static":
         return None
-    m = _search([_EMAIL, _PHONE, _USER_FIELD], seg.content)
-    if m is None:
-        return None
-    return Finding(
-        seg.tag,
+    return _finding(
+        seg,
         "PC007",
-        f"per-user data {m!r} in a static segment; static material should be the same for "
+        pat.find(pat.USER_DATA, seg.content),
+        "per-user data {value!r} in a static segment; static material should be the same for "
         "every user.",
         "Move user details into a session or dynamic segment (tenant-wide material: shared).",
     )
@@ -241,17 +172,17 @@ def _user_data(seg: Segment) -> Finding | None:
 def _counter(seg: Segment) -> Finding | None:
     if seg.stability not in ("static", "shared"):
         return None
-    m = _search([_COUNTER], seg.content)
-    if m is None:
-        return None
-    return Finding(
-        seg.tag,
+    return _finding(
+        seg,
         "PC008",
-        f"counter {m!r} in a {seg.stability} segment changes as the conversation advances.",
+        pat.find(pat.COUNTERS, seg.content),
+        "counter {value!r} in a {stability} segment changes as the conversation advances.",
         "Keep counters out of stable segments: put them in the dynamic tail, or leave them "
         "implicit in the appended history.",
     )
 
+
+_TRAILING_WS = re.compile(r"[ \t]+(?=\n|$)")
 
 _CONTENT_CHECKS: tuple[Callable[[Segment], Finding | None], ...] = (
     _clock_value,
@@ -264,10 +195,20 @@ _CONTENT_CHECKS: tuple[Callable[[Segment], Finding | None], ...] = (
 )
 
 
+def _finding(seg: Segment, rule: str, spans: list[Span], message: str, fix: str) -> Finding | None:
+    if not spans:
+        return None
+    start, end = spans[0]
+    value = seg.content[start:end]
+    return Finding(
+        seg.tag, rule, message.format(value=value, stability=seg.stability), fix, tuple(spans)
+    )
+
+
 # --- rules over the whole prompt --------------------------------------------------------------
 
 
-def _stable_after_dynamic(prompt: Prompt) -> Iterable[Finding]:
+def _stable_after_dynamic(prompt: PromptParts) -> Iterable[Finding]:
     first_dynamic: str | None = None
     for seg in prompt.segments:
         if not seg.is_stable:
@@ -280,10 +221,11 @@ def _stable_after_dynamic(prompt: Prompt) -> Iterable[Finding]:
                 "Rendering moves it ahead, but any other code that sends the declared order "
                 "(plain messages, logs, a second client) puts per-request text before it.",
                 "Declare stable segments before dynamic ones.",
+                _whole(seg),
             )
 
 
-def _drift_between(prompt: Prompt, previous: Prompt) -> Iterable[Finding]:
+def _drift_between(prompt: PromptParts, previous: PromptParts) -> Iterable[Finding]:
     before = {s.tag: s for s in previous.segments}
     for seg in prompt.segments:
         old = before.get(seg.tag)
@@ -297,14 +239,16 @@ def _drift_between(prompt: Prompt, previous: Prompt) -> Iterable[Finding]:
                 "the cached prefix ends here.",
                 "Build this segment from one normalized source (same line endings, no trailing "
                 "or doubled spaces) every time.",
+                _whole(seg),
             )
 
 
-def _shared_order(prompt: Prompt) -> Iterable[Finding]:
+def _shared_order(prompt: PromptParts) -> Iterable[Finding]:
     if prompt.shared_order != "declared":
         return
-    shared = [s.tag for s in prompt.segments if s.stability == "shared"]
-    for prev, tag in pairwise(shared):
+    shared = [s for s in prompt.segments if s.stability == "shared"]
+    for before, seg in pairwise(shared):
+        prev, tag = before.tag, seg.tag
         if tag < prev:
             yield Finding(
                 tag,
@@ -314,13 +258,10 @@ def _shared_order(prompt: Prompt) -> Iterable[Finding]:
                 "the first difference.",
                 "Use shared_order='tag' (builder: .order_shared_by_tag()) and tag documents by "
                 "a stable id.",
+                _whole(seg),
             )
             return
 
 
-def _search(patterns: list[re.Pattern[str]], text: str) -> str | None:
-    for pattern in patterns:
-        m = pattern.search(text)
-        if m is not None:
-            return m.group(0).strip()
-    return None
+def _whole(seg: Segment) -> tuple[Span, ...]:
+    return ((0, len(seg.content)),)

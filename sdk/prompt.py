@@ -4,82 +4,29 @@ A segment has a role, text content (structured data is serialized canonically), 
 and a stability class. Rendering orders segments static → shared → session → dynamic, keeping
 the declared order within a class, so the longest possible prefix stays the same from one
 request to the next.
+
+``Prompt`` sits above lint, fingerprint and the renderers: they read a prompt through
+``segment.PromptParts`` and never import this module.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
-from .canonical import canonical_json, to_text
+from .canonical import to_text
 from .fingerprint import Fingerprint, compute_fingerprint
+from .lint import Finding, lint
+from .render_anthropic import render_anthropic
+from .render_openai import render_openai
+from .render_sidecar import render_segments
+from .segment import TOOLS_TAG, Role, Segment, Tool, tools_segment
+from .stability import RANK, STABILITIES, Stability
 
-if TYPE_CHECKING:
-    from .lint import Finding
+__all__ = ["RANK", "STABILITIES", "TOOLS_TAG", "Prompt", "PromptBuilder", "Segment", "Tool"]
 
-Role = Literal["system", "user", "assistant"]
-Stability = Literal["static", "shared", "session", "dynamic"]
 SharedOrder = Literal["declared", "tag"]
-
-STABILITIES: tuple[Stability, ...] = get_args(Stability)
-RANK: dict[str, int] = {s: i for i, s in enumerate(STABILITIES)}
-TOOLS_TAG = "tools"  # the pseudo-segment that carries tool schemas (see Prompt.tools)
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """One tagged piece of a prompt. ``content`` may be text or JSON-like data."""
-
-    role: Role
-    content: str
-    tag: str
-    stability: Stability = "dynamic"
-
-    def __init__(
-        self, role: Role, content: Any, tag: str, stability: Stability = "dynamic"
-    ) -> None:
-        if role not in get_args(Role):
-            raise ValueError(f"role must be one of {get_args(Role)}, got {role!r}")
-        if stability not in STABILITIES:
-            raise ValueError(f"stability must be one of {STABILITIES}, got {stability!r}")
-        if not isinstance(tag, str) or not tag:
-            raise ValueError("segment tag must be a non-empty string")
-        text = to_text(content)
-        if not text:
-            raise ValueError(f"segment {tag!r} has empty content")
-        object.__setattr__(self, "role", role)
-        object.__setattr__(self, "content", text)
-        object.__setattr__(self, "tag", tag)
-        object.__setattr__(self, "stability", stability)
-
-    @property
-    def is_stable(self) -> bool:
-        return self.stability != "dynamic"
-
-
-@dataclass(frozen=True, slots=True)
-class Tool:
-    """A function tool schema. ``parameters`` is a JSON Schema object, stored canonically."""
-
-    name: str
-    description: str
-    parameters_json: str
-
-    def __init__(self, name: str, description: str, parameters: Mapping[str, Any]) -> None:
-        if not name:
-            raise ValueError("tool name must be non-empty")
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "description", description)
-        object.__setattr__(self, "parameters_json", canonical_json(parameters))
-
-    @property
-    def parameters(self) -> dict[str, Any]:
-        return json.loads(self.parameters_json)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "description": self.description, "parameters": self.parameters}
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,14 +93,16 @@ class Prompt:
                 return s
         raise KeyError(tag)
 
+    def tools_segment(self) -> Segment | None:
+        """Tool schemas as one static system segment tagged "tools" (see segment.py)."""
+        return tools_segment(self.tools)
+
     def fingerprint(self) -> Fingerprint:
         """Chained digests of the tools and the stable segments, in render order."""
         return compute_fingerprint(self)
 
     def lint(self, previous: Prompt | None = None) -> list[Finding]:
         """Cache-breakers in this prompt; ``previous`` adds checks across two renders."""
-        from .lint import lint
-
         return lint(self, previous)
 
     # --- new prompts from this one ------------------------------------------------------
@@ -184,8 +133,6 @@ class Prompt:
 
     def to_segments(self) -> list[dict[str, str]]:
         """The ``segments`` field of a prefixcache sidecar request (tools become a segment)."""
-        from .render_sidecar import render_segments
-
         return render_segments(self)
 
     def to_messages(self) -> list[dict[str, Any]]:
@@ -193,13 +140,9 @@ class Prompt:
         return [{"role": s.role, "content": s.content} for s in self._rendered]
 
     def to_openai(self, **params: Any) -> dict[str, Any]:
-        from .render_openai import render_openai
-
         return render_openai(self, **params)
 
     def to_anthropic(self, **params: Any) -> dict[str, Any]:
-        from .render_anthropic import render_anthropic
-
         return render_anthropic(self, **params)
 
 

@@ -13,16 +13,15 @@ segments of one role are merged into one message with several text blocks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .prompt import Prompt
+from .segment import PromptParts
 
 MAX_BREAKPOINTS = 4
 
 
 def render_anthropic(
-    prompt: Prompt,
+    prompt: PromptParts,
     *,
     model: str | None = None,
     max_tokens: int | None = None,

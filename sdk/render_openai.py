@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .prompt import Prompt
+from .fingerprint import compute_fingerprint
+from .segment import PromptParts
 
 
 def render_openai(
-    prompt: Prompt,
+    prompt: PromptParts,
     *,
     model: str | None = None,
     cache_key_through: str | None = "shared",
@@ -23,10 +23,10 @@ def render_openai(
     body: dict[str, Any] = {}
     if model is not None:
         body["model"] = model
-    body["messages"] = prompt.to_messages()
+    body["messages"] = [{"role": s.role, "content": s.content} for s in prompt.rendered()]
     if prompt.tools:
         body["tools"] = [{"type": "function", "function": tool.to_dict()} for tool in prompt.tools]
     if cache_key_through is not None:
-        body["prompt_cache_key"] = prompt.fingerprint().cache_key(cache_key_through)
+        body["prompt_cache_key"] = compute_fingerprint(prompt).cache_key(cache_key_through)
     body.update(params)
     return body

@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .canonical import canonical_json
-
-if TYPE_CHECKING:
-    from .prompt import Prompt, Segment
+from .segment import PromptParts, tools_segment
 
 
-def tools_segment(prompt: Prompt) -> Segment | None:
-    """Tool schemas as one static system segment tagged "tools", or None without tools.
+def render_segments(prompt: PromptParts) -> list[dict[str, str]]:
+    """The ``segments`` list, already in render order (the sidecar orders them the same way).
 
-    The sidecar has no ``tools`` field, so the schemas travel as canonical JSON text in front
-    of every other segment (where chat templates put them too).
+    The sidecar has no ``tools`` field: tool schemas go first, as ``segment.tools_segment()``.
     """
-    from .prompt import TOOLS_TAG, Segment
-
-    if not prompt.tools:
-        return None
-    return Segment(
-        "system", canonical_json([t.to_dict() for t in prompt.tools]), TOOLS_TAG, "static"
-    )
-
-
-def render_segments(prompt: Prompt) -> list[dict[str, str]]:
-    """The ``segments`` list, already in render order (the sidecar orders them the same way)."""
-    tools = tools_segment(prompt)
+    tools = tools_segment(prompt.tools)
     segs = ([tools] if tools else []) + list(prompt.rendered())
     return [
         {"role": s.role, "content": s.content, "tag": s.tag, "stability": s.stability} for s in segs

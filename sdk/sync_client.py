@@ -9,16 +9,24 @@ from typing import Any
 from anyio.from_thread import start_blocking_portal
 
 from .client import AsyncClient, CompletionStream, PromptLike
+from .session_report import Prices, SessionReport
 from .types import CacheStats, Completion, Delta, LoadResult, SaveResult, WarmResult
 
 _END = object()
+_EVENT_LOOPS = ("asyncio", "trio")
 
 
 class Client:
-    """Same arguments and methods as ``AsyncClient``, blocking. Close it (or use ``with``)."""
+    """Same arguments and methods as ``AsyncClient``, blocking. Close it (or use ``with``).
 
-    def __init__(self, *args: Any, backend: str = "asyncio", **kwargs: Any) -> None:
-        self._portal_cm = start_blocking_portal(backend)
+    ``event_loop`` ("asyncio" or "trio") runs the client; ``backend`` is the API backend, as for
+    ``AsyncClient`` (an older spelling, ``backend="asyncio"``/``"trio"``, still names the loop).
+    """
+
+    def __init__(self, *args: Any, event_loop: str = "asyncio", **kwargs: Any) -> None:
+        if kwargs.get("backend") in _EVENT_LOOPS:
+            event_loop = kwargs.pop("backend")
+        self._portal_cm = start_blocking_portal(event_loop)
         self._portal = self._portal_cm.__enter__()
         try:
             self._async: AsyncClient = self._portal.call(lambda: AsyncClient(*args, **kwargs))
@@ -82,6 +90,9 @@ class Client:
 
     def models(self) -> list[str]:
         return self._portal.call(self._async.models)
+
+    def cache_report(self, prices: Prices | None = None) -> SessionReport:
+        return self._portal.call(lambda: self._async.cache_report(prices))
 
 
 async def _next(stream: CompletionStream) -> Any:

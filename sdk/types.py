@@ -3,13 +3,34 @@ one (or adds others) still parses; prefixcache-only fields are simply ``None`` t
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+
+# Re-exported: ``from prefixcache.sdk.types import CacheStats`` keeps working.
+from .cache_stats import (  # noqa: F401
+    BlockStats,
+    CacheStats,
+    TokenizerPieceStats,
+    TokenStats,
+)
+from .canonical import canonical_json
 
 
 class SegmentReport(msgspec.Struct):
     tag: str = ""
     tokens: int = 0
     cached_tokens: int = 0
+    # why the server did not reuse this segment (text, or an object with a "reason"), when it
+    # says; None from servers that do not report it
+    miss: str | dict[str, Any] | None = None
+
+    @property
+    def miss_reason(self) -> str | None:
+        if isinstance(self.miss, dict):
+            reason = self.miss.get("reason")
+            return str(reason) if reason is not None else canonical_json(self.miss)
+        return self.miss
 
 
 class CacheReport(msgspec.Struct):
@@ -32,15 +53,24 @@ class PromptTokensDetails(msgspec.Struct):
 
 
 class Usage(msgspec.Struct):
+    """Token counts in one shape whatever the backend (see ``usage.py``): ``cached_tokens`` +
+    ``uncached_tokens`` = ``prompt_tokens``; ``cache_write_tokens`` are the uncached tokens
+    the backend wrote to its cache (0 where it does not say)."""
+
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     total_tokens: int | None = None
     prompt_tokens_details: PromptTokensDetails | None = None
+    cache_write_tokens: int = 0
 
     @property
     def cached_tokens(self) -> int:
         details = self.prompt_tokens_details
         return (details.cached_tokens or 0) if details is not None else 0
+
+    @property
+    def uncached_tokens(self) -> int:
+        return max(0, (self.prompt_tokens or 0) - self.cached_tokens)
 
 
 class Completion(msgspec.Struct):
@@ -87,28 +117,6 @@ class LoadResult(msgspec.Struct):
     pinned_prefixes: int = 0
 
 
-class BlockStats(msgspec.Struct):
-    total: int = 0
-    free: int = 0
-    cached_idle: int = 0
-    in_use: int = 0
-    pinned: int = 0
-
-
-class TokenStats(msgspec.Struct):
-    queries: int = 0
-    hits: int = 0
-    inserted: int = 0
-    evicted: int = 0
-
-
-class CacheStats(msgspec.Struct):
-    block_size: int = 0
-    blocks: BlockStats = msgspec.field(default_factory=BlockStats)
-    tokens: TokenStats = msgspec.field(default_factory=TokenStats)
-    hit_rate: float = 0.0
-
-
 # --- raw wire shapes (OpenAI chat.completion and chat.completion.chunk) ----------------------
 
 
@@ -134,13 +142,37 @@ class ChatCompletion(msgspec.Struct):
     prefixcache: CacheReport | None = None
 
 
+def usage_with_report(usage: Usage | None, report: CacheReport | None) -> Usage | None:
+    """An OpenAI-shaped ``usage`` (prefixcache, OpenAI, vLLM, SGLang) in the SDK's shape.
+
+    With a prefixcache report, missing counts come from it and ``cache_write_tokens`` is the
+    prompt tokens the engine computed (it caches every block it computes). Servers without a
+    report do not say what they wrote: 0.
+    """
+    if report is None:
+        return usage
+    usage = usage or Usage()
+    details = usage.prompt_tokens_details
+    cached = details.cached_tokens if details is not None else None
+    return msgspec.structs.replace(
+        usage,
+        prompt_tokens=usage.prompt_tokens
+        if usage.prompt_tokens is not None
+        else report.prompt_tokens,
+        prompt_tokens_details=PromptTokensDetails(
+            cached if cached is not None else report.cached_tokens
+        ),
+        cache_write_tokens=report.computed_tokens,
+    )
+
+
 def to_completion(raw: ChatCompletion) -> Completion:
     choice = raw.choices[0] if raw.choices else _Choice()
     message = choice.message or choice.delta or _Message()
     return Completion(
         text=message.content or "",
         finish_reason=choice.finish_reason,
-        usage=raw.usage or Usage(),
+        usage=usage_with_report(raw.usage, raw.prefixcache) or Usage(),
         cache=raw.prefixcache,
         id=raw.id or "",
         model=raw.model or "",

@@ -7,16 +7,16 @@ same stale value; counting admitted-but-unstarted requests here closes that wind
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
 
+from prefixcache.engine.api import EngineAPI
 from prefixcache.engine.request import EngineRequest, RequestOutput
 
 from .errors import bad_request, overloaded
 
 
 class Admission:
-    def __init__(self, engine: Any, max_waiting: int, retry_after_s: int = 1) -> None:
+    def __init__(self, engine: EngineAPI, max_waiting: int, retry_after_s: int = 1) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.retry_after_s = retry_after_s
@@ -39,7 +39,7 @@ class EngineStream:
     def __init__(self, admission: Admission, request: EngineRequest) -> None:
         self._admission = admission
         self.request = request
-        self._outputs: AsyncIterator[RequestOutput] | None = None
+        self._outputs: AsyncGenerator[RequestOutput, None] | None = None
         self._counted = True
         self._closed = False
 
@@ -50,7 +50,7 @@ class EngineStream:
         if self._closed:
             raise StopAsyncIteration
         if self._outputs is None:
-            self._outputs = aiter(self._admission.engine.generate(self.request))
+            self._outputs = self._admission.engine.generate(self.request)
         try:
             output = await anext(self._outputs)
         except ValueError as exc:  # the engine's own input checks (ours should catch it first)
@@ -63,9 +63,8 @@ class EngineStream:
         if self._closed:
             return
         self._closed = True
-        close = getattr(self._outputs, "aclose", None)
-        if close is not None:
-            await close()
+        if self._outputs is not None:
+            await self._outputs.aclose()
 
     def _uncount(self) -> None:
         if self._counted:

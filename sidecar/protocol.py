@@ -1,4 +1,5 @@
-"""Wire types: OpenAI-compatible requests and responses plus the segment extension.
+"""Request wire types: OpenAI-compatible request bodies plus the segment extension, and the
+cross-field checks (reply_types.py holds what the sidecar sends back).
 
 Requests are decoded straight into these Structs, so a wrong type or an out-of-range value is
 rejected by msgspec with the JSON path of the offending field. Every optional OpenAI field
@@ -13,10 +14,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from prefixcache.sdk.stability import RANK, Stability
+
 # "developer": OpenAI's newer name for the system role; templates see it as "system".
 Role = Literal["system", "developer", "user", "assistant"]
-Stability = Literal["static", "shared", "session", "dynamic"]
-STABILITY_ORDER: dict[str, int] = {"static": 0, "shared": 1, "session": 2, "dynamic": 3}
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
@@ -70,7 +71,7 @@ class Segment(msgspec.Struct):
 
 def order_segments(segments: list[Segment]) -> list[Segment]:
     """static → shared → session → dynamic, stable within a class."""
-    return sorted(segments, key=lambda s: STABILITY_ORDER[s.stability])
+    return sorted(segments, key=lambda s: RANK[s.stability])
 
 
 class StreamOptions(msgspec.Struct):
@@ -216,6 +217,18 @@ class CacheRequest(msgspec.Struct, kw_only=True):
         return self.chat_template_kwargs or {}
 
 
+class EvictRequest(msgspec.Struct, kw_only=True):
+    """Body of /v1/cache/evict (optional)."""
+
+    include_pinned: bool = False  # unpin everything first
+
+
+class CacheFileRequest(msgspec.Struct, kw_only=True):
+    """Body of /v1/cache/save and /v1/cache/load: which file in --cache-dir."""
+
+    name: CacheFileName = "pinned"
+
+
 def check_sampling(req: SamplingFields) -> None:
     if req.logit_bias:
         raise Error("'logit_bias' is not supported by this server", "logit_bias")
@@ -317,156 +330,3 @@ def check_completion(req: CompletionRequest) -> None:
         raise Error("suffix is not supported", "suffix")
     if req.best_of not in (None, 1):
         raise Error("only best_of=1 is supported", "best_of")
-
-
-# --- responses ------------------------------------------------------------------------------
-
-
-class PromptTokensDetails(msgspec.Struct):
-    cached_tokens: int
-
-
-class UsageInfo(msgspec.Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class SegmentReport(msgspec.Struct):
-    tag: str
-    tokens: int
-    cached_tokens: int
-
-
-class CacheReport(msgspec.Struct):
-    cached_tokens: int
-    prompt_tokens: int
-    computed_tokens: int
-    segments: list[SegmentReport]
-
-
-class ChatMessage(msgspec.Struct):
-    role: str
-    content: str
-    refusal: None = None
-
-
-class ChatChoice(msgspec.Struct):
-    index: int
-    message: ChatMessage
-    finish_reason: str | None
-    logprobs: dict | None = None
-
-
-class ChatCompletion(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    prefixcache: CacheReport
-    system_fingerprint: str
-    object: str = "chat.completion"
-
-
-class ChatDelta(msgspec.Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(msgspec.Struct):
-    index: int
-    delta: ChatDelta
-    finish_reason: str | None = None
-    logprobs: dict | None = None
-
-
-class CompletionChoice(msgspec.Struct):
-    index: int
-    text: str
-    finish_reason: str | None
-    logprobs: dict | None = None
-
-
-class Completion(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo
-    prefixcache: CacheReport
-    system_fingerprint: str
-    object: str = "text_completion"
-
-
-class StreamChunk(msgspec.Struct):
-    """One SSE chunk of either endpoint (``object`` says which). UNSET fields are left out;
-    ``usage`` is null on every chunk but the last when include_usage is set (as OpenAI)."""
-
-    id: str
-    object: str
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list  # ChatChunkChoice or CompletionChoice
-    usage: UsageInfo | msgspec.UnsetType | None = msgspec.UNSET
-    prefixcache: CacheReport | msgspec.UnsetType = msgspec.UNSET
-
-
-class ModelCard(msgspec.Struct):
-    id: str
-    created: int
-    object: str = "model"
-    owned_by: str = "prefixcache"
-    root: str | None = None  # vLLM's fields: what the model was loaded from, its context
-    parent: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(msgspec.Struct):
-    data: list[ModelCard]
-    object: str = "list"
-
-
-class WarmResponse(msgspec.Struct):
-    tokens: int
-    cached_tokens: int
-    pinned_blocks: int
-
-
-class UnpinResponse(msgspec.Struct):
-    unpinned_blocks: int
-
-
-class EvictRequest(msgspec.Struct, kw_only=True):
-    """Body of /v1/cache/evict (optional)."""
-
-    include_pinned: bool = False  # unpin everything first
-
-
-class EvictResponse(msgspec.Struct):
-    evicted_blocks: int
-
-
-class CacheFileRequest(msgspec.Struct, kw_only=True):
-    """Body of /v1/cache/save and /v1/cache/load: which file in --cache-dir."""
-
-    name: CacheFileName = "pinned"
-
-
-class CacheSaveResponse(msgspec.Struct):
-    name: str
-    prefixes: int
-    blocks: int
-    bytes: int
-
-
-class CacheLoadResponse(msgspec.Struct):
-    name: str
-    prefixes: int
-    blocks: int
-    restored_blocks: int
-    reused_blocks: int
-    skipped_blocks: int
-    pinned_prefixes: int

@@ -1,23 +1,40 @@
-"""Engine outputs → OpenAI response objects (whole responses, stream chunks, logprobs)."""
+"""Replies from an engine stream: a whole JSON response or SSE chunks, with usage, the
+cache report and logprobs. Independent of the app: a ``Job`` and the tokenizer are all it needs.
+
+Errors after the first SSE frame go in-band (an OpenAI error object), then ``[DONE]``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from prefixcache.engine.api import TokenizerAPI
 from prefixcache.engine.request import RequestTiming, SegmentSpan, TokenLogprob, Usage
 
-from .protocol import CacheReport, PromptTokensDetails, SegmentReport, UsageInfo
+from . import reply_types as rt
+from .admission import EngineStream
+from .errors import APIError, server_error
+from .streaming import DONE, SSEResponse, run_until_disconnect, sse_event
+
+log = logging.getLogger("prefixcache.sidecar")
 
 Decode = Callable[[list[int]], str]
 TokenBytes = Callable[[int], bytes]
 
 
-def usage_info(usage: Usage) -> UsageInfo:
-    return UsageInfo(
+def usage_info(usage: Usage) -> rt.UsageInfo:
+    return rt.UsageInfo(
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        prompt_tokens_details=rt.PromptTokensDetails(cached_tokens=usage.cached_tokens),
     )
 
 
@@ -32,15 +49,16 @@ def server_timing(timing: RequestTiming) -> str:
     return ", ".join(f"{name};dur={seconds * 1000:.3f}" for name, seconds in parts)
 
 
-def cache_report(usage: Usage, spans: list[SegmentSpan]) -> CacheReport:
+def cache_report(usage: Usage, spans: list[SegmentSpan]) -> rt.CacheReport:
     """The ``prefixcache`` object. Segment hits come from the engine, or else from the spans."""
     if usage.segments is not None:
-        segments = [SegmentReport(s.tag, s.tokens, s.cached_tokens) for s in usage.segments]
+        segments = [rt.SegmentReport(s.tag, s.tokens, s.cached_tokens) for s in usage.segments]
     else:
         segments = [
-            SegmentReport(s.tag, s.end - s.start, _overlap(s, usage.cached_tokens)) for s in spans
+            rt.SegmentReport(s.tag, s.end - s.start, _overlap(s, usage.cached_tokens))
+            for s in spans
         ]
-    return CacheReport(
+    return rt.CacheReport(
         cached_tokens=usage.cached_tokens,
         prompt_tokens=usage.prompt_tokens,
         computed_tokens=usage.computed_prompt_tokens,
@@ -85,3 +103,148 @@ def completion_logprobs(entries: list[TokenLogprob], decode: Decode, offset: int
         "top_logprobs": top_logprobs,
         "text_offset": text_offset,
     }
+
+
+# --- whole replies and streams -------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Job:
+    """One admitted generation request and what its replies need."""
+
+    id: str
+    kind: str  # "chat" | "completion"
+    model: str
+    created: int
+    spans: list[SegmentSpan]
+    stream: EngineStream
+    want_logprobs: bool
+    include_usage: bool
+    fingerprint: str  # system_fingerprint
+
+
+@dataclass(slots=True)
+class Collected:
+    text: str
+    finish_reason: str
+    usage: Usage
+    logprobs: list[TokenLogprob]
+    timing: RequestTiming | None
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status, media_type="application/json")
+
+
+async def reply(
+    job: Job, stream: bool, request: Request, tokenizer: TokenizerAPI
+) -> Response | SSEResponse:
+    """The job's reply: SSE when ``stream``, else the whole response once generation ends."""
+    if stream:
+        return SSEResponse(stream_events(job, tokenizer), on_close=job.stream.aclose)
+    try:
+        result = await run_until_disconnect(collect(job), request.receive)
+    finally:
+        await job.stream.aclose()  # aborts the engine request if it is still running
+    usage = usage_info(result.usage)
+    report = cache_report(result.usage, job.spans)
+    head = (job.id, job.created, job.model)
+    logprobs = _logprobs(job, tokenizer, result.logprobs) if job.want_logprobs else None
+    if job.kind == "chat":
+        message = rt.ChatMessage("assistant", result.text)
+        choice = rt.ChatChoice(0, message, result.finish_reason, logprobs)
+        body: Any = rt.ChatCompletion(*head, [choice], usage, report, job.fingerprint)
+    else:
+        choice = rt.CompletionChoice(0, result.text, result.finish_reason, logprobs)
+        body = rt.Completion(*head, [choice], usage, report, job.fingerprint)
+    response = json_response(body)
+    if result.timing is not None:
+        response.headers["server-timing"] = server_timing(result.timing)
+    return response
+
+
+async def collect(job: Job) -> Collected:
+    parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
+    num_tokens = 0
+    async for out in job.stream:
+        raise_engine_error(out.error, out.finish_reason)
+        parts.append(out.text_delta)
+        num_tokens += len(out.new_token_ids)
+        logprobs.extend(out.logprobs or ())
+        if out.finished:
+            usage = out.usage or _fallback_usage(job, num_tokens)
+            reason = out.finish_reason or "stop"
+            return Collected("".join(parts), reason, usage, logprobs, out.timing)
+    raise server_error("the engine ended the request without a final output")
+
+
+async def stream_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[bytes]:
+    """The SSE frames of one request."""
+    obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+    no_usage = None if job.include_usage else msgspec.UNSET  # OpenAI: null until the last
+
+    def frame(choices: list, **extra: Any) -> bytes:
+        extra.setdefault("usage", no_usage)
+        chunk = rt.StreamChunk(
+            job.id, obj, job.created, job.model, job.fingerprint, choices, **extra
+        )
+        return sse_event(chunk)
+
+    if job.kind == "chat":
+        yield frame([rt.ChatChunkChoice(0, rt.ChatDelta(role="assistant", content=""))])
+    num_tokens = 0
+    offset = 0
+    try:
+        async for out in job.stream:
+            raise_engine_error(out.error, out.finish_reason)
+            num_tokens += len(out.new_token_ids)
+            logprobs = None
+            if job.want_logprobs and out.logprobs:
+                logprobs = _logprobs(job, tokenizer, out.logprobs, offset)
+            offset += len(out.text_delta)
+            if out.text_delta or logprobs is not None:
+                yield frame([_delta_choice(job, out.text_delta, None, logprobs)])
+            if out.finished:
+                usage = out.usage or _fallback_usage(job, num_tokens)
+                final = _delta_choice(job, None, out.finish_reason or "stop", None)
+                yield frame([final], prefixcache=cache_report(usage, job.spans))
+                if job.include_usage:
+                    yield frame([], usage=usage_info(usage))
+                break
+    except APIError as exc:
+        yield sse_event(exc.body())
+    except Exception as exc:
+        log.exception("stream %s failed", job.id)
+        yield sse_event(server_error(f"generation failed: {type(exc).__name__}").body())
+    yield DONE
+
+
+def raise_engine_error(error: str | None, finish_reason: str | None) -> None:
+    if finish_reason == "abort":  # e.g. the engine is shutting down
+        message = f"the request was aborted: {error or 'by the engine'}"
+        raise APIError(503, message, type="server_error", code="aborted")
+    if error is not None or finish_reason == "error":
+        raise server_error(f"generation failed: {error or 'engine error'}")
+
+
+def _logprobs(
+    job: Job, tokenizer: TokenizerAPI, entries: list[TokenLogprob], offset: int = 0
+) -> dict:
+    def decode(token_ids: list[int]) -> str:
+        return tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    if job.kind == "chat":
+        return chat_logprobs(entries, decode, tokenizer.token_bytes)
+    return completion_logprobs(entries, decode, offset)
+
+
+def _delta_choice(job: Job, text: str | None, finish: str | None, logprobs: Any) -> Any:
+    if job.kind == "chat":
+        return rt.ChatChunkChoice(0, rt.ChatDelta(content=text), finish, logprobs)
+    return rt.CompletionChoice(0, text or "", finish, logprobs)
+
+
+def _fallback_usage(job: Job, num_tokens: int) -> Usage:
+    num_prompt = len(job.stream.request.prompt_token_ids)
+    return Usage(num_prompt, 0, num_prompt, num_tokens)

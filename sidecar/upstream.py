@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from .protocol import STABILITY_ORDER
+from prefixcache.sdk.stability import RANK
 
 Route = Literal["affinity", "overflow", "failover"]
 ROUTES: tuple[Route, ...] = ("affinity", "overflow", "failover")
@@ -102,7 +102,7 @@ def _stability(segment: Any) -> str:
 
 
 def _stability_rank(segment: Any) -> int:
-    return STABILITY_ORDER.get(_stability(segment), STABILITY_ORDER["dynamic"])
+    return RANK.get(_stability(segment), RANK["dynamic"])
 
 
 def _as_message(segment: dict[str, Any]) -> dict[str, Any]:

@@ -20,26 +20,19 @@ from typing import Any
 
 import httpx
 import msgspec
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import Response
 
-from . import protocol as p
-from .errors import APIError, bad_request, from_validation
-from .http_io import decode_json, exception_handlers, read_body
-from .http_metrics import HTTPMetrics
-from .streaming import DONE, SSEResponse, run_until_disconnect, sse_event
+from .errors import APIError
+from .http_app import build_app, health_reply, metrics_reply, openai_routes
+from .http_io import read_body
+from .streaming import SSEResponse, run_until_disconnect
 from .tenancy import KeyStore
 from .upstream import ROUTES, Upstream, UpstreamPool, affinity_key
+from .upstream_bodies import decode_object, segments_to_messages
+from .upstream_relay import Exchange, relay_events, upstream_lost
 
 log = logging.getLogger("prefixcache.sidecar.upstream")
 
@@ -69,12 +62,15 @@ class UpstreamSettings:
 
 def create_upstream_app(settings: UpstreamSettings) -> Starlette:
     proxy = UpstreamProxy(settings)
-    app = Starlette(
-        routes=proxy.routes(),
-        middleware=[Middleware(HTTPMetrics, paths=proxy.paths(), registry=proxy.metrics.registry)],
-        exception_handlers=exception_handlers(),
-        lifespan=proxy.lifespan,
+    routes = openai_routes(
+        chat_completions=proxy.chat_completions,
+        completions=proxy.completions,
+        health=proxy.health,
+        metrics=proxy.metrics_text,
+        models=proxy.models,
+        model=proxy.models,  # proxied as asked: the upstream answers both
     )
+    app = build_app(routes, proxy.metrics.registry, proxy.lifespan)
     app.state.upstream = proxy
     return app
 
@@ -111,42 +107,11 @@ class UpstreamMetrics:
                 self.requests.labels(url, route)
             self.connect_failures.labels(url)
 
-    def render(self, pool: UpstreamPool) -> bytes:
+    def update(self, pool: UpstreamPool) -> None:
+        """Set the gauges from the pool, before the registry is rendered."""
         for upstream in pool.upstreams:
             self.in_flight.labels(upstream.url).set(upstream.in_flight)
             self.healthy.labels(upstream.url).set(int(pool.is_healthy(upstream)))
-        return generate_latest(self.registry)
-
-
-@dataclass(slots=True)
-class Exchange:
-    """An upstream response whose headers have arrived. It holds its upstream's in-flight
-    count until ``aclose``."""
-
-    pool: UpstreamPool
-    upstream: Upstream
-    response: httpx.Response
-    closed: bool = False
-
-    @property
-    def content_type(self) -> str:
-        return self.response.headers.get("content-type", "application/json")
-
-    @property
-    def is_event_stream(self) -> bool:
-        return self.response.status_code == 200 and self.content_type.startswith(
-            "text/event-stream"
-        )
-
-    async def aclose(self) -> None:
-        """Closing an unfinished response drops its connection: the upstream aborts."""
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            await self.response.aclose()
-        finally:
-            self.pool.release(self.upstream)
 
 
 class UpstreamProxy:
@@ -163,19 +128,6 @@ class UpstreamProxy:
         if settings.upstream_api_key:
             self.upstream_headers["authorization"] = f"Bearer {settings.upstream_api_key}"
         self._client: httpx.AsyncClient | None = None
-
-    def routes(self) -> list[Route]:
-        return [
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics_text, methods=["GET"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/models/{model:path}", self.models, methods=["GET"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-        ]
-
-    def paths(self) -> list[str]:
-        return [route.path for route in self.routes()]
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -203,15 +155,12 @@ class UpstreamProxy:
 
     async def health(self, request: Request) -> Response:
         if self.pool.healthy():
-            return JSONResponse({"status": "ok"})
-        return JSONResponse(
-            {"status": "unavailable", "error": "no upstream reachable"},
-            503,
-            headers={"Retry-After": self._retry_after()},
-        )
+            return health_reply("ok")
+        return health_reply("unavailable", "no upstream reachable", self._retry_after())
 
     async def metrics_text(self, request: Request) -> Response:
-        return Response(self.metrics.render(self.pool), media_type=CONTENT_TYPE_LATEST)
+        self.metrics.update(self.pool)
+        return metrics_reply(self.metrics.registry)
 
     async def models(self, request: Request) -> Response:
         """Proxied from the first healthy upstream, in configuration order."""
@@ -245,7 +194,9 @@ class UpstreamProxy:
         exchange = await run_until_disconnect(self._open(path, payload, key), request.receive)
         if body.get("stream") is True and exchange.is_event_stream:
             headers = {"content-type": exchange.content_type}
-            return SSEResponse(_relay(exchange.response), on_close=exchange.aclose, headers=headers)
+            return SSEResponse(
+                relay_events(exchange.response), on_close=exchange.aclose, headers=headers
+            )
         # Anything else, a 429 or 503 with its Retry-After too, comes back whole.
         return await self._buffered(exchange, request)
 
@@ -338,76 +289,3 @@ class UpstreamProxy:
             type="server_error",
             code="upstream_timeout",
         )
-
-
-# --- request bodies -------------------------------------------------------------------------
-
-
-def decode_object(payload: bytes) -> dict[str, Any]:
-    body = decode_json(payload, object)
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object", code="invalid_json")
-    return body
-
-
-class SegmentsField(msgspec.Struct):
-    segments: list[p.Segment]
-
-
-def segments_to_messages(body: dict[str, Any]) -> dict[str, Any]:
-    """The body with ``segments`` replaced by ``messages`` in stability order."""
-    rewritten = {name: value for name, value in body.items() if name != "segments"}
-    if body["segments"] is None:  # an explicit null: there are no segments
-        return rewritten
-    try:  # wrapped, so that errors name the path `$.segments[i].field`
-        segments = msgspec.convert({"segments": body["segments"]}, SegmentsField).segments
-    except msgspec.ValidationError as exc:
-        raise from_validation(exc) from None
-    messages = body.get("messages")
-    try:  # the openai client requires `messages`: segment users send []
-        p.check_prompt_source(messages or None, segments)
-    except p.Error as exc:
-        raise bad_request(str(exc), exc.param) from None
-    ordered = p.order_segments(segments)
-    rewritten["messages"] = [{"role": s.role, "content": s.content} for s in ordered]
-    return rewritten
-
-
-# --- responses ------------------------------------------------------------------------------
-
-
-def upstream_lost() -> APIError:
-    return APIError(
-        502,
-        "the upstream connection was lost mid-response",
-        type="server_error",
-        code="upstream_disconnected",
-    )
-
-
-async def _relay(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The upstream's SSE events as they arrive, whole ones only (decoded if the upstream
-    compressed them); a lost upstream drops its half-sent event and ends with an in-band error."""
-    pending = b""
-    try:
-        async for chunk in response.aiter_bytes():
-            pending += chunk
-            end = _events_end(pending)
-            if end:
-                yield pending[:end]
-                pending = pending[end:]
-        if pending:
-            yield pending
-    except httpx.TransportError as exc:
-        log.warning("upstream stream from %s broke: %r", response.request.url, exc)
-        yield sse_event(upstream_lost().body()) + DONE
-
-
-def _events_end(data: bytes) -> int:
-    """Where the last complete SSE event in ``data`` ends (0: none is complete yet)."""
-    end = 0
-    for separator in (b"\n\n", b"\r\n\r\n", b"\r\r"):
-        at = data.rfind(separator)
-        if at >= 0:
-            end = max(end, at + len(separator))
-    return end

@@ -1,20 +1,24 @@
 """A tiny in-process stand-in for AsyncEngine, for the sidecar's fast validation tests.
 
 Byte-level tokenizer, a simple chat template, a block-granular prefix cache per namespace and
-a deterministic "model" that echoes the prompt's bytes back. It follows the AsyncEngine
-interface of docs/internals.md so the app cannot tell the difference.
+a deterministic "model" that echoes the prompt's bytes back. It implements ``EngineAPI``
+(engine/api.py) so the app cannot tell the difference.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter
 
+from prefixcache.engine.api import WarmResult
 from prefixcache.engine.request import EngineRequest, RequestOutput, SegmentUsage, Usage
+from prefixcache.sdk.cache_stats import BlockStats, CacheStats, TokenStats
 
 BOS, EOS, OFFSET = 1, 2, 3
 
@@ -31,6 +35,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **extra: object
     ) -> str:
@@ -38,11 +45,23 @@ class FakeTokenizer:
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
-@dataclass(slots=True)
-class WarmResult:
-    tokens: int
-    cached_tokens: int
-    pinned_blocks: int
+@dataclass(slots=True, frozen=True)
+class SaveResult:  # the fields of engine.prefix_store.SaveResult, without importing torch
+    path: str
+    prefixes: int
+    blocks: int
+    bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class LoadResult:  # as engine.prefix_store.LoadResult
+    path: str
+    prefixes: int
+    blocks: int
+    restored_blocks: int
+    reused_blocks: int
+    skipped_blocks: int
+    pinned_prefixes: int
 
 
 class FakeEngine:
@@ -51,6 +70,8 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.model_name = "fake"
         self.tokenizer = FakeTokenizer()
+        self.cache_identity = b"fake|FakeTokenizer"
+        self.sampling_defaults: dict[str, float] = {}
         self.registry = CollectorRegistry()
         self.steps = Counter("fake_engine_steps", "steps", registry=self.registry)
         self.delay = delay  # seconds per generated token
@@ -84,7 +105,7 @@ class FakeEngine:
             hit += self.block_size
         return hit
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         self.received.append(request)
         ids, sampling = request.prompt_token_ids, request.sampling
         cached = self._hit(ids, request.namespace)
@@ -121,7 +142,9 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         pass
 
-    async def warm(self, token_ids: list[int], namespace: str, pin: bool = False) -> WarmResult:
+    async def warm(
+        self, token_ids: list[int], namespace: str = "", pin: bool = False
+    ) -> WarmResult:
         cached = self._hit([*token_ids, 0], namespace)
         digests = self._digests(token_ids, namespace)
         self.cached.update(digests)
@@ -129,7 +152,7 @@ class FakeEngine:
             self.pinned.update(digests)
         return WarmResult(len(token_ids), cached, len(digests) if pin else 0)
 
-    async def unpin(self, token_ids: list[int], namespace: str) -> int:
+    async def unpin(self, token_ids: list[int], namespace: str = "") -> int:
         digests = set(self._digests(token_ids, namespace)) & self.pinned
         self.pinned -= digests
         return len(digests)
@@ -141,16 +164,33 @@ class FakeEngine:
         self.cached &= self.pinned
         return evicted
 
-    def cache_stats(self) -> dict:
-        return {
-            "block_size": self.block_size,
-            "blocks": {
-                "total": 64,
-                "free": 64 - len(self.cached),
-                "cached_idle": len(self.cached),
-                "in_use": self.num_running,
-                "pinned": len(self.pinned),
-            },
-            "tokens": {"queries": self.queries, "hits": self.hits, "inserted": 0, "evicted": 0},
-            "hit_rate": self.hits / self.queries if self.queries else 0.0,
-        }
+    def cache_stats(self) -> CacheStats:
+        return CacheStats(
+            block_size=self.block_size,
+            blocks=BlockStats(
+                total=64,
+                free=64 - len(self.cached),
+                cached_idle=len(self.cached),
+                in_use=self.num_running,
+                pinned=len(self.pinned),
+            ),
+            tokens=TokenStats(queries=self.queries, hits=self.hits),
+            hit_rate=self.hits / self.queries if self.queries else 0.0,
+        )
+
+    async def save_pinned(self, path: str | Path) -> SaveResult:
+        """The pinned block digests as a JSON list (one "prefix" per block)."""
+        data = json.dumps(sorted(d.hex() for d in self.pinned)).encode()
+        Path(path).write_bytes(data)
+        return SaveResult(str(path), len(self.pinned), len(self.pinned), len(data))
+
+    async def load_pinned(self, path: str | Path) -> LoadResult:
+        try:
+            digests = {bytes.fromhex(h) for h in json.loads(Path(path).read_bytes())}
+        except (OSError, TypeError, ValueError) as exc:
+            raise ValueError(f"cannot load {path}: {exc}") from None
+        reused = len(digests & self.cached)
+        self.cached |= digests
+        self.pinned |= digests
+        n = len(digests)
+        return LoadResult(str(path), n, n, n - reused, reused, 0, n)

@@ -73,11 +73,11 @@ async def test_abort_while_iterating_frees_blocks(engine, loaded) -> None:
         if seen >= 3:
             break  # the client went away
     for _ in range(100):
-        if engine.cache_stats()["blocks"]["in_use"] == 0 and engine.num_running == 0:
+        if engine.cache_stats().blocks.in_use == 0 and engine.num_running == 0:
             break
         await asyncio.sleep(0.02)
     assert engine.num_running == 0 and engine.num_waiting == 0
-    assert engine.cache_stats()["blocks"]["in_use"] == 0
+    assert engine.cache_stats().blocks.in_use == 0
 
 
 async def test_cancelled_consumer_aborts_request(engine, loaded) -> None:
@@ -90,10 +90,10 @@ async def test_cancelled_consumer_aborts_request(engine, loaded) -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     for _ in range(100):
-        if engine.num_running == 0 and engine.cache_stats()["blocks"]["in_use"] == 0:
+        if engine.num_running == 0 and engine.cache_stats().blocks.in_use == 0:
             break
         await asyncio.sleep(0.02)
-    assert engine.cache_stats()["blocks"]["in_use"] == 0
+    assert engine.cache_stats().blocks.in_use == 0
 
 
 async def test_event_loop_stays_responsive_during_generation(engine, loaded) -> None:
@@ -125,13 +125,13 @@ async def test_warm_pin_and_stats(engine, loaded) -> None:
     assert first.tokens == 64 and first.cached_tokens == 0 and first.pinned_blocks == 4
     again = await engine.warm(tokens)
     assert again.cached_tokens == 63
-    assert engine.cache_stats()["blocks"]["pinned"] == 4
+    assert engine.cache_stats().blocks.pinned == 4
     await engine.evict_all()
-    assert engine.cache_stats()["blocks"]["pinned"] == 4, "evict_all keeps pinned blocks"
+    assert engine.cache_stats().blocks.pinned == 4, "evict_all keeps pinned blocks"
     assert await engine.unpin(tokens) == 4
     await engine.evict_all()
     stats = engine.cache_stats()
-    assert stats["blocks"]["pinned"] == 0 and stats["blocks"]["cached_idle"] == 0
+    assert stats.blocks.pinned == 0 and stats.blocks.cached_idle == 0
 
 
 async def test_invalid_request_raises_and_leaves_engine_healthy(engine) -> None:

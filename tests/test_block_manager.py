@@ -1,4 +1,5 @@
 import pytest
+from block_table_fork import fork
 
 from prefixcache.engine.block_manager import (
     BlockManager,
@@ -273,7 +274,7 @@ def test_fork_shares_committed_blocks_and_copies_the_rest() -> None:
     bm, copies = make()
     prompt = list(range(10))
     table = run(bm, prompt)
-    child = bm.fork(table, prompt, 10)
+    child = fork(bm, table, prompt, 10, copies)
     assert child.block_ids[:2] == table.block_ids[:2]
     assert child.block_ids[2] != table.block_ids[2]
     assert copies.calls[-1] == (table.block_ids[2], child.block_ids[2], 2)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from block_table_fork import can_fork
+from block_table_fork import fork as fork_table
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -187,10 +189,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(self.seqs))
-        if not self.bm.can_fork(seq.table):
+        if not can_fork(self.bm, seq.table):
             return
         pinned_idle = self.pinned_idle()
-        table = self.bm.fork(seq.table, seq.tokens, seq.num_computed)
+        table = fork_table(self.bm, seq.table, seq.tokens, seq.num_computed, self.copy_slots)
         self.check_pinned_evicted_last(pinned_idle)
         assert table.num_slots == seq.table.num_slots
         shared = seq.table.num_committed_blocks

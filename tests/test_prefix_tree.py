@@ -69,6 +69,32 @@ def test_collision_guard_rejects_a_colliding_digest() -> None:
     assert tree.digests(root, other) == tree.digests(root, token_bytes([1, 2, 3, 4]))
 
 
+def test_find_or_insert_finds_inserts_and_asks_for_a_page_only_when_it_can_insert() -> None:
+    tree = PrefixTree(BS, 8)
+    root = root_digest(b"m", "")
+    first, second = token_bytes([1, 2, 3, 4]), token_bytes([5, 6, 7, 8])
+    node, new = tree.find_or_insert(None, root, first, 3)
+    assert new and node is not None and node.block == 3 and tree.node_of(3) is node
+    asked: list[int] = []
+
+    def page() -> int | None:
+        asked.append(5)
+        return 5
+
+    assert tree.find_or_insert(None, root, first, page) == (node, False) and asked == []
+    child, new = tree.find_or_insert(node, root, second, page)
+    assert new and child is not None and child.parent is node and asked == [5]
+    assert child.digest == block_digest(node.digest, second)
+    assert tree.find_or_insert(node, root, first, lambda: None) == (None, False)  # no page
+    assert [n.block for n in child.path_up()] == [5, 3]
+    tree.check()
+
+    weak = PrefixTree(BS, 8, digest=lambda parent, tokens: b"same-digest-16by")
+    weak.find_or_insert(None, root, first, 0)
+    assert weak.find_or_insert(None, root, second, page) == (None, False)  # a collision
+    assert asked == [5] and len(weak) == 1  # no page was asked for
+
+
 def test_best_partial_picks_the_child_with_most_leading_tokens() -> None:
     tree = PrefixTree(BS, 8)
     root = root_digest(b"m", "")

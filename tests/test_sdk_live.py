@@ -96,3 +96,35 @@ def test_cache_stats_with_the_sync_client(sidecar_url: str) -> None:
     assert stats.block_size > 0 and stats.blocks.total > 0
     assert stats.blocks.free + stats.blocks.cached_idle + stats.blocks.in_use <= stats.blocks.total
     assert stats.tokens.queries > 0 and 0.0 <= stats.hit_rate <= 1.0
+
+
+def test_session_report_names_the_segment_that_broke_the_prefix(sidecar_url: str) -> None:
+    def prompt(doc: str, question: str) -> Prompt:
+        return (
+            Prompt.builder()
+            .static("[sdk-report] " + RULES * 4, tag="rules")
+            .shared(f"Shelf {doc}: " + "atlases, maps and globes. " * 6, tag="doc")
+            .dynamic(question, tag="q")
+            .build()
+        )
+
+    async def check(client: AsyncClient) -> None:
+        first = await client.complete(prompt("A", "Where are maps?"), max_tokens=1)
+        second = await client.complete(prompt("A", "Where are globes?"), max_tokens=1)
+        third = await client.complete(prompt("B", "Where are atlases?"), max_tokens=1)
+        assert second.usage.cached_tokens > third.usage.cached_tokens > 0
+        for out in (second, third):
+            u = out.usage
+            assert u.cached_tokens + u.uncached_tokens == u.prompt_tokens
+            assert out.cache is not None and u.cache_write_tokens == out.cache.computed_tokens
+        (family,) = client.cache_report().families
+        assert family.label == "rules" and family.requests == 3
+        assert family.cached_tokens == sum(o.usage.cached_tokens for o in (first, second, third))
+        assert family.prompt_tokens == sum(
+            o.usage.prompt_tokens or 0 for o in (first, second, third)
+        )
+        (miss,) = family.misses
+        assert miss.request == 3 and miss.segment == "doc"
+        assert miss.previous_cached_tokens == second.usage.cached_tokens
+
+    _run(check, sidecar_url)

@@ -1,0 +1,125 @@
+"""``EngineAPI``: everything the sidecar may ask of an engine, as a typed Protocol.
+
+``AsyncEngine`` implements it in-process; tests inject a fake; a client of an engine process
+can stand behind it later. The sidecar imports this module and the request/response types of
+``request.py``, nothing else of the engine. Torch-free: importing it loads no model code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from prometheus_client import CollectorRegistry
+
+from prefixcache.sdk.cache_stats import CacheStats
+
+from .request import EngineRequest, RequestOutput
+
+if TYPE_CHECKING:  # prefix_store imports torch; only its result types are named here
+    from .prefix_store import LoadResult, SaveResult
+
+
+@dataclass(slots=True)
+class WarmResult:
+    tokens: int
+    cached_tokens: int  # of those, already cached before warming
+    pinned_blocks: int
+
+
+class TokenizerAPI(Protocol):
+    """What the sidecar uses of the served model's tokenizer."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's raw bytes (part of a UTF-8 character for some tokens), for logprobs."""
+        ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str: ...
+
+
+class EngineAPI(Protocol):
+    # -- lifecycle and readiness: the members below `is_ready` may raise until it is True --
+
+    async def start(self) -> None:
+        """Load the model and start serving (returns once requests can be submitted)."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Stop; requests still running end with finish_reason "abort"."""
+        ...
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    # -- the model card and what the sidecar needs to check and render requests -----------
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int:
+        """Context length: prompt plus generated tokens."""
+        ...
+
+    @property
+    def tokenizer(self) -> TokenizerAPI: ...
+
+    @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """The model's generation_config.json sampling values, for unset request fields."""
+        ...
+
+    @property
+    def cache_identity(self) -> bytes:
+        """Bytes naming the model weights, tokenizer and dtype (stable across restarts)."""
+        ...
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The engine's Prometheus series, served on /metrics with the HTTP ones."""
+        ...
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet scheduled."""
+        ...
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
+        """Submit and stream: deltas as they come, the last with finished=True and usage.
+        Closing the iterator early aborts the request. Invalid requests raise ValueError."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Free everything the request holds; unknown ids are ignored."""
+        ...
+
+    # -- cache admin (ValueError: the engine refused the input) ---------------------------
+
+    async def warm(
+        self, token_ids: list[int], namespace: str = "", pin: bool = False
+    ) -> WarmResult: ...
+
+    async def unpin(self, token_ids: list[int], namespace: str = "") -> int: ...
+
+    async def evict_all(self, include_pinned: bool = False) -> int: ...
+
+    def cache_stats(self) -> CacheStats: ...
+
+    async def save_pinned(self, path: str | Path) -> SaveResult: ...
+
+    async def load_pinned(self, path: str | Path) -> LoadResult:
+        """Raises ValueError (PrefixStoreError) for a missing, damaged or foreign file."""
+        ...

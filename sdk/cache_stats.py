@@ -1,0 +1,43 @@
+"""``CacheStats``: the shape of ``GET /v1/cache/stats``, one definition for both ends.
+
+The engine fills it (``AsyncEngine.cache_stats()``), the sidecar encodes it, the SDK decodes
+it. Imports only msgspec, so the engine may import it and the SDK stays torch-free. Every field
+has a default, so a server that omits one still parses.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class BlockStats(msgspec.Struct):
+    total: int = 0
+    free: int = 0
+    cached_idle: int = 0
+    in_use: int = 0
+    pinned: int = 0
+
+
+class TokenStats(msgspec.Struct):
+    queries: int = 0
+    hits: int = 0
+    inserted: int = 0
+    evicted: int = 0
+
+
+class TokenizerPieceStats(msgspec.Struct):
+    """The tokenizer's memo of the text between special tokens."""
+
+    hits: int = 0
+    misses: int = 0
+    entries: int = 0
+    chars: int = 0
+
+
+class CacheStats(msgspec.Struct):
+    block_size: int = 0
+    blocks: BlockStats = msgspec.field(default_factory=BlockStats)
+    tokens: TokenStats = msgspec.field(default_factory=TokenStats)
+    hit_rate: float = 0.0
+    # Left out of the JSON (UNSET) where the tokenizer keeps no such memo.
+    tokenizer_pieces: TokenizerPieceStats | msgspec.UnsetType = msgspec.UNSET

@@ -1,0 +1,153 @@
+"""The ``/v1/cache/*`` admin routes: stats, warm, unpin, evict, save and load of pinned
+prefixes; and the start-up load of --load-cache files. Every route needs an admin key."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from prefixcache.engine.api import EngineAPI
+
+from . import protocol as p
+from . import reply_types as rt
+from .errors import APIError, bad_request
+from .gate import RequestGate
+from .responses import json_response
+
+log = logging.getLogger("prefixcache.sidecar")
+
+
+class CacheRoutes:
+    def __init__(self, engine: EngineAPI, gate: RequestGate, cache_dir: Path | None) -> None:
+        self.engine = engine
+        self.gate = gate
+        self.cache_dir = cache_dir
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/cache/stats", self.stats, methods=["GET"]),
+            Route("/v1/cache/warm", self.warm, methods=["POST"]),
+            Route("/v1/cache/unpin", self.unpin, methods=["POST"]),
+            Route("/v1/cache/evict", self.evict, methods=["POST"]),
+            Route("/v1/cache/save", self.save, methods=["POST"]),
+            Route("/v1/cache/load", self.load, methods=["POST"]),
+        ]
+
+    async def stats(self, request: Request) -> Response:
+        self.gate.admin(request)
+        return json_response(self.engine.cache_stats())
+
+    async def warm(self, request: Request) -> Response:
+        token_ids, namespace, req = await self._target(request)
+        with _engine_refusals():
+            result = await self.engine.warm(token_ids, namespace, bool(req.pin))
+        return json_response(
+            rt.WarmResponse(result.tokens, result.cached_tokens, result.pinned_blocks)
+        )
+
+    async def unpin(self, request: Request) -> Response:
+        token_ids, namespace, _ = await self._target(request)
+        with _engine_refusals():
+            unpinned = await self.engine.unpin(token_ids, namespace)
+        return json_response(rt.UnpinResponse(unpinned))
+
+    async def evict(self, request: Request) -> Response:
+        self.gate.admin(request)
+        req = await self.gate.read_optional(request, p.EvictRequest)
+        with _engine_refusals():
+            evicted = await self.engine.evict_all(include_pinned=bool(req.include_pinned))
+        return json_response(rt.EvictResponse(evicted))
+
+    async def save(self, request: Request) -> Response:
+        """Write every pinned prefix and its KV to a file in --cache-dir."""
+        self.gate.admin(request)
+        req = await self.gate.read_optional(request, p.CacheFileRequest)
+        result = await self.engine.save_pinned(self.cache_file(req.name))
+        return json_response(
+            rt.CacheSaveResponse(req.name, result.prefixes, result.blocks, result.bytes)
+        )
+
+    async def load(self, request: Request) -> Response:
+        """Cache and pin the prefixes of a file /v1/cache/save wrote with this model."""
+        self.gate.admin(request)
+        req = await self.gate.read_optional(request, p.CacheFileRequest)
+        try:
+            r = await self.engine.load_pinned(self.cache_file(req.name))
+        except ValueError as exc:  # PrefixStoreError: missing, damaged, another model's
+            raise bad_request(str(exc), "name", "cache_file_refused") from None
+        return json_response(
+            rt.CacheLoadResponse(
+                req.name,
+                r.prefixes,
+                r.blocks,
+                r.restored_blocks,
+                r.reused_blocks,
+                r.skipped_blocks,
+                r.pinned_prefixes,
+            )
+        )
+
+    async def load_files(self, names: tuple[str, ...]) -> None:
+        """Load each file at start-up; a bad one is logged and the server serves regardless."""
+        for name in names:
+            try:
+                result = await self.engine.load_pinned(self.cache_file(name))
+            except Exception as exc:  # PrefixStoreError, or worse
+                message = exc.message if isinstance(exc, APIError) else str(exc)
+                log.error("pinned prefixes %r not loaded: %s", name, message)
+            else:
+                log.info(
+                    "pinned prefixes %r: %d prefixes, %d blocks restored, %d already cached, "
+                    "%d skipped (no room)",
+                    name,
+                    result.prefixes,
+                    result.restored_blocks,
+                    result.reused_blocks,
+                    result.skipped_blocks,
+                )
+
+    def cache_file(self, name: str) -> Path:
+        if self.cache_dir is None:
+            raise bad_request(
+                "saving and loading pinned prefixes is off: start the server with --cache-dir",
+                code="cache_dir_not_configured",
+            )
+        return self.cache_dir / f"{name}.safetensors"
+
+    async def _target(self, request: Request) -> tuple[list[int], str, p.CacheRequest]:
+        """Token ids and namespace of a warm/unpin body: the stable part, as chat renders it."""
+        gate = self.gate
+        tenant = gate.admin(request)
+        req = await gate.read(request, p.CacheRequest)
+        gate.check(p.check_prompt_source, req.messages, req.segments)
+        gate.check(p.check_template_kwargs, req.chat_template_kwargs)
+        gate.check_model(req.model)
+        prompt = gate.render(
+            lambda r: r.render_stable(req.messages, req.segments, req.template_kwargs)
+        )
+        if not prompt.token_ids:
+            raise bad_request("nothing to cache: every segment is dynamic", "segments")
+        context = self.engine.max_model_len
+        if len(prompt.token_ids) >= context:
+            raise bad_request(
+                f"the prefix is {len(prompt.token_ids)} tokens; a cached prefix must be shorter "
+                f"than the model's context length of {context}",
+                "messages" if req.messages is not None else "segments",
+                code="context_length_exceeded",
+            )
+        return prompt.token_ids, gate.namespace(tenant.name, req.cache_salt), req
+
+
+@contextlib.contextmanager
+def _engine_refusals() -> Iterator[None]:
+    """The engine's own input checks raise ValueError: the request's fault, so 400."""
+    try:
+        yield
+    except ValueError as exc:
+        raise bad_request(f"the engine refused the request: {exc}") from None

@@ -1,0 +1,158 @@
+"""The generation routes, /v1/chat/completions and /v1/completions: a checked request becomes
+an ``EngineRequest`` (context length, sampling values, namespace), is admitted, and replied to."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from prefixcache.engine.api import EngineAPI
+from prefixcache.engine.request import EngineRequest, SamplingParams
+
+from . import protocol as p
+from .admission import Admission
+from .errors import bad_request
+from .gate import RequestGate
+from .rendering import RenderedPrompt
+from .responses import Job, reply
+from .settings import SidecarSettings
+from .streaming import SSEResponse
+from .tenancy import Tenant
+
+
+class GenerationRoutes:
+    def __init__(
+        self,
+        engine: EngineAPI,
+        gate: RequestGate,
+        admission: Admission,
+        settings: SidecarSettings,
+    ) -> None:
+        self.engine = engine
+        self.gate = gate
+        self.admission = admission
+        self.use_generation_config = settings.use_generation_config
+        self._fingerprint: str | None = None
+        self._sampling_defaults: dict[str, float] | None = None
+
+    async def chat_completions(self, request: Request) -> Response | SSEResponse:
+        gate = self.gate
+        tenant, req = await gate.generation_request(request, p.ChatCompletionRequest, p.check_chat)
+        prompt = gate.render(
+            lambda r: r.render_chat(
+                req.messages,
+                req.segments,
+                bool(req.add_generation_prompt),
+                req.template_kwargs,
+                bool(req.continue_final_message),
+            )
+        )
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        job = self._submit(
+            "chat", f"chatcmpl-{uuid.uuid4().hex}", req, tenant, prompt, max_tokens, top
+        )
+        return await reply(job, req.stream, request, self.engine.tokenizer)
+
+    async def completions(self, request: Request) -> Response | SSEResponse:
+        gate = self.gate
+        tenant, req = await gate.generation_request(
+            request, p.CompletionRequest, p.check_completion
+        )
+        prompt = RenderedPrompt(gate.completion_tokens(p.completion_prompt(req)), [])
+        job = self._submit(
+            "completion",
+            f"cmpl-{uuid.uuid4().hex}",
+            req,
+            tenant,
+            prompt,
+            req.max_tokens,
+            req.logprobs,
+        )
+        return await reply(job, req.stream, request, self.engine.tokenizer)
+
+    @property
+    def system_fingerprint(self) -> str:
+        """``fp_`` + 10 hex digits of the model, tokenizer and dtype identity (stable)."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256(self.engine.cache_identity).hexdigest()
+            self._fingerprint = "fp_" + digest[:10]
+        return self._fingerprint
+
+    def _submit(
+        self,
+        kind: str,
+        request_id: str,
+        req: p.SamplingFields,
+        tenant: Tenant,
+        prompt: RenderedPrompt,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> Job:
+        num_prompt = len(prompt.token_ids)
+        context = self.engine.max_model_len
+        if num_prompt >= context:
+            raise bad_request(
+                f"The prompt is {num_prompt} tokens; the model's context length is {context} "
+                "tokens and at least one must be left to generate",
+                "messages" if kind == "chat" else "prompt",
+                "context_length_exceeded",
+            )
+        if max_tokens is None:
+            max_tokens = context - num_prompt
+        elif num_prompt + max_tokens > context:
+            raise bad_request(
+                f"max_tokens={max_tokens} plus the prompt's {num_prompt} tokens exceeds the "
+                f"model's context length of {context} tokens (at most {context - num_prompt})",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=self._sampling(req.temperature, "temperature"),
+                top_k=int(self._sampling(req.top_k, "top_k")),
+                top_p=self._sampling(req.top_p, "top_p"),
+                seed=req.seed,
+                stop=req.stop_list,
+                stop_token_ids=self.gate.stop_token_ids(req.stop_token_ids),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=self._sampling(req.repetition_penalty, "repetition_penalty"),
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        engine_request = EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt.token_ids,
+            sampling=sampling,
+            namespace=self.gate.namespace(tenant.name, req.cache_salt),
+            priority=req.priority,
+            segments=prompt.spans or None,
+        )
+        return Job(
+            id=request_id,
+            kind=kind,
+            model=self.engine.model_name,
+            created=int(time.time()),
+            spans=prompt.spans,
+            stream=self.admission.admit(engine_request),  # 429 here when the queue is full
+            want_logprobs=logprobs is not None,
+            include_usage=req.include_usage,
+            fingerprint=self.system_fingerprint,
+        )
+
+    def _sampling(self, value: float | None, name: str) -> float:
+        """A request's value, else the model's generation_config.json one, else OpenAI's."""
+        if value is not None:
+            return value
+        if self._sampling_defaults is None:  # the engine is ready by now: resolve once
+            model = self.engine.sampling_defaults if self.use_generation_config else {}
+            self._sampling_defaults = {**p.SAMPLING_FALLBACKS, **model}
+        return self._sampling_defaults[name]

@@ -1,0 +1,144 @@
+"""Reply wire types: the JSON bodies the engine-mode sidecar sends (OpenAI-compatible
+completions, stream chunks, model cards, and the cache admin replies)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class SegmentReport(msgspec.Struct):
+    tag: str
+    tokens: int
+    cached_tokens: int
+
+
+class CacheReport(msgspec.Struct):
+    cached_tokens: int
+    prompt_tokens: int
+    computed_tokens: int
+    segments: list[SegmentReport]
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessage
+    finish_reason: str | None
+    logprobs: dict | None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prefixcache: CacheReport
+    system_fingerprint: str
+    object: str = "chat.completion"
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: dict | None = None
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict | None = None
+
+
+class Completion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    prefixcache: CacheReport
+    system_fingerprint: str
+    object: str = "text_completion"
+
+
+class StreamChunk(msgspec.Struct):
+    """One SSE chunk of either endpoint (``object`` says which). UNSET fields are left out;
+    ``usage`` is null on every chunk but the last when include_usage is set (as OpenAI)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list  # ChatChunkChoice or CompletionChoice
+    usage: UsageInfo | msgspec.UnsetType | None = msgspec.UNSET
+    prefixcache: CacheReport | msgspec.UnsetType = msgspec.UNSET
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    object: str = "model"
+    owned_by: str = "prefixcache"
+    root: str | None = None  # vLLM's fields: what the model was loaded from, its context
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class WarmResponse(msgspec.Struct):
+    tokens: int
+    cached_tokens: int
+    pinned_blocks: int
+
+
+class UnpinResponse(msgspec.Struct):
+    unpinned_blocks: int
+
+
+class EvictResponse(msgspec.Struct):
+    evicted_blocks: int
+
+
+class CacheSaveResponse(msgspec.Struct):
+    name: str
+    prefixes: int
+    blocks: int
+    bytes: int
+
+
+class CacheLoadResponse(msgspec.Struct):
+    name: str
+    prefixes: int
+    blocks: int
+    restored_blocks: int
+    reused_blocks: int
+    skipped_blocks: int
+    pinned_prefixes: int
