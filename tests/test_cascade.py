@@ -90,8 +90,9 @@ def test_short_shared_prefix_is_not_grouped() -> None:
 
 
 def test_runner_batches_alike_cascade_groups_and_equals_plain(loaded: LoadedModel) -> None:
-    """Three groups of 3 members over 4 shared blocks each attend to their prefixes in one
-    batched call, a fourth group (2 members) on its own; all equal the plain path."""
+    """Three groups of 3 members over 4 shared blocks and one of 2 (padded to 3) attend to
+    their prefixes in one batched call, a group over 5 shared blocks on its own; all equal
+    the plain path."""
     cache = KVCache(loaded.kv_cache_spec(BS), num_blocks=96)
     gen = torch.Generator().manual_seed(1)
     for layer in cache.layers:
@@ -105,12 +106,14 @@ def test_runner_batches_alike_cascade_groups_and_equals_plain(loaded: LoadedMode
     batch += [
         BatchEntry([5], 64 + 9 * i, [60, 61, 62, 63, 70 + 2 * i, 71 + 2 * i]) for i in range(2)
     ]
+    batch += [BatchEntry([6], 85 + i, [80, 81, 82, 83, 84, 86 + i]) for i in range(2)]
     backend = TorchBackend()
     runner = ModelRunner(loaded, cache, backend, enable_cascade=True)
     with_cascade = runner.execute(batch)
     meta = runner.last_metadata
-    assert meta is not None and len(meta.cascade_groups) == 4
-    assert [c.num_groups for c in backend._cascades] == [3, 1]
+    assert meta is not None and len(meta.cascade_groups) == 5
+    assert [c.num_groups for c in backend._cascades] == [4, 1]
+    assert backend._cascades[0].pad_rows is not None
     runner.enable_cascade = False
     plain = runner.execute(batch)
     torch.testing.assert_close(with_cascade, plain, atol=1e-5, rtol=1e-5)

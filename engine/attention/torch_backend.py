@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import AttentionBackend, AttentionShape
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, CascadeGroup
 
 LOG2E = 1.0 / math.log(2.0)
 _QUERY_CHUNK = 1024  # query rows per product in the generic (non-CPU) path
@@ -208,13 +208,28 @@ class _DecodePlan:
 
 @dataclass(slots=True)
 class _CascadePlan:
-    """Consecutive cascade groups with the same member count and shared length: their queries
-    attend to their shared prefixes in one batched call (a batch entry per group)."""
+    """Consecutive cascade groups with the same shared length: their queries attend to their
+    shared prefixes in one batched call (a batch entry per group; groups with fewer members
+    are padded with copies of a query row, whose outputs are dropped)."""
 
     q_begin: int
     q_end: int
     num_groups: int
     shared_blocks: torch.Tensor  # int64 [groups * S]: K page rows of each group's prefix
+    pad_rows: torch.Tensor | None = None  # int64 [groups * width]: query row of each slot
+    valid_rows: torch.Tensor | None = None  # int64 [rows]: the slot of each real query
+
+
+def _alike_groups(groups: list[CascadeGroup], i: int) -> int:
+    """End of the run of groups from ``i`` that one batched call serves: the same shared
+    length, and padding to the largest group at most doubles the query rows."""
+    j, rows, width = i + 1, groups[i].end - groups[i].begin, groups[i].end - groups[i].begin
+    while j < len(groups) and groups[j].num_shared_blocks == groups[i].num_shared_blocks:
+        n = groups[j].end - groups[j].begin
+        if (j - i + 1) * max(width, n) > 2 * (rows + n):
+            break
+        rows, width, j = rows + n, max(width, n), j + 1
+    return j
 
 
 def _decode_chunks(kv_lens: list[int], block_size: int) -> list[tuple[int, int]]:
@@ -304,16 +319,26 @@ class TorchBackend(AttentionBackend):
         groups = meta.cascade_groups
         i = 0
         while i < len(groups):
-            g = groups[i]
-            j = i + 1
-            while j < len(groups) and (
-                groups[j].end - groups[j].begin,
-                groups[j].num_shared_blocks,
-            ) == (g.end - g.begin, g.num_shared_blocks):
-                j += 1
-            shared = [b for h in groups[i:j] for b in tables[h.begin][: h.num_shared_blocks]]
-            rows = (torch.as_tensor(shared, dtype=torch.int64) * 2).to(dev)
-            self._cascades.append(_CascadePlan(qo[g.begin], qo[groups[j - 1].end], j - i, rows))
+            j = _alike_groups(groups, i)
+            run = groups[i:j]
+            shared = [b for h in run for b in tables[h.begin][: h.num_shared_blocks]]
+            plan = _CascadePlan(
+                qo[run[0].begin],
+                qo[run[-1].end],
+                j - i,
+                (torch.as_tensor(shared, dtype=torch.int64) * 2).to(dev),
+            )
+            sizes = [h.end - h.begin for h in run]
+            width = max(sizes)
+            if min(sizes) < width:  # pad each group's queries to `width` rows
+                pad, valid, row = [], [], 0
+                for gi, n in enumerate(sizes):
+                    pad += list(range(row, row + n)) + [row] * (width - n)
+                    valid += range(gi * width, gi * width + n)
+                    row += n
+                plan.pad_rows = torch.tensor(pad, dtype=torch.int64, device=dev)
+                plan.valid_rows = torch.tensor(valid, dtype=torch.int64, device=dev)
+            self._cascades.append(plan)
             i = j
         self._num_decode_rows = qo[-1] - qo[lo]
         self._meta, self._shape = meta, shape
@@ -392,7 +417,13 @@ class TorchBackend(AttentionBackend):
         for cp in self._cascades:
             rows = slice(cp.q_begin, cp.q_end)
             sk, sv = self._gather(kv_layer, cp.shared_blocks)  # each prefix read once
-            o_s, lse_s = grouped_dense_attention(q[rows], sk, sv, cp.num_groups, scale)
+            qs = q[rows] if cp.pad_rows is None else q[rows].index_select(0, cp.pad_rows)
+            o_s, lse_s = grouped_dense_attention(qs, sk, sv, cp.num_groups, scale)
+            if cp.valid_rows is not None:
+                o_s, lse_s = (
+                    o_s.index_select(0, cp.valid_rows),
+                    lse_s.index_select(0, cp.valid_rows),
+                )
             own = slice(cp.q_begin - d0, cp.q_end - d0)
             out[rows], _ = merge_states(o_s, lse_s, out[rows], own_lse[own])
         return out
