@@ -124,6 +124,11 @@ class EngineAPI(Protocol):
         ...
 
     @property
+    def dtype(self) -> str:
+        """The weights' and KV cache's dtype as torch names it (``bfloat16``, ``float32``)."""
+        ...
+
+    @property
     def cache_identity(self) -> bytes:
         """Bytes naming the model weights, tokenizer and dtype (stable across restarts)."""
         ...

@@ -108,6 +108,10 @@ class AsyncEngine:
         return self.engine.loaded.sampling_defaults
 
     @property
+    def dtype(self) -> str:
+        return str(self.engine.loaded.dtype).removeprefix("torch.")
+
+    @property
     def cache_identity(self) -> bytes:
         """Model fingerprint, tokenizer fingerprint and dtype: the root of every namespace."""
         return self.engine.cache_identity(self.engine.loaded)

@@ -39,7 +39,8 @@ def _gib(text: str) -> int:
 @dataclass(slots=True)
 class EngineConfig:
     model: str = "demo"  # "demo" or a local Hugging Face folder
-    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: fp32 on CPU, bf16 on CUDA
+    # "auto" (or None): bf16 on CUDA and on CPUs with native bf16, else fp32 | "float32" | ...
+    dtype: str | None = "auto"
     device: str | None = None  # None: cuda if available, else cpu
     attention_backend: str = "auto"  # auto | torch | flashinfer
     block_size: int = DEFAULT_BLOCK_SIZE

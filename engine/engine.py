@@ -19,6 +19,7 @@ import msgspec
 from prefixcache.sdk.cache_stats import BlockStats, CacheStats, TokenizerPieceStats, TokenStats
 
 from . import output, prefix_store
+from .api import TreeSnapshot
 from .attention import create_backend
 from .block_manager import BlockManager
 from .cache_activity import CacheActivity
@@ -91,6 +92,9 @@ class LLMEngine:
         # Why the last step failed as a whole (not attributable to one request); None once a
         # step succeeds again. /health reports it.
         self.error: str | None = None
+        dtype_name = str(self.loaded.dtype).removeprefix("torch.")
+        self.metrics.model_info.labels(self.loaded.name, dtype_name).set(1)
+        log.info("model %s: dtype %s on %s", self.loaded.name, dtype_name, self.loaded.device)
         model_len = self.loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         # A sequence never outgrows the pool, so a lone request can always make progress.
@@ -447,6 +451,10 @@ class LLMEngine:
 
     def tier_stats(self) -> TierStats | None:
         return self.tier.stats() if self.tier is not None else None
+
+    def cache_tree(self) -> TreeSnapshot:
+        """Every cached block, parents first (the dashboard's picture of the tree)."""
+        return self.activity.snapshot()
 
     def piece_stats(self) -> TokenizerPieceStats | msgspec.UnsetType:
         """The tokenizer's memo of text between special tokens; UNSET where it keeps none."""

@@ -70,6 +70,29 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class Gemm:
+    """``x @ weight.T + bias`` for a weight fixed at load. bf16 weights on CPU are reordered once
+    into oneDNN's blocked layout (bit-identical results; 1.4x faster at 32 rows, 2.5x at one),
+    since a plain bf16 ``linear`` reorders the weight on every call."""
+
+    __slots__ = ("bias", "packed", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.packed: torch.Tensor | None = None
+        if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _MKLDNN:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+_MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_PACK_ROWS_HINT = 32  # oneDNN's layout choice; any row count runs on it
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -97,18 +120,32 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=o_bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.qkv: Gemm | None = None  # set by prepare()
+        self.out: Gemm | None = None
+
+    def prepare(self) -> None:
+        """One [q; k; v] GEMM; q/k/v_proj.weight become views of its weight (same names)."""
+        self.qkv = Gemm(*_fuse_linears(self.q_proj, self.k_proj, self.v_proj))
+        self.out = Gemm(self.o_proj.weight, self.o_proj.bias)
 
     def forward(self, x: torch.Tensor, rotation: Rotation, attend: AttendFn) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv is not None:
+            qkv = self.qkv(x)
+            q = qkv[:, : hq * d].view(t, hq, d)
+            k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+            v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+        else:
+            q = self.q_proj(x).view(t, hq, d)
+            k = self.k_proj(x).view(t, hk, d)
+            v = self.v_proj(x).view(t, hk, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rotation
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # before K is written to the cache
-        o = attend(self.layer_idx, q, k, v)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        o = attend(self.layer_idx, q, k, v).reshape(t, hq * d)
+        return self.out(o) if self.out is not None else self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -118,9 +155,38 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.intermediate_size = i
+        self.gate_up: Gemm | None = None  # set by prepare()
+        self.down: Gemm | None = None
+
+    def prepare(self) -> None:
+        self.gate_up = Gemm(*_fuse_linears(self.gate_proj, self.up_proj))
+        self.down = Gemm(self.down_proj.weight, self.down_proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None or self.down is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up(x)
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+        return self.down(F.silu(gate).mul_(up))
+
+
+def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the linears' weights (and biases) along the output dim and re-point each
+    linear's parameters at its slice, so the state dict keeps its names and memory is not
+    doubled. Returns the fused (weight, bias) for ``F.linear``."""
+    weight = torch.cat([lin.weight for lin in linears])
+    has_bias = [lin.bias is not None for lin in linears]
+    assert all(has_bias) or not any(has_bias), "fused linears have biases on all or none"
+    bias = torch.cat([lin.bias for lin in linears]) if all(has_bias) else None  # type: ignore[misc]
+    row = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
 
 
 class DecoderLayer(nn.Module):
@@ -162,6 +228,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.head: Gemm | None = None  # set by prepare()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
@@ -169,5 +236,16 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states ``[T, hidden]`` for flat ``input_ids``/``positions`` ``[T]``."""
         return self.model(input_ids, positions, attend)
 
+    def prepare(self) -> None:
+        """For serving, once the weights are loaded: fused QKV and gate/up GEMMs (fewer, larger
+        matmuls per layer), weights pre-packed where that pays (see ``Gemm``). Idempotent."""
+        if self.head is not None:
+            return
+        for layer in self.model.layers:
+            layer.self_attn.prepare()
+            layer.mlp.prepare()
+        self.head = Gemm(self.lm_head.weight, None)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.head(hidden) if self.head is not None else self.lm_head(hidden)
+        return logits.float()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import struct
 import warnings
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+log = logging.getLogger("prefixcache.engine")
 _FINGERPRINT_SAMPLE = 1 << 20  # bytes hashed from each end of every weight file
 
 
@@ -72,14 +74,40 @@ class LoadedModel:
         return f"{self.fingerprint}|{self.tokenizer.fingerprint}|{self.dtype}".encode()
 
 
+def cpu_bf16_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's native bf16 features (x86 AVX512_BF16 / AMX, Arm BF16) from /proc/cpuinfo."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return set()
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return flags & {"avx512_bf16", "amx_bf16", "bf16"}
+
+
+def auto_dtype(device: torch.device, cpuinfo: str | None = None) -> torch.dtype:
+    """bf16 on CUDA and on CPUs that compute it natively; fp32 elsewhere (emulated bf16 is
+    slower than fp32)."""
+    if device.type == "cuda" or (device.type == "cpu" and cpu_bf16_flags(cpuinfo)):
+        return torch.bfloat16
+    return torch.float32
+
+
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    """``None`` or ``"auto"``: see ``auto_dtype``."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype is None or dtype == "auto":
+        chosen = auto_dtype(device)
+        log.info("dtype auto: %s on %s", str(chosen).removeprefix("torch."), device)
+        return chosen
     key = dtype.removeprefix("torch.").lower()
     if key not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}: use float32, bfloat16 or float16")
+        raise ValueError(f"unsupported dtype {dtype!r}: use auto, float32, bfloat16 or float16")
     return _DTYPES[key]
 
 

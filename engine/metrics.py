@@ -94,6 +94,12 @@ class EngineMetrics:
             ["state"],
             registry=r,
         )
+        self.model_info = Gauge(
+            "prefixcache:model_info",
+            "The served model and the dtype its weights and KV cache use (value 1).",
+            ["model", "dtype"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "prefixcache:time_to_first_token_seconds",
             "Time from arrival to the first generated token.",

@@ -34,6 +34,7 @@ class ModelRunner:
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
+        self.model.prepare()
         self.kv_cache = kv_cache
         self.backend = backend
         self.enable_cascade = enable_cascade

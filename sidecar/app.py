@@ -126,5 +126,8 @@ class Sidecar:
         return json_response(self._model_card())
 
     def _model_card(self) -> rt.ModelCard:
-        name = self.engine.model_name
-        return rt.ModelCard(name, self.created, root=name, max_model_len=self.engine.max_model_len)
+        engine = self.engine
+        name = engine.model_name
+        return rt.ModelCard(
+            name, self.created, root=name, max_model_len=engine.max_model_len, dtype=engine.dtype
+        )

@@ -134,9 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default=None,
-        help="weights and KV dtype (default: float32 on CPU, bfloat16 on CUDA)",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="weights and KV dtype; auto: bfloat16 on CUDA and on CPUs that compute it natively "
+        "(AVX512_BF16, AMX, Arm BF16), else float32",
+    )
+    serve.add_argument(
+        "--engine",
+        choices=["process", "thread"],
+        default="thread",
+        help="where the engine's step loop runs: a thread of the server's, or (experimental: "
+        "Hugging Face folders only, no KV events or tier flags yet) its own process, so the "
+        "HTTP server never competes with the model for one interpreter lock",
     )
     serve.add_argument(
         "--no-prefix-caching",
@@ -340,6 +349,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from prefixcache.engine.async_engine import AsyncEngine
     from prefixcache.engine.config import EngineConfig
+    from prefixcache.engine.process_engine import ProcessEngine
 
     from .app import SidecarSettings, create_app
     from .tenancy import KeyStore
@@ -384,7 +394,8 @@ def serve(args: argparse.Namespace) -> None:
         use_generation_config=args.generation_config == "auto",
         tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
     )
-    app = create_app(AsyncEngine(config), settings)
+    engine = ProcessEngine(config) if args.engine == "process" else AsyncEngine(config)
+    app = create_app(engine, settings)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -145,6 +145,7 @@ class ModelCard(msgspec.Struct):
     root: str | None = None  # vLLM's fields: what the model was loaded from, its context
     parent: str | None = None
     max_model_len: int | None = None
+    dtype: str | None = None  # the weights' and KV cache's (prefixcache's field)
 
 
 class ModelList(msgspec.Struct):

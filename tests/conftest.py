@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -131,6 +132,10 @@ def demo_engine(loaded: Any, **overrides: Any) -> Any:
         max_model_len=TEST_MAX_MODEL_LEN,
         **overrides,
     )
+    if os.environ.get("PREFIXCACHE_TEST_ENGINE") == "process":  # the same tests, core apart
+        from prefixcache.engine.process_engine import ProcessEngine
+
+        return ProcessEngine(config)
     return AsyncEngine(config, loaded)
 
 

@@ -74,6 +74,7 @@ class FakeEngine:
         self.model_name = "fake"
         self.tokenizer = FakeTokenizer()
         self.cache_identity = b"fake|FakeTokenizer"
+        self.dtype = "float32"
         self.sampling_defaults: dict[str, float] = {}
         self.registry = CollectorRegistry()
         self.steps = Counter("fake_engine_steps", "steps", registry=self.registry)

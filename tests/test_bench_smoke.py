@@ -67,6 +67,12 @@ CASES = {
         ["--minutes", "0.4", "--rss-bound-mib", "400"],
         {"ok", "checks", "capacity_rps", "offered_rps", "rss_growth_mib", "statuses"},
     ),
+    "serving.py": (
+        ["--serve", "demo", "--groups", "2", "--per-group", "2", "--system", "40"]
+        + ["--question", "8", "--output", "3", "--concurrency", "2", "--vocab", "2000"]
+        + ["--warmup", "1", "--warmup-tokens", "16"],
+        {"output_tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_mean_ms", "hit_rate", "errors"},
+    ),
     "sidecar_overhead.py": (
         ["--requests", "3", "--warmup", "1", "--streams", "4", "--stream-tokens", "2"],
         {"http_added_outside_engine_p50_ms", "http_added_p50_ms", "stream_errors"},
@@ -92,6 +98,9 @@ def test_benchmark_runs_and_reports(name: str) -> None:
     args, keys = CASES[name]
     result = run_bench(name, args)
     assert keys <= result.keys(), keys - result.keys()
+    if name == "serving.py":  # every request streamed all its tokens; the groups shared
+        assert result["errors"] == 0 and result["output_tokens"] == 4 * 3
+        assert result["hit_rate"] > 0
     if name == "cache_files.py":  # the loaded prefix is hit and is the KV it computes
         assert result["cached_tokens"] == 64 and result["max_logprob_diff"] < 1e-4
     if name == "sidecar_overhead.py":

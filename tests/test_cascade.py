@@ -87,3 +87,33 @@ def test_short_shared_prefix_is_not_grouped() -> None:
     seqs = [SeqSpec(40, 1, [1, 2, 3]), SeqSpec(40, 1, [1, 2, 4])]  # 2 shared blocks < 4
     assert plan_step_order(seqs, BS)[1] == []
     assert plan_step_order(seqs, BS, min_shared_blocks=2)[1] == [CascadeGroup(0, 2, 2)]
+
+
+def test_runner_batches_alike_cascade_groups_and_equals_plain(loaded: LoadedModel) -> None:
+    """Three groups of 3 members over 4 shared blocks and one of 2 (padded to 3) attend to
+    their prefixes in one batched call, a group over 5 shared blocks on its own; all equal
+    the plain path."""
+    cache = KVCache(loaded.kv_cache_spec(BS), num_blocks=96)
+    gen = torch.Generator().manual_seed(1)
+    for layer in cache.layers:
+        layer.normal_(0, 0.5, generator=gen)
+    batch = []
+    for g in range(3):
+        shared = list(range(10 * g, 10 * g + 4))
+        for m in range(3):
+            own = [40 + 6 * g + 2 * m, 41 + 6 * g + 2 * m]
+            batch.append(BatchEntry([3 + m], 64 + 5 + 7 * m + g, shared + own))
+    batch += [
+        BatchEntry([5], 64 + 9 * i, [60, 61, 62, 63, 70 + 2 * i, 71 + 2 * i]) for i in range(2)
+    ]
+    batch += [BatchEntry([6], 85 + i, [80, 81, 82, 83, 84, 86 + i]) for i in range(2)]
+    backend = TorchBackend()
+    runner = ModelRunner(loaded, cache, backend, enable_cascade=True)
+    with_cascade = runner.execute(batch)
+    meta = runner.last_metadata
+    assert meta is not None and len(meta.cascade_groups) == 5
+    assert [c.num_groups for c in backend._cascades] == [4, 1]
+    assert backend._cascades[0].pad_rows is not None
+    runner.enable_cascade = False
+    plain = runner.execute(batch)
+    torch.testing.assert_close(with_cascade, plain, atol=1e-5, rtol=1e-5)

@@ -71,8 +71,10 @@ def write_folder(folder: Path, cfg: dict | None = None, **kw: object) -> Path:
 
 
 def test_loads_and_runs(tmp_path: Path) -> None:
-    loaded = load_model(str(write_folder(tmp_path / "m")))
-    assert loaded.dtype == torch.float32 and loaded.device.type == "cpu"
+    from prefixcache.engine.loader import auto_dtype
+
+    loaded = load_model(str(write_folder(tmp_path / "m")))  # dtype auto: bf16 where native
+    assert loaded.dtype == auto_dtype(torch.device("cpu")) and loaded.device.type == "cpu"
     assert loaded.config.head_dim == 8 and loaded.config.num_kv_heads == 2
     spec = loaded.kv_cache_spec(16)
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (1, 2, 8)
@@ -202,8 +204,8 @@ def test_sampling_defaults_from_generation_config(tmp_path: Path) -> None:
 
 
 def test_fingerprints_follow_weights_and_tokenizer(tmp_path: Path) -> None:
-    a = load_model(str(write_folder(tmp_path / "a")))
-    b = load_model(str(write_folder(tmp_path / "b")))
+    a = load_model(str(write_folder(tmp_path / "a")), dtype="float32")
+    b = load_model(str(write_folder(tmp_path / "b")), dtype="float32")
     assert a.fingerprint == b.fingerprint and a.tokenizer.fingerprint == b.tokenizer.fingerprint
     w = weights(CONFIG)
     w["model.norm.weight"] = w["model.norm.weight"] * 2
@@ -244,3 +246,20 @@ def test_no_bos_is_invented_from_config_json(tmp_path: Path) -> None:
     tokenizer = load_model(str(folder)).tokenizer
     assert tokenizer.bos_token_id is None
     assert tokenizer.encode("hi there", add_special_tokens=True) == tokenizer.encode("hi there")
+
+
+def test_dtype_auto_is_bf16_only_where_the_hardware_computes_it() -> None:
+    from prefixcache.engine.loader import auto_dtype, cpu_bf16_flags, resolve_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    zen4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
+    sapphire = "flags\t\t: avx512f amx_bf16 amx_tile\n"
+    old_x86 = "flags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
+    graviton3 = "Features\t: fp asimd sve bf16 i8mm\n"
+    assert cpu_bf16_flags(zen4) == {"avx512_bf16"}
+    assert auto_dtype(cpu, zen4) == auto_dtype(cpu, sapphire) == torch.bfloat16
+    assert auto_dtype(cpu, graviton3) == torch.bfloat16
+    assert auto_dtype(cpu, old_x86) == auto_dtype(cpu, "") == torch.float32
+    assert auto_dtype(cuda, old_x86) == torch.bfloat16
+    assert resolve_dtype("auto", cpu) == resolve_dtype(None, cpu) == auto_dtype(cpu)
+    assert resolve_dtype("float32", cpu) == torch.float32

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import AttentionBackend, AttentionShape
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, CascadeGroup
 
 LOG2E = 1.0 / math.log(2.0)
 _QUERY_CHUNK = 1024  # query rows per product in the generic (non-CPU) path
@@ -83,6 +83,37 @@ def dense_attention(
         lse = lse.view(hk, g, lq).permute(2, 0, 1).reshape(lq, hq) * LOG2E
         return o, lse
     return _dense_attention_generic(q, k, v, scale, causal)
+
+
+def grouped_dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_groups: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``num_groups`` equal groups of queries, each over its own keys, no mask.
+
+    ``q`` ``[G * n, Hq, D]`` (group-major), ``k``/``v`` ``[G * L, Hk, D]``. Returns the output
+    ``[G * n, Hq, D]`` and base-2 LSE ``[G * n, Hq]`` (float32), as ``dense_attention`` would
+    per group."""
+    if num_groups == 1 or q.device.type != "cpu":
+        states = [
+            dense_attention(qg, kg, vg, scale, causal=False)
+            for qg, kg, vg in zip(
+                q.chunk(num_groups), k.chunk(num_groups), v.chunk(num_groups), strict=True
+            )
+        ]
+        return torch.cat([o for o, _ in states]), torch.cat([lse for _, lse in states])
+    rows, hq, d = q.shape
+    hk = k.shape[1]
+    g, n, length = hq // hk, rows // num_groups, k.shape[0] // num_groups
+    # Fold each kv head's g query heads and the group's n queries into rows: K/V read once.
+    qh = q.view(num_groups, n, hk, g, d).permute(0, 2, 3, 1, 4).reshape(num_groups, hk, g * n, d)
+    kh = k.view(num_groups, length, hk, d).permute(0, 2, 1, 3)
+    vh = v.view(num_groups, length, hk, d).permute(0, 2, 1, 3)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qh, kh, vh, 0.0, False, scale=scale
+    )
+    o = o.view(num_groups, hk, g, n, d).permute(0, 3, 1, 2, 4).reshape(rows, hq, d)
+    lse = lse.view(num_groups, hk, g, n).permute(0, 3, 1, 2).reshape(rows, hq) * LOG2E
+    return o, lse
 
 
 def _dense_attention_generic(
@@ -153,7 +184,7 @@ class _PrefillPlan:
     q_begin: int
     q_end: int
     num_cached: int  # cached tokens this sequence attends to on its own (after any group prefix)
-    cached_blocks: torch.Tensor  # int64: the blocks holding those tokens
+    cached_blocks: torch.Tensor  # int64: K page rows (2 * block) of the blocks holding them
     group: int | None = None  # index of its prefill group, whose shared prefix comes first
 
 
@@ -161,16 +192,44 @@ class _PrefillPlan:
 class _PrefillGroupPlan:
     q_begin: int
     q_end: int
-    shared_blocks: torch.Tensor  # int64 [S]: the prefix every member starts after
+    shared_blocks: torch.Tensor  # int64 [S]: K page rows of the prefix every member shares
 
 
 @dataclass(slots=True)
 class _DecodePlan:
+    """Consecutive decodes over their own pages (a cascade member's: those after the shared
+    prefix), in one padded call."""
+
     q_begin: int
     q_end: int
-    blocks: torch.Tensor  # int64 [n, max blocks]: each sequence's own blocks, padded with 0
+    blocks: torch.Tensor  # int64 [n, max blocks]: K page rows of each one's own blocks, 0-padded
     lens: torch.Tensor  # int64 [n]: valid tokens in those blocks
-    shared_blocks: torch.Tensor | None = None  # cascade: int64 [S], the group's prefix
+
+
+@dataclass(slots=True)
+class _CascadePlan:
+    """Consecutive cascade groups with the same shared length: their queries attend to their
+    shared prefixes in one batched call (a batch entry per group; groups with fewer members
+    are padded with copies of a query row, whose outputs are dropped)."""
+
+    q_begin: int
+    q_end: int
+    num_groups: int
+    shared_blocks: torch.Tensor  # int64 [groups * S]: K page rows of each group's prefix
+    pad_rows: torch.Tensor | None = None  # int64 [groups * width]: query row of each slot
+    valid_rows: torch.Tensor | None = None  # int64 [rows]: the slot of each real query
+
+
+def _alike_groups(groups: list[CascadeGroup], i: int) -> int:
+    """End of the run of groups from ``i`` that one batched call serves: the same shared
+    length, and padding to the largest group at most doubles the query rows."""
+    j, rows, width = i + 1, groups[i].end - groups[i].begin, groups[i].end - groups[i].begin
+    while j < len(groups) and groups[j].num_shared_blocks == groups[i].num_shared_blocks:
+        n = groups[j].end - groups[j].begin
+        if (j - i + 1) * max(width, n) > 2 * (rows + n):
+            break
+        rows, width, j = rows + n, max(width, n), j + 1
+    return j
 
 
 def _decode_chunks(kv_lens: list[int], block_size: int) -> list[tuple[int, int]]:
@@ -205,6 +264,8 @@ class TorchBackend(AttentionBackend):
         self._prefills: list[_PrefillPlan] = []
         self._prefill_groups: list[_PrefillGroupPlan] = []
         self._decodes: list[_DecodePlan] = []
+        self._cascades: list[_CascadePlan] = []
+        self._num_decode_rows = 0
         # Gather buffers, reused across layers and steps: fresh multi-MB allocations on CPU
         # cost more in page faults than the copy itself.
         self._scratch: dict[str, torch.Tensor] = {}
@@ -224,44 +285,73 @@ class TorchBackend(AttentionBackend):
         group_of: dict[int, tuple[int, int]] = {}  # prefill index -> (group, shared blocks)
         for gi, g in enumerate(meta.prefill_groups):
             shared = torch.as_tensor(tables[g.begin][: g.num_shared_blocks], dtype=torch.int64)
-            self._prefill_groups.append(_PrefillGroupPlan(qo[g.begin], qo[g.end], shared.to(dev)))
+            self._prefill_groups.append(
+                _PrefillGroupPlan(qo[g.begin], qo[g.end], (shared * 2).to(dev))
+            )
             group_of.update({i: (gi, g.num_shared_blocks) for i in range(g.begin, g.end)})
         self._prefills = []
         for i in range(meta.num_prefills):
             start = meta.seqs[i].start_pos
             group, n_shared = group_of.get(i, (None, 0))
             own = tables[i][n_shared : -(-start // bs)]
-            blocks = torch.as_tensor(own, dtype=torch.int64).to(dev)
+            blocks = (torch.as_tensor(own, dtype=torch.int64) * 2).to(dev)
             plan = _PrefillPlan(qo[i], qo[i + 1], start - n_shared * bs, blocks, group)
             self._prefills.append(plan)
 
-        self._decodes = []
-        lo, hi = meta.decode_begin, meta.cascade_begin
-        for a, b in _decode_chunks([s.kv_len for s in meta.seqs[lo:hi]], bs):
-            seqs = meta.seqs[lo + a : lo + b]
-            own = [tables[i][: -(-s.kv_len // bs)] for i, s in enumerate(seqs, lo + a)]
-            lens = torch.tensor([s.kv_len for s in seqs], dtype=torch.int64)
-            self._decodes.append(
-                _DecodePlan(qo[lo + a], qo[lo + b], _padded(own).to(dev), lens.to(dev))
-            )
+        # Own pages of every decode (plain ones: all of them; cascade members: after the
+        # group's shared blocks), then the groups' shared prefixes, batched where alike.
+        lo = meta.decode_begin
+        shared_of = [0] * (meta.num_seqs - lo)
         for g in meta.cascade_groups:
-            n_shared = g.num_shared_blocks
-            seqs = meta.seqs[g.begin : g.end]
-            own = [tables[i][n_shared : -(-s.kv_len // bs)] for i, s in enumerate(seqs, g.begin)]
-            lens = torch.tensor([s.kv_len - n_shared * bs for s in seqs], dtype=torch.int64)
-            shared = torch.as_tensor(tables[g.begin][:n_shared], dtype=torch.int64)
+            shared_of[g.begin - lo : g.end - lo] = [g.num_shared_blocks] * (g.end - g.begin)
+        own_lens = [s.kv_len - n * bs for s, n in zip(meta.seqs[lo:], shared_of, strict=True)]
+        self._decodes = []
+        for a, b in _decode_chunks(own_lens, bs):
+            own = [
+                tables[lo + i][shared_of[i] : -(-meta.seqs[lo + i].kv_len // bs)]
+                for i in range(a, b)
+            ]
+            lens = torch.tensor(own_lens[a:b], dtype=torch.int64)
             self._decodes.append(
-                _DecodePlan(
-                    qo[g.begin], qo[g.end], _padded(own).to(dev), lens.to(dev), shared.to(dev)
-                )
+                _DecodePlan(qo[lo + a], qo[lo + b], (_padded(own) * 2).to(dev), lens.to(dev))
             )
+        self._cascades = []
+        groups = meta.cascade_groups
+        i = 0
+        while i < len(groups):
+            j = _alike_groups(groups, i)
+            run = groups[i:j]
+            shared = [b for h in run for b in tables[h.begin][: h.num_shared_blocks]]
+            plan = _CascadePlan(
+                qo[run[0].begin],
+                qo[run[-1].end],
+                j - i,
+                (torch.as_tensor(shared, dtype=torch.int64) * 2).to(dev),
+            )
+            sizes = [h.end - h.begin for h in run]
+            width = max(sizes)
+            if min(sizes) < width:  # pad each group's queries to `width` rows
+                pad, valid, row = [], [], 0
+                for gi, n in enumerate(sizes):
+                    pad += list(range(row, row + n)) + [row] * (width - n)
+                    valid += range(gi * width, gi * width + n)
+                    row += n
+                plan.pad_rows = torch.tensor(pad, dtype=torch.int64, device=dev)
+                plan.valid_rows = torch.tensor(valid, dtype=torch.int64, device=dev)
+            self._cascades.append(plan)
+            i = j
+        self._num_decode_rows = qo[-1] - qo[lo]
         self._meta, self._shape = meta, shape
 
     def _gather(
         self, kv_layer: torch.Tensor, blocks: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of whole blocks, ``[len(blocks) * bs, Hk, D]`` each (scratch memory)."""
-        _, _, bs, hk, d = kv_layer.shape
+        """K and V of whole blocks, ``[len(blocks) * bs, Hk, D]`` each (scratch memory).
+
+        ``blocks`` holds K page rows (``2 * block``) of the layer viewed as one contiguous row
+        per (block, K|V) page: whole-row copies, much faster than gathering a strided view."""
+        num_blocks, _, bs, hk, d = kv_layer.shape
+        pages = kv_layer.view(num_blocks * 2, bs * hk * d)
         n = blocks.numel()
         out = []
         for j, name in enumerate(("k", "v")):
@@ -269,8 +359,8 @@ class TorchBackend(AttentionBackend):
             if buf is None or buf.numel() < n * bs * hk * d or buf.dtype != kv_layer.dtype:
                 buf = torch.empty(n * bs * hk * d, dtype=kv_layer.dtype, device=kv_layer.device)
                 self._scratch[name] = buf
-            view = buf[: n * bs * hk * d].view(n, bs, hk, d)
-            torch.index_select(kv_layer[:, j], 0, blocks, out=view)
+            view = buf[: n * bs * hk * d].view(n, bs * hk * d)
+            torch.index_select(pages, 0, blocks + j if j else blocks, out=view)
             out.append(view.view(n * bs, hk, d))
         return out[0], out[1]
 
@@ -308,16 +398,32 @@ class TorchBackend(AttentionBackend):
                 rows = slice(first, first + p.q_end - p.q_begin)
                 o, lse = merge_states(o_g[rows], lse_g[rows], o, lse)
             out[p.q_begin : p.q_end] = o
+        if not self._decodes:
+            return out
+        d0 = self._decodes[0].q_begin
+        own_lse = q.new_empty(self._num_decode_rows, q.shape[1], dtype=torch.float32)
         for dp in self._decodes:
-            qs = q[dp.q_begin : dp.q_end]
             n, width = dp.blocks.shape
             ok, ov = self._gather(kv_layer, dp.blocks.reshape(-1))
             o, lse = padded_decode_attention(
-                qs, ok.view(n, width * bs, hk, d), ov.view(n, width * bs, hk, d), dp.lens, scale
+                q[dp.q_begin : dp.q_end],
+                ok.view(n, width * bs, hk, d),
+                ov.view(n, width * bs, hk, d),
+                dp.lens,
+                scale,
             )
-            if dp.shared_blocks is not None:
-                sk, sv = self._gather(kv_layer, dp.shared_blocks)  # read once for the group
-                o_s, lse_s = dense_attention(qs, sk, sv, scale, causal=False)
-                o, lse = merge_states(o_s, lse_s, o, lse)
             out[dp.q_begin : dp.q_end] = o
+            own_lse[dp.q_begin - d0 : dp.q_end - d0] = lse
+        for cp in self._cascades:
+            rows = slice(cp.q_begin, cp.q_end)
+            sk, sv = self._gather(kv_layer, cp.shared_blocks)  # each prefix read once
+            qs = q[rows] if cp.pad_rows is None else q[rows].index_select(0, cp.pad_rows)
+            o_s, lse_s = grouped_dense_attention(qs, sk, sv, cp.num_groups, scale)
+            if cp.valid_rows is not None:
+                o_s, lse_s = (
+                    o_s.index_select(0, cp.valid_rows),
+                    lse_s.index_select(0, cp.valid_rows),
+                )
+            own = slice(cp.q_begin - d0, cp.q_end - d0)
+            out[rows], _ = merge_states(o_s, lse_s, out[rows], own_lse[own])
         return out

@@ -1,0 +1,39 @@
+"""``LlamaForCausalLM.prepare()`` (fused QKV and gate/up GEMMs, pre-packed bf16 weights) changes
+how the model computes, never what: outputs equal the unprepared model's bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefixcache.engine.loader import load_model
+
+
+def causal_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    g = q.shape[1] // k.shape[1]
+    qh, kh, vh = (
+        t.transpose(0, 1) for t in (q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
+    )
+    return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prepared_model_computes_the_same_bits(dtype: str) -> None:
+    loaded = load_model("demo", dtype=dtype, device="cpu")
+    model = loaded.model
+    assert model.head is None  # the loader hands out an unprepared model
+    ids = torch.randint(
+        0, loaded.config.vocab_size, (37,), generator=torch.Generator().manual_seed(1)
+    )
+    positions = torch.arange(37)
+    with torch.inference_mode():
+        before = model.compute_logits(model(ids, positions, causal_attend))
+        q_weight = model.model.layers[0].self_attn.q_proj.weight.clone()
+        model.prepare()
+        model.prepare()  # idempotent
+        after = model.compute_logits(model(ids, positions, causal_attend))
+    assert torch.equal(before, after)
+    # the checkpoint's parameter names still hold the checkpoint's values
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, q_weight)
+    assert set(model.state_dict()) == set(load_model("demo", dtype=dtype).model.state_dict())

@@ -1,0 +1,144 @@
+"""``ProcessEngine``: the engine core in its own process behaves as ``AsyncEngine`` does.
+
+Same greedy tokens as the in-process engine, refusals as ValueError, abort frees the blocks,
+cache admin round-trips, the core's metrics appear on this side, and a core that dies ends
+every stream with an error instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from test_engine_api import check_implements
+
+from prefixcache.engine.api import EngineAPI
+from prefixcache.engine.config import EngineConfig
+from prefixcache.engine.engine import LLMEngine
+from prefixcache.engine.process_engine import EngineProcessError, ProcessEngine
+from prefixcache.engine.request import EngineRequest, SamplingParams
+
+CONFIG = dict(model="demo", dtype="float32", device="cpu", num_blocks=96)
+PREFIX = list(range(10, 90))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLMEngine:
+    return LLMEngine(EngineConfig(**CONFIG))
+
+
+@pytest.fixture
+async def engine():
+    eng = ProcessEngine(EngineConfig(**CONFIG))
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+def test_process_engine_implements_engine_api() -> None:
+    check_implements(EngineAPI, ProcessEngine)
+
+
+async def collect(eng: ProcessEngine, request: EngineRequest) -> tuple[list[int], str, object]:
+    tokens, text, final = [], "", None
+    async for out in eng.generate(request):
+        tokens += out.new_token_ids
+        text += out.text_delta
+        final = out
+    return tokens, text, final
+
+
+async def test_same_tokens_as_the_in_process_engine(
+    engine: ProcessEngine, reference: LLMEngine
+) -> None:
+    prompts = [PREFIX + [100 + i, 7, 8] for i in range(4)]
+    want = reference.generate(prompts, greedy(12))
+    got = await asyncio.gather(
+        *(collect(engine, EngineRequest(f"r{i}", p, greedy(12))) for i, p in enumerate(prompts))
+    )
+    for (tokens, text, final), ref in zip(got, want, strict=True):
+        assert tokens == ref.token_ids and text == ref.text
+        assert final.finished and final.finish_reason == "length"
+        assert final.usage.completion_tokens == 12 and final.timing is not None
+    assert engine.cache_stats().tokens.hits > 0  # the shared prefix was reused
+    assert engine.model_name == "demo" and engine.dtype == "float32"
+    assert engine.cache_identity == LLMEngine.cache_identity(reference.loaded)
+    assert engine.tokenizer.encode("hello world") == reference.tokenizer.encode("hello world")
+    text = generate_latest(engine.registry).decode()
+    assert "prefixcache:generation_tokens_total 48.0" in text
+    assert 'prefixcache:model_info{dtype="float32",model="demo"} 1.0' in text
+
+
+async def test_refused_requests_raise_value_error(engine: ProcessEngine) -> None:
+    with pytest.raises(ValueError, match="accepts at most"):
+        await collect(engine, EngineRequest("long", [5] * 100_000, greedy(2)))
+    with pytest.raises(ValueError, match="token ids must be in"):
+        await collect(engine, EngineRequest("bad", [10**9], greedy(2)))
+    tokens, _, _ = await collect(engine, EngineRequest("ok", [5, 6, 7], greedy(3)))
+    assert len(tokens) == 3  # refusals harmed nothing
+
+
+async def test_leaving_the_stream_early_aborts_and_frees(engine: ProcessEngine) -> None:
+    stream = engine.generate(EngineRequest("gone", PREFIX, greedy(10_000)))
+    async for _ in stream:
+        break
+    await stream.aclose()
+    for _ in range(200):
+        stats = engine.cache_stats()
+        if stats.blocks.in_use == 0 and engine.num_running == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.cache_stats().blocks.in_use == 0
+
+
+async def test_cache_admin_round_trips(engine: ProcessEngine, tmp_path: Path) -> None:
+    warm = await engine.warm(PREFIX, pin=True)
+    assert warm.tokens == len(PREFIX) and warm.pinned_blocks == len(PREFIX) // 16
+    assert engine.cache_stats().blocks.pinned == warm.pinned_blocks
+    key = b"k" * 32  # cache files are signed (HMAC) with a key from the server secret
+    saved = await engine.save_pinned(tmp_path / "p.safetensors", key)
+    assert saved.blocks == warm.pinned_blocks
+    assert await engine.unpin(PREFIX) == warm.pinned_blocks
+    assert await engine.evict_all() > 0
+    with pytest.raises(ValueError):
+        await engine.load_pinned(tmp_path / "p.safetensors", b"another key")
+    loaded = await engine.load_pinned(tmp_path / "p.safetensors", key)
+    assert loaded.restored_blocks == warm.pinned_blocks
+    with pytest.raises(ValueError):
+        await engine.load_pinned(tmp_path / "missing.safetensors", key)
+    again = await engine.warm(PREFIX)
+    assert again.cached_tokens == len(PREFIX) - 1  # all restored; the last token is computed
+    tree = await engine.cache_tree()
+    assert sum(tree.pinned) == warm.pinned_blocks  # the dashboard's picture, from the core
+    assert engine.error is None
+    records = engine.cache_activity()
+    assert records and records[-1].cached_tokens == len(PREFIX) - 1
+    assert engine.cache_activity(records[-1].seq) == []
+
+
+async def test_a_dead_core_ends_every_stream(engine: ProcessEngine) -> None:
+    stream = engine.generate(EngineRequest("x", PREFIX, greedy(10_000)))
+    first = await stream.__anext__()
+    assert not first.finished
+    os.kill(engine._process.pid, signal.SIGKILL)
+    last = first
+    async for out in stream:
+        last = out
+    assert last.finished and last.error
+    assert not engine.is_ready
+    with pytest.raises(EngineProcessError):
+        await collect(engine, EngineRequest("y", [1, 2, 3], greedy(2)))
+
+
+async def test_start_failure_is_reported() -> None:
+    eng = ProcessEngine(EngineConfig(model="/nonexistent/model", device="cpu"))
+    with pytest.raises(EngineProcessError, match="failed to start"):
+        await eng.start()
