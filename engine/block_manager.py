@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from .block_pool import BlockPool
+from .page_invariants import check_pages
 from .paging import DEFAULT_BLOCK_SIZE, ceil_div
 from .prefix_tree import TOKEN_BYTES, NewBlock, Node, PrefixTree, root_digest, token_bytes
 from .tier_link import SPILL_POLICIES, TierLink
@@ -446,32 +447,10 @@ class BlockManager:
         )
 
     def check_invariants(self) -> None:
-        pool, tree = self._pool, self._tree
-        pool.check()
-        tree.check()
-        assert pool.num_free + pool.num_cached_idle + pool.num_used == self.num_blocks
-        pins: dict[int, int] = {}
-        for node in tree.nodes():
-            assert pool.cached[node.block]
-            if pool.ref_count[node.block] > 0 and node.parent is not None:
-                assert pool.ref_count[node.parent.block] > 0, "in-use block under an idle parent"
-            if node.own_pins:  # a pin covers every block above it
-                for step in node.path_up():
-                    pins[step.block] = pins.get(step.block, 0) + node.own_pins
-        assert sum(pool.cached) == len(tree)
-        for node in tree.nodes():
-            assert pool.pin_count[node.block] == pins.get(node.block, 0)
-        self._ttl.check(tree.node_of)
+        check_pages(self._pool, self._tree, self.num_blocks)
+        self._ttl.check(self._tree.node_of)
         if self.tier is not None:
             self.tier.check()
-        for pinned in (False, True):  # the LRU holds every block before its parent
-            order = pool.idle_order(pinned)
-            pos = {block: i for i, block in enumerate(order)}
-            for block in order:
-                node = tree.node_of(block)
-                assert node is not None
-                if node.parent is not None and node.parent.block in pos:
-                    assert pos[block] < pos[node.parent.block], "parent older than its child"
 
     # ---- internals
 
