@@ -23,17 +23,9 @@ a leaf, and evicting it is O(1); ``tree.remove`` asserts the leaf.
 Saving pinned prefixes and restoring them is ``pinned_blocks.py``'s job, over
 ``pinned_nodes``, ``cache_block``, ``release`` and ``pin_path``.
 
-With a KV tier (``kv_tier.py``), an evicted block's KV is spilled to the tier under its digest
-(every block, or only blocks hit at least once: ``spill_policy``). A match continues past the
-pool's last cached block through the tier (digests chained from there, each entry checked
-against its parent digest and tokens), and ``allocate`` copies those blocks back into fresh
-pages in one batch and inserts them into the tree, before the request's first step: the
-request computes only what neither level holds. Reloaded tokens count as hits and, apart, as
-``reloaded_tokens``.
-
-A pin may carry a TTL (``pin(..., ttl_s=)``): it lapses at ``expire_pins`` once its deadline
-passed, unless a hit on its prefix or another pin renewed it; a lapsed pin leaves an ordinary
-LRU entry. ``clock`` is injectable for tests.
+With a KV tier, evictions spill into it and a match continues through it; ``allocate`` reloads
+those blocks (``tier_link.py``). Reloaded tokens count as hits and, apart, as
+``reloaded_tokens``. A pin may carry a TTL (``ttl_pins.py``; ``clock`` is injectable for tests).
 """
 
 from __future__ import annotations
@@ -44,8 +36,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from .block_pool import BlockPool
+from .page_invariants import check_pages
 from .paging import DEFAULT_BLOCK_SIZE, ceil_div
 from .prefix_tree import TOKEN_BYTES, NewBlock, Node, PrefixTree, root_digest, token_bytes
+from .tier_link import SPILL_POLICIES, TierLink
+from .ttl_pins import TTLPin, TTLPins
 
 if TYPE_CHECKING:
     from .kv_tier import KVTier
@@ -109,19 +104,6 @@ class ManagerStats:
     num_ttl_pins: int = 0
 
 
-@dataclass(slots=True)
-class TTLPin:
-    """One pin (of the node's ``own_pins``) that lapses at ``expires`` unless renewed."""
-
-    namespace: str
-    ttl_s: float
-    expires: float
-    depth: int  # blocks it covers (its node and every block above)
-
-
-SPILL_POLICIES = ("all", "hit")
-
-
 class BlockManager:
     def __init__(
         self,
@@ -153,9 +135,20 @@ class BlockManager:
         self.listener: BlockListener | None = None
         self.on_evict: Callable[[Node, str], None] | None = None  # (leaf, cause): miss reasons
         self.tier = tier if enable_caching else None
-        self._spill_all = spill_policy == "all"
-        self._clock = clock
-        self._ttl: dict[Node, TTLPin] = {}
+        self._tier_link = (
+            TierLink(
+                tier,
+                self._pool,
+                self._tree,
+                block_size,
+                spill_policy,
+                self._take_block,
+                self._cache,
+            )
+            if self.tier is not None
+            else None
+        )
+        self._ttl = TTLPins(self.pin_path, clock)
 
     # ---- counters
 
@@ -205,7 +198,8 @@ class BlockManager:
         data = token_bytes(token_ids[:end] if end < len(token_ids) else token_ids)
         nodes = self._tree.walk(root, data, max_tokens // bs)
         blocks = [node.block for node in nodes]
-        tier = self._match_tier(nodes, root, data, max_tokens // bs)
+        link = self._tier_link
+        tier = link.match(nodes, root, data, max_tokens // bs) if link is not None else []
         if tier:
             return PrefixMatch(blocks, None, 0, bs, tier)
         matched = len(nodes) * bs
@@ -215,25 +209,6 @@ class BlockManager:
             limit = min(max_tokens - matched, bs - 1)
             partial, k = self._tree.best_partial(parent, root, data[matched * TOKEN_BYTES :], limit)
         return PrefixMatch(blocks, partial.block if partial is not None else None, k, bs)
-
-    def _match_tier(
-        self, nodes: list[Node], root: bytes, data: bytes, max_blocks: int
-    ) -> list[bytes]:
-        """Digests of the blocks after ``nodes`` that the tier holds, in order (read-only)."""
-        tier = self.tier
-        if tier is None or not len(tier) or len(nodes) >= max_blocks:
-            return []
-        nbytes, digest = self.block_size * TOKEN_BYTES, self._tree.digest
-        parent = nodes[-1].digest if nodes else root
-        out: list[bytes] = []
-        for i in range(len(nodes), max_blocks):
-            tokens = data[i * nbytes : (i + 1) * nbytes]
-            key = digest(parent, tokens)
-            if not tier.find(key, parent, tokens):
-                break
-            out.append(key)
-            parent = key
-        return out
 
     # ---- allocation
 
@@ -257,7 +232,7 @@ class BlockManager:
         if match.blocks:
             self._hit(match.blocks)
         if self._ttl and match.partial_block is not None and match.partial_tokens:
-            self._renew(tree.node_of(match.partial_block))  # e.g. a warm of that very prefix
+            self._ttl.renew(tree.node_of(match.partial_block))  # e.g. a warm of that very prefix
         table = BlockTable(
             namespace, list(match.blocks), len(match.blocks) * bs, len(match.blocks), hashes, bs
         )
@@ -282,37 +257,16 @@ class BlockManager:
         return table
 
     def _reload(self, table: BlockTable, token_ids: Sequence[int], digests: list[bytes]) -> None:
-        """Copy the tier's blocks back into fresh pages (one batch) and cache them; a block the
-        tier lost meanwhile (dropped, corrupt) ends the reload there: the rest is computed."""
-        tier, bs = self.tier, self.block_size
-        assert tier is not None
-        tier.touch(digests)  # spills made room for them while pages are taken
-        count = min(len(digests), self._pool.num_available)
-        pages = [self._take_block() for _ in range(count)]
-        done = tier.reload(digests[:count], pages)
-        self.release(pages[done:])  # not cached: straight back to the free list
-        root = self._root(table.namespace)
+        assert self._tier_link is not None
+        bs, start = self.block_size, len(table.block_ids)
         parent = self._tree.node_of(table.block_ids[-1]) if table.block_ids else None
-        start = len(table.block_ids)
-        data = token_bytes(token_ids[start * bs : (start + done) * bs])
-        nbytes = bs * TOKEN_BYTES
-        for i, page in enumerate(pages[:done]):
-            node, inserted = self._cache(parent, root, data[i * nbytes : (i + 1) * nbytes], page)
-            if node is None:  # a digest collision: the rest is computed
-                self.release(pages[i:done])
-                done = i
-                break
-            if not inserted:  # cached meanwhile: share that page instead
-                self._pool.ref(node.block)
-                self._pool.deref(page)
-                page = node.block
-            node.hits += 1
-            table.block_ids.append(page)
-            table.hashes.append(node.digest)
-            parent = node
+        data = token_bytes(token_ids[start * bs : (start + len(digests)) * bs])
+        nodes = self._tier_link.reload(digests, parent, self._root(table.namespace), data)
+        table.block_ids += [node.block for node in nodes]
+        table.hashes += [node.digest for node in nodes]
         table.num_committed_blocks = len(table.block_ids)
-        table.num_cached_tokens += done * bs
-        table.num_reloaded_tokens += done * bs
+        table.num_cached_tokens += len(nodes) * bs
+        table.num_reloaded_tokens += len(nodes) * bs
 
     def _hit(self, blocks: list[int]) -> None:
         """Count a hit on each matched node; renew the TTL pins along the prefix."""
@@ -322,12 +276,7 @@ class BlockManager:
             assert node is not None
             node.hits += 1
             if ttl and node in ttl:
-                self._renew(node)
-
-    def _renew(self, node: Node | None) -> None:
-        pin = self._ttl.get(node) if node is not None else None
-        if pin is not None:
-            pin.expires = max(pin.expires, self._clock() + pin.ttl_s)
+                ttl.renew(node)
 
     def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
         return self._blocks_to_grow(table, num_tokens) <= self._pool.num_available
@@ -398,24 +347,7 @@ class BlockManager:
             if nodes:
                 self.pin_path(nodes[-1], 1)
             return len(nodes)
-        if max_blocks is not None and nodes:
-            used = sum(
-                p.depth
-                for n, p in self._ttl.items()
-                if p.namespace == namespace and n is not nodes[-1]
-            )
-            nodes = nodes[: max(0, max_blocks - used)]
-        if not nodes:
-            return 0
-        node, expires = nodes[-1], self._clock() + ttl_s
-        pin = self._ttl.get(node)
-        if pin is not None:
-            pin.expires = max(pin.expires, expires)
-            pin.ttl_s = max(pin.ttl_s, ttl_s)
-        else:
-            self.pin_path(node, 1)
-            self._ttl[node] = TTLPin(namespace, ttl_s, expires, len(nodes))
-        return len(nodes)
+        return self._ttl.pin(nodes, namespace, ttl_s, max_blocks)
 
     def unpin(self, token_ids: Sequence[int], namespace: str) -> int:
         """Undo the deepest pin along this prefix; returns how many blocks it covered."""
@@ -423,7 +355,7 @@ class BlockManager:
         depth = next((i + 1 for i in range(len(nodes) - 1, -1, -1) if nodes[i].own_pins), 0)
         if depth:
             node = nodes[depth - 1]
-            self._ttl.pop(node, None)  # the TTL pin goes first
+            self._ttl.forget(node)  # the TTL pin goes first
             self.pin_path(node, -1)
         return depth
 
@@ -438,14 +370,7 @@ class BlockManager:
 
     def expire_pins(self) -> int:
         """Lift the TTL pins whose deadline passed; returns how many."""
-        if not self._ttl:
-            return 0
-        now = self._clock()
-        lapsed = [node for node, pin in self._ttl.items() if pin.expires <= now]
-        for node in lapsed:
-            del self._ttl[node]
-            self.pin_path(node, -1)
-        return len(lapsed)
+        return self._ttl.expire()
 
     def ttl_pin_of(self, token_ids: Sequence[int], namespace: str) -> TTLPin | None:
         """The TTL pin ending where this prefix's cached full blocks end, if any."""
@@ -522,34 +447,10 @@ class BlockManager:
         )
 
     def check_invariants(self) -> None:
-        pool, tree = self._pool, self._tree
-        pool.check()
-        tree.check()
-        assert pool.num_free + pool.num_cached_idle + pool.num_used == self.num_blocks
-        pins: dict[int, int] = {}
-        for node in tree.nodes():
-            assert pool.cached[node.block]
-            if pool.ref_count[node.block] > 0 and node.parent is not None:
-                assert pool.ref_count[node.parent.block] > 0, "in-use block under an idle parent"
-            if node.own_pins:  # a pin covers every block above it
-                for step in node.path_up():
-                    pins[step.block] = pins.get(step.block, 0) + node.own_pins
-        assert sum(pool.cached) == len(tree)
-        for node in tree.nodes():
-            assert pool.pin_count[node.block] == pins.get(node.block, 0)
-        for node, pin in self._ttl.items():  # a TTL pin is one of its node's own pins
-            assert tree.node_of(node.block) is node and node.own_pins >= 1
-            assert pin.depth == sum(1 for _ in node.path_up())
+        check_pages(self._pool, self._tree, self.num_blocks)
+        self._ttl.check(self._tree.node_of)
         if self.tier is not None:
             self.tier.check()
-        for pinned in (False, True):  # the LRU holds every block before its parent
-            order = pool.idle_order(pinned)
-            pos = {block: i for i, block in enumerate(order)}
-            for block in order:
-                node = tree.node_of(block)
-                assert node is not None
-                if node.parent is not None and node.parent.block in pos:
-                    assert pos[block] < pos[node.parent.block], "parent older than its child"
 
     # ---- internals
 
@@ -609,28 +510,12 @@ class BlockManager:
         self, block: int, cause: str = "pressure", spill: bool = True, wait: bool = False
     ) -> None:
         node = self._tree.remove(block)  # asserts it is a leaf
-        pin = self._ttl.pop(node, None) if self._ttl else None
-        if pin is not None:
-            self._pass_ttl_pin(node, pin)
-        if spill and self.tier is not None and (self._spill_all or node.hits):
-            self.tier.spill(node.digest, node.parent_digest, node.tokens, block, wait)
+        self._ttl.pass_on(node)
+        if spill and self._tier_link is not None:
+            self._tier_link.spill(node, block, wait)
         self._pool.evict(block)
         self._stats.evicted_tokens += self.block_size
         if self.listener is not None:
             self.listener.block_removed(node)
         if self.on_evict is not None:
             self.on_evict(node, cause)
-
-    def _pass_ttl_pin(self, node: Node, pin: TTLPin) -> None:
-        """A pinned leaf evicted (no unpinned page left): ``tree.remove`` passed its pins to
-        the parent; its TTL goes along, merged into one the parent may already have."""
-        parent = node.parent
-        if parent is None:
-            return
-        held = self._ttl.get(parent)
-        if held is None:
-            self._ttl[parent] = TTLPin(pin.namespace, pin.ttl_s, pin.expires, pin.depth - 1)
-        else:
-            held.expires = max(held.expires, pin.expires)
-            held.ttl_s = max(held.ttl_s, pin.ttl_s)
-            self.pin_path(parent, -1)  # two pins on one path, one deadline: keep one

@@ -5,157 +5,44 @@ Requests are decoded straight into these Structs, so a wrong type or an out-of-r
 rejected by msgspec with the JSON path of the offending field. Every optional OpenAI field
 also accepts an explicit ``null`` (= its default). Checks that span several fields (exactly
 one of messages/segments, unique tags, unsupported options, ...) live in ``check_*`` functions
-below.
+below. The parts of a prompt are prompt_parts.py's, tools and response_format are
+tool_requests.py's, the cache admin bodies cache_requests.py's; the names the sidecar uses as
+``protocol.X`` are re-exported here.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 
-from prefixcache.sdk.stability import RANK, Stability
-
-# "developer": OpenAI's newer name for the system role; templates see it as "system".
-Role = Literal["system", "developer", "user", "assistant"]
-MessageRole = Literal["system", "developer", "user", "assistant", "tool"]
-FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+from .cache_requests import CacheFileRequest as CacheFileRequest
+from .cache_requests import CacheRequest as CacheRequest
+from .cache_requests import EvictRequest as EvictRequest
+from .prompt_parts import (
+    MAX_CACHE_BREAKPOINTS,
+    MAX_SEGMENTS,
+    CacheSalt,
+    Error,
+    Message,
+    Segment,
+    fill_defaults,
+)
+from .prompt_parts import order_segments as order_segments
+from .tool_requests import NamedToolChoice, ResponseFormat, ToolChoice, ToolDef
+from .tool_requests import check_response_format as check_response_format
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-CacheSalt = Annotated[
-    str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+\Z")
-]
-Tag = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-# Segments are rendered one prefix at a time (rendering.py): their count bounds that work.
-MAX_SEGMENTS = 256
-# A file name inside --cache-dir: no separators, no leading dot, so never a path elsewhere.
-CacheFileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")]
 StopList = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=16)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
 
-class Error(ValueError):
-    """A request that decoded but makes no sense as a whole; ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-# --- requests -------------------------------------------------------------------------------
-
-
-# Anthropic's retention hint: "keep the prompt up to here cached at least this long".
-CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}
-MAX_CACHE_BREAKPOINTS = 4  # as Anthropic's
-
-
-class CacheControl(msgspec.Struct):
-    type: Literal["ephemeral"]
-    ttl: Literal["5m", "1h"] = "5m"
-
-    @property
-    def ttl_s(self) -> float:
-        return CACHE_TTLS[self.ttl]
-
-
-class TextPart(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["text"]
-    text: str
-    cache_control: CacheControl | None = None
-
-
-class FunctionCall(msgspec.Struct):
-    name: FunctionName
-    arguments: str  # JSON text of an object (OpenAI's form)
-
-
-class ToolCallItem(msgspec.Struct):
-    """An earlier assistant turn's tool call, sent back in the history."""
-
-    id: str
-    function: FunctionCall
-    type: Literal["function"] = "function"
-
-
-class Message(msgspec.Struct):
-    role: MessageRole
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallItem] | None = None  # assistant turns
-    tool_call_id: str | None = None  # tool turns: which call this is the result of
-
-    @property
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class Segment(msgspec.Struct):
-    role: Role
-    content: str
-    tag: Tag
-    stability: Stability = "dynamic"
-    cache_control: CacheControl | None = None  # keep the prompt up to this segment's end
-
-
-def order_segments(segments: list[Segment]) -> list[Segment]:
-    """static → shared → session → dynamic, stable within a class."""
-    return sorted(segments, key=lambda s: RANK[s.stability])
-
-
-class FunctionDef(msgspec.Struct, omit_defaults=True):
-    name: FunctionName
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema object
-    strict: bool | None = None
-
-
-class ToolDef(msgspec.Struct):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class ChosenFunction(msgspec.Struct):
-    name: FunctionName
-
-
-class NamedToolChoice(msgspec.Struct):
-    type: Literal["function"]
-    function: ChosenFunction
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
-
-
-class JSONSchemaFormat(msgspec.Struct):
-    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    schema: dict[str, Any] | None = None
-    description: str | None = None
-    strict: bool | None = None
-
-
-class ResponseFormat(msgspec.Struct):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JSONSchemaFormat | None = None
-
-
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = False
-
-
-def _fill_defaults(obj: msgspec.Struct, defaults: dict[str, Any]) -> None:
-    """An explicit ``null`` means the default (OpenAI allows null for optional fields)."""
-    for name, value in defaults.items():
-        if getattr(obj, name) is None:
-            setattr(obj, name, value)
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -186,7 +73,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ) = None  # vLLM's field
 
     def __post_init__(self) -> None:
-        _fill_defaults(self, _SAMPLING_DEFAULTS)
+        fill_defaults(self, _SAMPLING_DEFAULTS)
         if self.top_k == -1:
             self.top_k = 0
 
@@ -245,7 +132,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
     def __post_init__(self) -> None:
         SamplingFields.__post_init__(self)
-        _fill_defaults(
+        fill_defaults(
             self,
             {"logprobs": False, "add_generation_prompt": True, "continue_final_message": False},
         )
@@ -277,41 +164,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
     def __post_init__(self) -> None:
         SamplingFields.__post_init__(self)
-        _fill_defaults(self, {"max_tokens": 16, "echo": False})
-
-
-class CacheRequest(msgspec.Struct, kw_only=True):
-    """Body of /v1/cache/warm and /v1/cache/unpin."""
-
-    model: str | None = None
-    messages: list[Message] | None = None
-    segments: Annotated[list[Segment], msgspec.Meta(max_length=MAX_SEGMENTS)] | None = None
-    pin: bool | None = False
-    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=30 * 86400)] | None = None  # pin's lifetime
-    cache_salt: CacheSalt | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # as the requests that will reuse it
-
-    def __post_init__(self) -> None:
-        _fill_defaults(self, {"pin": False})
-        if self.ttl_s is not None and not self.pin:
-            raise Error('ttl_s is the lifetime of a pin: it needs "pin": true', "ttl_s")
-
-    @property
-    def template_kwargs(self) -> dict[str, Any]:
-        return self.chat_template_kwargs or {}
-
-
-class EvictRequest(msgspec.Struct, kw_only=True):
-    """Body of /v1/cache/evict (optional)."""
-
-    include_pinned: bool = False  # unpin everything first
-    keep_tier: bool = False  # the pool's blocks spill into the KV tier instead of being lost
-
-
-class CacheFileRequest(msgspec.Struct, kw_only=True):
-    """Body of /v1/cache/save and /v1/cache/load: which file in --cache-dir."""
-
-    name: CacheFileName = "pinned"
+        fill_defaults(self, {"max_tokens": 16, "echo": False})
 
 
 def check_sampling(req: SamplingFields) -> None:
@@ -420,16 +273,6 @@ def check_tools(req: ChatCompletionRequest) -> None:
                     f"tool call {call.id!r}: 'arguments' must be the JSON text of an object",
                     "messages",
                 )
-
-
-def check_response_format(fmt: ResponseFormat | None) -> None:
-    if fmt is None or fmt.type != "json_schema":
-        return
-    if fmt.json_schema is None or not isinstance(fmt.json_schema.schema, dict):
-        raise Error(
-            "response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}",
-            "response_format",
-        )
 
 
 # Set by the server from the request itself; chat_template_kwargs may not replace them.

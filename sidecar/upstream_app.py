@@ -8,7 +8,8 @@ they came, except that a chat body with ``segments`` becomes plain ``messages`` 
 not know segments). Statuses, bodies and content types come back unchanged; SSE streams are
 relayed as their bytes arrive. A connection that fails before any response byte marks its
 upstream down and the request moves to the next choice; nothing is retried once the
-upstream has answered.
+upstream has answered. Its metrics: upstream_metrics.py; one request's routing bookkeeping:
+upstream_routed.py.
 """
 
 from __future__ import annotations
@@ -16,14 +17,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -35,19 +34,14 @@ from .kv_index import ReplicaIndex
 from .kv_subscriber import EventSubscriber
 from .rendering import ChatTokenizer
 from .route_input import RouteInput, RouteReader
-from .routing import (
-    REASONS,
-    CacheAwareRouter,
-    Decision,
-    PendingPrefill,
-    Replica,
-    RoutingSettings,
-)
+from .routing import CacheAwareRouter, Replica, RoutingSettings
 from .streaming import SSEResponse, run_until_disconnect
 from .tenancy import KeyStore
-from .upstream import ROUTES, Upstream, UpstreamPool, affinity_key
+from .upstream import Upstream, UpstreamPool, affinity_key
 from .upstream_bodies import decode_object, segments_to_messages
+from .upstream_metrics import UpstreamMetrics
 from .upstream_relay import Exchange, relay_events, upstream_lost
+from .upstream_routed import Routed
 
 log = logging.getLogger("prefixcache.sidecar.upstream")
 
@@ -98,108 +92,6 @@ def create_upstream_app(settings: UpstreamSettings) -> Starlette:
     app = build_app(routes, proxy.metrics.registry, proxy.lifespan)
     app.state.upstream = proxy
     return app
-
-
-class UpstreamMetrics:
-    def __init__(self, urls: list[str]) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "prefixcache:upstream_requests",
-            "Requests sent to each upstream, by why it was chosen",
-            ["upstream", "route"],
-            registry=self.registry,
-        )
-        self.connect_failures = Counter(
-            "prefixcache:upstream_connect_failures",
-            "Connections to an upstream that failed before any response byte",
-            ["upstream"],
-            registry=self.registry,
-        )
-        self.in_flight = Gauge(
-            "prefixcache:upstream_in_flight",
-            "Requests sent to each upstream and not finished",
-            ["upstream"],
-            registry=self.registry,
-        )
-        self.healthy = Gauge(
-            "prefixcache:upstream_healthy",
-            "1 unless the upstream is skipped after a connection failure",
-            ["upstream"],
-            registry=self.registry,
-        )
-        self.decisions = Counter(
-            "prefixcache:routing_decisions",
-            "Cache-aware routing decisions, by upstream and reason",
-            ["upstream", "reason"],
-            registry=self.registry,
-        )
-        self.predicted_cached = Counter(
-            "prefixcache:routing_predicted_cached_tokens",
-            "Prompt tokens the router expected the chosen upstream to have cached",
-            ["upstream"],
-            registry=self.registry,
-        )
-        self.reported_cached = Counter(
-            "prefixcache:routing_reported_cached_tokens",
-            "Cached prompt tokens the upstream reported (usage.prompt_tokens_details)",
-            ["upstream"],
-            registry=self.registry,
-        )
-        self.event_lag = Histogram(
-            "prefixcache:kv_event_lag_seconds",
-            "From a KV event batch's timestamp to its arrival here",
-            ["upstream"],
-            buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
-            registry=self.registry,
-        )
-        self.event_stats = Gauge(
-            "prefixcache:kv_event_batches",
-            "KV event batches from each upstream: received, missed (gaps), replayed (gaps "
-            "filled), unfilled_gaps (index cleared), restarts (numbering started over)",
-            ["upstream", "kind"],
-            registry=self.registry,
-        )
-        self.events_live = Gauge(
-            "prefixcache:kv_events_live",
-            "1 while an upstream's KV events are current (precise routing), else 0",
-            ["upstream"],
-            registry=self.registry,
-        )
-        self.index_blocks = Gauge(
-            "prefixcache:kv_index_blocks",
-            "Blocks the router believes each upstream caches (from its events)",
-            ["upstream"],
-            registry=self.registry,
-        )
-        for url in urls:  # every series exists from the start, at 0
-            for route in ROUTES:
-                self.requests.labels(url, route)
-            for reason in REASONS:
-                self.decisions.labels(url, reason)
-            self.predicted_cached.labels(url)
-            self.reported_cached.labels(url)
-            self.connect_failures.labels(url)
-
-    def update(self, pool: UpstreamPool, router: CacheAwareRouter | None) -> None:
-        """Set the gauges from the pool, before the registry is rendered."""
-        for upstream in pool.upstreams:
-            self.in_flight.labels(upstream.url).set(upstream.in_flight)
-            self.healthy.labels(upstream.url).set(int(pool.is_healthy(upstream)))
-        for replica in router.replicas.values() if router is not None else ():
-            url, sub = replica.upstream.url, replica.subscriber
-            if sub is None or replica.index is None:
-                continue
-            self.events_live.labels(url).set(int(sub.is_live()))
-            self.index_blocks.labels(url).set(len(replica.index))
-            st = sub.stats
-            for kind, value in (
-                ("received", st.batches),
-                ("missed", st.missed),
-                ("replayed", st.replayed),
-                ("unfilled_gaps", st.unfilled_gaps),
-                ("restarts", st.restarts),
-            ):
-                self.event_stats.labels(url, kind).set(value)
 
 
 class UpstreamProxy:
@@ -372,7 +264,8 @@ class UpstreamProxy:
                     self.metrics.requests.labels(choice.upstream.url, choice.route).inc()
             if upstream is None:
                 raise self._no_upstream()
-            routed = Routed(self, upstream, decision, route.token_ids if route else None)
+            token_ids = route.token_ids if route else None
+            routed = Routed(self.router, self.metrics, upstream, decision, token_ids)
             exchange = await self._connect(upstream, "POST", path, payload)
             if exchange is not None:
                 return exchange, routed
@@ -457,78 +350,3 @@ class UpstreamProxy:
             type="server_error",
             code="upstream_timeout",
         )
-
-
-def legacy_route(decision: Decision) -> str:
-    """The hash policy's route label for a cache-aware decision (one series for both)."""
-    if decision.reason == "failover":
-        return "failover"
-    return "overflow" if decision.overflow else "affinity"
-
-
-FIRST_OUTPUT = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]|"finish_reason"\s*:\s*"')
-CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-
-
-class Routed:
-    """One routed request's bookkeeping: its pending prefill on the replica until its first
-    output comes back (the whole answer when not streamed), the predicted and reported cached tokens, and the events it should cause."""
-
-    def __init__(
-        self,
-        proxy: UpstreamProxy,
-        upstream: Upstream,
-        decision: Decision | None,
-        token_ids: list[int] | None = None,
-    ) -> None:
-        self.proxy = proxy
-        self.upstream = upstream
-        self.decision = decision
-        self.replica: Replica | None = None
-        self._finished = False
-        self._reported = False
-        router = proxy.router
-        if decision is not None and router is not None:
-            self.replica = router.replicas[upstream.url]
-            self.replica.pending[id(self)] = PendingPrefill(token_ids, decision.prefill_tokens)
-            metrics = proxy.metrics
-            metrics.decisions.labels(upstream.url, decision.reason).inc()
-            metrics.requests.labels(upstream.url, legacy_route(decision)).inc()
-            metrics.predicted_cached.labels(upstream.url).inc(decision.predicted_tokens)
-
-    def first_byte(self) -> None:
-        if self.replica is not None:
-            self.replica.pending.pop(id(self), None)
-
-    def report(self, data: bytes) -> None:
-        if self._reported or self.decision is None:
-            return
-        if (found := CACHED_TOKENS.search(data)) is not None:
-            self._reported = True
-            self.proxy.metrics.reported_cached.labels(self.upstream.url).inc(int(found.group(1)))
-
-    def abandon(self) -> None:
-        """The connection failed: the request never ran there."""
-        self._finished = True
-        self.first_byte()
-
-    def finish(self) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        self.first_byte()
-        replica, decision = self.replica, self.decision
-        if replica is None or decision is None or replica.subscriber is None:
-            return
-        block_size = replica.index.block_size if replica.index is not None else None
-        if decision.prefill_tokens >= (block_size or 16):
-            replica.subscriber.expect()  # new full blocks: events should follow
-
-    async def watch(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """Relay ``events``; the prefill is over at the first generated text (an opening
-        chunk with only the role may come before it)."""
-        async for chunk in events:
-            if FIRST_OUTPUT.search(chunk):
-                self.first_byte()
-            self.report(chunk)
-            yield chunk

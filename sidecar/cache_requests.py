@@ -1,0 +1,47 @@
+"""Bodies of the cache admin routes: /v1/cache/{warm,unpin} (``CacheRequest``), evict, save
+and load."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from .prompt_parts import MAX_SEGMENTS, CacheSalt, Error, Message, Segment, fill_defaults
+
+# A file name inside --cache-dir: no separators, no leading dot, so never a path elsewhere.
+CacheFileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")]
+
+
+class CacheRequest(msgspec.Struct, kw_only=True):
+    """Body of /v1/cache/warm and /v1/cache/unpin."""
+
+    model: str | None = None
+    messages: list[Message] | None = None
+    segments: Annotated[list[Segment], msgspec.Meta(max_length=MAX_SEGMENTS)] | None = None
+    pin: bool | None = False
+    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=30 * 86400)] | None = None  # pin's lifetime
+    cache_salt: CacheSalt | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # as the requests that will reuse it
+
+    def __post_init__(self) -> None:
+        fill_defaults(self, {"pin": False})
+        if self.ttl_s is not None and not self.pin:
+            raise Error('ttl_s is the lifetime of a pin: it needs "pin": true', "ttl_s")
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return self.chat_template_kwargs or {}
+
+
+class EvictRequest(msgspec.Struct, kw_only=True):
+    """Body of /v1/cache/evict (optional)."""
+
+    include_pinned: bool = False  # unpin everything first
+    keep_tier: bool = False  # the pool's blocks spill into the KV tier instead of being lost
+
+
+class CacheFileRequest(msgspec.Struct, kw_only=True):
+    """Body of /v1/cache/save and /v1/cache/load: which file in --cache-dir."""
+
+    name: CacheFileName = "pinned"
