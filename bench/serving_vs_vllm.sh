@@ -31,8 +31,8 @@ start_vllm() {
 }
 
 start_prefixcache() {
-  local flags=()
-  [ "$DTYPE" = auto ] || flags=(--dtype "$DTYPE")
+  local flags=(--engine "${ENGINE:-process}")  # how the figures in docs/benchmarks.md ran
+  [ "$DTYPE" = auto ] || flags+=(--dtype "$DTYPE")
   $PY -m prefixcache.sidecar.cli serve --model "$MODEL" --served-model-name m \
     --host 127.0.0.1 --port $PORT "${flags[@]}" >/tmp/serving-prefixcache.log 2>&1 &
   echo $!

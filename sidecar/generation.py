@@ -130,91 +130,67 @@ class GenerationRoutes:
     ) -> Job:
         """The admitted job; a refused request leaves nothing of its prompt in the memos."""
         try:
-            return self._admit(
-                kind,
-                request_id,
-                req,
-                tenant,
-                prompt,
-                max_tokens,
-                logprobs,
-                grammar,
-                skip_special_tokens,
+            num_prompt = len(prompt.token_ids)
+            context = self.engine.max_model_len
+            if num_prompt >= context:
+                raise bad_request(
+                    f"The prompt is {num_prompt} tokens; the model's context length is {context} "
+                    "tokens and at least one must be left to generate",
+                    "messages" if kind == "chat" else "prompt",
+                    "context_length_exceeded",
+                )
+            if max_tokens is None:
+                max_tokens = context - num_prompt
+            elif num_prompt + max_tokens > context:
+                raise bad_request(
+                    f"max_tokens={max_tokens} plus the prompt's {num_prompt} tokens exceeds the "
+                    f"model's context length of {context} tokens (at most {context - num_prompt})",
+                    "max_tokens",
+                    "context_length_exceeded",
+                )
+            try:
+                sampling = SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=self._sampling(req.temperature, "temperature"),
+                    top_k=int(self._sampling(req.top_k, "top_k")),
+                    top_p=self._sampling(req.top_p, "top_p"),
+                    seed=req.seed,
+                    stop=req.stop_list,
+                    stop_token_ids=self.gate.stop_token_ids(req.stop_token_ids),
+                    ignore_eos=req.ignore_eos,
+                    logprobs=logprobs,
+                    presence_penalty=req.presence_penalty,
+                    frequency_penalty=req.frequency_penalty,
+                    repetition_penalty=self._sampling(req.repetition_penalty, "repetition_penalty"),
+                    grammar=grammar,
+                    skip_special_tokens=skip_special_tokens,
+                )
+            except ValueError as exc:
+                raise bad_request(str(exc)) from None
+            engine_request = EngineRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt.token_ids,
+                sampling=sampling,
+                namespace=prompt.namespace,
+                priority=req.priority,
+                segments=prompt.spans or None,
+                tenant=self.gate.namespace(tenant.name, None),  # opaque: groups a tenant's salts
+                retain=prompt.retain or None,  # cache_control marks: TTL pins once computed
+            )
+            return Job(
+                id=request_id,
+                kind=kind,
+                model=self.engine.model_name,
+                created=int(time.time()),
+                spans=prompt.spans,
+                stream=self.admission.admit(engine_request),  # 429 here when the queue is full
+                want_logprobs=logprobs is not None,
+                include_usage=req.include_usage,
+                fingerprint=self.system_fingerprint,
             )
         except Exception:
             self.gate.forget(prompt)
             raise
-
-    def _admit(
-        self,
-        kind: str,
-        request_id: str,
-        req: p.SamplingFields,
-        tenant: Tenant,
-        prompt: RenderedPrompt,
-        max_tokens: int | None,
-        logprobs: int | None,
-        grammar: GrammarSpec | None = None,
-        skip_special_tokens: bool = True,
-    ) -> Job:
-        num_prompt = len(prompt.token_ids)
-        context = self.engine.max_model_len
-        if num_prompt >= context:
-            raise bad_request(
-                f"The prompt is {num_prompt} tokens; the model's context length is {context} "
-                "tokens and at least one must be left to generate",
-                "messages" if kind == "chat" else "prompt",
-                "context_length_exceeded",
-            )
-        if max_tokens is None:
-            max_tokens = context - num_prompt
-        elif num_prompt + max_tokens > context:
-            raise bad_request(
-                f"max_tokens={max_tokens} plus the prompt's {num_prompt} tokens exceeds the "
-                f"model's context length of {context} tokens (at most {context - num_prompt})",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        try:
-            sampling = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=self._sampling(req.temperature, "temperature"),
-                top_k=int(self._sampling(req.top_k, "top_k")),
-                top_p=self._sampling(req.top_p, "top_p"),
-                seed=req.seed,
-                stop=req.stop_list,
-                stop_token_ids=self.gate.stop_token_ids(req.stop_token_ids),
-                ignore_eos=req.ignore_eos,
-                logprobs=logprobs,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                repetition_penalty=self._sampling(req.repetition_penalty, "repetition_penalty"),
-                grammar=grammar,
-                skip_special_tokens=skip_special_tokens,
-            )
-        except ValueError as exc:
-            raise bad_request(str(exc)) from None
-        engine_request = EngineRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt.token_ids,
-            sampling=sampling,
-            namespace=prompt.namespace,
-            priority=req.priority,
-            segments=prompt.spans or None,
-            tenant=self.gate.namespace(tenant.name, None),  # opaque: groups a tenant's salts
-            retain=prompt.retain or None,  # cache_control marks: TTL pins once computed
-        )
-        return Job(
-            id=request_id,
-            kind=kind,
-            model=self.engine.model_name,
-            created=int(time.time()),
-            spans=prompt.spans,
-            stream=self.admission.admit(engine_request),  # 429 here when the queue is full
-            want_logprobs=logprobs is not None,
-            include_usage=req.include_usage,
-            fingerprint=self.system_fingerprint,
-        )
 
     def _sampling(self, value: float | None, name: str) -> float:
         """A request's value, else the model's generation_config.json one, else OpenAI's."""

@@ -150,6 +150,10 @@ def test_ttl_marks_keep_the_stable_prefix_pinned(sidecar_url: str) -> None:
                 break
             await anyio.sleep(0.05)
         assert (await client.cache_stats()).blocks.pinned > before
-        assert await client.unpin(prompt) > 0  # the TTL pin is an ordinary pin until it lapses
+        # two marks, two TTL pins (through "rules", through "doc"): each an ordinary pin
+        # until it lapses, so unpinning both prefixes leaves nothing pinned
+        assert await client.unpin(prompt) > 0
+        assert await client.unpin(prompt.without("doc")) > 0
+        assert (await client.cache_stats()).blocks.pinned == before
 
     _run(check, sidecar_url)
