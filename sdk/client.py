@@ -166,11 +166,16 @@ class AsyncClient:
     # --- cache admin -------------------------------------------------------------------
 
     async def warm(
-        self, prompt: PromptLike, pin: bool = False, cache_salt: str | None = None
+        self,
+        prompt: PromptLike,
+        pin: bool = False,
+        cache_salt: str | None = None,
+        ttl_s: float | None = None,
     ) -> WarmResult:
-        """Compute and cache the prompt's stable part (dynamic segments are left out)."""
+        """Compute and cache the prompt's stable part (dynamic segments are left out); with
+        ``pin`` keep it cached, for ``ttl_s`` seconds (renewed by hits) or until unpinned."""
         self._require_sidecar("warm")
-        body = self._cache_body(prompt, pin=pin, cache_salt=cache_salt)
+        body = self._cache_body(prompt, pin=pin, cache_salt=cache_salt, ttl_s=ttl_s)
         response = await self._admin("POST", "cache/warm", body)
         return _decode(response, WarmResult)
 

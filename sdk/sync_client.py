@@ -69,9 +69,13 @@ class Client:
             self._portal.call(stream.aclose)
 
     def warm(
-        self, prompt: PromptLike, pin: bool = False, cache_salt: str | None = None
+        self,
+        prompt: PromptLike,
+        pin: bool = False,
+        cache_salt: str | None = None,
+        ttl_s: float | None = None,
     ) -> WarmResult:
-        return self._portal.call(lambda: self._async.warm(prompt, pin, cache_salt))
+        return self._portal.call(lambda: self._async.warm(prompt, pin, cache_salt, ttl_s))
 
     def unpin(self, prompt: PromptLike, cache_salt: str | None = None) -> int:
         return self._portal.call(lambda: self._async.unpin(prompt, cache_salt))

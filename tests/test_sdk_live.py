@@ -157,3 +157,17 @@ def test_ttl_marks_keep_the_stable_prefix_pinned(sidecar_url: str) -> None:
         assert (await client.cache_stats()).blocks.pinned == before
 
     _run(check, sidecar_url)
+
+
+def test_warm_with_a_ttl_pins_until_unpinned(sidecar_url: str) -> None:
+    prompt = _prompt("warm-ttl")
+
+    async def check(client: AsyncClient) -> None:
+        before = (await client.cache_stats()).blocks.pinned
+        warmed = await client.warm(prompt, pin=True, ttl_s=300)
+        assert warmed.pinned_blocks > 0
+        assert (await client.cache_stats()).blocks.pinned == before + warmed.pinned_blocks
+        assert await client.unpin(prompt) == warmed.pinned_blocks
+        assert (await client.cache_stats()).blocks.pinned == before
+
+    _run(check, sidecar_url)
