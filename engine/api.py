@@ -7,7 +7,7 @@ can stand behind it later. The sidecar imports this module and the request/respo
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from prefixcache.sdk.cache_stats import CacheStats
 
-from .request import EngineRequest, RequestOutput, SegmentMiss
+from .request import EngineRequest, RequestOutput, SamplingParams, SegmentMiss
 
 if TYPE_CHECKING:  # prefix_store imports torch; only its result types are named here
     from .prefix_store import LoadResult, SaveResult
@@ -27,6 +27,30 @@ class WarmResult:
     tokens: int
     cached_tokens: int  # of those, already cached before warming
     pinned_blocks: int
+
+
+async def compute_prefix(
+    generate: Callable[[EngineRequest], AsyncGenerator[RequestOutput, None]],
+    request_id: str,
+    token_ids: list[int],
+    namespace: str,
+) -> int:
+    """Run ``token_ids`` through ``generate`` as a one-token request so their full blocks get
+    cached (what ``warm`` does before pinning); returns how many were cached already."""
+    request = EngineRequest(
+        request_id,
+        list(token_ids),
+        SamplingParams(max_tokens=1, ignore_eos=True),
+        namespace=namespace,
+    )
+    final = None
+    async for out in generate(request):
+        final = out
+    assert final is not None
+    if final.error:
+        raise ValueError(final.error)
+    assert final.usage is not None
+    return final.usage.cached_tokens
 
 
 @dataclass(slots=True, frozen=True)

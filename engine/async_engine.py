@@ -22,13 +22,13 @@ from prometheus_client import CollectorRegistry
 from prefixcache.sdk.cache_stats import CacheStats
 
 from . import prefix_store
-from .api import RequestRecord, TreeSnapshot, WarmResult
+from .api import RequestRecord, TreeSnapshot, WarmResult, compute_prefix
 from .config import EngineConfig
 from .engine import LLMEngine
 from .loader import LoadedModel
 from .output import aborted_output
 from .prefix_store import LoadResult, SaveResult
-from .request import EngineRequest, RequestOutput, SamplingParams
+from .request import EngineRequest, RequestOutput
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("prefixcache.engine")
@@ -178,20 +178,12 @@ class AsyncEngine:
     ) -> WarmResult:
         """Compute and cache a prefix (its full blocks), optionally pinning them (for ``ttl_s``
         seconds, renewed by hits and warms; None: until unpinned)."""
-        request = EngineRequest(
-            f"warm-{next(self._ids)}-{time.monotonic_ns()}",
-            list(token_ids),
-            SamplingParams(max_tokens=1, ignore_eos=True),
-            namespace=namespace,
-        )
-        final = None
-        async for out in self.generate(request):
-            final = out
-        assert final is not None and final.usage is not None
+        request_id = f"warm-{next(self._ids)}-{time.monotonic_ns()}"
+        cached = await compute_prefix(self.generate, request_id, token_ids, namespace)
         pinned = 0
         if pin:
             pinned = await self._call(lambda: self.engine.pin(token_ids, namespace, ttl_s))
-        return WarmResult(len(token_ids), final.usage.cached_tokens, pinned)
+        return WarmResult(len(token_ids), cached, pinned)
 
     async def unpin(self, token_ids: list[int], namespace: str = "") -> int:
         return await self._call(lambda: self.engine.unpin(token_ids, namespace))

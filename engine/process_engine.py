@@ -29,11 +29,11 @@ from prometheus_client.registry import Collector
 from prefixcache.sdk.cache_stats import CacheStats
 
 from . import engine_wire as wire
-from .api import RequestRecord, TreeSnapshot, WarmResult
+from .api import RequestRecord, TreeSnapshot, WarmResult, compute_prefix
 from .config import EngineConfig
 from .output import aborted_output
 from .prefix_store import LoadResult, PrefixStoreError, SaveResult
-from .request import EngineRequest, RequestOutput, SamplingParams
+from .request import EngineRequest, RequestOutput
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("prefixcache.engine")
@@ -251,21 +251,10 @@ class ProcessEngine:
         pin: bool = False,
         ttl_s: float | None = None,
     ) -> WarmResult:
-        request = EngineRequest(
-            f"warm-{next(self._ids)}-{time.monotonic_ns()}",
-            list(token_ids),
-            SamplingParams(max_tokens=1, ignore_eos=True),
-            namespace=namespace,
-        )
-        final = None
-        async for out in self.generate(request):
-            final = out
-        assert final is not None
-        if final.error:
-            raise ValueError(final.error)
-        assert final.usage is not None
+        request_id = f"warm-{next(self._ids)}-{time.monotonic_ns()}"
+        cached = await compute_prefix(self.generate, request_id, token_ids, namespace)
         pinned = await self._call("pin", [list(token_ids), namespace, ttl_s], int) if pin else 0
-        return WarmResult(len(token_ids), final.usage.cached_tokens, pinned)
+        return WarmResult(len(token_ids), cached, pinned)
 
     async def unpin(self, token_ids: list[int], namespace: str = "") -> int:
         return await self._call("unpin", [list(token_ids), namespace], int)
