@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .cpu_features import cpu_bf16_flags
 from .kv_cache import KVCacheSpec
 from .llama import LlamaForCausalLM
 from .model_config import ModelConfig, UnsupportedModelError
@@ -72,21 +73,6 @@ class LoadedModel:
     def identity(self) -> bytes:
         """Model + tokenizer fingerprints + dtype: the prefix tree's identity key."""
         return f"{self.fingerprint}|{self.tokenizer.fingerprint}|{self.dtype}".encode()
-
-
-def cpu_bf16_flags(cpuinfo: str | None = None) -> set[str]:
-    """The CPU's native bf16 features (x86 AVX512_BF16 / AMX, Arm BF16) from /proc/cpuinfo."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return set()
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            flags.update(value.split())
-    return flags & {"avx512_bf16", "amx_bf16", "bf16"}
 
 
 def auto_dtype(device: torch.device, cpuinfo: str | None = None) -> torch.dtype:

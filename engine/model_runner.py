@@ -41,6 +41,7 @@ class ModelRunner:
         self.device = loaded.device
         cfg = loaded.config
         self.shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, loaded.dtype)
+        backend.prepare(self.shape, torch.device(self.device))
         spec = kv_cache.spec
         if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
             cfg.num_layers,

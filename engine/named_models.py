@@ -19,6 +19,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .local_dirs import home_dir
+
 FETCH_TIMEOUT_S = 900
 
 
@@ -55,8 +57,7 @@ class ModelFetchError(RuntimeError):
 def models_dir() -> Path:
     if explicit := os.environ.get("PREFIXCACHE_MODELS"):
         return Path(explicit).expanduser()
-    home = os.environ.get("PREFIXCACHE_HOME")
-    return (Path(home).expanduser() if home else Path.home() / ".cache" / "prefixcache") / "models"
+    return home_dir() / "models"
 
 
 def named_model_path(name: str) -> Path:

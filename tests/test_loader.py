@@ -249,7 +249,8 @@ def test_no_bos_is_invented_from_config_json(tmp_path: Path) -> None:
 
 
 def test_dtype_auto_is_bf16_only_where_the_hardware_computes_it() -> None:
-    from prefixcache.engine.loader import auto_dtype, cpu_bf16_flags, resolve_dtype
+    from prefixcache.engine.cpu_features import cpu_bf16_flags
+    from prefixcache.engine.loader import auto_dtype, resolve_dtype
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     zen4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"

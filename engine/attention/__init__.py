@@ -37,6 +37,10 @@ class AttentionShape:
 class AttentionBackend(ABC):
     name: str = ""
 
+    def prepare(self, shape: AttentionShape, device: torch.device) -> None:  # noqa: B027
+        """Once, before the first step: build or load what the backend needs for this shape
+        (so that no request waits for it)."""
+
     @abstractmethod
     def plan(self, meta: AttentionMetadata, shape: AttentionShape) -> None:
         """Prepare for one step; the same plan serves every layer."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import AttentionBackend, AttentionShape
+from . import AttentionBackend, AttentionShape, cpu_kernels
 from .metadata import AttentionMetadata, CascadeGroup
 
 LOG2E = 1.0 / math.log(2.0)
@@ -62,6 +62,8 @@ def dense_attention(
     if lk == 0:
         return q.new_zeros(q.shape), q.new_full((lq, hq), -math.inf, dtype=torch.float32)
     if q.device.type == "cpu":
+        if cpu_kernels.supports(q, k, v):
+            return cpu_kernels.attention(q, k, v, scale, causal)
         if causal:
             assert lq == lk
             if g > 1:
@@ -269,6 +271,11 @@ class TorchBackend(AttentionBackend):
         # Gather buffers, reused across layers and steps: fresh multi-MB allocations on CPU
         # cost more in page faults than the copy itself.
         self._scratch: dict[str, torch.Tensor] = {}
+
+    def prepare(self, shape: AttentionShape, device: torch.device) -> None:
+        bf16_cpu = device.type == "cpu" and shape.dtype == torch.bfloat16
+        if bf16_cpu and shape.head_dim in cpu_kernels.HEAD_DIMS:
+            cpu_kernels.load()  # compiled on first use, about 2 s: not during a request
 
     def plan(self, meta: AttentionMetadata, shape: AttentionShape) -> None:
         bs = meta.block_size

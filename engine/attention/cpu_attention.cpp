@@ -1,0 +1,274 @@
+// Flash attention for x86 CPUs with AVX512_BF16: bf16 Q/K/V, fp32 softmax state, bf16 out.
+//
+// Built at first use by cpu_kernels.py (g++, no torch headers) and called through ctypes.
+// Per (kv head, block of query tokens) the g query heads of that kv head are folded into
+// the rows, so each K/V block is read once for all of them. K and V are first repacked into
+// pairs along the dot-product axis, the layout VDPBF16PS consumes:
+//   K: [key block][D/2][BK keys] words of (K[j][2p], K[j][2p+1])
+//   V: [key block][BK/2][D]      words of (V[2i][d], V[2i+1][d])
+// Scores are kept in base 2 (scale * log2 e folded in), so the LSE it returns is base 2.
+// Causal masking is bottom-right aligned: query i sees keys j <= i + (Lk - Lq).
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int BK = 128;       // keys per block (8 vectors of 16)
+constexpr int NV = BK / 16;
+constexpr int ROWS_BLOCK = 64;  // query rows (tokens x folded heads) per task, about
+
+inline uint32_t load_pair(const uint16_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
+}
+
+// 2^x for x <= 0 (clamped at -127; callers zero masked lanes themselves).
+inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+  const __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, xi), _mm512_set1_ps(0.69314718056f));
+  // e^f for |f| <= ln2 / 2: Taylor to degree 7 (relative error < 2e-9).
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, xi);
+}
+
+inline __mmask16 prefix_mask(int64_t n) {  // the first n of 16 lanes
+  if (n >= 16) return 0xFFFF;
+  if (n <= 0) return 0;
+  return static_cast<__mmask16>((1u << n) - 1u);
+}
+
+struct Problem {
+  const uint16_t* q;
+  int64_t q_tok, q_head;
+  uint16_t* out;
+  float* lse;
+  int64_t lq, lk, hq, hk;
+  float scale2;  // scale * log2(e)
+  bool causal;
+};
+
+// One task: kv head h, query tokens [t0, t1). Kp/Vp: that head's packed K/V.
+template <int D, int R>
+void attend_block(const Problem& pb, int64_t h, int64_t t0, int64_t t1, const uint32_t* kp,
+                  const uint32_t* vp, float* obuf, uint16_t* pbuf, float* m, float* l) {
+  constexpr int ND = D / 16;  // output vectors per row
+  constexpr int NP = D / 2;   // dot-product pairs
+  const int64_t g = pb.hq / pb.hk;
+  const int64_t rows = (t1 - t0) * g;
+  const int64_t offset = pb.lk - pb.lq;
+  const int64_t key_end = pb.causal ? std::min(pb.lk, t1 - 1 + offset + 1) : pb.lk;
+  const int64_t nkb = (key_end + BK - 1) / BK;
+
+  std::vector<uint32_t> qw(rows * NP);  // the block's query rows as bf16 pairs
+  std::vector<int64_t> limit(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = t0 + r / g, head = h * g + r % g;
+    std::memcpy(&qw[r * NP], pb.q + t * pb.q_tok + head * pb.q_head, sizeof(uint16_t) * D);
+    limit[r] = pb.causal ? std::min(pb.lk, t + offset + 1) : pb.lk;
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  std::memset(obuf, 0, sizeof(float) * rows * D);
+  const __m512 scale2 = _mm512_set1_ps(pb.scale2);
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    const int64_t k0 = kb * BK;
+    const uint32_t* kblk = kp + kb * NP * BK;
+    const uint32_t* vblk = vp + kb * (BK / 2) * D;
+    for (int64_t r0 = 0; r0 < rows; r0 += R) {
+      const int nr = static_cast<int>(std::min<int64_t>(R, rows - r0));
+      bool any = false;
+      for (int i = 0; i < nr; ++i) any |= limit[r0 + i] > k0;
+      if (!any) continue;
+      int64_t tile_keys = 0;  // keys of this block any row of the tile sees
+      for (int i = 0; i < nr; ++i)
+        tile_keys = std::max(tile_keys, std::min<int64_t>(limit[r0 + i] - k0, BK));
+      // S = Q K^T for R rows x BK keys, 64 keys (16 accumulators) at a time.
+      alignas(64) float sbuf[R][BK];
+      for (int64_t half = 0; half * 64 < tile_keys; ++half) {
+        __m512 s[R][4];
+        for (int i = 0; i < R; ++i)
+          for (int c = 0; c < 4; ++c) s[i][c] = _mm512_setzero_ps();
+        const uint32_t* kh = kblk + half * 64;
+        for (int p = 0; p < NP; ++p) {
+          __m512bh kv[4];
+          for (int c = 0; c < 4; ++c)
+            kv[c] = (__m512bh)_mm512_loadu_si512(kh + p * BK + c * 16);
+          for (int i = 0; i < R; ++i) {
+            const __m512bh qb =
+                (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[(r0 + (i < nr ? i : 0)) * NP + p]));
+            for (int c = 0; c < 4; ++c) s[i][c] = _mm512_dpbf16_ps(s[i][c], qb, kv[c]);
+          }
+        }
+        for (int i = 0; i < R; ++i)
+          for (int c = 0; c < 4; ++c)
+            _mm512_store_ps(&sbuf[i][half * 64 + c * 16], _mm512_mul_ps(s[i][c], scale2));
+      }
+      // Online softmax per row; P goes to pbuf as bf16.
+      float corr[R];
+      const int64_t nvec = (tile_keys + 15) / 16;
+      for (int i = 0; i < nr; ++i) {
+        const int64_t row = r0 + i;
+        const int64_t valid = limit[row] - k0;
+        uint16_t* prow = pbuf + i * BK;
+        if (valid <= 0) {
+          corr[i] = 1.0f;
+          std::memset(prow, 0, sizeof(uint16_t) * BK);
+          continue;
+        }
+        __m512 vmax = neg_inf;
+        for (int64_t c = 0; c < nvec; ++c) {
+          const __m512 x = _mm512_mask_mov_ps(neg_inf, prefix_mask(valid - c * 16),
+                                              _mm512_load_ps(&sbuf[i][c * 16]));
+          vmax = _mm512_max_ps(vmax, x);
+        }
+        const float m_new = std::max(m[row], _mm512_reduce_max_ps(vmax));
+        const __m512 mv = _mm512_set1_ps(m_new);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t c = 0; c < nvec; ++c) {
+          const __m512 e = _mm512_maskz_mov_ps(
+              prefix_mask(valid - c * 16), exp2_ps(_mm512_sub_ps(_mm512_load_ps(&sbuf[i][c * 16]), mv)));
+          sum = _mm512_add_ps(sum, e);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + c * 16),
+                              (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        corr[i] = std::exp2(m[row] - m_new);  // m[row] = -inf at first: 0
+        l[row] = l[row] * corr[i] + _mm512_reduce_add_ps(sum);
+        m[row] = m_new;
+      }
+      const int64_t span = tile_keys;
+      // O = O * corr + P V.
+      __m512 o[R][ND];
+      for (int i = 0; i < R; ++i) {
+        const float cf = i < nr ? corr[i] : 0.0f;
+        const __m512 cv = _mm512_set1_ps(cf);
+        float* orow = obuf + (r0 + (i < nr ? i : 0)) * D;
+        for (int c = 0; c < ND; ++c) o[i][c] = _mm512_mul_ps(_mm512_loadu_ps(orow + c * 16), cv);
+      }
+      const int64_t pairs = (span + 1) / 2;
+      for (int64_t jp = 0; jp < pairs; ++jp) {
+        __m512bh vv[ND];
+        for (int c = 0; c < ND; ++c)
+          vv[c] = (__m512bh)_mm512_loadu_si512(vblk + jp * D + c * 16);
+        for (int i = 0; i < R; ++i) {
+          const uint16_t* prow = pbuf + (i < nr ? i : 0) * BK;
+          const __m512bh pw = (__m512bh)_mm512_set1_epi32(load_pair(prow + 2 * jp));
+          for (int c = 0; c < ND; ++c) o[i][c] = _mm512_dpbf16_ps(o[i][c], pw, vv[c]);
+        }
+      }
+      for (int i = 0; i < nr; ++i) {
+        float* orow = obuf + (r0 + i) * D;
+        for (int c = 0; c < ND; ++c) _mm512_storeu_ps(orow + c * 16, o[i][c]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = t0 + r / g, head = h * g + r % g;
+    uint16_t* dst = pb.out + (t * pb.hq + head) * D;
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const float* orow = obuf + r * D;
+    for (int c = 0; c < ND; ++c) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(orow + c * 16), _mm512_set1_ps(inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 16),
+                          (__m256i)_mm512_cvtneps_pbh(x));
+    }
+    pb.lse[t * pb.hq + head] = l[r] > 0.0f ? m[r] + std::log2(l[r]) : -INFINITY;
+  }
+}
+
+void pack_head(const uint16_t* k, int64_t k_tok, const uint16_t* v, int64_t v_tok, int64_t lk,
+               int64_t d, int64_t kb, uint32_t* kp, uint32_t* vp) {
+  const int64_t np = d / 2, k0 = kb * BK;
+  uint32_t* kdst = kp + kb * np * BK;
+  for (int64_t j = 0; j < BK; ++j) {
+    const int64_t key = k0 + j;
+    for (int64_t p = 0; p < np; ++p)
+      kdst[p * BK + j] = key < lk ? load_pair(k + key * k_tok + 2 * p) : 0u;
+  }
+  uint32_t* vdst = vp + kb * (BK / 2) * d;
+  for (int64_t i = 0; i < BK / 2; ++i) {
+    const int64_t a = k0 + 2 * i, b = a + 1;
+    for (int64_t c = 0; c < d; ++c) {
+      const uint32_t lo = a < lk ? v[a * v_tok + c] : 0u;
+      const uint32_t hi = b < lk ? v[b * v_tok + c] : 0u;
+      vdst[i * d + c] = lo | (hi << 16);
+    }
+  }
+}
+
+template <int D, int R>
+void run(const Problem& pb, const uint16_t* k, int64_t k_tok, int64_t k_head, const uint16_t* v,
+         int64_t v_tok, int64_t v_head, int nthreads) {
+  const int64_t nkb = (pb.lk + BK - 1) / BK;
+  const int64_t head_words = nkb * BK * (D / 2);  // K and V alike
+  std::vector<uint32_t> kp(pb.hk * head_words), vp(pb.hk * head_words);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t task = 0; task < pb.hk * nkb; ++task) {
+    const int64_t h = task / nkb, kb = task % nkb;
+    pack_head(k + h * k_head, k_tok, v + h * v_head, v_tok, pb.lk, D, kb,
+              kp.data() + h * head_words, vp.data() + h * head_words);
+  }
+  const int64_t g = pb.hq / pb.hk;
+  const int64_t tokens_per_task = std::max<int64_t>(1, ROWS_BLOCK / g);
+  const int64_t nqb = (pb.lq + tokens_per_task - 1) / tokens_per_task;
+  const int64_t max_rows = tokens_per_task * g;
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> obuf(max_rows * D), m(max_rows), l(max_rows);
+    std::vector<uint16_t> pbuf(R * BK);
+    // Causal tasks late in the sequence cost the most: hand them out first.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < pb.hk * nqb; ++task) {
+      const int64_t qb = nqb - 1 - task / pb.hk, h = task % pb.hk;
+      const int64_t t0 = qb * tokens_per_task, t1 = std::min(pb.lq, t0 + tokens_per_task);
+      attend_block<D, R>(pb, h, t0, t1, kp.data() + h * head_words, vp.data() + h * head_words,
+                         obuf.data(), pbuf.data(), m.data(), l.data());
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q [lq, hq, d], k/v [lk, hk, d] with the given element strides (d contiguous);
+// out [lq, hq, d] and lse [lq, hq] contiguous. Returns 0, or -1 for an unsupported d.
+int pc_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* k,
+                      int64_t k_tok, int64_t k_head, const uint16_t* v, int64_t v_tok,
+                      int64_t v_head, uint16_t* out, float* lse, int64_t lq, int64_t lk,
+                      int64_t hq, int64_t hk, int64_t d, float scale, int causal, int nthreads) {
+  Problem pb{q, q_tok, q_head, out, lse, lq, lk, hq, hk, scale * 1.44269504089f, causal != 0};
+  switch (d) {
+    case 64:
+      run<64, 4>(pb, k, k_tok, k_head, v, v_tok, v_head, nthreads);
+      return 0;
+    case 128:
+      run<128, 2>(pb, k, k_tok, k_head, v, v_tok, v_head, nthreads);
+      return 0;
+    case 32:
+      run<32, 4>(pb, k, k_tok, k_head, v, v_tok, v_head, nthreads);
+      return 0;
+    default:
+      return -1;
+  }
+}
+
+int pc_kernel_version() { return 1; }
+
+}  // extern "C"

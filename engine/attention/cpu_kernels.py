@@ -1,0 +1,157 @@
+"""The engine's own CPU attention kernel (``cpu_attention.cpp``): built, loaded, called.
+
+The kernel needs AVX-512 (F, BW, VL) with AVX512_BF16 and a C++ compiler. It is compiled
+once per source, compiler and CPU into ``$PREFIXCACHE_HOME/kernels`` (plain ``g++``, no torch
+headers, about 2 s) and called through ``ctypes``, which releases the GIL for the call. Where
+the CPU lacks the features, no compiler is found, the build fails or
+``PREFIXCACHE_CPU_KERNELS=0`` is set, ``load()`` returns None (logged once) and the caller
+keeps torch's kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from ..cpu_features import cpu_flags
+from ..local_dirs import home_dir
+
+log = logging.getLogger("prefixcache.engine")
+
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+HEAD_DIMS = frozenset({32, 64, 128})
+_CXX_FLAGS = (
+    "-O3",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512dq",
+    "-mavx512bf16",
+    "-mfma",
+    "-fopenmp",  # libgomp: the same runtime torch's CPU wheel loads, so one thread pool
+    "-fPIC",
+    "-shared",
+)
+
+_lock = threading.Lock()
+_loaded: list[ctypes.CDLL | None] = []  # empty until the first load()
+
+
+def unavailable_reason(cpuinfo: str | None = None) -> str | None:
+    """Why the kernel cannot run here (None when it can be tried)."""
+    if os.environ.get("PREFIXCACHE_CPU_KERNELS", "1") == "0":
+        return "PREFIXCACHE_CPU_KERNELS=0"
+    missing = REQUIRED_FLAGS - cpu_flags(cpuinfo)
+    if missing:
+        return f"the CPU lacks {', '.join(sorted(missing))}"
+    if _compiler() is None:
+        return "no C++ compiler (set CXX, or install g++)"
+    return None
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "")) or shutil.which("g++") or shutil.which("c++")
+
+
+def _library_path(cxx: str) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), version.stdout.encode(), " ".join(_CXX_FLAGS).encode()):
+        key.update(part)
+    key.update(" ".join(sorted(cpu_flags() & REQUIRED_FLAGS)).encode())
+    return home_dir() / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}.so"
+
+
+def _build(cxx: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cxx, *_CXX_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: concurrent first uses do not see half a file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, building it on first use; None where it cannot run here."""
+    with _lock:
+        if _loaded:
+            return _loaded[0]
+        lib = None
+        reason = unavailable_reason()
+        if reason is None:
+            try:
+                cxx = _compiler()
+                assert cxx is not None
+                path = _library_path(cxx)
+                if not path.exists():
+                    _build(cxx, path)
+                lib = ctypes.CDLL(str(path))
+                _declare(lib)
+                log.info("CPU attention kernel: %s", path)
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                reason = f"build or load failed: {exc}"
+        if reason is not None:
+            log.info("CPU attention kernel off (%s): torch's attention is used", reason)
+        _loaded.append(lib)
+        return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn = lib.pc_attention_bf16
+    fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr]
+    fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``attention`` takes these operands (CPU bf16, head dim 32/64/128, the last axis
+    contiguous) and the kernel is loaded."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and q.shape[-1] in HEAD_DIMS
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and load() is not None
+    )
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` ``[Lq, Hq, D]`` over ``k``/``v`` ``[Lk, Hk, D]`` (bf16, ``supports``
+    true). ``causal`` is bottom-right aligned (query i sees keys up to ``i + Lk - Lq``).
+    Returns the output ``[Lq, Hq, D]`` (bf16) and the base-2 LSE ``[Lq, Hq]`` (float32)."""
+    lib = load()
+    assert lib is not None
+    lq, hq, d = q.shape
+    lk, hk, _ = k.shape
+    out = torch.empty(lq, hq, d, dtype=torch.bfloat16)
+    lse = torch.empty(lq, hq, dtype=torch.float32)
+    rc = lib.pc_attention_bf16(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k.data_ptr(), k.stride(0), k.stride(1),
+        v.data_ptr(), v.stride(0), v.stride(1),
+        out.data_ptr(), lse.data_ptr(),
+        lq, lk, hq, hk, d, scale, int(causal), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"CPU attention kernel refused head dim {d}")
+    return out, lse

@@ -1,0 +1,138 @@
+"""The engine's CPU attention kernel (AVX512_BF16): same math as an fp32 reference, and
+caching still never changes greedy outputs when the engine runs on it in bf16."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from prefixcache.engine.attention import cpu_kernels
+from prefixcache.engine.attention.torch_backend import dense_attention
+
+REASON = cpu_kernels.unavailable_reason()
+needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"CPU kernel: {REASON}")
+
+
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lq, hq, _ = q.shape
+    lk, hk, _ = k.shape
+    g = hq // hk
+    qf = q.float().permute(1, 0, 2)
+    kf = k.float().repeat_interleave(g, 1).permute(1, 0, 2)
+    vf = v.float().repeat_interleave(g, 1).permute(1, 0, 2)
+    s = qf @ kf.transpose(1, 2) * scale
+    if causal:
+        i, j = torch.arange(lq)[:, None], torch.arange(lk)[None, :]
+        s = s.masked_fill(j > i + (lk - lq), -math.inf)
+    lse = torch.logsumexp(s, -1)
+    return (torch.softmax(s, -1) @ vf).permute(1, 0, 2), (lse / math.log(2)).transpose(0, 1)
+
+
+def operands(lq: int, lk: int, hq: int, hk: int, d: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(n, h, d, generator=gen).to(torch.bfloat16)
+        for n, h in ((lq, hq), (lk, hk), (lk, hk))
+    )
+
+
+def test_unavailable_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFIXCACHE_CPU_KERNELS", "0")
+    assert cpu_kernels.unavailable_reason() == "PREFIXCACHE_CPU_KERNELS=0"
+    monkeypatch.delenv("PREFIXCACHE_CPU_KERNELS")
+    avx2_only = "flags\t\t: fpu sse2 avx avx2 fma\n"
+    assert "avx512_bf16" in (cpu_kernels.unavailable_reason(avx2_only) or "")
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("lq", "lk", "hq", "hk", "d", "causal"),
+    [
+        (1, 1, 8, 2, 64, True),
+        (37, 37, 8, 2, 64, True),  # not a multiple of 16
+        (300, 300, 8, 2, 64, True),  # several key blocks, a ragged last one
+        (64, 1000, 8, 2, 64, True),  # bottom-right causal: queries at the end of the keys
+        (5, 300, 8, 2, 64, False),
+        (1, 17, 4, 4, 64, False),  # no GQA
+        (100, 100, 4, 4, 128, True),
+        (200, 200, 12, 4, 32, True),
+        (129, 257, 9, 3, 64, False),  # g = 3: tiles of 4 rows mix tokens
+    ],
+)
+def test_kernel_matches_fp32_reference(
+    lq: int, lk: int, hq: int, hk: int, d: int, causal: bool
+) -> None:
+    q, k, v = operands(lq, lk, hq, hk, d, seed=lq * 7 + lk)
+    scale = 1.0 / math.sqrt(d)
+    out, lse = cpu_kernels.attention(q, k, v, scale, causal)
+    ref_out, ref_lse = reference(q, k, v, scale, causal)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    # bf16 output and bf16 P for the PV product: about two bf16 ulps of an O(1) value.
+    torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernel
+def test_kernel_reads_strided_views_of_a_fused_projection() -> None:
+    """q/k/v are column slices of one QKV matrix in the engine: token stride != heads * d."""
+    lq, hq, hk, d = 150, 8, 2, 64
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(lq, (hq + 2 * hk) * d, generator=gen).to(torch.bfloat16)
+    q = qkv[:, : hq * d].view(lq, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(lq, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(lq, hk, d)
+    out, lse = cpu_kernels.attention(q, k, v, 0.125, True)
+    ref_out, ref_lse = cpu_kernels.attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), 0.125, True
+    )
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+@needs_kernel
+def test_dense_attention_uses_the_kernel_for_cpu_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = cpu_kernels.attention
+    monkeypatch.setattr(cpu_kernels, "attention", lambda *a: calls.append(1) or real(*a))
+    q, k, v = operands(20, 20, 8, 2, 64, seed=1)
+    dense_attention(q, k, v, 0.125, causal=True)
+    dense_attention(q.float(), k.float(), v.float(), 0.125, causal=True)  # fp32: torch's
+    assert len(calls) == 1
+
+
+@needs_kernel
+def test_bf16_engine_caching_never_changes_greedy_outputs() -> None:
+    """The engine in bf16 on the kernel: cold, warm (prefix cached), chunked and batched
+    greedy runs give the same tokens."""
+    from prefixcache.engine.config import EngineConfig
+    from prefixcache.engine.engine import LLMEngine
+    from prefixcache.engine.loader import load_model
+    from prefixcache.engine.request import SamplingParams
+
+    loaded = load_model("demo", dtype="bfloat16", device="cpu")
+    rng = random.Random(5)
+    vocab = loaded.config.vocab_size
+    prefix = [rng.randrange(3, vocab) for _ in range(150)]
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in (9, 33, 17)]
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def engine(**overrides) -> LLMEngine:
+        config = EngineConfig(model="demo", dtype="bfloat16", device="cpu", num_blocks=256)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        return LLMEngine(config, loaded)
+
+    cold = [engine(enable_prefix_caching=False).generate([p], greedy)[0].token_ids for p in prompts]
+    warm_engine = engine()
+    warm_engine.generate([prefix], SamplingParams(max_tokens=1))
+    warm = [warm_engine.generate([p], greedy)[0] for p in prompts]
+    assert all(out.usage.cached_tokens >= 144 for out in warm), "the prefix must be cached"
+    chunked = engine(max_num_batched_tokens=40).generate(prompts, greedy)
+    batched = engine().generate(prompts, greedy)
+    assert [out.token_ids for out in warm] == cold
+    assert [out.token_ids for out in chunked] == cold
+    assert [out.token_ids for out in batched] == cold
