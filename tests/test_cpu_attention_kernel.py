@@ -136,3 +136,28 @@ def test_bf16_engine_caching_never_changes_greedy_outputs() -> None:
     assert [out.token_ids for out in warm] == cold
     assert [out.token_ids for out in chunked] == cold
     assert [out.token_ids for out in batched] == cold
+
+
+@needs_kernel
+@pytest.mark.parametrize(("hq", "hk", "d"), [(8, 2, 64), (9, 3, 64), (4, 4, 128), (12, 2, 32)])
+def test_paged_decode_reads_pages_in_place(hq: int, hk: int, d: int) -> None:
+    """Ragged lengths (1 token, mid-block, whole blocks), shuffled page ids, padded tables."""
+    gen = torch.Generator().manual_seed(hq * d)
+    num_blocks, bs = 64, 16
+    kv = torch.randn(num_blocks, 2, bs, hk, d, generator=gen).to(torch.bfloat16)
+    lens = [1, 16, 17, 100, 255, 3]
+    width = max(-(-n // bs) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        pages = torch.randperm(num_blocks, generator=gen)[: -(-n // bs)]
+        tables[i, : len(pages)] = pages.to(torch.int32)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(torch.bfloat16)
+    scale = 1.0 / math.sqrt(d)
+    out, lse = cpu_kernels.paged_decode(q, kv, tables, torch.tensor(lens), scale)
+    for i, n in enumerate(lens):
+        pages = tables[i, : -(-n // bs)].long()
+        k = kv[pages, 0].reshape(-1, hk, d)[:n]
+        v = kv[pages, 1].reshape(-1, hk, d)[:n]
+        ref_out, ref_lse = reference(q[i : i + 1], k, v, scale, causal=False)
+        torch.testing.assert_close(out[i : i + 1].float(), ref_out, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse[i : i + 1], ref_lse, atol=1e-4, rtol=1e-5)

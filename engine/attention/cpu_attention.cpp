@@ -243,6 +243,99 @@ void run(const Problem& pb, const uint16_t* k, int64_t k_tok, int64_t k_head, co
   }
 }
 
+
+// Decode: one query token per sequence over its own KV pages, read in place (no gather).
+// kv_layer is [num_blocks, 2, bs, hk, D]: K of (block, slot, head) at
+// ((block * 2) * bs + slot) * hk * D + head * D, its V bs * hk * D further.
+template <int D>
+void decode_task(const uint16_t* q, int64_t q_head, const uint16_t* kv, int64_t bs, int64_t hk,
+                 const int32_t* table, int64_t len, int64_t h, int64_t g, float scale2,
+                 uint16_t* out, float* lse, std::vector<float>& sbuf) {
+  constexpr int NK = D / 32;  // bf16 vectors per K row
+  constexpr int ND = D / 16;  // fp32 vectors per V row
+  const int64_t row_words = hk * D;  // elements between slots
+  sbuf.resize(static_cast<size_t>(g * len));
+  for (int64_t r0 = 0; r0 < g; r0 += 4) {
+    const int nr = static_cast<int>(std::min<int64_t>(4, g - r0));
+    __m512bh qv[4][NK];
+    for (int i = 0; i < 4; ++i)
+      for (int c = 0; c < NK; ++c)
+        qv[i][c] = (__m512bh)_mm512_loadu_si512(q + (h * g + r0 + (i < nr ? i : 0)) * q_head + c * 32);
+    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    for (int64_t j = 0; j < len; ++j) {
+      const uint16_t* krow = kv + (static_cast<int64_t>(table[j / bs]) * 2 * bs + j % bs) * row_words + h * D;
+      __m512bh kz[NK];
+      for (int c = 0; c < NK; ++c) kz[c] = (__m512bh)_mm512_loadu_si512(krow + c * 32);
+      for (int i = 0; i < nr; ++i) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < NK; ++c) acc = _mm512_dpbf16_ps(acc, qv[i][c], kz[c]);
+        const float sc = _mm512_reduce_add_ps(acc) * scale2;
+        sbuf[i * len + j] = sc;
+        mx[i] = std::max(mx[i], sc);
+      }
+    }
+    float sum[4] = {0, 0, 0, 0};
+    for (int i = 0; i < nr; ++i) {
+      float* srow = &sbuf[i * len];
+      const __m512 mv = _mm512_set1_ps(mx[i]);
+      __m512 acc = _mm512_setzero_ps();
+      int64_t j = 0;
+      for (; j + 16 <= len; j += 16) {
+        const __m512 e = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(srow + j), mv));
+        _mm512_storeu_ps(srow + j, e);
+        acc = _mm512_add_ps(acc, e);
+      }
+      if (j < len) {
+        const __mmask16 mk = prefix_mask(len - j);
+        const __m512 e =
+            _mm512_maskz_mov_ps(mk, exp2_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, srow + j), mv)));
+        _mm512_mask_storeu_ps(srow + j, mk, e);
+        acc = _mm512_add_ps(acc, e);
+      }
+      sum[i] = _mm512_reduce_add_ps(acc);
+    }
+    __m512 o[4][ND];
+    for (int i = 0; i < 4; ++i)
+      for (int c = 0; c < ND; ++c) o[i][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; ++j) {
+      const uint16_t* vrow =
+          kv + ((static_cast<int64_t>(table[j / bs]) * 2 + 1) * bs + j % bs) * row_words + h * D;
+      __m512 vz[ND];
+      for (int c = 0; c < ND; ++c)
+        vz[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + c * 16)));
+      for (int i = 0; i < nr; ++i) {
+        const __m512 pv = _mm512_set1_ps(sbuf[i * len + j]);
+        for (int c = 0; c < ND; ++c) o[i][c] = _mm512_fmadd_ps(pv, vz[c], o[i][c]);
+      }
+    }
+    for (int i = 0; i < nr; ++i) {
+      const int64_t head = h * g + r0 + i;
+      const __m512 inv = _mm512_set1_ps(sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f);
+      for (int c = 0; c < ND; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + head * D + c * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[i][c], inv)));
+      lse[head] = sum[i] > 0.0f ? mx[i] + std::log2(sum[i]) : -INFINITY;
+    }
+  }
+}
+
+template <int D>
+void decode_run(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* kv, int64_t bs,
+                const int32_t* tables, int64_t table_stride, const int64_t* lens, uint16_t* out,
+                float* lse, int64_t b, int64_t hq, int64_t hk, float scale2, int nthreads) {
+  const int64_t g = hq / hk;
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> sbuf;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < b * hk; ++task) {
+      const int64_t s = task / hk, h = task % hk;
+      decode_task<D>(q + s * q_tok, q_head, kv, bs, hk, tables + s * table_stride, lens[s], h, g,
+                     scale2, out + s * hq * D, lse + s * hq, sbuf);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -269,6 +362,31 @@ int pc_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const ui
   }
 }
 
-int pc_kernel_version() { return 1; }
+// q [b, hq, d] (d contiguous); kv_layer as above; tables int32 [b, table_stride]; lens int64
+// [b] (each >= 1); out [b, hq, d] and lse [b, hq] contiguous.
+int pc_paged_decode_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* kv,
+                         int64_t bs, const int32_t* tables, int64_t table_stride,
+                         const int64_t* lens, uint16_t* out, float* lse, int64_t b, int64_t hq,
+                         int64_t hk, int64_t d, float scale, int nthreads) {
+  const float scale2 = scale * 1.44269504089f;
+  switch (d) {
+    case 64:
+      decode_run<64>(q, q_tok, q_head, kv, bs, tables, table_stride, lens, out, lse, b, hq, hk,
+                     scale2, nthreads);
+      return 0;
+    case 128:
+      decode_run<128>(q, q_tok, q_head, kv, bs, tables, table_stride, lens, out, lse, b, hq, hk,
+                      scale2, nthreads);
+      return 0;
+    case 32:
+      decode_run<32>(q, q_tok, q_head, kv, bs, tables, table_stride, lens, out, lse, b, hq, hk,
+                     scale2, nthreads);
+      return 0;
+    default:
+      return -1;
+  }
+}
+
+int pc_kernel_version() { return 2; }
 
 }  // extern "C"

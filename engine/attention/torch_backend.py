@@ -268,6 +268,9 @@ class TorchBackend(AttentionBackend):
         self._decodes: list[_DecodePlan] = []
         self._cascades: list[_CascadePlan] = []
         self._num_decode_rows = 0
+        # CPU bf16 with the engine's kernel: every decode reads its pages in place, one call.
+        self._paged_tables: torch.Tensor | None = None  # int32 [decodes, max blocks]
+        self._paged_lens = torch.empty(0, dtype=torch.int64)
         # Gather buffers, reused across layers and steps: fresh multi-MB allocations on CPU
         # cost more in page faults than the copy itself.
         self._scratch: dict[str, torch.Tensor] = {}
@@ -305,9 +308,24 @@ class TorchBackend(AttentionBackend):
             plan = _PrefillPlan(qo[i], qo[i + 1], start - n_shared * bs, blocks, group)
             self._prefills.append(plan)
 
+        lo = meta.decode_begin
+        self._paged_tables = None
+        self._decodes, self._cascades = [], []
+        self._num_decode_rows = qo[-1] - qo[lo]
+        self._meta, self._shape = meta, shape
+        if self._num_decode_rows and self._reads_pages_in_place(shape, dev):
+            decodes = meta.seqs[lo:]
+            lens = [s.kv_len for s in decodes]
+            width = max(-(-n // bs) for n in lens)
+            table = torch.zeros(len(decodes), width, dtype=torch.int32)
+            for i, s in enumerate(decodes):
+                n = -(-s.kv_len // bs)
+                table[i, :n] = torch.as_tensor(s.block_table[:n], dtype=torch.int32)
+            self._paged_tables = table
+            self._paged_lens = torch.tensor(lens, dtype=torch.int64)
+            return
         # Own pages of every decode (plain ones: all of them; cascade members: after the
         # group's shared blocks), then the groups' shared prefixes, batched where alike.
-        lo = meta.decode_begin
         shared_of = [0] * (meta.num_seqs - lo)
         for g in meta.cascade_groups:
             shared_of[g.begin - lo : g.end - lo] = [g.num_shared_blocks] * (g.end - g.begin)
@@ -347,8 +365,15 @@ class TorchBackend(AttentionBackend):
                 plan.valid_rows = torch.tensor(valid, dtype=torch.int64, device=dev)
             self._cascades.append(plan)
             i = j
-        self._num_decode_rows = qo[-1] - qo[lo]
-        self._meta, self._shape = meta, shape
+
+    @staticmethod
+    def _reads_pages_in_place(shape: AttentionShape, device: torch.device) -> bool:
+        return (
+            device.type == "cpu"
+            and shape.dtype == torch.bfloat16
+            and shape.head_dim in cpu_kernels.HEAD_DIMS
+            and cpu_kernels.load() is not None
+        )
 
     def _gather(
         self, kv_layer: torch.Tensor, blocks: torch.Tensor
@@ -405,6 +430,12 @@ class TorchBackend(AttentionBackend):
                 rows = slice(first, first + p.q_end - p.q_begin)
                 o, lse = merge_states(o_g[rows], lse_g[rows], o, lse)
             out[p.q_begin : p.q_end] = o
+        if self._paged_tables is not None:
+            d0 = q.shape[0] - self._num_decode_rows
+            out[d0:], _ = cpu_kernels.paged_decode(
+                q[d0:], kv_layer, self._paged_tables, self._paged_lens, scale
+            )
+            return out
         if not self._decodes:
             return out
         d0 = self._decodes[0].q_begin
