@@ -244,6 +244,26 @@ void run(const Problem& pb, const uint16_t* k, int64_t k_tok, int64_t k_head, co
 }
 
 
+// v[j]'s lanes summed, into lane j: four rounds of pairwise shuffles and adds.
+inline __m512 sum16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int k = 0; k < 8; ++k)  // chunks 0-1: v[2k]'s partial sums, chunks 2-3: v[2k+1]'s
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)  // chunk c: four partial sums of v[4k + c]
+    x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)  // chunk c: two of v[8k + c], two of v[8k + 4 + c]
+    y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0x44),
+                         _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0xEE));
+  // lane 4c + i holds the sum of v[4i + c]
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88),
+                                 _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  const __m512i order =
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
 // Decode: one query token per sequence over its own KV pages, read in place (no gather).
 // kv_layer is [num_blocks, 2, bs, hk, D]: K of (block, slot, head) at
 // ((block * 2) * bs + slot) * hk * D + head * D, its V bs * hk * D further.
@@ -262,16 +282,26 @@ void decode_task(const uint16_t* q, int64_t q_head, const uint16_t* kv, int64_t 
       for (int c = 0; c < NK; ++c)
         qv[i][c] = (__m512bh)_mm512_loadu_si512(q + (h * g + r0 + (i < nr ? i : 0)) * q_head + c * 32);
     float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    for (int64_t j = 0; j < len; ++j) {
-      const uint16_t* krow = kv + (static_cast<int64_t>(table[j / bs]) * 2 * bs + j % bs) * row_words + h * D;
-      __m512bh kz[NK];
-      for (int c = 0; c < NK; ++c) kz[c] = (__m512bh)_mm512_loadu_si512(krow + c * 32);
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, len - j0));
+      const uint16_t* krow[16];
+      for (int jj = 0; jj < n; ++jj) {
+        const int64_t j = j0 + jj;
+        krow[jj] = kv + (static_cast<int64_t>(table[j / bs]) * 2 * bs + j % bs) * row_words + h * D;
+      }
       for (int i = 0; i < nr; ++i) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int c = 0; c < NK; ++c) acc = _mm512_dpbf16_ps(acc, qv[i][c], kz[c]);
-        const float sc = _mm512_reduce_add_ps(acc) * scale2;
-        sbuf[i * len + j] = sc;
-        mx[i] = std::max(mx[i], sc);
+        __m512 acc[16];
+        for (int jj = 0; jj < 16; ++jj) {
+          acc[jj] = _mm512_setzero_ps();
+          if (jj < n)
+            for (int c = 0; c < NK; ++c)
+              acc[jj] = _mm512_dpbf16_ps(acc[jj], qv[i][c],
+                                         (__m512bh)_mm512_loadu_si512(krow[jj] + c * 32));
+        }
+        const __mmask16 mk = prefix_mask(n);
+        const __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale2));
+        _mm512_mask_storeu_ps(&sbuf[i * len + j0], mk, sc);
+        mx[i] = std::max(mx[i], _mm512_mask_reduce_max_ps(mk, sc));
       }
     }
     float sum[4] = {0, 0, 0, 0};
