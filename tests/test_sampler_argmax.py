@@ -1,0 +1,31 @@
+"""The sampler's greedy pick equals torch.argmax: first maximum, NaN largest, any vocab."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixcache.engine.sampler import first_argmax
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    vocab=st.sampled_from([1, 7, 16, 48, 256, 512, 2203, 4096, 32000]),
+    seed=st.integers(0, 2**31 - 1),
+    ties=st.booleans(),
+    specials=st.lists(st.sampled_from(["nan", "inf", "-inf"]), max_size=3),
+)
+def test_first_argmax_equals_argmax(
+    rows: int, vocab: int, seed: int, ties: bool, specials: list[str]
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen)
+    if ties:  # few distinct values: the first maximum must win
+        logits = logits.round()
+    for special in specials:
+        r = int(torch.randint(0, rows, (1,), generator=gen))
+        c = int(torch.randint(0, vocab, (1,), generator=gen))
+        logits[r, c] = float(special)
+    assert torch.equal(first_argmax(logits), logits.argmax(dim=-1))
