@@ -73,6 +73,10 @@ CASES = {
         + ["--warmup", "1", "--warmup-tokens", "16"],
         {"output_tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_mean_ms", "hit_rate", "errors"},
     ),
+    "cpu_attention.py": (
+        ["--prefill", "300", "--decodes", "3", "--max-len", "50", "--repeat", "1"],
+        {"available", "cpu"},
+    ),
     "sidecar_overhead.py": (
         ["--requests", "3", "--warmup", "1", "--streams", "4", "--stream-tokens", "2"],
         {"http_added_outside_engine_p50_ms", "http_added_p50_ms", "stream_errors"},

@@ -1,0 +1,126 @@
+"""The engine's CPU attention kernel against torch's, on the engine's own call shapes.
+
+- prefill: causal attention of an L-token prompt (8 query / 2 KV heads of 64, bf16), the
+  kernel (``cpu_kernels.attention``) vs torch's CPU flash attention as ``dense_attention``
+  calls it (``PREFIXCACHE_CPU_KERNELS=0`` path);
+- decode: B sequences of ragged lengths, one query each, over their KV pages: the kernel
+  reading pages in place vs gathering the pages and one padded torch call (the fallback path).
+
+Prints milliseconds (median) and the speedup; CPU time with one thread (robust on a shared
+box) and wall time with the configured threads.
+
+    .venv/bin/python bench/cpu_attention.py [--prefill 4000] [--decodes 16] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from prefixcache.engine.attention import cpu_kernels
+from prefixcache.engine.attention.torch_backend import padded_decode_attention
+from prefixcache.engine.cpu_features import cpu_flags, cpu_model_name
+
+
+def timed(fn: Callable[[], object], repeat: int, clock: Callable[[], float]) -> float:
+    fn()
+    runs = []
+    for _ in range(repeat):
+        start = clock()
+        fn()
+        runs.append(clock() - start)
+    return statistics.median(runs) * 1000
+
+
+def torch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> object:
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    qh, kh, vh = (t.permute(1, 0, 2).unsqueeze(0) for t in (q, kk, vv))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qh, kh, vh, 0.0, True, scale=scale
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefill", type=int, default=4000, help="prompt tokens")
+    ap.add_argument("--decodes", type=int, default=16, help="decoding sequences")
+    ap.add_argument("--max-len", type=int, default=1100, help="longest decode context")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if (reason := cpu_kernels.unavailable_reason()) is not None or cpu_kernels.load() is None:
+        print(f"CPU attention kernel unavailable here: {reason or 'build failed'}")
+        if args.json:
+            print(json.dumps({"available": False, "cpu": cpu_model_name()}))
+        return
+    hq, hk, d, bs = 8, 2, 64, 16
+    scale = 1.0 / math.sqrt(d)
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    q, k, v = rand(args.prefill, hq, d), rand(args.prefill, hk, d), rand(args.prefill, hk, d)
+    lens = torch.randint(1, args.max_len + 1, (args.decodes,), generator=gen)
+    width = -(-args.max_len // bs)
+    num_blocks = args.decodes * width + 1
+    kv = rand(num_blocks, 2, bs, hk, d)
+    tables = torch.randperm(num_blocks, generator=gen)[: args.decodes * width]
+    tables = tables.view(args.decodes, width).to(torch.int32).contiguous()
+    dq = rand(args.decodes, hq, d)
+
+    def torch_decode() -> object:
+        pages = kv.view(num_blocks * 2, -1)
+        rows = tables.long().reshape(-1) * 2
+        kk = pages.index_select(0, rows).view(args.decodes, width * bs, hk, d)
+        vv = pages.index_select(0, rows + 1).view(args.decodes, width * bs, hk, d)
+        return padded_decode_attention(dq, kk, vv, lens, scale)
+
+    cases = {
+        "prefill": (
+            lambda: cpu_kernels.attention(q, k, v, scale, True),
+            lambda: torch_dense(q, k, v, scale),
+        ),
+        "decode": (lambda: cpu_kernels.paged_decode(dq, kv, tables, lens, scale), torch_decode),
+    }
+    threads = torch.get_num_threads()
+    result: dict[str, object] = {
+        "available": True,
+        "cpu": cpu_model_name(),
+        "avx512_bf16": "avx512_bf16" in cpu_flags(),
+        "amx_bf16": "amx_bf16" in cpu_flags(),
+        "threads": threads,
+    }
+    for name, (ours, theirs) in cases.items():
+        torch.set_num_threads(1)
+        ours_cpu = timed(ours, args.repeat, time.process_time)
+        theirs_cpu = timed(theirs, args.repeat, time.process_time)
+        torch.set_num_threads(threads)
+        ours_wall = timed(ours, args.repeat, time.perf_counter)
+        theirs_wall = timed(theirs, args.repeat, time.perf_counter)
+        result[name] = {
+            "kernel_cpu_ms_1t": ours_cpu,
+            "torch_cpu_ms_1t": theirs_cpu,
+            "speedup_1t": theirs_cpu / ours_cpu,
+            "kernel_wall_ms": ours_wall,
+            "torch_wall_ms": theirs_wall,
+            "speedup_wall": theirs_wall / ours_wall,
+        }
+        print(
+            f"{name:8s} kernel {ours_cpu:8.2f} ms vs torch {theirs_cpu:8.2f} ms CPU (1 thread): "
+            f"{theirs_cpu / ours_cpu:.2f}x; wall at {threads} threads {ours_wall:.2f} vs "
+            f"{theirs_wall:.2f} ms: {theirs_wall / ours_wall:.2f}x"
+        )
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
