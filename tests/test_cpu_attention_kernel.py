@@ -105,9 +105,18 @@ def test_dense_attention_uses_the_kernel_for_cpu_bf16(monkeypatch: pytest.Monkey
 
 
 @needs_kernel
-def test_bf16_engine_caching_never_changes_greedy_outputs() -> None:
+def test_bf16_engine_caching_never_changes_greedy_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine in bf16 on the kernel: cold, warm (prefix cached), chunked and batched
     greedy runs give the same tokens."""
+    calls = {"attention": 0, "paged_decode": 0}
+    for name in calls:
+        real = getattr(cpu_kernels, name)
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(cpu_kernels, name, counted)
     from prefixcache.engine.config import EngineConfig
     from prefixcache.engine.engine import LLMEngine
     from prefixcache.engine.loader import load_model
@@ -136,6 +145,7 @@ def test_bf16_engine_caching_never_changes_greedy_outputs() -> None:
     assert [out.token_ids for out in warm] == cold
     assert [out.token_ids for out in chunked] == cold
     assert [out.token_ids for out in batched] == cold
+    assert calls["attention"] > 0 and calls["paged_decode"] > 0, calls
 
 
 @needs_kernel
