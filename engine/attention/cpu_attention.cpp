@@ -268,13 +268,30 @@ inline __m512 sum16(const __m512* v) {
 // kv_layer is [num_blocks, 2, bs, hk, D]: K of (block, slot, head) at
 // ((block * 2) * bs + slot) * hk * D + head * D, its V bs * hk * D further.
 template <int D>
+struct DecodeScratch {
+  std::vector<float> scores;          // [g rows][len]: scores, then probabilities
+  std::vector<uint16_t> probs;        // one row's probabilities in bf16, zero-padded
+  std::vector<const uint16_t*> keys;  // K row of every key (V is bs rows further)
+};
+
+template <int D>
 void decode_task(const uint16_t* q, int64_t q_head, const uint16_t* kv, int64_t bs, int64_t hk,
                  const int32_t* table, int64_t len, int64_t h, int64_t g, float scale2,
-                 uint16_t* out, float* lse, std::vector<float>& sbuf) {
-  constexpr int NK = D / 32;  // bf16 vectors per K row
-  constexpr int ND = D / 16;  // fp32 vectors per V row
+                 uint16_t* out, float* lse, DecodeScratch<D>& scratch) {
+  constexpr int NK = D / 32;  // bf16 vectors per K/V row
   const int64_t row_words = hk * D;  // elements between slots
+  const int64_t v_offset = bs * row_words;
+  std::vector<float>& sbuf = scratch.scores;
   sbuf.resize(static_cast<size_t>(g * len));
+  std::vector<const uint16_t*>& krows = scratch.keys;
+  krows.resize(static_cast<size_t>(len));
+  for (int64_t blk = 0, j = 0; j < len; ++blk) {
+    const uint16_t* base = kv + static_cast<int64_t>(table[blk]) * 2 * bs * row_words + h * D;
+    for (int64_t slot = 0; slot < bs && j < len; ++slot) krows[j++] = base + slot * row_words;
+  }
+  const int64_t padded = (len + 16) & ~int64_t(15);  // room for an odd length's zero partner
+  std::vector<uint16_t>& pb = scratch.probs;
+  pb.resize(static_cast<size_t>(4 * padded));
   for (int64_t r0 = 0; r0 < g; r0 += 4) {
     const int nr = static_cast<int>(std::min<int64_t>(4, g - r0));
     __m512bh qv[4][NK];
@@ -284,11 +301,7 @@ void decode_task(const uint16_t* q, int64_t q_head, const uint16_t* kv, int64_t 
     float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, len - j0));
-      const uint16_t* krow[16];
-      for (int jj = 0; jj < n; ++jj) {
-        const int64_t j = j0 + jj;
-        krow[jj] = kv + (static_cast<int64_t>(table[j / bs]) * 2 * bs + j % bs) * row_words + h * D;
-      }
+      const uint16_t* const* krow = &krows[j0];
       for (int i = 0; i < nr; ++i) {
         __m512 acc[16];
         for (int jj = 0; jj < 16; ++jj) {
@@ -304,46 +317,66 @@ void decode_task(const uint16_t* q, int64_t q_head, const uint16_t* kv, int64_t 
         mx[i] = std::max(mx[i], _mm512_mask_reduce_max_ps(mk, sc));
       }
     }
+    // Probabilities (unnormalised) in bf16, pairs of consecutive keys side by side.
     float sum[4] = {0, 0, 0, 0};
     for (int i = 0; i < nr; ++i) {
-      float* srow = &sbuf[i * len];
+      const float* srow = &sbuf[i * len];
+      uint16_t* prow = &pb[i * padded];
       const __m512 mv = _mm512_set1_ps(mx[i]);
       __m512 acc = _mm512_setzero_ps();
-      int64_t j = 0;
-      for (; j + 16 <= len; j += 16) {
-        const __m512 e = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(srow + j), mv));
-        _mm512_storeu_ps(srow + j, e);
-        acc = _mm512_add_ps(acc, e);
-      }
-      if (j < len) {
+      for (int64_t j = 0; j < padded; j += 16) {
         const __mmask16 mk = prefix_mask(len - j);
         const __m512 e =
             _mm512_maskz_mov_ps(mk, exp2_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, srow + j), mv)));
-        _mm512_mask_storeu_ps(srow + j, mk, e);
         acc = _mm512_add_ps(acc, e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), (__m256i)_mm512_cvtneps_pbh(e));
       }
       sum[i] = _mm512_reduce_add_ps(acc);
     }
-    __m512 o[4][ND];
+    // O = P V over key pairs: V rows j and j+1 interleaved per 16-bit element, so that one
+    // VDPBF16PS per 16 output dims takes both keys. Within 128-bit lanes, unpacklo holds
+    // dims 8L+0..3 and unpackhi dims 8L+4..7 of each 32-dim chunk.
+    __m512 olo[4][NK], ohi[4][NK];
     for (int i = 0; i < 4; ++i)
-      for (int c = 0; c < ND; ++c) o[i][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; ++j) {
-      const uint16_t* vrow =
-          kv + ((static_cast<int64_t>(table[j / bs]) * 2 + 1) * bs + j % bs) * row_words + h * D;
-      __m512 vz[ND];
-      for (int c = 0; c < ND; ++c)
-        vz[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + c * 16)));
+      for (int c = 0; c < NK; ++c) olo[i][c] = ohi[i][c] = _mm512_setzero_ps();
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t j = 0; j < len; j += 2) {
+      const uint16_t* v0 = krows[j] + v_offset;
+      const uint16_t* v1 = j + 1 < len ? krows[j + 1] + v_offset : nullptr;
+      __m512bh lo[NK], hi[NK];
+      for (int c = 0; c < NK; ++c) {
+        const __m512i a = _mm512_loadu_si512(v0 + c * 32);
+        const __m512i b = v1 ? _mm512_loadu_si512(v1 + c * 32) : zero;
+        lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      }
       for (int i = 0; i < nr; ++i) {
-        const __m512 pv = _mm512_set1_ps(sbuf[i * len + j]);
-        for (int c = 0; c < ND; ++c) o[i][c] = _mm512_fmadd_ps(pv, vz[c], o[i][c]);
+        uint32_t w;
+        std::memcpy(&w, &pb[i * padded + j], sizeof(w));
+        const __m512bh pw = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+        for (int c = 0; c < NK; ++c) {
+          olo[i][c] = _mm512_dpbf16_ps(olo[i][c], pw, lo[c]);
+          ohi[i][c] = _mm512_dpbf16_ps(ohi[i][c], pw, hi[c]);
+        }
       }
     }
     for (int i = 0; i < nr; ++i) {
       const int64_t head = h * g + r0 + i;
+      alignas(64) float acc_lo[NK][16], acc_hi[NK][16], row[D];
+      for (int c = 0; c < NK; ++c) {
+        _mm512_store_ps(acc_lo[c], olo[i][c]);
+        _mm512_store_ps(acc_hi[c], ohi[i][c]);
+      }
+      for (int c = 0; c < NK; ++c)
+        for (int lane = 0; lane < 4; ++lane)
+          for (int e = 0; e < 4; ++e) {
+            row[32 * c + 8 * lane + e] = acc_lo[c][4 * lane + e];
+            row[32 * c + 8 * lane + 4 + e] = acc_hi[c][4 * lane + e];
+          }
       const __m512 inv = _mm512_set1_ps(sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f);
-      for (int c = 0; c < ND; ++c)
+      for (int c = 0; c < D / 16; ++c)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + head * D + c * 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[i][c], inv)));
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(row + c * 16), inv)));
       lse[head] = sum[i] > 0.0f ? mx[i] + std::log2(sum[i]) : -INFINITY;
     }
   }
@@ -356,12 +389,12 @@ void decode_run(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t
   const int64_t g = hq / hk;
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float> sbuf;
+    DecodeScratch<D> scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < b * hk; ++task) {
       const int64_t s = task / hk, h = task % hk;
       decode_task<D>(q + s * q_tok, q_head, kv, bs, hk, tables + s * table_stride, lens[s], h, g,
-                     scale2, out + s * hq * D, lse + s * hq, sbuf);
+                     scale2, out + s * hq * D, lse + s * hq, scratch);
     }
   }
 }
