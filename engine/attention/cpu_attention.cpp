@@ -390,12 +390,13 @@ void decode_run(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t
 #pragma omp parallel num_threads(nthreads)
   {
     DecodeScratch<D> scratch;
+    // A task per sequence, its kv heads in turn: the second head reads the pages the first
+    // one just brought into cache (heads are interleaved within each slot).
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < b * hk; ++task) {
-      const int64_t s = task / hk, h = task % hk;
-      decode_task<D>(q + s * q_tok, q_head, kv, bs, hk, tables + s * table_stride, lens[s], h, g,
-                     scale2, out + s * hq * D, lse + s * hq, scratch);
-    }
+    for (int64_t s = 0; s < b; ++s)
+      for (int64_t h = 0; h < hk; ++h)
+        decode_task<D>(q + s * q_tok, q_head, kv, bs, hk, tables + s * table_stride, lens[s], h,
+                       g, scale2, out + s * hq * D, lse + s * hq, scratch);
   }
 }
 
