@@ -153,13 +153,19 @@ void attend_block(const Problem& pb, int64_t h, int64_t t0, int64_t t1, const ui
         m[row] = m_new;
       }
       const int64_t span = tile_keys;
-      // O = O * corr + P V.
+      // O = O * corr + P V. Rows past nr go to a scratch row, so that every index below is
+      // a constant and the accumulators stay in registers.
+      alignas(64) float spare[D];
+      float* orow[R];
+      const uint16_t* prow[R];
       __m512 o[R][ND];
       for (int i = 0; i < R; ++i) {
-        const float cf = i < nr ? corr[i] : 0.0f;
-        const __m512 cv = _mm512_set1_ps(cf);
-        float* orow = obuf + (r0 + (i < nr ? i : 0)) * D;
-        for (int c = 0; c < ND; ++c) o[i][c] = _mm512_mul_ps(_mm512_loadu_ps(orow + c * 16), cv);
+        orow[i] = i < nr ? obuf + (r0 + i) * D : spare;
+        prow[i] = pbuf + (i < nr ? i : 0) * BK;
+        const __m512 cv = _mm512_set1_ps(i < nr ? corr[i] : 0.0f);
+        for (int c = 0; c < ND; ++c)
+          o[i][c] = i < nr ? _mm512_mul_ps(_mm512_loadu_ps(orow[i] + c * 16), cv)
+                           : _mm512_setzero_ps();
       }
       const int64_t pairs = (span + 1) / 2;
       for (int64_t jp = 0; jp < pairs; ++jp) {
@@ -167,15 +173,12 @@ void attend_block(const Problem& pb, int64_t h, int64_t t0, int64_t t1, const ui
         for (int c = 0; c < ND; ++c)
           vv[c] = (__m512bh)_mm512_loadu_si512(vblk + jp * D + c * 16);
         for (int i = 0; i < R; ++i) {
-          const uint16_t* prow = pbuf + (i < nr ? i : 0) * BK;
-          const __m512bh pw = (__m512bh)_mm512_set1_epi32(load_pair(prow + 2 * jp));
+          const __m512bh pw = (__m512bh)_mm512_set1_epi32(static_cast<int>(load_pair(prow[i] + 2 * jp)));
           for (int c = 0; c < ND; ++c) o[i][c] = _mm512_dpbf16_ps(o[i][c], pw, vv[c]);
         }
       }
-      for (int i = 0; i < nr; ++i) {
-        float* orow = obuf + (r0 + i) * D;
-        for (int c = 0; c < ND; ++c) _mm512_storeu_ps(orow + c * 16, o[i][c]);
-      }
+      for (int i = 0; i < R; ++i)
+        for (int c = 0; c < ND; ++c) _mm512_storeu_ps(orow[i] + c * 16, o[i][c]);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
