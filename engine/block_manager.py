@@ -377,6 +377,11 @@ class BlockManager:
         nodes = self._walk(token_ids, namespace)
         return self._ttl.get(nodes[-1]) if nodes else None
 
+    def ttl_time_left(self) -> list[tuple[Node, float]]:
+        """The nodes where a TTL pin ends, each with the seconds before it lapses (the cache
+        view; read-only)."""
+        return self._ttl.time_left() if self._ttl else []
+
     def pin_path(self, node: Node, count: int) -> None:
         """Add ``count`` pins (remove, if negative) ending at ``node``; a pin covers every block
         from there up to the root, and goes on deepest first, which keeps children before

@@ -47,6 +47,11 @@ class TTLPins:
     def values(self) -> Iterator[TTLPin]:
         return iter(self._by_node.values())
 
+    def time_left(self) -> list[tuple[Node, float]]:
+        """Each node where a TTL pin ends, with the seconds before it lapses (read-only)."""
+        now = self._clock()
+        return [(node, pin.expires - now) for node, pin in self._by_node.items()]
+
     def get(self, node: Node | None) -> TTLPin | None:
         return self._by_node.get(node) if node is not None else None
 
