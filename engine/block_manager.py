@@ -514,8 +514,11 @@ class BlockManager:
     def _evict(
         self, block: int, cause: str = "pressure", spill: bool = True, wait: bool = False
     ) -> None:
+        pinned = self._pool.pin_count[block] > 0
         node = self._tree.remove(block)  # asserts it is a leaf
         self._ttl.pass_on(node)
+        if self._ttl.lapsed_at_eviction(node, pinned) and cause == "pressure":
+            cause = "ttl"  # its retention pin expired, then a request needed the page
         if spill and self._tier_link is not None:
             self._tier_link.spill(node, block, wait)
         self._pool.evict(block)
