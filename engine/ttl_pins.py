@@ -37,7 +37,7 @@ class TTLPins:
 
     def __init__(self, pin_path: PinPath, clock: Callable[[], float]) -> None:
         self._by_node: dict[Node, TTLPin] = {}
-        self._lapsed: set[Node] = set()  # where lapsed pins ended (or their evicted children)
+        self._lapsed: set[Node] = set()  # where lapsed pins end (moved up at evictions)
         self._pin_path = pin_path
         self._clock = clock
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -32,6 +33,8 @@ from .cache_view import DEFAULT_MAX_NODES, build_view
 from .errors import bad_request
 from .gate import RequestGate
 from .streaming import SSEResponse, sse_event
+
+log = logging.getLogger(__name__)
 
 TREE_MAX_AGE_S = 1.0  # viewers share one fold of the tree per second
 BACKLOG = 500  # records in a new stream's first event (the last misses)
@@ -62,7 +65,10 @@ class DashboardRoutes:
     async def watch(self) -> None:
         """Count finished requests into the window, every POLL_S, until cancelled."""
         while True:
-            self._poll()
+            try:
+                self._poll()
+            except Exception:  # the window goes on counting after one bad poll
+                log.exception("dashboard: polling the engine's finished requests failed")
             await asyncio.sleep(POLL_S)
 
     def ensure_watching(self) -> None:
