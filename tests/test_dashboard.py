@@ -23,6 +23,7 @@ from conftest import (
 
 from prefixcache.engine.api import RequestRecord, TreeSnapshot
 from prefixcache.sdk import Client, Prompt
+from prefixcache.sdk.types import TierBlockStats
 from prefixcache.sidecar.activity_window import ActivityWindow, ttft_bin, ttft_of
 from prefixcache.sidecar.app import SidecarSettings, create_app
 from prefixcache.sidecar.cache_view import build_view
@@ -233,6 +234,10 @@ def test_ttl_pins_and_the_tier_reach_stats_tree_and_stream(tier_sidecar: Server)
     assert tier["total"] > tier["used"] and tier["bytes_used"] * tier["total"] == (
         tier["bytes_total"] * tier["used"]
     )
+
+    with Client(tier_sidecar.url) as client:
+        sdk_tier = client.cache_stats().tier
+    assert isinstance(sdk_tier, TierBlockStats) and sdk_tier.used == tier["used"]
 
     tree = httpx.get(f"{root}/v1/cache/tree", timeout=30).json()
     ttl = [n for n in tree["nodes"] if n["kind"] == "prefix" and n.get("ttl_expires")]
