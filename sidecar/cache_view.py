@@ -47,6 +47,8 @@ class TopPrefix(msgspec.Struct):
     label: str
     tokens: int
     hits: int
+    pinned: bool = False  # a pin covers its last block (so every block of it)
+    ttl_expires: float = 0.0  # only TTL pins hold it: when they lapse (unix time)
 
 
 class TreeView(msgspec.Struct):
@@ -191,7 +193,9 @@ def build_view(
             if snap.tags[b] and snap.tags[b] not in path:
                 path.append(snap.tags[b])
             top, b = b, parent[b]
-        return TopPrefix(labels[-1 - parent[top]], " › ".join(reversed(path)), tokens, hit)
+        label = " › ".join(reversed(path))
+        pinned, ttl = snap.pinned[block], snap.ttl_expires[block]
+        return TopPrefix(labels[-1 - parent[top]], label, tokens, hit, pinned, ttl)
 
     by_hits = heapq.nlargest(TOP, (i for i in range(n) if snap.hits[i]), key=snap.hits.__getitem__)
     all_tops = [b for group in tops for b in group]

@@ -23,10 +23,11 @@ from conftest import (
 
 from prefixcache.engine.api import RequestRecord, TreeSnapshot
 from prefixcache.sdk import Client, Prompt
-from prefixcache.sdk.types import TierBlockStats
+from prefixcache.sdk.types import CacheStats, TierBlockStats
 from prefixcache.sidecar.activity_window import ActivityWindow, ttft_bin, ttft_of
 from prefixcache.sidecar.app import SidecarSettings, create_app
 from prefixcache.sidecar.cache_view import build_view
+from prefixcache.sidecar.dashboard import BACKLOG, DashboardRoutes
 
 BS = 16
 
@@ -106,6 +107,9 @@ def test_pins_and_ttl_pins_reach_the_picture() -> None:
     (more,) = [n for n in view.nodes if n.kind == "more"]
     assert more.parent == spaces[2].id and more.pinned and more.ttl_expires == 900.0
     assert spaces[2].pinned and spaces[2].ttl_expires == 900.0
+    biggest = view.top_by_size[0]
+    assert biggest.tokens == 2 * BS and biggest.pinned and biggest.ttl_expires == 500.0
+    assert {(t.pinned, t.ttl_expires) for t in view.top_by_size} >= {(True, 0.0), (False, 0.0)}
     wire = msgspec.json.decode(msgspec.json.encode(view))
     assert {"pinned", "ttl_expires"} <= set(wire["nodes"][1])
 
@@ -130,6 +134,34 @@ def test_the_activity_window_keeps_totals_of_every_request_it_saw() -> None:
     assert changed.start == t0 + 10 and changed.requests == 2 and changed.missed == 3
     assert window.since(window.version, t0 + 16) == []
     assert [b.start for b in window.since(0, t0 + 615)] == [t0 + 10]  # the oldest expired
+
+
+class Busy:
+    """What the live stream reads of an engine that finished 1500 requests in 5 minutes."""
+
+    is_ready = True
+    num_waiting = 0
+
+    def __init__(self) -> None:
+        now = time.time()
+        self.records = [record(i + 1, now - 300 + i * 0.2, ttft=0.05) for i in range(1500)]
+
+    def cache_activity(self, after: int = 0) -> list[RequestRecord]:
+        return [r for r in self.records if r.seq > after]
+
+    def cache_stats(self) -> CacheStats:
+        return CacheStats()
+
+
+async def test_the_first_event_counts_every_request_not_just_the_backlog() -> None:
+    routes = DashboardRoutes(Busy(), gate=None)  # type: ignore[arg-type]
+    events = routes._events(interval=0.1)
+    first = json.loads((await anext(events))[6:])
+    await events.aclose()
+    assert len(first["requests"]) == BACKLOG < 1500  # the last misses: a bounded backlog
+    assert sum(b["requests"] for b in first["window"]) == 1500  # the figures: every request
+    assert sum(b["cached_tokens"] for b in first["window"]) == 1500 * 50
+    assert first["tier"] is None
 
 
 def test_ttft_bins_are_within_a_tenth() -> None:

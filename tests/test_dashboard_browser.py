@@ -103,10 +103,17 @@ def test_dashboard_in_chromium(chromium: str, own_sidecar: Server, tmp_path: Pat
             "document.querySelector('g[data-pin=\"ttl\"] rect').getAttribute('stroke-dasharray')"
         )
         assert browser.evaluate(dashes)  # drawn dashed, unlike a pin without TTL
+        sizes = browser.evaluate(
+            "[...document.querySelectorAll('#top-size td')].map(td => td.textContent)"
+        )
+        assert "pinned" in sizes and any(re.fullmatch(r"TTL 1\d min", c) for c in sizes), sizes
         assert browser.wait_for("document.getElementById('tier-row').dataset.kind === 'host'")
         tier_legend = browser.evaluate("document.getElementById('tier-legend').textContent")
         assert f"host tier {evicted['evicted_blocks']}" in tier_legend, tier_legend
         assert browser.evaluate("document.getElementById('hit-rate').textContent") != "–"
+        assert browser.evaluate("document.getElementById('ttft').textContent") != "–"
+        # the requests before the page opened, from the server's window (7 asked, 2 warms)
+        assert int(browser.evaluate("document.getElementById('rpm').textContent")) >= 7
 
         ask(own_sidecar, "Map annex", "Shelf C: cookery. ", "Anything else?")  # a new prefix
         assert browser.wait_for(f"{TOP_LEVEL} === {len(PREFIXES) + 1}")
