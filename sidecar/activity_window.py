@@ -21,6 +21,7 @@ BUCKET_S = 10
 WINDOW_S = 600
 BINS_PER_DECADE = 16
 MIN_TTFT_S = 1e-4  # bin 0 holds everything faster
+MAX_BIN = 9 * BINS_PER_DECADE  # 1e5 s: the last bin holds everything slower
 
 
 class WindowBucket(msgspec.Struct):
@@ -33,7 +34,8 @@ class WindowBucket(msgspec.Struct):
 
 
 def ttft_bin(seconds: float) -> int:
-    return max(0, math.floor(math.log10(max(seconds, MIN_TTFT_S) / MIN_TTFT_S) * BINS_PER_DECADE))
+    decades = math.log10(max(seconds, MIN_TTFT_S) / MIN_TTFT_S)
+    return min(MAX_BIN, max(0, math.floor(decades * BINS_PER_DECADE)))
 
 
 def ttft_of(bin_: int) -> float:
