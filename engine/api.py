@@ -82,6 +82,9 @@ class TreeSnapshot:
     hits: list[int]  # requests whose cached prefix ended at this block
     last_used: list[float]  # unix time a request last ended its match or prompt here (0: never)
     tags: list[str]  # the tag of a segment starting in this block ("": none known)
+    # unix time the TTL pins holding this block lapse, when only TTL pins hold it (the latest
+    # deadline of those on its subtree); 0.0: not pinned, or also held by a pin without TTL
+    ttl_expires: list[float]
 
 
 class TokenizerAPI(Protocol):

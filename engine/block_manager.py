@@ -377,6 +377,11 @@ class BlockManager:
         nodes = self._walk(token_ids, namespace)
         return self._ttl.get(nodes[-1]) if nodes else None
 
+    def ttl_time_left(self) -> list[tuple[Node, float]]:
+        """The nodes where a TTL pin ends, each with the seconds before it lapses (the cache
+        view; read-only)."""
+        return self._ttl.time_left() if self._ttl else []
+
     def pin_path(self, node: Node, count: int) -> None:
         """Add ``count`` pins (remove, if negative) ending at ``node``; a pin covers every block
         from there up to the root, and goes on deepest first, which keeps children before
@@ -509,8 +514,11 @@ class BlockManager:
     def _evict(
         self, block: int, cause: str = "pressure", spill: bool = True, wait: bool = False
     ) -> None:
+        pinned = self._pool.pin_count[block] > 0
         node = self._tree.remove(block)  # asserts it is a leaf
         self._ttl.pass_on(node)
+        if self._ttl.lapsed_at_eviction(node, pinned) and cause == "pressure":
+            cause = "ttl"  # its retention pin expired, then a request needed the page
         if spill and self._tier_link is not None:
             self._tier_link.spill(node, block, wait)
         self._pool.evict(block)

@@ -116,9 +116,10 @@ class CacheActivity:
         labels = [self._labels.get(root) or f"ns {root.hex()[:6]}" for root in roots]
         blocks = [node.block for node in nodes]
         hits, last_used, tags = self._hits, self._last_used, self._tags
+        taken_at = time.time()
         return TreeSnapshot(
             block_size=manager.block_size,
-            taken_at=time.time(),
+            taken_at=taken_at,
             namespaces=labels,
             parent=parent,
             in_use=[manager.ref_count(b) > 0 for b in blocks],
@@ -126,7 +127,35 @@ class CacheActivity:
             hits=[hits[b] for b in blocks],
             last_used=[last_used[b] for b in blocks],
             tags=[tags[b] for b in blocks],
+            ttl_expires=self._ttl_expires(index, parent, blocks, taken_at),
         )
+
+    def _ttl_expires(
+        self, index: dict[int, int], parent: list[int], blocks: list[int], now: float
+    ) -> list[float]:
+        """Per snapshot entry, when the TTL pins holding it lapse (0.0: none, or a pin without
+        TTL holds it too). A pin covers its node and every block above it, so one pass from
+        the leaves up sums each subtree's TTL pins and keeps its latest deadline; a block whose
+        pin count is more than that is also held by a pin without TTL."""
+        expires = [0.0] * len(blocks)
+        ends = self.manager.ttl_time_left()
+        if not ends:
+            return expires
+        ttl_pins = [0] * len(blocks)
+        for node, left in ends:
+            i = index[node.block]
+            ttl_pins[i] += 1
+            expires[i] = max(expires[i], now + left)
+        for i in range(len(blocks) - 1, -1, -1):
+            p = parent[i]
+            if p >= 0:
+                ttl_pins[p] += ttl_pins[i]
+                expires[p] = max(expires[p], expires[i])
+        pin_count = self.manager.pin_count
+        for i, block in enumerate(blocks):
+            if pin_count(block) > ttl_pins[i]:
+                expires[i] = 0.0
+        return expires
 
 
 def namespace_label(namespace: str, tenant: str) -> str:

@@ -16,7 +16,13 @@ from typing import Literal
 
 import msgspec
 
-from prefixcache.sdk.cache_stats import BlockStats, CacheStats, TokenizerPieceStats, TokenStats
+from prefixcache.sdk.cache_stats import (
+    BlockStats,
+    CacheStats,
+    TierBlockStats,
+    TokenizerPieceStats,
+    TokenStats,
+)
 
 from . import output, prefix_store
 from .api import TreeSnapshot
@@ -447,6 +453,20 @@ class LLMEngine:
             ),
             hit_rate=s.hit_tokens / s.query_tokens if s.query_tokens else 0.0,
             tokenizer_pieces=self.piece_stats(),
+            tier=self._tier_blocks(),
+        )
+
+    def _tier_blocks(self) -> TierBlockStats | msgspec.UnsetType:
+        """The KV tier's occupancy; UNSET without one."""
+        if self.tier is None:
+            return msgspec.UNSET
+        t = self.tier.stats()
+        return TierBlockStats(
+            kind=t.kind,
+            total=t.num_slots,
+            used=t.num_entries,
+            bytes_total=t.num_slots * t.slot_bytes,
+            bytes_used=t.bytes_used,
         )
 
     def tier_stats(self) -> TierStats | None:

@@ -11,7 +11,7 @@ nothing else explains the miss, a walk in each of the tenant's other namespaces 
                    block (it cannot be a cached block yet)
     evicted        the next block was cached here and was evicted (when, and by what:
                    "pressure" when a request needed the page, "admin" for /v1/cache/evict,
-                   "ttl" for an expired retention pin)
+                   "ttl" when a TTL pin over it had lapsed before that pressure)
     diverged       the cached prefix goes on with other tokens: ``segment`` names the segment
                    whose tokens changed; everything after it is new by construction
     namespace      the same tokens are cached under another cache salt of the same tenant

@@ -5,6 +5,8 @@ again (no second pin), renews it; ``expire`` lifts the pins whose deadline passe
 ordinary LRU entries. A pinned leaf evicted under pressure passes its pin to its parent
 (``tree.remove`` moves the pin count); ``pass_on`` moves the deadline along. Pins per
 namespace may be capped (``max_blocks``: blocks covered by that namespace's TTL pins together).
+A node whose pin lapsed stays marked until it is evicted (``lapsed_at_eviction``: the miss
+reason's ``evicted_by: "ttl"``); the mark moves to its parent, which the pin covered too.
 The manager owns the pool's pin counts: this class changes them only through ``pin_path``.
 """
 
@@ -31,10 +33,11 @@ class TTLPin:
 class TTLPins:
     """The TTL pins, by the node where each pinned prefix ends."""
 
-    __slots__ = ("_by_node", "_clock", "_pin_path")
+    __slots__ = ("_by_node", "_clock", "_lapsed", "_pin_path")
 
     def __init__(self, pin_path: PinPath, clock: Callable[[], float]) -> None:
         self._by_node: dict[Node, TTLPin] = {}
+        self._lapsed: set[Node] = set()  # where lapsed pins end (moved up at evictions)
         self._pin_path = pin_path
         self._clock = clock
 
@@ -46,6 +49,11 @@ class TTLPins:
 
     def values(self) -> Iterator[TTLPin]:
         return iter(self._by_node.values())
+
+    def time_left(self) -> list[tuple[Node, float]]:
+        """Each node where a TTL pin ends, with the seconds before it lapses (read-only)."""
+        now = self._clock()
+        return [(node, pin.expires - now) for node, pin in self._by_node.items()]
 
     def get(self, node: Node | None) -> TTLPin | None:
         return self._by_node.get(node) if node is not None else None
@@ -93,7 +101,18 @@ class TTLPins:
         for node in lapsed:
             del self._by_node[node]
             self._pin_path(node, -1)
+            self._lapsed.add(node)
         return len(lapsed)
+
+    def lapsed_at_eviction(self, node: Node, pinned: bool) -> bool:
+        """``node`` is being evicted: was it under a TTL pin that lapsed (and is unpinned now)?
+        The mark passes to its parent, which that pin covered too."""
+        if node not in self._lapsed:
+            return False
+        self._lapsed.discard(node)
+        if node.parent is not None:
+            self._lapsed.add(node.parent)
+        return not pinned
 
     def pass_on(self, node: Node) -> None:
         """``node``, a leaf, was evicted and ``tree.remove`` passed its pins to the parent; its
@@ -114,3 +133,5 @@ class TTLPins:
         for node, pin in self._by_node.items():  # a TTL pin is one of its node's own pins
             assert node_of(node.block) is node and node.own_pins >= 1
             assert pin.depth == sum(1 for _ in node.path_up())
+        for node in self._lapsed:  # marks leave with their node
+            assert node_of(node.block) is node

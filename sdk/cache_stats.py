@@ -34,6 +34,17 @@ class TokenizerPieceStats(msgspec.Struct):
     chars: int = 0
 
 
+class TierBlockStats(msgspec.Struct):
+    """The KV tier below the pool (``--kv-offload``): evicted blocks whose KV it keeps, so a
+    later hit copies them back instead of computing them."""
+
+    kind: str = ""  # "host" | "disk"
+    total: int = 0  # blocks it can hold
+    used: int = 0  # blocks it holds
+    bytes_total: int = 0
+    bytes_used: int = 0
+
+
 class CacheStats(msgspec.Struct):
     block_size: int = 0
     blocks: BlockStats = msgspec.field(default_factory=BlockStats)
@@ -41,3 +52,5 @@ class CacheStats(msgspec.Struct):
     hit_rate: float = 0.0
     # Left out of the JSON (UNSET) where the tokenizer keeps no such memo.
     tokenizer_pieces: TokenizerPieceStats | msgspec.UnsetType = msgspec.UNSET
+    # Left out of the JSON (UNSET) where the engine has no KV tier.
+    tier: TierBlockStats | msgspec.UnsetType = msgspec.UNSET

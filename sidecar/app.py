@@ -74,14 +74,19 @@ class Sidecar:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.dashboard.ensure_watching()  # the cache page's last minutes, from now on
         if not self.settings.manage_engine:
-            yield
+            try:
+                yield
+            finally:
+                await self.dashboard.stop_watching()
             return
         # Start in the background: the server answers /health (503) while the model loads.
         starting = asyncio.create_task(self._start_engine())
         try:
             yield
         finally:
+            await self.dashboard.stop_watching()
             starting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await starting

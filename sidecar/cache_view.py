@@ -35,7 +35,9 @@ class ViewNode(msgspec.Struct, omit_defaults=True):
     hits: int  # requests whose cached prefix ended in this subtree
     label: str = ""  # segment tags of the chain, or the namespace's opaque label
     last_used: float = 0.0  # unix time, latest in the subtree (0: never used since cached)
-    pinned: bool = False
+    pinned: bool = False  # a pin holds the node (some of it: pins cover every block above)
+    # unix time the pins lapse when all are TTL pins (0: unpinned, or a pin without TTL)
+    ttl_expires: float = 0.0
     in_use: bool = False
     folded: int = 0  # "more": how many prefixes it stands for
 
@@ -45,6 +47,8 @@ class TopPrefix(msgspec.Struct):
     label: str
     tokens: int
     hits: int
+    pinned: bool = False  # a pin covers its last block (so every block of it)
+    ttl_expires: float = 0.0  # only TTL pins hold it: when they lapse (unix time)
 
 
 class TreeView(msgspec.Struct):
@@ -92,9 +96,16 @@ def build_view(
     ties = itertools.count()
     folded = False
 
+    def pins_of(blocks: list[int]) -> tuple[bool, float]:
+        """Several subtrees side by side: pinned if any is; a TTL deadline only if every pinned
+        one is held by TTL pins alone."""
+        ttl = [snap.ttl_expires[b] for b in blocks if snap.pinned[b]]
+        return bool(ttl), 0.0 if not ttl or min(ttl) == 0.0 else max(ttl)
+
     def more(view_parent: int, start: int, blocks: list[int]) -> None:
         nonlocal folded
         folded = True
+        pinned, ttl_expires = pins_of(blocks)
         nodes.append(
             ViewNode(
                 id=len(nodes),
@@ -107,6 +118,8 @@ def build_view(
                 label=f"+{len(blocks)} more",
                 last_used=max(last[b] for b in blocks),
                 folded=len(blocks),
+                pinned=pinned,
+                ttl_expires=ttl_expires,
             )
         )
 
@@ -122,6 +135,7 @@ def build_view(
     for k, label in enumerate(snap.namespaces):
         blocks = tops[k]
         total = sum(size[b] for b in blocks)
+        pinned, ttl_expires = pins_of(blocks)
         nodes.append(
             ViewNode(
                 id=len(nodes),
@@ -133,7 +147,8 @@ def build_view(
                 hits=sum(hits[b] for b in blocks),
                 label=label,
                 last_used=max((last[b] for b in blocks), default=0.0),
-                pinned=any(snap.pinned[b] for b in blocks),
+                pinned=pinned,
+                ttl_expires=ttl_expires,
                 in_use=any(snap.in_use[b] for b in blocks),
             )
         )
@@ -158,6 +173,7 @@ def build_view(
             label=" › ".join(tags),
             last_used=last[first],
             pinned=snap.pinned[first],  # a pin covers every block above it
+            ttl_expires=snap.ttl_expires[first],  # its subtree's, as the engine folded it
             in_use=snap.in_use[first],  # so does a running request's hold
         )
         nodes.append(node)
@@ -177,7 +193,9 @@ def build_view(
             if snap.tags[b] and snap.tags[b] not in path:
                 path.append(snap.tags[b])
             top, b = b, parent[b]
-        return TopPrefix(labels[-1 - parent[top]], " › ".join(reversed(path)), tokens, hit)
+        label = " › ".join(reversed(path))
+        pinned, ttl = snap.pinned[block], snap.ttl_expires[block]
+        return TopPrefix(labels[-1 - parent[top]], label, tokens, hit, pinned, ttl)
 
     by_hits = heapq.nlargest(TOP, (i for i in range(n) if snap.hits[i]), key=snap.hits.__getitem__)
     all_tops = [b for group in tops for b in group]

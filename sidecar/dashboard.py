@@ -1,6 +1,11 @@
 """The live cache page: ``GET /dashboard`` (one self-contained HTML file, dashboard.html),
 ``GET /v1/cache/tree`` (the folded prefix tree, cache_view.py) and ``GET /v1/cache/live``
-(SSE: block states, token counters and the requests that finished, with miss reasons).
+(SSE: block states, the KV tier's, token counters and the requests that finished, with miss
+reasons).
+
+The hit rate, TTFT and request rate over the last minutes come from an ``ActivityWindow``
+that ``watch`` (a task for the app's life) fills from the engine's finished requests each
+second, so they are whole however many requests a page load's backlog can carry.
 
 Every route needs an admin key when keys are configured. A browser cannot put a header on a
 page load, so these three also take the key as ``?key=``; the page sends it on as a header.
@@ -9,6 +14,8 @@ page load, so these three also take the key as ``?key=``; the page sends it on a
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -19,25 +26,31 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
 from prefixcache.engine.api import EngineAPI, RequestRecord
-from prefixcache.sdk.cache_stats import BlockStats, CacheStats, TokenStats
+from prefixcache.sdk.cache_stats import BlockStats, CacheStats, TierBlockStats, TokenStats
 
+from .activity_window import ActivityWindow, WindowBucket
 from .cache_view import DEFAULT_MAX_NODES, build_view
 from .errors import bad_request
 from .gate import RequestGate
 from .streaming import SSEResponse, sse_event
 
+log = logging.getLogger(__name__)
+
 TREE_MAX_AGE_S = 1.0  # viewers share one fold of the tree per second
-BACKLOG = 500  # records in a new stream's first event
+BACKLOG = 500  # records in a new stream's first event (the last misses)
+POLL_S = 1.0  # the window's poll of the engine's finished requests
 
 
 class LiveEvent(msgspec.Struct):
     t: float  # unix time
     blocks: BlockStats
+    tier: TierBlockStats | None  # the KV tier below the pool (None: the engine has none)
     tokens: TokenStats
     hit_rate: float  # since start
-    tree_version: int  # changes whenever blocks were inserted or evicted
+    tree_version: int  # changes whenever blocks were inserted, evicted, pinned or unpinned
     waiting: int
-    requests: list[RequestRecord]
+    requests: list[RequestRecord]  # finished since the last event (the first: the last BACKLOG)
+    window: list[WindowBucket]  # the buckets changed since the last event (the first: all)
 
 
 class DashboardRoutes:
@@ -46,6 +59,33 @@ class DashboardRoutes:
         self.gate = gate
         self._tree: tuple[float, tuple[int, int], bytes] | None = None  # (built, key, body)
         self._tree_lock = asyncio.Lock()
+        self.window = ActivityWindow()
+        self._watching: asyncio.Task[None] | None = None
+
+    async def watch(self) -> None:
+        """Count finished requests into the window, every POLL_S, until cancelled."""
+        while True:
+            try:
+                self._poll()
+            except Exception:  # the window goes on counting after one bad poll
+                log.exception("dashboard: polling the engine's finished requests failed")
+            await asyncio.sleep(POLL_S)
+
+    def ensure_watching(self) -> None:
+        """Start ``watch`` if the app's lifespan did not (an app sharing another's engine)."""
+        if self._watching is None or self._watching.done():
+            self._watching = asyncio.get_running_loop().create_task(self.watch())
+
+    async def stop_watching(self) -> None:
+        task, self._watching = self._watching, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _poll(self) -> None:
+        if self.engine.is_ready:
+            self.window.observe(self.engine.cache_activity(self.window.cursor))
 
     def routes(self) -> list[Route]:
         return [
@@ -75,23 +115,29 @@ class DashboardRoutes:
 
     async def live(self, request: Request) -> SSEResponse:
         self._admin(request)
+        self.ensure_watching()
         interval = _float_param(request, "interval", 1.0, 0.1, 10.0)
         return SSEResponse(self._events(interval))
 
     async def _events(self, interval: float) -> AsyncIterator[bytes]:
         records = self.engine.cache_activity(0)[-BACKLOG:]
         cursor = records[-1].seq if records else 0
+        seen = 0  # the window's version this viewer has
         while self.engine.is_ready:  # ends when the engine shuts down
+            self._poll()
+            window, seen = self.window.since(seen, time.time()), self.window.version
             stats = self.engine.cache_stats()
             yield sse_event(
                 LiveEvent(
                     t=time.time(),
                     blocks=stats.blocks,
+                    tier=stats.tier if isinstance(stats.tier, TierBlockStats) else None,
                     tokens=stats.tokens,
                     hit_rate=stats.hit_rate,
                     tree_version=_tree_version(stats),
                     waiting=self.engine.num_waiting,
                     requests=records,
+                    window=window,
                 )
             )
             await asyncio.sleep(interval)
@@ -136,5 +182,7 @@ def _float_param(request: Request, name: str, default: float, lo: float, hi: flo
 
 
 def _tree_version(stats: CacheStats) -> int:
-    """Changes whenever blocks were inserted into or evicted from the tree."""
-    return stats.tokens.inserted + stats.tokens.evicted
+    """Changes whenever blocks were inserted into or evicted from the tree, or the number of
+    pinned blocks changed (a TTL pin lapsed, an unpin); within a JavaScript number."""
+    key = (stats.tokens.inserted, stats.tokens.evicted, stats.blocks.pinned)
+    return hash(key) & (2**53 - 1)

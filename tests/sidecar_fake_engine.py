@@ -190,11 +190,12 @@ class FakeEngine:
         )
 
     async def cache_tree(self) -> TreeSnapshot:
-        """Each cached digest as a top block of one namespace (the fake keeps no parents)."""
+        """Each cached digest as a top block of one namespace (the fake keeps no parents, no
+        TTL pins and no KV tier)."""
         n = len(self.cached)
         return TreeSnapshot(
             self.block_size, 0.0, ["fake"], [-1] * n, [False] * n,
-            [d in self.pinned for d in self.cached], [0] * n, [0.0] * n, [""] * n,
+            [d in self.pinned for d in self.cached], [0] * n, [0.0] * n, [""] * n, [0.0] * n,
         )  # fmt: skip
 
     def cache_activity(self, after: int = 0) -> list[RequestRecord]:

@@ -8,6 +8,7 @@ the screenshot (docs/img/dashboard.png is made that way).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,8 +39,9 @@ def chromium() -> str:
 
 @pytest.fixture(scope="module")
 def own_sidecar(server_loop: ServerLoop, demo_loaded: Any) -> Iterator[Server]:
-    """A fresh engine: the picture holds exactly what this test cached."""
-    server = serve(server_loop, create_app(demo_engine(demo_loaded), SidecarSettings()))
+    """A fresh engine with a host tier: the picture holds exactly what this test cached."""
+    engine = demo_engine(demo_loaded, kv_offload="host:0.05")
+    server = serve(server_loop, create_app(engine, SidecarSettings()))
     yield server
     server.stop()
 
@@ -67,11 +69,19 @@ def top_level_in_tree(server: Server) -> int:
 
 
 def test_dashboard_in_chromium(chromium: str, own_sidecar: Server, tmp_path: Path) -> None:
+    spill = {"prompt": "[spilled] the host tier keeps what the pool evicts. " * 4, "max_tokens": 1}
+    assert httpx.post(f"{own_sidecar.root}/v1/completions", json=spill, timeout=120).is_success
+    evicted = httpx.post(f"{own_sidecar.root}/v1/cache/evict", json={"keep_tier": True}).json()
+    assert evicted["evicted_blocks"] > 0  # now in the host tier, out of the tree
     for intro in PREFIXES:
         for doc in ("Shelf A: atlases and maps. ", "Shelf B: poetry and plays. "):
             ask(own_sidecar, intro, doc, "Where is it?")
     pin = {"segments": segments(PREFIXES[0], "Shelf A: atlases and maps. ", "?"), "pin": True}
     warmed = httpx.post(f"{own_sidecar.root}/v1/cache/warm", json=pin, timeout=120)
+    assert warmed.status_code == 200 and warmed.json()["pinned_blocks"] > 0, warmed.text
+    ttl = {"segments": segments(PREFIXES[1], "Shelf B: poetry and plays. ", "?"), "pin": True,
+           "ttl_s": 900}  # fmt: skip
+    warmed = httpx.post(f"{own_sidecar.root}/v1/cache/warm", json=ttl, timeout=120)
     assert warmed.status_code == 200 and warmed.json()["pinned_blocks"] > 0, warmed.text
     assert top_level_in_tree(own_sidecar) == len(PREFIXES)
 
@@ -82,7 +92,28 @@ def test_dashboard_in_chromium(chromium: str, own_sidecar: Server, tmp_path: Pat
         assert browser.wait_for(f"{MISS_ROWS} > 0 && {MISS_ROWS}")
         misses_before = browser.evaluate(MISS_ROWS)
         assert browser.evaluate("document.querySelectorAll('g[data-pinned=\"1\"]').length") > 0
+        assert browser.evaluate("document.querySelectorAll('g[data-pin=\"pin\"]').length") > 0
+        ttl_tips = browser.evaluate(
+            "[...document.querySelectorAll('g[data-pin=\"ttl\"] title')].map(t => t.textContent)"
+        )
+        assert ttl_tips and all(
+            re.search(r"TTL-pinned: lapses in 1\d min", tip) for tip in ttl_tips
+        ), ttl_tips
+        dashes = (
+            "document.querySelector('g[data-pin=\"ttl\"] rect').getAttribute('stroke-dasharray')"
+        )
+        assert browser.evaluate(dashes)  # drawn dashed, unlike a pin without TTL
+        sizes = browser.evaluate(
+            "[...document.querySelectorAll('#top-size td')].map(td => td.textContent)"
+        )
+        assert "pinned" in sizes and any(re.fullmatch(r"TTL 1\d min", c) for c in sizes), sizes
+        assert browser.wait_for("document.getElementById('tier-row').dataset.kind === 'host'")
+        tier_legend = browser.evaluate("document.getElementById('tier-legend').textContent")
+        assert f"host tier {evicted['evicted_blocks']}" in tier_legend, tier_legend
         assert browser.evaluate("document.getElementById('hit-rate').textContent") != "–"
+        assert browser.evaluate("document.getElementById('ttft').textContent") != "–"
+        # the requests before the page opened, from the server's window (7 asked, 2 warms)
+        assert int(browser.evaluate("document.getElementById('rpm').textContent")) >= 7
 
         ask(own_sidecar, "Map annex", "Shelf C: cookery. ", "Anything else?")  # a new prefix
         assert browser.wait_for(f"{TOP_LEVEL} === {len(PREFIXES) + 1}")

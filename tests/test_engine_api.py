@@ -17,7 +17,7 @@ from sidecar_fake_engine import FakeEngine, FakeTokenizer
 from prefixcache.engine.api import EngineAPI, TokenizerAPI
 from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.engine.tokenizer import Tokenizer
-from prefixcache.sdk.cache_stats import CacheStats, TokenizerPieceStats
+from prefixcache.sdk.cache_stats import CacheStats, TierBlockStats, TokenizerPieceStats
 
 SIDECAR = Path(__file__).resolve().parent.parent / "sidecar"
 
@@ -154,3 +154,18 @@ def test_cache_stats_wire_shape() -> None:
     wire = msgspec.json.decode(msgspec.json.encode(pieces))
     assert wire["tokenizer_pieces"] == {"hits": 1, "misses": 2, "entries": 3, "chars": 4}
     assert msgspec.json.decode(msgspec.json.encode(pieces), type=CacheStats) == pieces
+
+
+def test_cache_stats_carry_the_tier_only_where_there_is_one() -> None:
+    assert "tier" not in msgspec.json.decode(msgspec.json.encode(CacheStats()))
+    stats = CacheStats(tier=TierBlockStats("disk", 100, 7, 100 * 4096, 7 * 4096))
+    wire = msgspec.json.decode(msgspec.json.encode(stats))
+    assert wire["tier"] == {
+        "kind": "disk",
+        "total": 100,
+        "used": 7,
+        "bytes_total": 409600,
+        "bytes_used": 28672,
+    }
+    assert msgspec.json.decode(msgspec.json.encode(stats), type=CacheStats) == stats
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=CacheStats) == stats  # pipe

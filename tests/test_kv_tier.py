@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 
 from prefixcache.engine.block_manager import BlockManager
+from prefixcache.engine.cache_activity import CacheActivity
 from prefixcache.engine.config import EngineConfig, TierSpec
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.kv_tier import DiskSlots, HostSlots, KVTier
 from prefixcache.engine.loader import load_model
 from prefixcache.engine.request import EngineRequest, SamplingParams
+from prefixcache.sdk.cache_stats import TierBlockStats
 
 BS = 4
 
@@ -231,6 +233,38 @@ def test_ttl_pins_of_a_namespace_are_capped() -> None:
     bm.check_invariants()
 
 
+def test_the_tree_snapshot_says_when_ttl_pins_lapse() -> None:
+    clock = Clock()
+    bm = BlockManager(16, BS, b"m", clock=clock)
+    activity = CacheActivity(bm)
+    prefix = list(range(13))  # three full blocks, one chain
+    compute_plain(bm, prefix)
+    compute_plain(bm, [99, *range(1, 9)])  # another top block, never pinned
+    assert bm.pin(prefix[:8], "a", ttl_s=100) == 2
+    assert bm.pin(prefix[:12], "a", ttl_s=50) == 3
+    clock.now = 10
+
+    chain = bm.match(prefix, "a", 12).blocks
+    other = bm.match([99, *range(1, 9)], "a", 8).blocks
+
+    def lapses() -> list[float]:
+        """Seconds from the snapshot to each chain block's lapse (0: none)."""
+        snap = activity.snapshot()
+        by_block = dict(zip((n.block for n in bm.tree.nodes()), snap.ttl_expires, strict=True))
+        assert all(by_block[b] == 0.0 for b in other)  # never pinned
+        return [round(by_block[b] - snap.taken_at, 3) if by_block[b] else 0.0 for b in chain]
+
+    assert lapses() == [90.0, 90.0, 40.0]  # a block lapses with the last TTL pin over it
+    assert bm.pin(prefix[:4], "a") == 1  # a pin without TTL holds the first block for good
+    assert lapses() == [0.0, 90.0, 40.0]
+    clock.now = 60
+    assert bm.expire_pins() == 1
+    assert lapses() == [0.0, 40.0, 0.0]
+    snap = activity.snapshot()
+    assert sum(snap.pinned) == 2  # the lapsed block is an ordinary LRU entry again
+    bm.check_invariants()
+
+
 def compute_plain(bm: BlockManager, prompt: list[int]) -> None:
     match = bm.match(prompt, "a", len(prompt) - 1)
     table = bm.allocate(prompt, "a", match, len(prompt))
@@ -309,7 +343,13 @@ def test_reloaded_kv_gives_the_cold_tokens_and_logprobs(loaded, kind: str, tmp_p
 
     cold_tokens, cold_logprobs, cold_cached, _ = run("cold")
     assert cold_cached == 0
+    tier = engine.cache_stats().tier
+    assert isinstance(tier, TierBlockStats) and tier.kind == kind and tier.used == 0
+    assert tier.total > 9 and tier.bytes_total == tier.total * engine.kv_cache.bytes_per_block
     engine.evict_all(keep_tier=True)
+    after = engine.cache_stats()
+    assert isinstance(after.tier, TierBlockStats) and after.tier.used == 9  # the prompt's blocks
+    assert after.tier.bytes_used == 9 * engine.kv_cache.bytes_per_block
     tokens, logprobs, cached, by_tier = run("reloaded")
     assert cached == 144 and by_tier == {"pool": 0, kind: 144}
     assert tokens == cold_tokens

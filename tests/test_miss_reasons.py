@@ -119,6 +119,22 @@ def test_evicted_by_pressure(loaded) -> None:
     assert misses[0] is not None and misses[0].evicted_by == "pressure"
 
 
+def test_evicted_by_ttl_after_its_retention_pin_lapsed(loaded) -> None:
+    engine = make_engine(loaded, num_blocks=8)
+    parts = [("rules", tokens(21, 4 * BS)), ("q", tokens(22, 4))]
+    run(engine, parts)
+    prompt = [t for _, ids in parts for t in ids]
+    assert engine.pin(prompt, "", ttl_s=0.05) == 4
+    time.sleep(0.1)  # lapses at the next step's expire_pins, then pressure takes the pages
+    run(engine, [("other", tokens(23, 7 * BS))])
+    misses = run(engine, parts)
+    assert reasons(misses) == ["evicted", "evicted"]
+    assert misses[0] is not None and misses[0].evicted_by == "ttl"
+    run(engine, [("other", tokens(24, 7 * BS))])  # the same blocks again, never pinned now
+    again = run(engine, parts)
+    assert again[0] is not None and again[0].evicted_by == "pressure"
+
+
 def test_namespace_another_salt_of_the_same_tenant(loaded) -> None:
     engine = make_engine(loaded)
     parts = [("rules", tokens(14, 3 * BS)), ("q", tokens(15, 4))]
