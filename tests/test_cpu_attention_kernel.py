@@ -171,3 +171,36 @@ def test_paged_decode_reads_pages_in_place(hq: int, hk: int, d: int) -> None:
         ref_out, ref_lse = reference(q[i : i + 1], k, v, scale, causal=False)
         torch.testing.assert_close(out[i : i + 1].float(), ref_out, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse[i : i + 1], ref_lse, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernel
+def test_bf16_cascade_decode_on_the_kernel_matches_plain_decode() -> None:
+    """Decodes over a shared cached prefix: the cascade split (prefix once per group, own
+    pages in place, merged by LSE) gives the logits of each decode reading all its pages."""
+    from prefixcache.engine.attention import create_backend
+    from prefixcache.engine.kv_cache import KVCache
+    from prefixcache.engine.loader import load_model
+    from prefixcache.engine.model_runner import BatchEntry, ModelRunner
+
+    loaded = load_model("demo", dtype="bfloat16", device="cpu")
+    bs, vocab = 16, loaded.config.vocab_size
+    runner = ModelRunner(
+        loaded, KVCache(loaded.kv_cache_spec(bs), num_blocks=64), create_backend("torch", "cpu")
+    )
+    rng = random.Random(9)
+    shared = [rng.randrange(3, vocab) for _ in range(96)]  # 6 full blocks
+    runner.execute([BatchEntry(shared, 0, list(range(6)), compute_logits=False)])
+    tails = [[rng.randrange(3, vocab) for _ in range(n)] for n in (3, 20, 9, 1)]
+    tables = [[*range(6), 10 + 2 * i, 11 + 2 * i] for i in range(len(tails))]
+    runner.execute([BatchEntry(t, 96, tb) for t, tb in zip(tails, tables, strict=True)])
+    batch = [
+        BatchEntry([5 + i], 96 + len(t), tb)
+        for i, (t, tb) in enumerate(zip(tails, tables, strict=True))
+    ]
+    cascade = runner.execute(batch)
+    assert runner.last_metadata is not None and runner.last_metadata.cascade_groups
+    runner.enable_cascade = False
+    plain = runner.execute(batch)
+    assert not runner.last_metadata.cascade_groups
+    torch.testing.assert_close(cascade, plain, atol=0.1, rtol=0.05)
+    assert cascade.argmax(-1).tolist() == plain.argmax(-1).tolist()

@@ -271,6 +271,7 @@ class TorchBackend(AttentionBackend):
         # CPU bf16 with the engine's kernel: every decode reads its pages in place, one call.
         self._paged_tables: torch.Tensor | None = None  # int32 [decodes, max blocks]
         self._paged_lens = torch.empty(0, dtype=torch.int64)
+        self._kernel_cascades: list[tuple[int, int, torch.Tensor]] = []  # rows, K page rows
         # Gather buffers, reused across layers and steps: fresh multi-MB allocations on CPU
         # cost more in page faults than the copy itself.
         self._scratch: dict[str, torch.Tensor] = {}
@@ -314,13 +315,22 @@ class TorchBackend(AttentionBackend):
         self._num_decode_rows = qo[-1] - qo[lo]
         self._meta, self._shape = meta, shape
         if self._num_decode_rows and self._reads_pages_in_place(shape, dev):
+            # Each decode reads its own pages in place (cascade members: those after the
+            # group's shared blocks); each cascade group's shared prefix is read once, by
+            # the whole group's queries in one kernel call, and merged by LSE.
             decodes = meta.seqs[lo:]
-            lens = [s.kv_len for s in decodes]
+            skip = [0] * len(decodes)
+            self._kernel_cascades = []
+            for g in meta.cascade_groups:
+                skip[g.begin - lo : g.end - lo] = [g.num_shared_blocks] * (g.end - g.begin)
+                shared = torch.as_tensor(tables[g.begin][: g.num_shared_blocks], dtype=torch.int64)
+                self._kernel_cascades.append((qo[g.begin], qo[g.end], (shared * 2).to(dev)))
+            lens = [sq.kv_len - n * bs for sq, n in zip(decodes, skip, strict=True)]
             width = max(-(-n // bs) for n in lens)
             table = torch.zeros(len(decodes), width, dtype=torch.int32)
-            for i, s in enumerate(decodes):
-                n = -(-s.kv_len // bs)
-                table[i, :n] = torch.as_tensor(s.block_table[:n], dtype=torch.int32)
+            for i, (sq, n) in enumerate(zip(decodes, skip, strict=True)):
+                own = sq.block_table[n : -(-sq.kv_len // bs)]
+                table[i, : len(own)] = torch.as_tensor(own, dtype=torch.int32)
             self._paged_tables = table
             self._paged_lens = torch.tensor(lens, dtype=torch.int64)
             return
@@ -432,9 +442,15 @@ class TorchBackend(AttentionBackend):
             out[p.q_begin : p.q_end] = o
         if self._paged_tables is not None:
             d0 = q.shape[0] - self._num_decode_rows
-            out[d0:], _ = cpu_kernels.paged_decode(
+            own, own_lse = cpu_kernels.paged_decode(
                 q[d0:], kv_layer, self._paged_tables, self._paged_lens, scale
             )
+            out[d0:] = own
+            for begin, end, shared_blocks in self._kernel_cascades:
+                sk, sv = self._gather(kv_layer, shared_blocks)
+                o_s, lse_s = dense_attention(q[begin:end], sk, sv, scale, causal=False)
+                rows = slice(begin - d0, end - d0)
+                out[begin:end], _ = merge_states(o_s, lse_s, own[rows], own_lse[rows])
             return out
         if not self._decodes:
             return out
