@@ -77,9 +77,21 @@ def progress_bar(
         unit_divisor=1024 if in_bytes else 1000,
         file=sys.stderr,
         leave=leave,
-        dynamic_ncols=True,
         mininterval=0.2,
+        **_screen_size(),
     )
+
+
+def _screen_size() -> dict[str, Any]:
+    """tqdm follows the terminal's width, except where stderr is a terminal that reports a
+    0 x 0 size (some ptys do; tqdm would then draw nothing): 80 x 20 there."""
+    try:
+        size = os.get_terminal_size(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # not a terminal, or no file descriptor
+        return {"dynamic_ncols": True}
+    if size.columns and size.lines:
+        return {"dynamic_ncols": True}
+    return {"ncols": size.columns or 80, "nrows": size.lines or 20}
 
 
 def progress_iter(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +38,20 @@ def test_progress_follows_the_setting_then_the_terminal(monkeypatch: pytest.Monk
     monkeypatch.setenv(progress.PROGRESS_ENV, "on")
     assert list(progress.progress_iter([1, 2, 3], "items")) == [1, 2, 3]
     assert "items: 100%" in sys.stderr.getvalue() and "3/3" in sys.stderr.getvalue()
+
+
+def test_a_terminal_of_no_size_still_gets_a_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    class SizelessPty(_Terminal):
+        def fileno(self) -> int:
+            return 2
+
+    monkeypatch.setattr(sys, "stderr", SizelessPty())
+    monkeypatch.delenv(progress.PROGRESS_ENV, raising=False)
+    monkeypatch.setattr(progress.os, "get_terminal_size", lambda fd: os.terminal_size((0, 0)))
+    with progress.progress_bar("x", 3) as bar:
+        bar.update(3)
+    lines = sys.stderr.getvalue().rstrip("\n").split("\r")
+    assert "x: 100%" in lines[-1] and max(len(line) for line in lines) == 80
 
 
 def weights_of(loaded) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
