@@ -18,10 +18,11 @@ import time
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.loader import load_model
+from prefixcache.engine.progress import progress_bar
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, label: str) -> dict:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -31,13 +32,16 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
     first_token: set[str] = set()
     computed = 0
     all_first_s = math.nan
+    bar = progress_bar(f"burst {label}: requests finished", len(prompts))
     while engine.has_unfinished:
         for out in engine.step():
             first_token.add(out.request_id)
             if out.finished:
                 computed += out.usage.computed_prompt_tokens
+                bar.update()
         if len(first_token) == len(prompts) and math.isnan(all_first_s):
             all_first_s = time.perf_counter() - start
+    bar.close()
     engine.block_manager.check_invariants()
     assert engine.block_manager.num_used_blocks == 0
     return {
@@ -86,8 +90,10 @@ def main() -> None:
         )
         return LLMEngine(config, loaded)
 
-    cached = run(engine(True), prompts, args.max_tokens)
-    uncached = None if args.skip_nocache else run(engine(False), prompts, args.max_tokens)
+    cached = run(engine(True), prompts, args.max_tokens, "cached")
+    uncached = (
+        None if args.skip_nocache else run(engine(False), prompts, args.max_tokens, "no cache")
+    )
 
     ideal_tokens = args.prefix + args.n * args.suffix
     ideal_blocks = math.ceil(args.prefix / block_size) + args.n * math.ceil(

@@ -21,6 +21,7 @@ from pathlib import Path
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.loader import load_model
+from prefixcache.engine.progress import progress_bar
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
 
@@ -54,23 +55,30 @@ def main() -> None:
     prefix = [rng.randrange(3, vocab) for _ in range(args.prefix)]
     prompt = prefix + [rng.randrange(3, vocab) for _ in range(args.suffix)]
 
+    bar = progress_bar("warm, save, cold, load, warm", 5)
     source = engine()
     source.generate([EngineRequest("warm", prefix, SamplingParams(max_tokens=1))])
     pinned_blocks = source.pin(prefix, "")
+    bar.update()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "pinned.safetensors"
         start = time.perf_counter()
         saved = source.save_pinned(path)
         save_s = time.perf_counter() - start
         del source
+        bar.update()
 
         cold_s, cold_logprobs, _ = first_token(engine(), prompt)
+        bar.update()
 
         restarted = engine()
         start = time.perf_counter()
         restarted.load_pinned(path)
         load_s = time.perf_counter() - start
+        bar.update()
         warm_s, warm_logprobs, cached = first_token(restarted, prompt)
+        bar.update()
+    bar.close()
 
     max_diff = max(abs(a - b) for a, b in zip(cold_logprobs, warm_logprobs, strict=True))
     result = {

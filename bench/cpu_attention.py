@@ -26,6 +26,7 @@ import torch
 from prefixcache.engine.attention import cpu_kernels
 from prefixcache.engine.attention.torch_backend import padded_decode_attention
 from prefixcache.engine.cpu_features import cpu_flags, cpu_model_name
+from prefixcache.engine.progress import progress_iter
 
 
 def timed(fn: Callable[[], object], repeat: int, clock: Callable[[], float]) -> float:
@@ -98,7 +99,7 @@ def main() -> None:
         "amx_bf16": "amx_bf16" in cpu_flags(),
         "threads": threads,
     }
-    for name, (ours, theirs) in cases.items():
+    for name, (ours, theirs) in progress_iter(cases.items(), "kernel vs torch"):
         torch.set_num_threads(1)
         ours_cpu = timed(ours, args.repeat, time.process_time)
         theirs_cpu = timed(theirs, args.repeat, time.process_time)
@@ -113,6 +114,9 @@ def main() -> None:
             "torch_wall_ms": theirs_wall,
             "speedup_wall": theirs_wall / ours_wall,
         }
+    for name in cases:  # after the bar is done
+        ours_cpu, theirs_cpu = result[name]["kernel_cpu_ms_1t"], result[name]["torch_cpu_ms_1t"]
+        ours_wall, theirs_wall = result[name]["kernel_wall_ms"], result[name]["torch_wall_ms"]
         print(
             f"{name:8s} kernel {ours_cpu:8.2f} ms vs torch {theirs_cpu:8.2f} ms CPU (1 thread): "
             f"{theirs_cpu / ours_cpu:.2f}x; wall at {threads} threads {ours_wall:.2f} vs "

@@ -29,6 +29,7 @@ from prefixcache.engine.attention import (
     create_backend,
     plan_step_order,
 )
+from prefixcache.engine.progress import progress_iter
 
 BS = 16
 HQ, HK, D = 8, 4, 64  # the demo model's attention shape
@@ -186,17 +187,19 @@ def main() -> int:
     specs = [(args.prefix + 32, 1)] * args.batch
     seqs, kv, q, k, v = make_case(specs, args.prefix, dtype, seed=4)
     timing = {}
-    for name, be, casc in (
+    configs = (
         ("flashinfer_plain", fi, False),
         ("flashinfer_cascade", fi, True),
         ("torch_plain", tb, False),
         ("torch_cascade", tb, True),
-    ):
+    )
+    for name, be, casc in progress_iter(configs, "decode attention timings"):
         order, groups = plan_step_order(seqs, BS, casc)
         meta = AttentionMetadata.build([seqs[i] for i in order], BS, "cuda", groups)
         be.plan(meta, AttentionShape(HQ, HK, D, dtype))
         layer = kv.clone()
         timing[name] = timed(lambda be=be, layer=layer: be.forward(q, k, v, layer))
+    for name in timing:  # after the bar is done
         print(f"decode attention {name:20s} {timing[name] * 1e6:9.1f} us per layer")
     speedup = timing["flashinfer_plain"] / timing["flashinfer_cascade"]
     print(f"flashinfer cascade speedup (batch {args.batch}, {args.prefix} shared): {speedup:.2f}x")

@@ -17,6 +17,7 @@ import json
 import random
 
 from prefixcache.engine.block_manager import BlockManager
+from prefixcache.engine.progress import progress_iter
 
 BLOCK = 16
 
@@ -60,7 +61,7 @@ def main() -> None:
     requests = trace(args)
     pools = [int(p) for p in args.pools.split(",")]
     need = max(len(r) for r in requests) // BLOCK + 2
-    rows = [hit_rate(requests, max(p, need)) for p in pools]
+    rows = [hit_rate(requests, max(p, need)) for p in progress_iter(pools, "pool sizes")]
     ideal = hit_rate(requests, sum(len(r) for r in requests) // BLOCK + 2)["hit_rate"]
     working_set = args.prompts * (args.prefix // BLOCK)
     for row in rows:

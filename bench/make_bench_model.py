@@ -16,6 +16,8 @@ import json
 import random
 from pathlib import Path
 
+from prefixcache.engine.progress import progress_bar, progress_wanted
+
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]
 
@@ -50,7 +52,7 @@ def train_tokenizer(vocab: int, seed: int) -> str:
         special_tokens=SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         min_frequency=1,
-        show_progress=False,
+        show_progress=progress_wanted(),  # the tokenizers library's own bars, on stderr
     )
     tok.train_from_iterator(corpus(seed, 60_000, 600_000), trainer)
     size = tok.get_vocab_size(with_added_tokens=True)
@@ -71,7 +73,9 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    bar = progress_bar("tokenizer, model, save", 3)
     tok_json = train_tokenizer(args.vocab, args.seed)
+    bar.update()
     (out / "tokenizer.json").write_text(tok_json, encoding="utf-8")
     ids = {t["content"]: t["id"] for t in json.loads(tok_json)["added_tokens"]}
     bos, eos, eot = (ids[t] for t in SPECIAL)
@@ -93,6 +97,7 @@ def main() -> None:
     )
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(config)
+    bar.update()
     model.save_pretrained(out, safe_serialization=True)
     tok_config = {
         "bos_token": SPECIAL[0],
@@ -102,6 +107,8 @@ def main() -> None:
         "clean_up_tokenization_spaces": False,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    bar.update()
+    bar.close()
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote {out} ({params / 1e6:.1f}M parameters, vocab {args.vocab})")
 

@@ -17,6 +17,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from prefixcache.engine.progress import progress_iter
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -31,7 +33,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     series: dict[str, dict[int, dict]] = defaultdict(dict)
-    for path in args.results:
+    for path in progress_iter(args.results, "result files"):
         for line in path.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)

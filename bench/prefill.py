@@ -23,6 +23,7 @@ from prefixcache.engine.kv_cache import KVCache
 from prefixcache.engine.loader import LoadedModel, load_model
 from prefixcache.engine.model_config import ModelConfig
 from prefixcache.engine.model_runner import BatchEntry, ModelRunner
+from prefixcache.engine.progress import progress_iter
 
 BLOCK = 16
 
@@ -108,7 +109,7 @@ def main() -> None:
 
     cold_times, warm_times = [], []
     cold_logits = warm_logits = torch.empty(0)
-    for _ in range(args.repeat):
+    for _ in progress_iter(range(args.repeat), "cold + warm prefill"):
         runner = ModelRunner(loaded, KVCache(spec, num_blocks), backend)
         sync()
         t0 = time.perf_counter()

@@ -19,6 +19,7 @@ import time
 from collections import deque
 
 from prefixcache.engine.block_manager import BlockManager
+from prefixcache.engine.progress import progress_bar
 
 TARGET_US = 1000.0
 
@@ -42,6 +43,7 @@ def bench_long_prompt(tokens: int, block_size: int, repeats: int, seed: int) -> 
     bm = BlockManager(blocks, block_size, b"bench|tok|bf16", no_copy)
     prompt = [rng.randrange(150_000) for _ in range(tokens)]
     hash_only, warm, free, cold = [], [], [], []
+    bar = progress_bar(f"{tokens}-token prompt, cold then warm", 2 * repeats)
     # cold: a fresh prompt each time, all blocks inserted
     for _ in range(repeats):
         fresh = [rng.randrange(150_000) for _ in range(tokens)]
@@ -52,6 +54,7 @@ def bench_long_prompt(tokens: int, block_size: int, repeats: int, seed: int) -> 
         cold.append(time.perf_counter() - t0)
         bm.free(table)
         bm.evict_all()
+        bar.update()
     # warm: the same prompt again and again
     table = bm.allocate(prompt, "ns", bm.match(prompt, "ns", tokens - 1), tokens)
     bm.commit(table, prompt, tokens)
@@ -70,6 +73,8 @@ def bench_long_prompt(tokens: int, block_size: int, repeats: int, seed: int) -> 
         warm.append(t1 - t0)
         free.append(t2 - t1)
         hash_only.append(t3 - t2)
+        bar.update()
+    bar.close()
     bm.check_invariants()
     return {
         "hash_only_us": best_us(hash_only),
@@ -100,8 +105,10 @@ def bench_trace(
     bm = BlockManager(num_blocks, block_size, b"bench|tok|bf16", no_copy)
     live: deque = deque()
     refused = 0
+    bar = progress_bar("trace prompts", len(prompts))
     t0 = time.perf_counter()
     for ns, prompt in prompts:
+        bar.update()  # a no-op when off; well under a microsecond when drawn
         m = bm.match(prompt, ns, len(prompt) - 1)
         while not bm.can_allocate(m, len(prompt)) and live:
             bm.free(live.popleft())
@@ -115,6 +122,7 @@ def bench_trace(
         if len(live) > 16:
             bm.free(live.popleft())
     elapsed = time.perf_counter() - t0
+    bar.close()
     while live:
         bm.free(live.popleft())
     bm.check_invariants()

@@ -34,7 +34,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from tqdm import tqdm
+
+from prefixcache.engine.progress import progress_bar, progress_iter
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -83,12 +84,12 @@ def ttft_sweep(sizes: dict) -> list[dict]:
     from prefixcache.engine.loader import load_model
 
     torch.set_num_threads(1)  # CPU time of this thread is then the whole work
-    with tqdm(total=1, desc="load demo model", leave=False) as bar:
+    with progress_bar("load demo model", 1, leave=False) as bar:
         loaded = load_model("demo", dtype="float32", device="cpu")
         bar.update()
     rows = []
     repeats = sizes["repeats"]
-    with tqdm(total=len(sizes["ttft_prefix"]) * repeats, desc="TTFT cold vs warm") as bar:
+    with progress_bar("TTFT cold vs warm", len(sizes["ttft_prefix"]) * repeats) as bar:
         for prefix in sizes["ttft_prefix"]:
             runs = []
             for k in range(repeats):
@@ -107,7 +108,7 @@ def ttft_sweep(sizes: dict) -> list[dict]:
 
 def burst_sweep(sizes: dict) -> list[dict]:
     rows = []
-    for n in tqdm(sizes["burst_n"], desc="burst"):
+    for n in progress_iter(sizes["burst_n"], "burst"):
         args = ["--n", str(n), "--prefix", str(sizes["burst_prefix"])]
         args += ["--suffix", str(sizes["burst_suffix"])]
         rows.append(bench_json("burst.py", *args))
@@ -116,7 +117,7 @@ def burst_sweep(sizes: dict) -> list[dict]:
 
 def cascade_sweep(sizes: dict) -> list[dict]:
     rows = []
-    for batch in tqdm(sizes["cascade_batch"], desc="cascade decode"):
+    for batch in progress_iter(sizes["cascade_batch"], "cascade decode"):
         args = ["--batch", str(batch), "--prefix", str(sizes["cascade_prefix"])]
         repeat = str(sizes["repeats"] * 2 - 1)  # the median of this many timed steps
         args += ["--repeat", repeat, "--threads", "1", "--clock", "cpu", "--no-check"]
@@ -125,7 +126,7 @@ def cascade_sweep(sizes: dict) -> list[dict]:
 
 
 def hit_sweep(sizes: dict) -> dict:
-    with tqdm(total=1, desc="hit rate vs pool size") as bar:
+    with progress_bar("hit rate vs pool size", 1) as bar:
         result = bench_json(
             "hit_rate.py", "--pools", sizes["hit_pools"], "--requests", str(sizes["hit_requests"])
         )

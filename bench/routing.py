@@ -41,6 +41,7 @@ from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.demo_model import ensure_demo_model
 from prefixcache.engine.loader import load_model
+from prefixcache.engine.progress import progress_bar
 from prefixcache.engine.tokenizer import Tokenizer
 from prefixcache.sidecar.app import SidecarSettings, create_app
 from prefixcache.sidecar.route_input import RouteReader
@@ -133,6 +134,7 @@ async def run_policy(
     turns: int,
     max_tokens: int,
     seed: int,
+    desc: str = "requests",
 ) -> dict[str, Any]:
     """``target(i) -> base URL`` for request i. Every conversation at once, turns in order."""
     ttfts: list[float] = []
@@ -140,6 +142,7 @@ async def run_policy(
     sent: list[list[dict[str, str]]] = []
     counter = iter(range(1_000_000))
     rng = random.Random(seed)
+    bar = progress_bar(desc, len(systems) * conversations * turns)
 
     async def conversation(client: httpx.AsyncClient, tenant: int, c: int) -> None:
         nonlocal prompt_tokens, cached_tokens
@@ -184,6 +187,7 @@ async def run_policy(
                         details = usage.get("prompt_tokens_details") or {}
                         cached_tokens += details.get("cached_tokens") or 0
             ttfts.append(first if first is not None else time.perf_counter() - start)
+            bar.update()
             messages.append({"role": "assistant", "content": "".join(text)})
 
     started = time.perf_counter()
@@ -191,6 +195,7 @@ async def run_policy(
         await asyncio.gather(
             *(conversation(client, t, c) for t in range(len(systems)) for c in range(conversations))
         )
+    bar.close()
     ttfts.sort()
     return {
         "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
@@ -352,7 +357,13 @@ def main() -> None:
                 time.sleep(0.5)  # subscribers connect and replay what the replicas hold
             result = asyncio.run(
                 run_policy(
-                    target, systems, args.conversations, args.turns, args.max_tokens, args.seed
+                    target,
+                    systems,
+                    args.conversations,
+                    args.turns,
+                    args.max_tokens,
+                    args.seed,
+                    desc=f"{policy}: requests",
                 )
             )
             sent = result.pop("_sent")

@@ -42,6 +42,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from prefixcache.engine.progress import progress_bar, progress_iter
+
 FIRST_ID = 3  # ids below this are the bench model's special tokens
 
 
@@ -211,6 +213,7 @@ async def run_shared(args: argparse.Namespace, host: str, port: int, model: str)
     for p in prompts:
         queue.put_nowait(p)
     results: list[Result] = []
+    bar = progress_bar("shared-prefix requests", len(prompts))
 
     async def worker() -> None:
         while not queue.empty():
@@ -220,10 +223,12 @@ async def run_shared(args: argparse.Namespace, host: str, port: int, model: str)
                 results.append(await stream_completion(host, port, body))
             except (OSError, ValueError, asyncio.IncompleteReadError) as e:
                 results.append(Result(ok=False, sent=time.perf_counter(), error=repr(e)))
+            bar.update()
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(args.concurrency)))
     elapsed = time.perf_counter() - start
+    bar.close()
     good = [r for r in results if r.ok]
     gaps = [g for r in good for g in r.gaps]
     ttfts = [r.ttft for r in good]
@@ -247,7 +252,7 @@ async def run_shared(args: argparse.Namespace, host: str, port: int, model: str)
 async def run_ttft(args: argparse.Namespace, host: str, port: int, model: str) -> dict:
     rng = random.Random(args.seed + 1)
     rounds: dict[str, list[float]] = {"A_cold": [], "B_warm": [], "C_unrelated": [], "D_after": []}
-    for _ in range(args.repeat):
+    for _ in progress_iter(range(args.repeat), "TTFT rounds A/B/C/D"):
         a = random_ids(rng, args.prompt, args.vocab)
         b = a[: args.shared] + random_ids(rng, args.prompt - args.shared, args.vocab)
         c = random_ids(rng, args.prompt, args.vocab)
@@ -265,12 +270,14 @@ async def run_ttft(args: argparse.Namespace, host: str, port: int, model: str) -
 async def warm_up(args: argparse.Namespace, host: str, port: int, model: str) -> None:
     """Unrelated requests first: compile/allocate paths so the first measured one is fair."""
     rng = random.Random(args.seed + 99)
-    for n in (args.warmup_tokens, 16):
-        for _ in range(args.warmup):
-            body = completion_body(model, random_ids(rng, n, args.vocab), 4)
-            r = await stream_completion(host, port, body)
-            if not r.ok:
-                raise SystemExit(f"warm-up request failed: {r.error}")
+    with progress_bar("warm-up requests", 2 * args.warmup) as bar:
+        for n in (args.warmup_tokens, 16):
+            for _ in range(args.warmup):
+                body = completion_body(model, random_ids(rng, n, args.vocab), 4)
+                r = await stream_completion(host, port, body)
+                if not r.ok:
+                    raise SystemExit(f"warm-up request failed: {r.error}")
+                bar.update()
 
 
 def main() -> None:

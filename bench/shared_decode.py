@@ -31,6 +31,7 @@ from prefixcache.engine.attention import (
 from prefixcache.engine.kv_cache import KVCache
 from prefixcache.engine.loader import load_model
 from prefixcache.engine.model_runner import BatchEntry, ModelRunner
+from prefixcache.engine.progress import progress_bar
 
 BLOCK = 16
 
@@ -98,7 +99,11 @@ def main() -> None:
         if loaded.device.type == "cuda":
             torch.cuda.synchronize()
 
-    step = {c: timed(lambda c=c: runners[c].execute(batch), args.repeat, sync) for c in runners}
+    bar = progress_bar("decode steps, attention: plain and cascade", 4)
+    step = {}
+    for c in runners:
+        step[c] = timed(lambda c=c: runners[c].execute(batch), args.repeat, sync)
+        bar.update()
     meta = runners[True].last_metadata
     assert meta is not None and meta.cascade_groups, "the batch did not form a cascade group"
 
@@ -120,6 +125,8 @@ def main() -> None:
             outs[c] = backend.forward(q, kv, kv, cache.layers[0])
 
         attn[c] = timed(run, args.repeat, sync) * cfg.num_layers
+        bar.update()
+    bar.close()
 
     result = {
         "model": loaded.name,

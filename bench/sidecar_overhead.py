@@ -41,6 +41,7 @@ import uvicorn
 
 from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.engine.config import EngineConfig
+from prefixcache.engine.progress import progress_bar, progress_iter
 from prefixcache.engine.request import EngineRequest, SamplingParams
 from prefixcache.sidecar.app import create_app
 from prefixcache.sidecar.rendering import PromptRenderer
@@ -178,7 +179,8 @@ class Bench:
         }
         names = list(paths)
         timings: dict[str, list[Timed]] = {name: [] for name in names}
-        for i in range(self.args.warmup + self.args.requests):
+        rounds = range(self.args.warmup + self.args.requests)
+        for i in progress_iter(rounds, f"request rounds over {len(names)} paths"):
             k = i % len(names)
             order = names[k:] + names[:k]  # rotate which path goes first
             for name in order:
@@ -277,6 +279,7 @@ def client_process(conn: Connection, base: str, args: argparse.Namespace) -> Non
 async def concurrent_streams(base: str, args: argparse.Namespace) -> dict:
     errors: list[str] = []
     tokens = 0
+    bar = progress_bar("concurrent streams finished", args.streams)
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         nonlocal tokens
@@ -307,12 +310,15 @@ async def concurrent_streams(base: str, args: argparse.Namespace) -> dict:
                     errors.append("stream ended without [DONE]")
         except httpx.HTTPError as exc:
             errors.append(type(exc).__name__)
+        finally:
+            bar.update()
 
     limits = httpx.Limits(max_connections=args.streams + 8)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
         start = time.perf_counter()
         await asyncio.gather(*(one(client, i) for i in range(args.streams)))
         wall = time.perf_counter() - start
+    bar.close()
     return {
         "streams": args.streams,
         "stream_errors": len(errors),

@@ -42,6 +42,8 @@ from typing import Any
 
 import httpx
 
+from prefixcache.engine.progress import progress_bar
+
 KEYS = {
     "admin": {"key": "sk-soak-admin-00001", "tenant": "ops", "admin": True},
     "a": {"key": "sk-soak-tenant-a-001", "tenant": "tenant-a", "admin": False},
@@ -304,6 +306,8 @@ async def drive(
         base_url=f"http://127.0.0.1:{port}", timeout=120, limits=limits
     ) as client:
         calibrate = min(20.0, seconds / 6)
+        began, shown = time.monotonic(), 0  # whole seconds on the bar
+        bar = progress_bar("soak: calibrate, then overload", int(seconds), unit="s")
         capacity = await measure_capacity(client, calibrate)
         rate = max(1.0, capacity * overload)
         rng = random.Random(7)
@@ -323,6 +327,10 @@ async def drive(
             else:
                 skipped += 1  # the client's own cap: keeps the client from melting down
             await asyncio.sleep(rng.expovariate(rate))
+            if (elapsed := int(time.monotonic() - began)) > shown:
+                bar.update(elapsed - shown)
+                shown = elapsed
+        bar.close()
         if tasks:
             await asyncio.wait(tasks, timeout=180)
         return {

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.loader import LoadedModel, load_model
+from prefixcache.engine.progress import progress_iter
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
 BS = 16
@@ -77,9 +78,9 @@ def zipf_workload(
     return [texts[d] + [rng.randrange(3, vocab) for _ in range(QUESTION)] for d in picks]
 
 
-def run_workload(engine: LLMEngine, prompts: list[list[int]]) -> Run:
+def run_workload(engine: LLMEngine, prompts: list[list[int]], desc: str) -> Run:
     ttfts, cached, total = [], 0, 0
-    for prompt in prompts:
+    for prompt in progress_iter(prompts, desc):
         seconds, result = first_token(engine, prompt)
         ttfts.append(seconds)
         cached += result.usage.cached_tokens
@@ -148,10 +149,11 @@ def main() -> None:
             )
             row: dict[str, dict] = {}
             unbounded = make_engine(loaded, docs * doc_blocks + args.requests + 64, None)
-            row["unbounded"] = asdict(run_workload(unbounded, prompts))
+            label = f"working set {ratio:g}x pool"
+            row["unbounded"] = asdict(run_workload(unbounded, prompts, f"{label}, unbounded"))
             for kind in ("none", "host", "disk"):
                 engine = make_engine(loaded, pool_blocks, tier_arg(kind, tier_gib(docs), tmp.name))
-                row[kind] = asdict(run_workload(engine, prompts))
+                row[kind] = asdict(run_workload(engine, prompts, f"{label}, tier {kind}"))
             sweep[f"{ratio:g}"] = row
             print(
                 f"working set {ratio:g}x pool: "
@@ -175,7 +177,7 @@ def main() -> None:
         policies = {}
         for policy in ("all", "hit"):
             engine = make_engine(loaded, pool_blocks, tier_arg("host", tier_gib(docs), ""), policy)
-            policies[policy] = asdict(run_workload(engine, prompts))
+            policies[policy] = asdict(run_workload(engine, prompts, f"spill policy {policy}"))
         out["spill_policy"] = policies
         print(
             "spill policy: "
@@ -243,7 +245,7 @@ def main() -> None:
             assert tier is not None
             tier.spill = timed(tier.spill, spill_seconds, kind)  # type: ignore[method-assign]
         rng = random.Random(3)
-        for _ in range(args.miss_prompts + 1):
+        for _ in progress_iter(range(args.miss_prompts + 1), "no hits: prompts"):
             unique = [rng.randrange(3, vocab) for _ in range(args.miss_tokens)]
             for kind, engine in engines.items():
                 seconds, result = first_token(engine, unique)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from prefixcache.engine.demo_model import ensure_demo_model
+from prefixcache.engine.progress import progress_iter
 from prefixcache.engine.tokenizer import Tokenizer
 
 WORDS = [
@@ -97,7 +98,7 @@ def main() -> None:
     whole, cached, question_only = [], [], []
     cold_s = 0.0
     num_tokens = 0
-    for i in range(args.requests):
+    for i in progress_iter(range(args.requests), "requests tokenized"):
         question = f"Request {i}: which train leaves after {i % 24}:00, and from which platform?"
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         text = tokenizer.apply_chat_template(messages)

@@ -21,6 +21,7 @@ from flops import prefill_flops
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.loader import LoadedModel, load_model
+from prefixcache.engine.progress import progress_bar
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
 Clock = Callable[[], float]
@@ -92,8 +93,11 @@ def main() -> None:
     def scaled(*lengths: int) -> list[int]:
         return [max(1, int(n * args.scale)) for n in lengths]
 
-    coding = measure(loaded, scaled(8000, 30000, 10000, 2000), args.max_batched_tokens, rng)
-    plain = measure(loaded, scaled(20000, 1000), args.max_batched_tokens, rng)
+    with progress_bar("cold + warm TTFT", 2) as bar:
+        coding = measure(loaded, scaled(8000, 30000, 10000, 2000), args.max_batched_tokens, rng)
+        bar.update()
+        plain = measure(loaded, scaled(20000, 1000), args.max_batched_tokens, rng)
+        bar.update()
     for name, r in (("coding assistant", coding), ("prefix + suffix", plain)):
         print(
             f"{name:17s} {r['tokens']:6d} tokens ({r['cached']} cached): cold {r['cold_s']:.3f} s,"

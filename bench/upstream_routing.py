@@ -29,6 +29,7 @@ import uvicorn
 from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.loader import load_model
+from prefixcache.engine.progress import progress_bar, progress_iter
 from prefixcache.sidecar.app import SidecarSettings, create_app
 from prefixcache.sidecar.upstream_app import UpstreamSettings, create_upstream_app
 
@@ -93,10 +94,11 @@ def workload(prompts: int, questions: int, seed: int) -> list[tuple[int, list[di
 
 
 async def run(
-    targets: list[str], requests: list[tuple[int, list[dict]]], concurrency: int
+    targets: list[str], requests: list[tuple[int, list[dict]]], concurrency: int, desc: str
 ) -> tuple[int, int, list[float]]:
     """Send request i to targets[i % len(targets)]; (prompt tokens, cached tokens, latencies)."""
     gate = asyncio.Semaphore(concurrency)
+    bar = progress_bar(desc, len(requests))
     totals = [0, 0]
     latencies: list[float] = []
 
@@ -110,9 +112,11 @@ async def run(
         usage = response.json()["usage"]
         totals[0] += usage["prompt_tokens"]
         totals[1] += usage["prompt_tokens_details"]["cached_tokens"]
+        bar.update()
 
     async with httpx.AsyncClient(timeout=600) as client:
         await asyncio.gather(*(one(client, i, m) for i, (_, m) in enumerate(requests)))
+    bar.close()
     return totals[0], totals[1], latencies
 
 
@@ -135,7 +139,7 @@ def hop_overhead(proxy: str, replicas: list[str], requests: int) -> float:
                 if stats["tokens"]["queries"] and owner is None:
                     owner = url
             diffs = []
-            for _ in range(requests):
+            for _ in progress_iter(range(requests), "hop overhead: request pairs"):
                 t0 = time.perf_counter()
                 await client.post(f"{owner}/chat/completions", json=body)
                 t1 = time.perf_counter()
@@ -175,7 +179,9 @@ def main() -> None:
         ):
             evict(replicas)
             start = time.perf_counter()
-            prompt, cached, latencies = asyncio.run(run(targets, requests, args.concurrency))
+            prompt, cached, latencies = asyncio.run(
+                run(targets, requests, args.concurrency, f"{name}: requests")
+            )
             results[name] = {
                 "computed_tokens": prompt - cached,
                 "hit_rate": round(cached / prompt, 4),

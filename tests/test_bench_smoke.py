@@ -7,6 +7,7 @@ token count of the burst benchmark, which is a property of the scheduler, not of
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -85,14 +86,18 @@ CASES = {
 
 
 def run_bench(name: str, args: list[str]) -> dict:
+    """Progress bars forced on (stderr is a pipe here): they must stay off stdout."""
     proc = subprocess.run(
         [sys.executable, str(BENCH / name), *args, "--json"],
         capture_output=True,
         text=True,
         timeout=240,
         check=False,
+        env={**os.environ, "PREFIXCACHE_PROGRESS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "100%|" in proc.stderr, proc.stderr[-2000:]  # its main loop's bar ran to the end
+    assert "100%|" not in proc.stdout
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
