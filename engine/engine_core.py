@@ -209,15 +209,17 @@ def exit_with_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-def run_core(conn: Connection, config: EngineConfig, log_level: int = logging.INFO) -> None:
+def run_core(
+    conn: Connection, config: EngineConfig, log_level: int = logging.INFO, parent_pid: int = 0
+) -> None:
     """The spawned process's entry point: load, say Ready (or Failed), then serve the pipe;
     on Shutdown, EOF or SIGTERM, stop and release the KV tier and the event publisher."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (core): %(message)s")
     # Ctrl-C reaches the whole process group: the API side handles it and sends Shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    watch = threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True)
-    watch.start()
+    parent = parent_pid or os.getppid()
+    threading.Thread(target=exit_with_parent, args=(parent,), daemon=True).start()
     encoder = wire.encoder()
     try:
         engine = LLMEngine(config)

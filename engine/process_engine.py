@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import AsyncGenerator, Iterator
@@ -70,11 +71,11 @@ class _MirroredMetrics(Collector):
             yield metric
 
 
-def _run_core(conn: Any, config: EngineConfig, log_level: int) -> None:
+def _run_core(conn: Any, config: EngineConfig, log_level: int, parent_pid: int) -> None:
     """The child's entry point, named here so that this side never imports the engine (torch)."""
     from .engine_core import run_core
 
-    run_core(conn, config, log_level)
+    run_core(conn, config, log_level, parent_pid)
 
 
 RECORDS_KEPT = 2000  # finished requests remembered for the dashboard (as CacheActivity keeps)
@@ -121,7 +122,10 @@ class ProcessEngine:
         parent, child = ctx.Pipe(duplex=True)
         level = logging.getLogger("prefixcache").getEffectiveLevel()
         self._process = ctx.Process(
-            target=_run_core, args=(child, self.config, level), name="prefixcache-core", daemon=True
+            target=_run_core,
+            args=(child, self.config, level, os.getpid()),
+            name="prefixcache-core",
+            daemon=True,
         )
         self._process.start()
         child.close()

@@ -62,10 +62,11 @@ class Tokenizer:
         fingerprint_source: bytes = b"",
         special_tokens: dict[str, str] | None = None,
     ) -> None:
+        # The pipeline's own text (tokenizer.json, or a GGUF file's rebuilt one): the
+        # fingerprint's source, and what to_spec sends.
+        self._source = fingerprint_source or tokenizer.to_str().encode()
         # As transformers encodes a prompt (truncation=False, padding=False): whatever
         # tokenizer.json says about truncation or padding must not cut or pad our prompts.
-        # The pipeline's own text (tokenizer.json, or a GGUF file's rebuilt one), for to_spec.
-        self._source = fingerprint_source or tokenizer.to_str().encode()
         tokenizer.no_truncation()
         tokenizer.no_padding()
         self._tok = tokenizer

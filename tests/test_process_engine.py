@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,35 @@ async def test_kv_events_and_a_disk_tier_run_in_the_core(tmp_path: Path) -> None
     assert any(isinstance(e, BlockRemoved) for e in events)
     assert list(tmp_path.iterdir()) == []  # the engine closed its tier
     assert eng._process is None
+
+
+def test_a_core_whose_parent_is_gone_exits() -> None:
+    """The backstop for a server killed while its core loads the model (no pipe reader yet):
+    the core notices the parent is gone and exits after a grace period."""
+    core = (
+        "import sys, prefixcache.engine.engine_core as c\n"
+        "c.PARENT_GONE_GRACE_S = 0.2\n"
+        "c.exit_with_parent(int(sys.argv[1]))\n"
+    )
+    parent = (
+        "import os, subprocess, sys\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {core!r}, str(os.getpid())])\n"
+        "print(child.pid, flush=True)\n"
+    )  # exits at once, leaving the child to watch a parent that is gone
+    done = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True)
+    pid = int(done.stdout)
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its new parent) has exited
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return True
