@@ -138,6 +138,9 @@ class ProcessEngine:
         self._tokenizer, self._ready = tokenizer, first
         self._apply_stats(first.stats, first.metrics)
         self._loop.add_reader(parent.fileno(), self._on_readable)
+        # uvloop (uvicorn's loop) makes a watched fd non-blocking; Connection's framing needs
+        # whole reads and writes (a partial one raised BlockingIOError and lost the core).
+        os.set_blocking(parent.fileno(), True)
 
     @staticmethod
     def _recv_first(conn: Any) -> wire.Ready | wire.Failed:

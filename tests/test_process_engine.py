@@ -248,3 +248,28 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
     except OSError:
         return True
+
+
+def test_under_uvloop_large_messages_keep_the_pipe() -> None:
+    """`prefixcache serve` runs on uvloop, which makes a watched fd non-blocking: the pipe
+    must stay blocking, or a message larger than the socket buffer is cut (BlockingIOError)
+    and the engine is taken for dead."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> None:
+        eng = ProcessEngine(EngineConfig(**CONFIG))
+        await eng.start()
+        try:
+            assert os.get_blocking(eng._conn.fileno())
+            for i in range(3):  # an Add of ~600 KB: more than the socket's buffer
+                with pytest.raises(ValueError, match="accepts at most"):
+                    await collect(eng, EngineRequest(f"long{i}", [300] * 200_000, greedy(2)))
+            got = await asyncio.gather(
+                *(collect(eng, EngineRequest(f"r{i}", PREFIX, greedy(40))) for i in range(8))
+            )
+            assert all(len(tokens) == 40 for tokens, _, _ in got)
+            assert eng.error is None and eng.is_ready
+        finally:
+            await eng.shutdown()
+
+    uvloop.run(main())
