@@ -17,7 +17,8 @@ no 5xx but 503 during start-up; every 200 finished (non-streaming: a finish reas
 read to the end: [DONE]) or was aborted by us; no request failed in the engine
 (`prefixcache:request_failure`); 0 blocks in use, nothing running or waiting; the pool
 invariant (free + cached_idle + in_use == total, pinned <= cached_idle + in_use); the gauges
-equal /v1/cache/stats; the server's RSS grew less than --rss-bound-mib after warm-up.
+equal /v1/cache/stats; the server's RSS (with its engine core's) grew less than
+--rss-bound-mib after warm-up.
 
     .venv/bin/python bench/soak.py --minutes 10 --json
 """
@@ -65,11 +66,27 @@ def free_port() -> int:
 
 
 def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    """The RSS of ``pid`` and its children (the engine core runs in one), in MiB."""
+    total = 0.0
+    for p in [pid, *children(pid)]:
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 1024
+        except (OSError, StopIteration):
+            continue
+    return total if total else float("nan")
+
+
+def children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            kids.append(int(stat.parent.name))
+    return kids
 
 
 def metric(text: str, name: str, labels: str = "") -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
@@ -18,15 +18,37 @@ from prefixcache.sdk.cache_stats import CacheStats
 
 from .request import EngineRequest, RequestOutput, SamplingParams, SegmentMiss
 
-if TYPE_CHECKING:  # prefix_store imports torch; only its result types are named here
-    from .prefix_store import LoadResult, SaveResult
-
 
 @dataclass(slots=True)
 class WarmResult:
     tokens: int
     cached_tokens: int  # of those, already cached before warming
     pinned_blocks: int
+
+
+class PrefixStoreError(ValueError):
+    """A cache file that cannot be loaded here: missing, damaged, or made by another engine."""
+
+
+@dataclass(slots=True, frozen=True)
+class SaveResult:
+    """What ``save_pinned`` wrote (the file format: engine/prefix_store.py)."""
+
+    path: str
+    prefixes: int
+    blocks: int
+    bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class LoadResult:
+    path: str
+    prefixes: int  # pinned prefixes in the file
+    blocks: int  # blocks in the file
+    restored_blocks: int
+    reused_blocks: int
+    skipped_blocks: int
+    pinned_prefixes: int
 
 
 async def compute_prefix(

@@ -29,6 +29,8 @@ from .request import RequestOutput
 
 log = logging.getLogger("prefixcache.engine")
 METRICS_EVERY_S = 0.25  # the API side's /metrics lags the core by at most this (or a finish)
+PARENT_POLL_S = 0.5
+PARENT_GONE_GRACE_S = 10.0
 _ADMIN = frozenset({"pin", "unpin", "evict_all", "save_pinned", "load_pinned", "cache_tree"})
 
 
@@ -62,8 +64,7 @@ class EngineCore:
         engine, loaded = self.engine, self.engine.loaded
         return wire.Ready(
             model_name=loaded.name,
-            model_folder=str(loaded.path or ""),
-            eos_token_ids=list(engine.tokenizer.eos_token_ids),
+            tokenizer=engine.tokenizer.to_spec(),
             tokenizer_fingerprint=engine.tokenizer.fingerprint,
             max_model_len=engine.max_seq_len,
             block_size=engine.config.block_size,
@@ -82,11 +83,15 @@ class EngineCore:
             try:
                 data = self.conn.recv_bytes()
             except (EOFError, OSError):  # the API side is gone: stop
-                self.inbox.put(wire.Shutdown())
-                self.wakeup.set()
+                self.stop()
                 return
             self.inbox.put(decoder.decode(data))
             self.wakeup.set()
+
+    def stop(self) -> None:
+        """Stop after the current step, as a Shutdown message would (any thread)."""
+        self.inbox.put(wire.Shutdown())
+        self.wakeup.set()
 
     # -- the main thread ---------------------------------------------------------------------
 
@@ -101,9 +106,10 @@ class EngineCore:
             if engine.has_unfinished:
                 try:
                     outputs = engine.step()
-                except Exception as exc:  # a bug must not take the server down: fail the batch
+                except Exception as exc:  # a bug outside the model step: fail everything
                     log.exception("engine step failed")
-                    outputs = self.fail_all(f"internal engine error: {exc}")
+                    engine.error = f"internal engine error: {type(exc).__name__}: {exc}"
+                    outputs = engine.fail_all("engine_error", engine.error)
                 self.send_step(outputs)
             elif self.pending or self.refused:
                 self.send_step([])
@@ -192,23 +198,28 @@ class EngineCore:
         except (BrokenPipeError, OSError):
             self.stopping = True
 
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        outputs = []
-        engine = self.engine
-        for seq in [*engine.scheduler.running, *engine.scheduler.waiting]:
-            out = engine.abort_request(seq.request_id)
-            if out is not None:
-                out.finish_reason, out.error = "error", message
-                outputs.append(out)
-        return outputs
+
+def exit_with_parent(parent_pid: int) -> None:
+    """End this process once its parent is gone (killed while the model loads, or a step that
+    never returns): the pipe's EOF stops a serving core cleanly first, within the grace."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    time.sleep(PARENT_GONE_GRACE_S)
+    log.error("the API process is gone: the engine core exits")
+    os._exit(1)
 
 
-def run_core(conn: Connection, config: EngineConfig, log_level: int = logging.INFO) -> None:
-    """The spawned process's entry point: load, say Ready (or Failed), then serve the pipe."""
+def run_core(
+    conn: Connection, config: EngineConfig, log_level: int = logging.INFO, parent_pid: int = 0
+) -> None:
+    """The spawned process's entry point: load, say Ready (or Failed), then serve the pipe;
+    on Shutdown, EOF or SIGTERM, stop and release the KV tier and the event publisher."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (core): %(message)s")
     # Ctrl-C reaches the whole process group: the API side handles it and sends Shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parent = parent_pid or os.getppid()
+    threading.Thread(target=exit_with_parent, args=(parent,), daemon=True).start()
     encoder = wire.encoder()
     try:
         engine = LLMEngine(config)
@@ -217,10 +228,17 @@ def run_core(conn: Connection, config: EngineConfig, log_level: int = logging.IN
         conn.send_bytes(encoder.encode(wire.Failed(f"{type(e).__name__}: {e}")))
         return
     core = EngineCore(conn, engine)
-    conn.send_bytes(encoder.encode(core.ready()))
+    # SIGTERM to the whole group (systemd, a container's stop) stops the core as Shutdown does.
+    signal.signal(signal.SIGTERM, lambda signum, frame: core.stop())
+    try:
+        conn.send_bytes(encoder.encode(core.ready()))
+    except OSError:  # the API side went away while the model loaded
+        engine.close()
+        return
     # The step loop runs on a thread of its own, not on the main thread: measured here (2
     # vCPUs, libgomp, a busy box), torch's parallel regions entered from the main thread
     # took 5-10x longer per decode step than the same calls from a second thread.
     loop = threading.Thread(target=core.run, name="prefixcache-core", daemon=True)
     loop.start()
     loop.join()
+    engine.close()  # the tier's writer and file (unless kept), queued KV events

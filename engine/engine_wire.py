@@ -17,6 +17,7 @@ from prefixcache.sdk.cache_stats import CacheStats
 
 from .api import RequestRecord
 from .request import EngineRequest, RequestOutput
+from .tokenizer import TokenizerSpec
 
 # -- API side -> core ------------------------------------------------------------------------
 
@@ -65,8 +66,7 @@ class MetricFamily(msgspec.Struct, array_like=True):
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
     model_name: str
-    model_folder: str  # where the API side loads the same tokenizer from
-    eos_token_ids: list[int]
+    tokenizer: TokenizerSpec  # the API side builds the same one from it, any model source
     tokenizer_fingerprint: str
     max_model_len: int
     block_size: int

@@ -30,16 +30,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .api import LoadResult, PrefixStoreError, SaveResult
 from .block_manager import BlockManager
 from .kv_cache import KVCache
 from .pinned_blocks import SavedBlock, restore_blocks, saved_blocks
 
 FORMAT = "prefixcache-pinned-prefixes/2"  # /2: HMAC-authenticated
 DIGEST_BYTES = 16  # the prefix tree's blake2b-128 digests
-
-
-class PrefixStoreError(ValueError):
-    """A file that cannot be loaded here: missing, damaged, or made by another engine."""
 
 
 @dataclass(slots=True)
@@ -55,25 +52,6 @@ class Snapshot:
     @property
     def num_prefixes(self) -> int:
         return sum(1 for b in self.blocks if b.pins)
-
-
-@dataclass(slots=True, frozen=True)
-class SaveResult:
-    path: str
-    prefixes: int
-    blocks: int
-    bytes: int
-
-
-@dataclass(slots=True, frozen=True)
-class LoadResult:
-    path: str
-    prefixes: int  # pinned prefixes in the file
-    blocks: int  # blocks in the file
-    restored_blocks: int
-    reused_blocks: int
-    skipped_blocks: int
-    pinned_prefixes: int
 
 
 def identity_digest(identity: bytes) -> str:

@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import AsyncGenerator, Iterator
@@ -29,10 +30,17 @@ from prometheus_client.registry import Collector
 from prefixcache.sdk.cache_stats import CacheStats
 
 from . import engine_wire as wire
-from .api import RequestRecord, TreeSnapshot, WarmResult, compute_prefix
+from .api import (
+    LoadResult,
+    PrefixStoreError,
+    RequestRecord,
+    SaveResult,
+    TreeSnapshot,
+    WarmResult,
+    compute_prefix,
+)
 from .config import EngineConfig
 from .output import aborted_output
-from .prefix_store import LoadResult, PrefixStoreError, SaveResult
 from .request import EngineRequest, RequestOutput
 from .tokenizer import Tokenizer
 
@@ -63,13 +71,20 @@ class _MirroredMetrics(Collector):
             yield metric
 
 
+def _run_core(conn: Any, config: EngineConfig, log_level: int, parent_pid: int) -> None:
+    """The child's entry point, named here so that this side never imports the engine (torch)."""
+    from .engine_core import run_core
+
+    run_core(conn, config, log_level, parent_pid)
+
+
 RECORDS_KEPT = 2000  # finished requests remembered for the dashboard (as CacheActivity keeps)
 
 
 class ProcessEngine:
-    """The ``EngineAPI`` with the engine core in a child process (``prefixcache serve
-    --engine process``; experimental: the API side loads the tokenizer from a Hugging Face
-    folder). ``AsyncEngine`` is the same API with the core on a thread (the default)."""
+    """The ``EngineAPI`` with the engine core in a child process (``prefixcache serve``'s
+    default, ``--engine process``). ``AsyncEngine`` is the same API with the core on a thread
+    (``--engine thread``)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -102,14 +117,15 @@ class ProcessEngine:
         """Spawn the core, wait until it has loaded the model, then load the tokenizer here."""
         if self._ready is not None:
             return
-        from .engine_core import run_core  # the child imports it; this side only names it
-
         self._loop = asyncio.get_running_loop()
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs threads
         parent, child = ctx.Pipe(duplex=True)
         level = logging.getLogger("prefixcache").getEffectiveLevel()
         self._process = ctx.Process(
-            target=run_core, args=(child, self.config, level), name="prefixcache-core", daemon=True
+            target=_run_core,
+            args=(child, self.config, level, os.getpid()),
+            name="prefixcache-core",
+            daemon=True,
         )
         self._process.start()
         child.close()
@@ -122,6 +138,9 @@ class ProcessEngine:
         self._tokenizer, self._ready = tokenizer, first
         self._apply_stats(first.stats, first.metrics)
         self._loop.add_reader(parent.fileno(), self._on_readable)
+        # uvloop (uvicorn's loop) makes a watched fd non-blocking; Connection's framing needs
+        # whole reads and writes (a partial one raised BlockingIOError and lost the core).
+        os.set_blocking(parent.fileno(), True)
 
     @staticmethod
     def _recv_first(conn: Any) -> wire.Ready | wire.Failed:
@@ -136,7 +155,9 @@ class ProcessEngine:
 
     @staticmethod
     def _load_tokenizer(ready: wire.Ready) -> Tokenizer:
-        tok = Tokenizer.from_folder(ready.model_folder, extra_eos_ids=ready.eos_token_ids)
+        """The core's tokenizer, built from what it sent (any model source: a Hugging Face
+        folder, a GGUF file, a named model, the demo), with no model file read here."""
+        tok = Tokenizer.from_spec(ready.tokenizer)
         if tok.fingerprint != ready.tokenizer_fingerprint:
             raise EngineProcessError("the tokenizer here differs from the engine's")
         return tok

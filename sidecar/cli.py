@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from prefixcache.engine.api import EngineAPI
     from prefixcache.engine.config import EngineConfig
 
     from .upstream_app import EventSource
@@ -42,9 +43,7 @@ def serve(args: argparse.Namespace) -> None:
         return
     import uvicorn
 
-    from prefixcache.engine.async_engine import AsyncEngine
     from prefixcache.engine.config import EngineConfig
-    from prefixcache.engine.process_engine import ProcessEngine
 
     from .app import SidecarSettings, create_app
     from .tenancy import KeyStore
@@ -89,7 +88,7 @@ def serve(args: argparse.Namespace) -> None:
         use_generation_config=args.generation_config == "auto",
         tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
     )
-    engine = ProcessEngine(config) if args.engine == "process" else AsyncEngine(config)
+    engine = create_engine(config, args.engine)
     app = create_app(engine, settings)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -110,6 +109,18 @@ def serve(args: argparse.Namespace) -> None:
             f"prefixcache serve: the engine failed to start: {sidecar.start_error}", file=sys.stderr
         )
         raise SystemExit(1)
+
+
+def create_engine(config: EngineConfig, mode: str) -> EngineAPI:
+    """``--engine process``: the engine core in a child process (this one never imports torch);
+    ``--engine thread``: on a thread of this process."""
+    if mode == "process":
+        from prefixcache.engine.process_engine import ProcessEngine
+
+        return ProcessEngine(config)
+    from prefixcache.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(config)
 
 
 def set_kv_events(config: EngineConfig, args: argparse.Namespace, secret: bytes) -> None:

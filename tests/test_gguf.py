@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -30,6 +31,7 @@ from prefixcache.engine.gguf_loader import (  # noqa: E402
 from prefixcache.engine.gguf_tokenizer import sentencepiece_merges  # noqa: E402
 from prefixcache.engine.loader import ModelLoadError, load_model  # noqa: E402
 from prefixcache.engine.model_config import UnsupportedModelError  # noqa: E402
+from prefixcache.engine.tokenizer import TokenizerSpec  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 2, 4, 2, 64  # rows of 256: K-quants
@@ -386,6 +388,76 @@ def test_sentencepiece_merges_follow_scores() -> None:
         ("a", "b"),
         ("b", "c"),
     ]
+
+
+def same_tokenizer(a, b) -> None:  # type: ignore[no-untyped-def]
+    """Two Tokenizers that serve a model the same way: ids, prompt, stops, fingerprint."""
+    assert a.fingerprint == b.fingerprint
+    assert a.eos_token_ids == b.eos_token_ids and a.bos_token_id == b.bos_token_id
+    assert a.special_tokens == b.special_tokens
+    for text in TEXTS:
+        assert a.encode(text) == b.encode(text), text
+        assert a.encode(text, add_special_tokens=True) == b.encode(text, add_special_tokens=True)
+    assert a.chat_template == b.chat_template
+    if a.chat_template is not None:
+        messages = [{"role": "system", "content": "Be short."}, {"role": "user", "content": "Hi"}]
+        assert a.apply_chat_template(messages) == b.apply_chat_template(messages)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_gguf_tokenizer_rebuilds_from_its_spec(tmp_path: Path, kind: str) -> None:
+    """What ProcessEngine's core sends its API side is the whole tokenizer, for both GGUF
+    vocabulary kinds (and a Hugging Face folder's)."""
+    from gguf import GGUFReader
+
+    from prefixcache.engine.gguf_loader import read_metadata
+    from prefixcache.engine.tokenizer import Tokenizer
+
+    path = tmp_path / f"{kind}.gguf"
+    write_gguf(path, None, tokenizer=kind)
+    ours = Tokenizer.from_gguf(read_metadata(GGUFReader(path)), extra_eos_ids=[7])
+    rebuilt = Tokenizer.from_spec(
+        msgspec.msgpack.decode(msgspec.msgpack.encode(ours.to_spec()), type=TokenizerSpec)
+    )
+    same_tokenizer(ours, rebuilt)
+    assert 7 in rebuilt.eos_token_ids
+    folder = Tokenizer.from_folder(ASSETS, extra_eos_ids=[3])
+    same_tokenizer(folder, Tokenizer.from_spec(folder.to_spec()))
+
+
+async def test_process_engine_serves_a_gguf_file(
+    checkpoint: tuple[Path, transformers.PreTrainedModel], tmp_path: Path
+) -> None:
+    """`prefixcache serve --model FILE.gguf` in its default (process) mode: the API side
+    tokenizes as the core does, and the tokens equal the in-process engine's."""
+    from prefixcache.engine.config import EngineConfig
+    from prefixcache.engine.engine import LLMEngine
+    from prefixcache.engine.process_engine import ProcessEngine
+    from prefixcache.engine.request import EngineRequest, SamplingParams
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, checkpoint[1], Q.Q8_0)
+    config = dict(model=str(path), dtype="float32", device="cpu", num_blocks=64)
+    reference = LLMEngine(EngineConfig(**config))
+    engine = ProcessEngine(EngineConfig(**config))
+    await engine.start()
+    try:
+        same_tokenizer(engine.tokenizer, reference.tokenizer)
+        assert engine.model_name == "m.gguf"
+        assert engine.cache_identity == LLMEngine.cache_identity(reference.loaded)
+        prompt = engine.tokenizer.encode(
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
+        )
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        want = reference.generate([prompt], params)[0]
+        tokens, text = [], ""
+        async for out in engine.generate(EngineRequest("g", prompt, params)):
+            tokens += out.new_token_ids
+            text += out.text_delta
+        assert tokens == want.token_ids and text == want.text
+    finally:
+        await engine.shutdown()
+        reference.close()
 
 
 def test_fingerprints_follow_the_file(

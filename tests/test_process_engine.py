@@ -10,6 +10,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,6 +126,12 @@ async def test_cache_admin_round_trips(engine: ProcessEngine, tmp_path: Path) ->
     records = engine.cache_activity()
     assert records and records[-1].cached_tokens == len(PREFIX) - 1
     assert engine.cache_activity(records[-1].seq) == []
+    pinned = engine.cache_stats().blocks.pinned
+    ttl = await engine.warm(list(range(200, 264)), pin=True, ttl_s=0.3)  # a TTL pin
+    assert ttl.pinned_blocks == 4 and engine.cache_stats().blocks.pinned == pinned + 4
+    await asyncio.sleep(0.5)
+    await collect(engine, EngineRequest("tick", [1, 2, 3], greedy(1)))  # a step lifts lapsed pins
+    assert engine.cache_stats().blocks.pinned == pinned
 
 
 async def test_a_dead_core_ends_every_stream(engine: ProcessEngine) -> None:
@@ -142,3 +152,124 @@ async def test_start_failure_is_reported() -> None:
     eng = ProcessEngine(EngineConfig(model="/nonexistent/model", device="cpu"))
     with pytest.raises(EngineProcessError, match="failed to start"):
         await eng.start()
+
+
+def test_the_api_side_never_imports_torch() -> None:
+    """The server process of `prefixcache serve` (process mode) holds no torch: only the core
+    process loads the model."""
+    code = (
+        "import sys\n"
+        "import prefixcache.engine.process_engine, prefixcache.sidecar.app, prefixcache.sidecar.cli\n"
+        "from prefixcache.engine.config import EngineConfig\n"
+        "from prefixcache.sidecar.cli import create_engine\n"
+        "create_engine(EngineConfig(), 'process')\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+async def test_kv_events_and_a_disk_tier_run_in_the_core(tmp_path: Path) -> None:
+    """The --kv-events-* and --kv-offload flags reach the core: its events are published, a
+    spilled prefix comes back from its tier, and shutdown flushes the events and removes the
+    tier's file."""
+    zmq = pytest.importorskip("zmq")
+    from prefixcache.sidecar.kv_event_wire import BlockRemoved, BlockStored, decode_batch
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    config = EngineConfig(
+        **CONFIG,
+        kv_events_endpoint=endpoint,
+        kv_events_token_ids="all",
+        kv_offload=f"disk:{tmp_path}:0.01",
+    )
+    eng = ProcessEngine(config)
+    await eng.start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    try:
+        assert [p.name for p in tmp_path.iterdir()], "the disk tier's file is missing"
+        await asyncio.sleep(0.3)  # PUB/SUB: a subscriber sees only what is sent after it joined
+        first, _, _ = await collect(eng, EngineRequest("a", PREFIX, greedy(2)))
+        assert await eng.evict_all(keep_tier=True) > 0  # spilled into the tier
+        again, _, final = await collect(eng, EngineRequest("b", PREFIX, greedy(2)))
+        assert again == first
+        assert (
+            final.usage.cached_tokens >= 64
+            and (final.usage.cached_tokens_by_tier or {}).get("disk", 0) >= 64
+        )
+    finally:
+        await eng.shutdown()
+    events = []
+    while sub.poll(2000):
+        events += decode_batch(sub.recv_multipart()[2]).events
+    sub.close(0)
+    ctx.term()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert stored and stored[0].token_ids[:16] == PREFIX[:16]
+    assert any(isinstance(e, BlockRemoved) for e in events)
+    assert list(tmp_path.iterdir()) == []  # the engine closed its tier
+    assert eng._process is None
+
+
+def test_a_core_whose_parent_is_gone_exits() -> None:
+    """The backstop for a server killed while its core loads the model (no pipe reader yet):
+    the core notices the parent is gone and exits after a grace period."""
+    core = (
+        "import sys, prefixcache.engine.engine_core as c\n"
+        "c.PARENT_GONE_GRACE_S = 0.2\n"
+        "c.exit_with_parent(int(sys.argv[1]))\n"
+    )
+    parent = (
+        "import os, subprocess, sys\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {core!r}, str(os.getpid())])\n"
+        "print(child.pid, flush=True)\n"
+    )  # exits at once, leaving the child to watch a parent that is gone
+    done = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True)
+    pid = int(done.stdout)
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its new parent) has exited
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def test_under_uvloop_large_messages_keep_the_pipe() -> None:
+    """`prefixcache serve` runs on uvloop, which makes a watched fd non-blocking: the pipe
+    must stay blocking, or a message larger than the socket buffer is cut (BlockingIOError)
+    and the engine is taken for dead."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> None:
+        eng = ProcessEngine(EngineConfig(**CONFIG))
+        await eng.start()
+        try:
+            assert os.get_blocking(eng._conn.fileno())
+            for i in range(3):  # an Add of ~600 KB: more than the socket's buffer
+                with pytest.raises(ValueError, match="accepts at most"):
+                    await collect(eng, EngineRequest(f"long{i}", [300] * 200_000, greedy(2)))
+            got = await asyncio.gather(
+                *(collect(eng, EngineRequest(f"r{i}", PREFIX, greedy(40))) for i in range(8))
+            )
+            assert all(len(tokens) == 40 for tokens, _, _ in got)
+            assert eng.error is None and eng.is_ready
+        finally:
+            await eng.shutdown()
+
+    uvloop.run(main())

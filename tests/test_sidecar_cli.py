@@ -82,30 +82,71 @@ def test_one_tenant_keeps_its_namespace_across_restarts(monkeypatch: pytest.Monk
     assert read_secret(None, keys_enabled=True) == b"from the environment"
 
 
-@contextlib.contextmanager
-def cli_server(*options: str, timeout: float = 120) -> Iterator[str]:
-    """`prefixcache serve OPTIONS` as a subprocess on a free port: its root URL once healthy;
-    stopped with SIGINT, which must exit 0."""
+def launch(*options: str, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """`prefixcache serve OPTIONS` as a subprocess on a free port, and its root URL, once
+    healthy."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", "serve", "--port", str(port)]
     proc = subprocess.Popen([*cmd, *options], env={**os.environ, "PYTHONUNBUFFERED": "1"})
     root = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{root}/health").status_code == 200:
+                return proc, root
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the server did not become healthy (exit {proc.poll()})")
+        time.sleep(0.1)
+
+
+def children_of(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid`` (Linux /proc; [] elsewhere)."""
+    kids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = _stat_fields(int(entry.name))
+        if fields and int(fields[1]) == pid and fields[0] != "Z":
+            kids.append(int(entry.name))
+    return kids
+
+
+def is_alive(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] != "Z"  # a zombie has exited
+
+
+def _stat_fields(pid: int) -> list[str]:
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(f"{root}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return stat.rpartition(")")[2].split()  # state, ppid, ... (the name may hold spaces)
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Those of ``pids`` still alive after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if is_alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+@contextlib.contextmanager
+def cli_server(*options: str, timeout: float = 120) -> Iterator[str]:
+    """`prefixcache serve OPTIONS`'s root URL once healthy; stopped with SIGINT, which must
+    exit 0 and leave no child process (the engine core) behind."""
+    proc, root = launch(*options, timeout=timeout)
+    kids = children_of(proc.pid)
+    try:
         yield root
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+        assert wait_gone(kids, 10) == []
 
 
 @pytest.mark.slow
@@ -116,6 +157,34 @@ def test_serve_subprocess_answers_and_stops_on_sigint() -> None:
         response = httpx.post(f"{root}/v1/chat/completions", json=body, timeout=60)
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("end", ["SIGTERM", "SIGKILL"])
+def test_the_engine_core_is_a_child_that_ends_with_the_server(end: str) -> None:
+    """The default mode: the model (torch) lives in one child process, the server holds none;
+    a server stopped (SIGTERM) or killed (SIGKILL: no clean-up at all) leaves no core behind."""
+    proc, root = launch("--model", "demo", "--num-blocks", "64", "--log-level", "warning")
+    try:
+        kids = children_of(proc.pid)
+        cores = [k for k in kids if "libtorch" in Path(f"/proc/{k}/maps").read_text()]
+        assert len(cores) == 1, kids
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
+        body = {"prompt": "once upon a time", "max_tokens": 2}
+        assert httpx.post(f"{root}/v1/completions", json=body, timeout=60).status_code == 200
+        proc.send_signal(getattr(signal, end))
+        # uvicorn shuts down on SIGTERM, then re-raises it: the exit status says SIGTERM
+        assert proc.wait(timeout=30) == -getattr(signal, end)
+        assert wait_gone(kids, 15) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_default_engine_mode_is_a_process() -> None:
+    assert build_parser().parse_args(["serve"]).engine == "process"
+    assert build_parser().parse_args(["serve", "--engine", "thread"]).engine == "thread"
 
 
 def test_serve_upstream_routes_to_another_server(fake_server: Server) -> None:

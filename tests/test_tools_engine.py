@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,8 @@ import pytest
 from conftest import ServerLoop, demo_engine, serve
 from tool_templates import LLAMA31_STYLE
 
+from prefixcache.engine.config import EngineConfig
+from prefixcache.engine.process_engine import ProcessEngine
 from prefixcache.engine.tokenizer import _compile_template
 from prefixcache.sidecar.app import SidecarSettings, create_app
 
@@ -55,13 +58,28 @@ START = [
 ]
 
 
-@pytest.fixture(scope="module")
-def client(server_loop: ServerLoop, demo_loaded: Any) -> Iterator[openai.OpenAI]:
-    tokenizer = copy.copy(demo_loaded.tokenizer)
-    tokenizer.chat_template = LLAMA31_STYLE
-    tokenizer._template = _compile_template(LLAMA31_STYLE)
-    loaded = dataclasses.replace(demo_loaded, tokenizer=tokenizer)
-    server = serve(server_loop, create_app(demo_engine(loaded), SidecarSettings()))
+@pytest.fixture(scope="module", params=["thread", "process"])
+def client(
+    request: pytest.FixtureRequest,
+    server_loop: ServerLoop,
+    demo_loaded: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[openai.OpenAI]:
+    """The demo model with a tools template: on the engine thread (its tokenizer swapped in
+    memory), and in the default process mode (a copy of its folder with chat_template.jinja:
+    the core loads it, the grammar is compiled there, the API side renders with its tokenizer)."""
+    if request.param == "process":
+        folder = tmp_path_factory.mktemp("tools") / "demo"
+        shutil.copytree(demo_loaded.path, folder)
+        (folder / "chat_template.jinja").write_text(LLAMA31_STYLE, encoding="utf-8")
+        config = EngineConfig(model=str(folder), dtype="float32", device="cpu", num_blocks=256)
+        engine: Any = ProcessEngine(config)
+    else:
+        tokenizer = copy.copy(demo_loaded.tokenizer)
+        tokenizer.chat_template = LLAMA31_STYLE
+        tokenizer._template = _compile_template(LLAMA31_STYLE)
+        engine = demo_engine(dataclasses.replace(demo_loaded, tokenizer=tokenizer))
+    server = serve(server_loop, create_app(engine, SidecarSettings(model_aliases=("demo",))))
     yield openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
     server.stop()
 
