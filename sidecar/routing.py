@@ -13,9 +13,12 @@ rest (SGLang's gateway sends it to the least loaded; this keeps more hits).
 **Precise** (token ids known and at least one candidate's events are live): for every
 candidate r, with L the prompt's length,
 
-    hit_r  = tokens of the prompt replica r holds: the longer of its event index's match and
-             the full blocks shared with a prompt r is computing now (sent, no byte back yet)
-             (live events); else the approximate tree's guess, L * matched_chars / len(text)
+    hit_r  = tokens of the prompt replica r holds: the larger of its event index's match,
+             credited by medium (a token in the pool counts 1, in host memory
+             ``host_tier_credit``, in files ``storage_tier_credit``: a lower tier costs a copy
+             back), and the full blocks shared with a prompt r is computing now (sent, no byte
+             back yet) (live events); else the approximate tree's guess,
+             L * matched_chars / len(text)
     cost_r = (L - hit_r) + prefill_weight * pending_prefill_r + running_weight * in_flight_r
 
 where ``pending_prefill_r`` is the uncached prompt tokens of the requests sent to r that have
@@ -36,7 +39,7 @@ connection failure is ``failover``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -58,6 +61,24 @@ class RoutingSettings:
     running_weight: float = 32.0  # precise: cost, in prompt tokens, per request in flight
     tree_max_chars: int = 4_000_000  # approximate tree: characters per replica
     stale_after_s: float = 3.0  # events silent this long after a finished request: stale
+    host_tier_credit: float = 0.9  # precise: a cached token in host memory ("CPU") counts this
+    storage_tier_credit: float = 0.7  # ... and one in files ("STORAGE", other media) this
+
+    def credit(self, by_medium: Mapping[str, int]) -> float:
+        """Prompt tokens a hit saves, tier by tier: a pool hit saves its whole prefill, a
+        lower tier's costs a copy back first."""
+        total = 0.0
+        for medium, tokens in by_medium.items():
+            upper = medium.upper()
+            weight = (
+                1.0
+                if upper == "GPU"
+                else self.host_tier_credit
+                if upper == "CPU"
+                else self.storage_tier_credit
+            )
+            total += weight * tokens
+        return total
 
 
 @dataclass(slots=True)
@@ -166,16 +187,17 @@ class CacheAwareRouter:
         for order, r in enumerate(candidates):
             pending = r.pending_prefill
             if r.events_live and r.index is not None:
-                hit = max(
-                    r.index.match(token_ids),
-                    r.in_flight_hit(token_ids, r.index.block_size or 16),
-                )
+                held = r.index.match_by_medium(token_ids)
+                computing = r.in_flight_hit(token_ids, r.index.block_size or 16)
+                hit = max(held.tokens, computing)
+                credit = max(s.credit(held.by_medium), computing)
                 precise = True
             else:
                 hit, precise = (guessed if r.upstream.url in holders else 0), False
-            hit = min(hit, length - 1)
+                credit = hit
+            hit, credit = min(hit, length - 1), min(credit, length - 1)
             cost = (
-                (length - hit)
+                (length - credit)
                 + s.prefill_weight * pending
                 + s.running_weight * r.upstream.in_flight
             )
