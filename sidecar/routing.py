@@ -16,8 +16,8 @@ candidate r, with L the prompt's length,
     hit_r  = tokens of the prompt replica r holds: the larger of its event index's match,
              credited by medium (a token in the pool counts 1, in host memory
              ``host_tier_credit``, in files ``storage_tier_credit``: a lower tier costs a copy
-             back), and the full blocks shared with a prompt r is computing now (sent, no byte
-             back yet) (live events); else the approximate tree's guess,
+             back), and the full blocks shared with a prompt r is computing or answering now
+             (sent, not finished) (live events); else the approximate tree's guess,
              L * matched_chars / len(text)
     cost_r = (L - hit_r) + prefill_weight * pending_prefill_r + running_weight * in_flight_r
 
@@ -93,20 +93,37 @@ class Replica:
     index: ReplicaIndex | None = None  # set when the upstream publishes KV events
     subscriber: EventSubscriber | None = None
     pending: dict[int, PendingPrefill] = field(default_factory=dict)  # without a byte back yet
+    # past their first byte, not finished: a running request's prompt blocks are referenced
+    # on the replica (never evicted under it), whatever the events have shown so far
+    running: dict[int, Sequence[int]] = field(default_factory=dict)
 
     @property
     def events_live(self) -> bool:
         return self.subscriber is not None and self.subscriber.is_live()
 
     def in_flight_hit(self, token_ids: Sequence[int], block_size: int) -> int:
-        """Full blocks ``token_ids`` shares with a prompt sent here and not answered yet: it
-        is being computed, so the replica will hold it before this request's prefill (as
-        Dynamo's router counts active sequences); events show it only after."""
+        """Full blocks ``token_ids`` shares with a prompt sent here and not finished: one not
+        answered yet is being computed, so the replica will hold it before this request's
+        prefill (as Dynamo's router counts active sequences); one answering holds its blocks
+        until it ends. Events show the first only after its prefill, the second a little
+        after (their lag), or never when the replica withholds token ids."""
         best = 0
         for item in self.pending.values():
             if item.token_ids is not None:
                 best = max(best, _common_prefix(token_ids, item.token_ids))
+        for prompt in self.running.values():
+            best = max(best, _common_prefix(token_ids, prompt))
         return best // block_size * block_size
+
+    def answering(self, key: int) -> None:
+        """Request ``key`` sent its first byte: its prefill is done, its blocks held."""
+        item = self.pending.pop(key, None)
+        if item is not None and item.token_ids is not None:
+            self.running[key] = item.token_ids
+
+    def finished(self, key: int) -> None:
+        self.pending.pop(key, None)
+        self.running.pop(key, None)
 
     @property
     def pending_prefill(self) -> int:

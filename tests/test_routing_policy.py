@@ -13,7 +13,7 @@ from prefixcache.sidecar.approx_tree import ApproxTree
 from prefixcache.sidecar.kv_event_wire import decode_batch
 from prefixcache.sidecar.kv_index import ReplicaIndex
 from prefixcache.sidecar.kv_subscriber import EventSubscriber
-from prefixcache.sidecar.routing import CacheAwareRouter, Replica, RoutingSettings
+from prefixcache.sidecar.routing import CacheAwareRouter, PendingPrefill, Replica, RoutingSettings
 from prefixcache.sidecar.upstream import UpstreamPool
 
 A, B, C = "http://a/v1", "http://b/v1", "http://c/v1"
@@ -222,6 +222,21 @@ def test_precise_prefers_the_pool_to_a_lower_tier_and_a_lower_tier_to_nothing() 
     decision = r.choose("t2", prompt)
     assert decision is not None and decision.upstream.url == B and decision.predicted_tokens == 32
     assert RoutingSettings().credit({"GPU": 10, "CPU": 10, "STORAGE": 10}) == 10 + 9 + 7
+
+
+def test_a_prompt_counts_as_held_from_its_sending_until_its_request_ends() -> None:
+    r = router()  # no events at all: only what was sent tells
+    prompt, follow_up = list(range(40)), list(range(40)) + [99] * 8
+    replica = r.replicas[B]
+    replica.pending[1] = PendingPrefill(prompt, 40)
+    assert replica.in_flight_hit(follow_up, 4) == 40 and replica.pending_prefill == 40
+    replica.answering(1)  # first byte: prefill done, blocks held while it answers
+    assert replica.pending_prefill == 0 and replica.in_flight_hit(follow_up, 4) == 40
+    decision = r.choose("x", follow_up)
+    assert decision is not None and (decision.upstream.url, decision.reason) == (B, "precise")
+    assert decision.predicted_tokens == 32  # whole blocks; 16 before any event says the size
+    replica.finished(1)
+    assert replica.in_flight_hit(follow_up, 4) == 0 and not replica.running
 
 
 def test_upstream_specs_parse_and_bad_ones_are_refused() -> None:

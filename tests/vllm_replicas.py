@@ -7,6 +7,8 @@ Starts vLLM's OpenAI server twice (``python -m vllm.entrypoints.openai.api_serve
 folder), each publishing KV events (``--kv-events-config``, ZMQ PUB + replay), waits for
 /health, runs tests/test_vllm_routing.py with PREFIXCACHE_VLLM_UPSTREAMS and
 PREFIXCACHE_VLLM_TOKENIZER set, and stops the replicas. Not part of ``make test`` or CI.
+``--bench ARGS`` then runs bench/routing.py over the same replicas (round robin, approximate,
+precise; vLLM's prefix cache reset in between, dev mode on).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -35,6 +38,12 @@ def main() -> int:
     parser.add_argument("--vllm-python", required=True, help="the python of vLLM's own venv")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--start-timeout", type=float, default=900)
+    parser.add_argument(
+        "--bench",
+        default=None,
+        metavar="ARGS",
+        help="then run bench/routing.py over the replicas with these extra arguments",
+    )
     args = parser.parse_args()
     model = str(ensure_demo_model())
     env = {**os.environ, "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
@@ -67,6 +76,7 @@ def main() -> int:
                 "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_CPU_OMP_THREADS_BIND": str(cpus[i % len(cpus)]),
                 "OMP_NUM_THREADS": "1",
+                "VLLM_SERVER_DEV_MODE": "1" if args.bench is not None else "0",  # cache reset
                 "HF_HUB_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1",
                 **env,
@@ -92,7 +102,18 @@ def main() -> int:
         env["PREFIXCACHE_VLLM_UPSTREAMS"] = ";".join(specs)
         env["PREFIXCACHE_VLLM_TOKENIZER"] = model
         test = [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_vllm_routing.py"]
-        return subprocess.call(test, env=env)
+        if rc := subprocess.call(test, env=env):
+            return rc
+        if args.bench is None:
+            return 0
+        bench = [
+            sys.executable, "bench/routing.py", "--json",
+            "--upstreams", env["PREFIXCACHE_VLLM_UPSTREAMS"],
+            "--upstream-kind", "vllm",
+            "--tokenizer", model,
+            *shlex.split(args.bench),
+        ]  # fmt: skip
+        return subprocess.call(bench, env=env)
     finally:
         for proc in procs:
             proc.terminate()
