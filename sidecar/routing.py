@@ -64,6 +64,11 @@ class RoutingSettings:
     host_tier_credit: float = 0.9  # precise: a cached token in host memory ("CPU") counts this
     storage_tier_credit: float = 0.7  # ... and one in files ("STORAGE", other media) this
 
+    def __post_init__(self) -> None:
+        for name in ("host_tier_credit", "storage_tier_credit"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be between 0 and 1")
+
     def credit(self, by_medium: Mapping[str, int]) -> float:
         """Prompt tokens a hit saves, tier by tier: a pool hit saves its whole prefill, a
         lower tier's costs a copy back first."""
