@@ -453,6 +453,45 @@ def test_a_spill_is_stored_below_and_removed_from_the_pool_and_a_tier_drop_remov
     bm.tier.close()
 
 
+def test_an_engine_with_a_host_tier_publishes_its_spills_over_zmq() -> None:
+    from prefixcache.engine.config import EngineConfig
+    from prefixcache.engine.engine import LLMEngine
+    from prefixcache.engine.request import SamplingParams
+
+    port = free_port()
+    config = EngineConfig(
+        num_blocks=8,
+        kv_offload="host:0.05",
+        kv_events_endpoint=f"tcp://127.0.0.1:{port}",
+        kv_events_token_ids="all",
+    )
+    engine = LLMEngine(config)
+    ctx = zmq.Context()
+    sub = subscriber(ctx, f"tcp://127.0.0.1:{port}")
+    try:
+        time.sleep(0.3)
+        first, second = list(range(5, 5 + 96)), list(range(900, 900 + 96))
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        engine.generate([first], params)
+        engine.generate([second], params)  # 6 + 6 blocks in a pool of 8: the first spills
+        rebuilt, index = Rebuilt(), ReplicaIndex()  # a vLLM-schema subscriber; the router
+        for _, payload in recv_batches(sub):
+            rebuilt.apply(V_DECODER.decode(payload))
+            index.apply(decode_batch(payload).events)
+        manager = engine.block_manager
+        assert manager.tier is not None
+        spilled = {block_hash(d) for d in manager.tier._entries}
+        assert spilled and set(rebuilt.medium("CPU")) == spilled
+        assert set(rebuilt.medium("GPU")) == {block_hash(n.digest) for n in manager._tree.nodes()}
+        assert {t for _, tokens in rebuilt.medium("CPU").values() for t in tokens} <= set(first)
+        held = index.match_by_medium(first)  # the first prompt is still cached, one level down
+        assert held.by_medium.get("CPU", 0) > 0 and held.tokens == sum(held.by_medium.values())
+    finally:
+        sub.close(0)
+        ctx.term()
+        engine.close()
+
+
 def test_tier_stores_follow_the_token_policy() -> None:
     bm = tiered_manager("host", slots=4, tmp_path=None)
     shown = frozenset({root_digest(b"id", "tenant")})
