@@ -1,6 +1,7 @@
 """KV events: what the prefix cache stores and evicts, in vLLM's wire format.
 
-Wire (vLLM's ``vllm/distributed/kv_events.py``, ``examples/online_serving/kv_events_subscriber.py``):
+Wire (vLLM 0.32's ``vllm/distributed/kv_events.py``; ``make test-vllm`` reads real vLLM replicas'
+streams with the same decoder that reads ours):
 
 - PUB socket, multipart ``[topic, seq (8-byte big-endian), msgpack(EventBatch)]``.
 - ``EventBatch`` is an array ``[ts, events, data_parallel_rank]``; each event a map tagged by
@@ -58,7 +59,7 @@ class BlockStored(msgspec.Struct, tag=True, gc=False):
     block_size: int
     lora_id: int | None
     medium: str | None
-    lora_name: str | None  # vLLM's newer field; older decoders ignore trailing fields
+    lora_name: str | None  # vLLM's newer field
 
 
 class BlockRemoved(msgspec.Struct, tag=True, gc=False):
