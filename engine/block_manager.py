@@ -55,6 +55,14 @@ class BlockListener(Protocol):
 
     def block_removed(self, node: Node) -> None: ...
 
+    def block_spilled(self, node: Node, tier: str) -> None:
+        """An evicted block's KV now also lives in the tier (kind "host" or "disk")."""
+        ...
+
+    def tier_dropped(self, digest: bytes, tier: str) -> None:
+        """The tier no longer holds the block ``digest`` (its LRU, a bad slot, a clear)."""
+        ...
+
 
 class OutOfBlocksError(RuntimeError):
     """The pool cannot serve the request; call the matching ``can_*`` first."""
@@ -149,6 +157,8 @@ class BlockManager:
             else None
         )
         self._ttl = TTLPins(self.pin_path, clock)
+        if self.tier is not None:
+            self.tier.on_drop = self._tier_dropped
 
     # ---- counters
 
@@ -499,6 +509,11 @@ class BlockManager:
                 self.listener.block_stored(node, root)
         return node, inserted
 
+    def _tier_dropped(self, digest: bytes) -> None:
+        if self.listener is not None:
+            assert self.tier is not None
+            self.listener.tier_dropped(digest, self.tier.kind)
+
     def _take_block(self) -> int:
         """A fresh block with ref count 1: a free one first, else evict the LRU idle leaf."""
         block = self._pool.take_free()
@@ -519,8 +534,10 @@ class BlockManager:
         self._ttl.pass_on(node)
         if self._ttl.lapsed_at_eviction(node, pinned) and cause == "pressure":
             cause = "ttl"  # its retention pin expired, then a request needed the page
-        if spill and self._tier_link is not None:
-            self._tier_link.spill(node, block, wait)
+        spilled = spill and self._tier_link is not None and self._tier_link.spill(node, block, wait)
+        if spilled and self.listener is not None:
+            assert self.tier is not None
+            self.listener.block_spilled(node, self.tier.kind)
         self._pool.evict(block)
         self._stats.evicted_tokens += self.block_size
         if self.listener is not None:

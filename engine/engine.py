@@ -126,11 +126,7 @@ class LLMEngine:
                 config.kv_events_token_namespaces if config.kv_events_token_ids == "listed" else ()
             )
             roots = frozenset(root_digest(manager.identity, ns) for ns in listed)
-        recorder = BlockEventRecorder(
-            config.block_size,
-            roots,
-            medium="GPU" if self.loaded.device.type == "cuda" else "CPU",
-        )
+        recorder = BlockEventRecorder(config.block_size, roots)
         self.kv_events = KVEventPublisher(
             config.kv_events_endpoint or "",
             config.kv_events_replay_endpoint,

@@ -1,15 +1,20 @@
 """KV events: what the prefix cache stores and evicts, in vLLM's wire format.
 
-Wire (vLLM's ``vllm/distributed/kv_events.py``, ``examples/online_serving/kv_events_subscriber.py``):
+Wire (vLLM 0.32's ``vllm/distributed/kv_events.py``; ``make test-vllm`` reads real vLLM replicas'
+streams with the same decoder that reads ours):
 
 - PUB socket, multipart ``[topic, seq (8-byte big-endian), msgpack(EventBatch)]``.
-- ``EventBatch`` is an array ``[ts, events, data_parallel_rank]``; each event an array whose
-  first element is its tag: ``["BlockStored", block_hashes, parent_block_hash, token_ids,
-  block_size, lora_id, medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
-  ``["AllBlocksCleared"]``.
+- ``EventBatch`` is an array ``[ts, events, data_parallel_rank]``; each event a map tagged by
+  its ``type`` (vLLM 0.32's ``KVCacheEvent``: ``tag=True``, not array-like):
+  ``{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+  "lora_id", "medium", "lora_name"}``, ``{"type": "BlockRemoved", "block_hashes", "medium"}``,
+  ``{"type": "AllBlocksCleared"}``.
 - ROUTER replay socket: a request ``[seq (8 bytes)]`` (REQ or DEALER with an empty delimiter)
-  is answered by one ``[seq, payload]`` message per buffered batch from that number on, then
-  ``[-1 (8 bytes, signed), b""]``.
+  is answered by one ``[topic, seq, payload]`` message per buffered batch from that number on,
+  then ``[b"", -1 (8 bytes, signed), b""]`` (vLLM 0.32's frames).
+- ``medium`` (vLLM's strings): ``GPU`` for the engine's own KV pool, whatever the device (vLLM
+  says GPU on its CPU build too), ``CPU`` for the host tier, ``STORAGE`` for the disk tier
+  (engine/tier_link.py publishes the tier moves).
 
 A block hash is the first 8 bytes of our chained digest (prefix_tree.py) as an unsigned
 integer: it depends on the namespace, so one tenant's blocks never share a hash with another's.
@@ -41,24 +46,28 @@ log = logging.getLogger("prefixcache.engine.kv_events")
 ALL = "all"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 HASH_BYTES = 8  # a msgpack integer holds 64 bits
+MEDIUM_POOL = "GPU"  # vLLM's names: its own pool, host memory, files
+MEDIUM_HOST = "CPU"
+MEDIUM_DISK = "STORAGE"
+TIER_MEDIA = {"host": MEDIUM_HOST, "disk": MEDIUM_DISK}  # KVTier.kind -> medium
 
 
-class BlockStored(msgspec.Struct, array_like=True, tag=True, gc=False):
+class BlockStored(msgspec.Struct, tag=True, gc=False):
     block_hashes: list[int]
     parent_block_hash: int | None  # None: the first block holds the prompt's first tokens
     token_ids: list[int]  # every block's tokens, in order; [] where the policy withholds them
     block_size: int
     lora_id: int | None
     medium: str | None
-    lora_name: str | None  # vLLM's newer field; older decoders ignore trailing fields
+    lora_name: str | None  # vLLM's newer field
 
 
-class BlockRemoved(msgspec.Struct, array_like=True, tag=True, gc=False):
+class BlockRemoved(msgspec.Struct, tag=True, gc=False):
     block_hashes: list[int]
     medium: str | None
 
 
-class AllBlocksCleared(msgspec.Struct, array_like=True, tag=True, gc=False):
+class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
     pass
 
 
@@ -76,14 +85,18 @@ def block_hash(digest: bytes) -> int:
 
 
 class BlockEventRecorder:
-    """The block manager's listener: turns tree inserts and removals into events, kept until
-    ``drain``. Consecutive stores along one chain merge into one ``BlockStored``."""
+    """The block manager's listener: turns tree inserts and removals, and the KV tier's spills
+    and drops, into events, kept until ``drain``. Consecutive stores along one chain in one
+    medium merge into one ``BlockStored``; consecutive removals in one medium into one
+    ``BlockRemoved``. A block spilled to the tier and evicted from the pool is
+    ``BlockStored(medium=CPU)`` then ``BlockRemoved(medium=GPU)``: the same hash, now held
+    only below the pool (vLLM's offloading connector publishes tier moves the same way)."""
 
     def __init__(
         self,
         block_size: int,
         token_roots: frozenset[bytes] | Literal["all"] = frozenset(),
-        medium: str = "GPU",
+        medium: str = MEDIUM_POOL,
     ) -> None:
         """``token_roots``: the namespace roots whose blocks' token ids are published."""
         self.block_size = block_size
@@ -92,13 +105,42 @@ class BlockEventRecorder:
         self._events: list[KVEvent] = []
         self._last_stored: bytes | None = None  # digest the pending BlockStored ends with
 
+    # ---- the pool
+
     def block_stored(self, node: Node, root: bytes) -> None:
+        self._stored(node, root, self.medium)
+
+    def block_removed(self, node: Node) -> None:
+        self._removed(block_hash(node.digest), self.medium)
+
+    # ---- the KV tier
+
+    def block_spilled(self, node: Node, tier: str) -> None:
+        root = b""
+        if self.token_roots and self.token_roots != ALL:
+            root = _root_of(node)
+        self._stored(node, root, TIER_MEDIA[tier])
+
+    def tier_dropped(self, digest: bytes, tier: str) -> None:
+        self._removed(block_hash(digest), TIER_MEDIA[tier])
+
+    def all_cleared(self) -> None:
+        self._events.append(AllBlocksCleared())
+        self._last_stored = None
+
+    def drain(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        self._last_stored = None
+        return events
+
+    def _stored(self, node: Node, root: bytes, medium: str) -> None:
         tokens: list[int] = []
         if self.token_roots == ALL or root in self.token_roots:
             tokens = memoryview(node.tokens).cast("I").tolist()
         last = self._events[-1] if self._events else None
         if (
             isinstance(last, BlockStored)
+            and last.medium == medium
             and self._last_stored == node.parent_digest
             and bool(last.token_ids) == bool(tokens)
         ):
@@ -113,28 +155,25 @@ class BlockEventRecorder:
                     tokens,
                     self.block_size,
                     None,
-                    self.medium,
+                    medium,
                     None,
                 )
             )
         self._last_stored = node.digest
 
-    def block_removed(self, node: Node) -> None:
+    def _removed(self, hash_: int, medium: str) -> None:
         last = self._events[-1] if self._events else None
-        if isinstance(last, BlockRemoved):
-            last.block_hashes.append(block_hash(node.digest))
+        if isinstance(last, BlockRemoved) and last.medium == medium:
+            last.block_hashes.append(hash_)
         else:
-            self._events.append(BlockRemoved([block_hash(node.digest)], self.medium))
+            self._events.append(BlockRemoved([hash_], medium))
         self._last_stored = None
 
-    def all_cleared(self) -> None:
-        self._events.append(AllBlocksCleared())
-        self._last_stored = None
 
-    def drain(self) -> list[KVEvent]:
-        events, self._events = self._events, []
-        self._last_stored = None
-        return events
+def _root_of(node: Node) -> bytes:
+    """The namespace root digest a node's chain starts from."""
+    *_, top = node.path_up()
+    return top.parent_digest
 
 
 class KVEventPublisher:
@@ -234,5 +273,7 @@ class KVEventPublisher:
         start = int.from_bytes(start_bytes, "big")
         for seq, payload in list(self._buffer):
             if seq >= start:
-                self._replay.send_multipart((client, empty, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, empty, END_SEQ, b""))
+                self._replay.send_multipart(
+                    (client, empty, self.topic, seq.to_bytes(8, "big"), payload)
+                )
+        self._replay.send_multipart((client, empty, b"", END_SEQ, b""))

@@ -32,6 +32,7 @@ import threading
 import weakref
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -156,6 +157,7 @@ class KVTier:
         self._max_pending = max(16, max_pending_bytes // self.slot_bytes)  # staged copies
         self._queue: queue.Queue[tuple[TierEntry, np.ndarray] | None] | None = None
         self._thread: threading.Thread | None = None
+        self.on_drop: Callable[[bytes], None] | None = None  # an entry left (KV events)
         if writer:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._write_loop, name="kv-tier", daemon=True)
@@ -275,6 +277,8 @@ class KVTier:
         self._free.append(entry.slot)
         if count:
             self._stats.drops += 1
+        if self.on_drop is not None:
+            self.on_drop(digest)
 
     def stats(self) -> TierStats:
         s = self._stats

@@ -64,10 +64,14 @@ class TierLink:
             parent = key
         return out
 
-    def spill(self, node: Node, block: int, wait: bool) -> None:
-        """Keep an evicted block's KV in the tier, as ``spill_policy`` says."""
-        if self._spill_all or node.hits:
-            self.tier.spill(node.digest, node.parent_digest, node.tokens, block, wait)
+    def spill(self, node: Node, block: int, wait: bool) -> bool:
+        """Keep an evicted block's KV in the tier, as ``spill_policy`` says. True when the
+        tier took it as a new entry (one it already held is only touched)."""
+        if not (self._spill_all or node.hits):
+            return False
+        held = node.digest in self.tier
+        stored = self.tier.spill(node.digest, node.parent_digest, node.tokens, block, wait)
+        return stored and not held
 
     def reload(
         self, digests: list[bytes], parent: Node | None, root: bytes, data: bytes

@@ -188,6 +188,8 @@ def serve_upstream(args: argparse.Namespace) -> None:
                 balance_rel_threshold=args.balance_rel_threshold,
                 prefill_weight=args.prefill_weight,
                 running_weight=args.running_weight,
+                host_tier_credit=args.host_tier_credit,
+                storage_tier_credit=args.storage_tier_credit,
             ),
             keys=KeyStore.from_file(args.api_keys_file) if args.api_keys_file else KeyStore(),
             upstream_api_key=args.upstream_api_key,

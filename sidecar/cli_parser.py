@@ -228,6 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="upstream mode, precise routing: cost of one pending prefill token on a replica",
     )
     serve.add_argument(
+        "--host-tier-credit",
+        type=float,
+        default=0.9,
+        help="upstream mode, precise routing: what a cached token in a replica's host-memory "
+        "tier (KV events medium CPU) is worth against one in its pool",
+    )
+    serve.add_argument(
+        "--storage-tier-credit",
+        type=float,
+        default=0.7,
+        help="upstream mode, precise routing: ... and one in its file tier (medium STORAGE)",
+    )
+    serve.add_argument(
         "--match-threshold",
         type=float,
         default=0.5,

@@ -1,7 +1,9 @@
 """KV event batches as vLLM publishes them (``vllm/distributed/kv_events.py``), for reading.
 
-Our own structs, decoding both forms vLLM has used: array-like (``[ts, events, rank]``, each
-event ``[tag, field, ...]``) and map-like (``{"ts": ..., "events": [{"type": tag, ...}]}``).
+Our own structs, decoding the forms vLLM has used: an array batch ``[ts, events, rank]`` whose
+events are maps tagged by ``type`` (vLLM 0.32: ``{"type": "BlockStored", ...}``, fields at
+their defaults omitted), the same batch with array events (``[tag, field, ...]``, older vLLM
+and its example subscriber), and an all-map batch (``{"ts": ..., "events": [...]}``).
 Fields after ``medium`` have defaults, so older and newer publishers both decode; unknown
 trailing fields are ignored. A block hash is an integer or bytes (vLLM's ExternalBlockHash).
 """
@@ -64,14 +66,25 @@ class _BatchMap(msgspec.Struct):
     data_parallel_rank: int | None = None
 
 
+class _BatchOfMaps(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_StoredMap | _RemovedMap | _ClearedMap]
+    data_parallel_rank: int | None = None
+
+
+_array_of_maps = msgspec.msgpack.Decoder(_BatchOfMaps)
 _array = msgspec.msgpack.Decoder(EventBatch)
 _map = msgspec.msgpack.Decoder(_BatchMap)
 
 
 def decode_batch(payload: bytes) -> EventBatch:
-    """Raises ``msgspec.DecodeError`` for a payload in neither form."""
+    """Raises ``msgspec.DecodeError`` for a payload in none of the forms."""
+    batch: _BatchOfMaps | _BatchMap
     try:
-        return _array.decode(payload)
+        batch = _array_of_maps.decode(payload)
     except msgspec.DecodeError:
-        batch = _map.decode(payload)
+        try:
+            return _array.decode(payload)
+        except msgspec.DecodeError:
+            batch = _map.decode(payload)
     return EventBatch(batch.ts, list(batch.events), batch.data_parallel_rank)

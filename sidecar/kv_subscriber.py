@@ -216,14 +216,15 @@ class EventSubscriber:
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
             deadline = time.monotonic() + self.replay_timeout_s
             while (left := deadline - time.monotonic()) > 0 and dealer.poll(int(left * 1000) + 1):
+                # [b"", topic, seq, payload] (vLLM 0.32) or [b"", seq, payload] (older)
                 frames = dealer.recv_multipart()
-                if len(frames) != 3:
+                if len(frames) not in (3, 4) or len(frames[-2]) != 8:
                     continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
-                if seq == END_SEQ or not frames[2]:
+                seq = int.from_bytes(frames[-2], "big", signed=True)
+                if seq == END_SEQ or not frames[-1]:
                     break
                 if start <= seq and (end is None or seq < end):
-                    out.append((seq, frames[2]))
+                    out.append((seq, frames[-1]))
         finally:
             dealer.close(0)
             if own:

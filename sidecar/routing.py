@@ -13,9 +13,12 @@ rest (SGLang's gateway sends it to the least loaded; this keeps more hits).
 **Precise** (token ids known and at least one candidate's events are live): for every
 candidate r, with L the prompt's length,
 
-    hit_r  = tokens of the prompt replica r holds: the longer of its event index's match and
-             the full blocks shared with a prompt r is computing now (sent, no byte back yet)
-             (live events); else the approximate tree's guess, L * matched_chars / len(text)
+    hit_r  = tokens of the prompt replica r holds: the larger of its event index's match,
+             credited by medium (a token in the pool counts 1, in host memory
+             ``host_tier_credit``, in files ``storage_tier_credit``: a lower tier costs a copy
+             back), and the full blocks shared with a prompt r is computing or answering now
+             (sent, not finished) (live events); else the approximate tree's guess,
+             L * matched_chars / len(text)
     cost_r = (L - hit_r) + prefill_weight * pending_prefill_r + running_weight * in_flight_r
 
 where ``pending_prefill_r`` is the uncached prompt tokens of the requests sent to r that have
@@ -36,7 +39,7 @@ connection failure is ``failover``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -58,6 +61,29 @@ class RoutingSettings:
     running_weight: float = 32.0  # precise: cost, in prompt tokens, per request in flight
     tree_max_chars: int = 4_000_000  # approximate tree: characters per replica
     stale_after_s: float = 3.0  # events silent this long after a finished request: stale
+    host_tier_credit: float = 0.9  # precise: a cached token in host memory ("CPU") counts this
+    storage_tier_credit: float = 0.7  # ... and one in files ("STORAGE", other media) this
+
+    def __post_init__(self) -> None:
+        for name in ("host_tier_credit", "storage_tier_credit"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be between 0 and 1")
+
+    def credit(self, by_medium: Mapping[str, int]) -> float:
+        """Prompt tokens a hit saves, tier by tier: a pool hit saves its whole prefill, a
+        lower tier's costs a copy back first."""
+        total = 0.0
+        for medium, tokens in by_medium.items():
+            upper = medium.upper()
+            weight = (
+                1.0
+                if upper == "GPU"
+                else self.host_tier_credit
+                if upper == "CPU"
+                else self.storage_tier_credit
+            )
+            total += weight * tokens
+        return total
 
 
 @dataclass(slots=True)
@@ -72,20 +98,37 @@ class Replica:
     index: ReplicaIndex | None = None  # set when the upstream publishes KV events
     subscriber: EventSubscriber | None = None
     pending: dict[int, PendingPrefill] = field(default_factory=dict)  # without a byte back yet
+    # past their first byte, not finished: a running request's prompt blocks are referenced
+    # on the replica (never evicted under it), whatever the events have shown so far
+    running: dict[int, Sequence[int]] = field(default_factory=dict)
 
     @property
     def events_live(self) -> bool:
         return self.subscriber is not None and self.subscriber.is_live()
 
     def in_flight_hit(self, token_ids: Sequence[int], block_size: int) -> int:
-        """Full blocks ``token_ids`` shares with a prompt sent here and not answered yet: it
-        is being computed, so the replica will hold it before this request's prefill (as
-        Dynamo's router counts active sequences); events show it only after."""
+        """Full blocks ``token_ids`` shares with a prompt sent here and not finished: one not
+        answered yet is being computed, so the replica will hold it before this request's
+        prefill (as Dynamo's router counts active sequences); one answering holds its blocks
+        until it ends. Events show the first only after its prefill, the second a little
+        after (their lag), or never when the replica withholds token ids."""
         best = 0
         for item in self.pending.values():
             if item.token_ids is not None:
                 best = max(best, _common_prefix(token_ids, item.token_ids))
+        for prompt in self.running.values():
+            best = max(best, _common_prefix(token_ids, prompt))
         return best // block_size * block_size
+
+    def answering(self, key: int) -> None:
+        """Request ``key`` sent its first byte: its prefill is done, its blocks held."""
+        item = self.pending.pop(key, None)
+        if item is not None and item.token_ids is not None:
+            self.running[key] = item.token_ids
+
+    def finished(self, key: int) -> None:
+        self.pending.pop(key, None)
+        self.running.pop(key, None)
 
     @property
     def pending_prefill(self) -> int:
@@ -166,16 +209,17 @@ class CacheAwareRouter:
         for order, r in enumerate(candidates):
             pending = r.pending_prefill
             if r.events_live and r.index is not None:
-                hit = max(
-                    r.index.match(token_ids),
-                    r.in_flight_hit(token_ids, r.index.block_size or 16),
-                )
+                held = r.index.match_by_medium(token_ids)
+                computing = r.in_flight_hit(token_ids, r.index.block_size or 16)
+                hit = max(held.tokens, computing)
+                credit = max(s.credit(held.by_medium), computing)
                 precise = True
             else:
                 hit, precise = (guessed if r.upstream.url in holders else 0), False
-            hit = min(hit, length - 1)
+                credit = hit
+            hit, credit = min(hit, length - 1), min(credit, length - 1)
             cost = (
-                (length - hit)
+                (length - credit)
                 + s.prefill_weight * pending
                 + s.running_weight * r.upstream.in_flight
             )

@@ -51,7 +51,7 @@ class Routed:
 
     def first_byte(self) -> None:
         if self.replica is not None:
-            self.replica.pending.pop(id(self), None)
+            self.replica.answering(id(self))
 
     def report(self, data: bytes) -> None:
         if self._reported or self.decision is None:
@@ -63,14 +63,16 @@ class Routed:
     def abandon(self) -> None:
         """The connection failed: the request never ran there."""
         self._finished = True
-        self.first_byte()
+        if self.replica is not None:
+            self.replica.finished(id(self))
 
     def finish(self) -> None:
         if self._finished:
             return
         self._finished = True
-        self.first_byte()
         replica, decision = self.replica, self.decision
+        if replica is not None:
+            replica.finished(id(self))
         if replica is None or decision is None or replica.subscriber is None:
             return
         block_size = replica.index.block_size if replica.index is not None else None

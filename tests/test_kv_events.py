@@ -1,8 +1,9 @@
-"""KV events: vLLM's wire format, the pool's real changes, replay.
+"""KV events: vLLM's wire format, the pool's and the tier's real changes, replay.
 
-The subscriber structs below are written from vLLM's published schema
-(``vllm/distributed/kv_events.py``, ``examples/online_serving/kv_events_subscriber.py``): same
-field order, same tags, array-like. They are not imported from our code on purpose.
+The subscriber structs below are written from vLLM 0.32's published schema
+(``vllm/distributed/kv_events.py``): an array-like batch whose events are maps tagged by
+``type``, the same field order, defaults omitted. They are not imported from our code on
+purpose.
 """
 
 from __future__ import annotations
@@ -25,15 +26,16 @@ from prefixcache.sidecar.kv_index import ReplicaIndex
 zmq = pytest.importorskip("zmq")
 
 
-# --- vLLM's schema, as its example subscriber declares it ---------------------------------
+# --- vLLM 0.32's schema --------------------------------------------------------------------
 
 
 class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
+    data_parallel_rank: int | None = None
 
 
-class VKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class VKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -44,11 +46,22 @@ class VBlockStored(VKVCacheEvent, tag="BlockStored"):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
 class VBlockRemoved(VKVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[int | bytes]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class VAllBlocksCleared(VKVCacheEvent, tag="AllBlocksCleared"):
@@ -59,27 +72,35 @@ class VKVEventBatch(VEventBatch):
     events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
 
 
-# The newer schema: EventBatch gains data_parallel_rank, BlockStored lora_name and more.
-class NBlockStored(VKVCacheEvent, tag="BlockStored"):
+# Older vLLM (and its example subscriber): the events array-like too.
+class OKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class OBlockStored(OKVCacheEvent, tag="BlockStored"):
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
 
 
-class NKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class OBlockRemoved(OKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+
+
+class OAllBlocksCleared(OKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class OKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: list[NBlockStored | VBlockRemoved | VAllBlocksCleared]
-    data_parallel_rank: int | None = None
+    events: list[OBlockStored | OBlockRemoved | OAllBlocksCleared]
 
 
 V_DECODER = msgspec.msgpack.Decoder(VKVEventBatch)
-N_DECODER = msgspec.msgpack.Decoder(NKVEventBatch)
 
 
 def free_port() -> int:
@@ -89,10 +110,11 @@ def free_port() -> int:
 
 
 class Rebuilt:
-    """A subscriber's view: block hash -> (parent hash, token ids), from vLLM-schema events."""
+    """A subscriber's view: (block hash, medium) -> (parent hash, token ids), from
+    vLLM-schema events (a BlockRemoved takes its own medium away)."""
 
     def __init__(self) -> None:
-        self.blocks: dict[Any, tuple[Any, tuple[int, ...]]] = {}
+        self.blocks: dict[tuple[Any, str | None], tuple[Any, tuple[int, ...]]] = {}
 
     def apply(self, batch: VKVEventBatch) -> None:
         for event in batch.events:
@@ -100,15 +122,19 @@ class Rebuilt:
                 parent = event.parent_block_hash
                 bs = event.block_size
                 for i, h in enumerate(event.block_hashes):
-                    assert h not in self.blocks, "stored twice without a removal"
+                    key = (h, event.medium)
+                    assert key not in self.blocks, "stored twice without a removal"
                     tokens = tuple(event.token_ids[i * bs : (i + 1) * bs])
-                    self.blocks[h] = (parent, tokens)
+                    self.blocks[key] = (parent, tokens)
                     parent = h
             elif isinstance(event, VBlockRemoved):
                 for h in event.block_hashes:
-                    del self.blocks[h]  # KeyError: removal of a block never stored
+                    del self.blocks[(h, event.medium)]  # KeyError: never stored there
             else:
                 self.blocks.clear()
+
+    def medium(self, medium: str) -> dict[Any, tuple[Any, tuple[int, ...]]]:
+        return {h: v for (h, m), v in self.blocks.items() if m == medium}
 
 
 def tree_blocks(nodes: list[Node]) -> dict[Any, tuple[Any, tuple[int, ...]]]:
@@ -118,6 +144,17 @@ def tree_blocks(nodes: list[Node]) -> dict[Any, tuple[Any, tuple[int, ...]]]:
         tokens = tuple(memoryview(node.tokens).cast("I").tolist())
         out[block_hash(node.digest)] = (parent, tokens)
     return out
+
+
+def tier_blocks(tier: Any, roots: set[bytes]) -> dict[Any, tuple[Any, tuple[int, ...]]]:
+    """The host tier's entries as a subscriber sees them: hash -> (parent hash, tokens)."""
+    return {
+        block_hash(digest): (
+            None if entry.parent in roots else block_hash(entry.parent),
+            tuple(memoryview(entry.tokens).cast("I").tolist()),
+        )
+        for digest, entry in tier._entries.items()
+    }
 
 
 def tree_paths(nodes: list[Node]) -> set[tuple[int, ...]]:
@@ -151,9 +188,16 @@ class EventedMachine(BlockManagerMachine):
         self.rebuilt.apply(V_DECODER.decode(payload))
         self.index.apply(decode_batch(payload).events)
         nodes = self.bm._tree.nodes()
-        assert self.rebuilt.blocks == tree_blocks(nodes)
-        assert self.index.cached_paths() == tree_paths(nodes)
-        assert len(self.index) == len(nodes)
+        assert self.rebuilt.medium("GPU") == tree_blocks(nodes)
+        assert self.rebuilt.medium("CPU") == tier_blocks(self.tier, set(self.bm._roots.values()))
+        assert {m for _, m in self.rebuilt.blocks} <= {"GPU", "CPU"}
+        assert self.index.cached_paths("GPU") == tree_paths(nodes)
+        held = {block_hash(n.digest) for n in nodes} | {block_hash(d) for d in self.tier._entries}
+        assert len(self.index) == len(held)
+        for node in nodes:  # a pool block is matched, and served by the pool
+            path = tree_paths([node]).pop()
+            match = self.index.match_by_medium(path)
+            assert match.tokens == len(path) and match.by_medium == {"GPU": len(path)}
 
 
 TestEventedMachine = EventedMachine.TestCase
@@ -234,15 +278,15 @@ def test_an_engine_stream_decodes_with_vllms_schema() -> None:
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
         rebuilt = Rebuilt()
         for _, payload in got:
-            rebuilt.apply(V_DECODER.decode(payload))
-            newer = N_DECODER.decode(payload)
-            assert newer.data_parallel_rank == 0
+            batch = V_DECODER.decode(payload)
+            rebuilt.apply(batch)
+            assert batch.data_parallel_rank == 0
         stored = [
             e for _, p in got for e in V_DECODER.decode(p).events if isinstance(e, VBlockStored)
         ]
         assert stored[0].parent_block_hash is None
         assert stored[0].token_ids[:32] == prompt[:32] and stored[0].block_size == 16
-        assert {e.medium for e in stored} == {"CPU"}
+        assert {e.medium for e in stored} == {"GPU"}  # the engine's own pool, on any device
         assert rebuilt.blocks == {}  # everything stored was removed again by evict_all
     finally:
         sub.close(0)
@@ -291,17 +335,18 @@ def test_replay_after_a_dropped_subscriber_fills_the_gap() -> None:
         replay = ctx.socket(zmq.REQ)  # as vLLM's example subscriber asks
         replay.connect(f"tcp://127.0.0.1:{replay_port}")
         replay.send((1 + 1).to_bytes(8, "big"))
-        seq_bytes, payload = replay.recv_multipart()
+        topic, seq_bytes, payload = replay.recv_multipart()  # vLLM 0.32's replay frames
         replay.close(0)
+        assert topic == b"kv"
         assert int.from_bytes(seq_bytes, "big") == 2  # REQ reads the first reply only
         dealer = ctx.socket(zmq.DEALER)  # a DEALER reads the whole replay
         dealer.connect(f"tcp://127.0.0.1:{replay_port}")
         dealer.send_multipart([b"", (2).to_bytes(8, "big")])
         replayed = []
         while dealer.poll(2000):
-            _, seq_bytes, payload = dealer.recv_multipart()
+            _, topic, seq_bytes, payload = dealer.recv_multipart()
             if not payload:
-                assert int.from_bytes(seq_bytes, "big", signed=True) == -1
+                assert topic == b"" and int.from_bytes(seq_bytes, "big", signed=True) == -1
                 break
             replayed.append((int.from_bytes(seq_bytes, "big"), payload))
         dealer.close(0)
@@ -310,7 +355,7 @@ def test_replay_after_a_dropped_subscriber_fills_the_gap() -> None:
             if seq < live[0]:
                 rebuilt.apply(V_DECODER.decode(payload))
         rebuilt.apply(V_DECODER.decode(live[1]))
-        assert rebuilt.blocks == tree_blocks(bm._tree.nodes())
+        assert rebuilt.medium("GPU") == tree_blocks(bm._tree.nodes())
         assert rebuilt.blocks  # the last prompt's block is cached
         sub.close(0)
     finally:
@@ -328,3 +373,177 @@ def test_a_full_queue_drops_a_batch_and_leaves_a_gap_in_the_numbers() -> None:
         assert publisher.num_dropped > 0
     finally:
         publisher.close()
+
+
+# --- tier moves -----------------------------------------------------------------------------
+
+
+def tiered_manager(kind: str, slots: int, tmp_path: Any) -> Any:
+    from test_kv_tier import Pages
+
+    from prefixcache.engine.block_manager import BlockManager
+    from prefixcache.engine.kv_tier import DiskSlots, HostSlots, KVTier
+
+    pages = Pages(8)
+    storage = (
+        HostSlots(slots, Pages.bytes_per_block, False)
+        if kind == "host"
+        else DiskSlots(slots, Pages.bytes_per_block, str(tmp_path), keep=False)
+    )
+    return BlockManager(8, 4, b"id", tier=KVTier(storage, pages, writer=False))
+
+
+def stream(recorder: BlockEventRecorder) -> list[Any]:
+    from prefixcache.engine.kv_events import EventBatch
+
+    payload = msgspec.msgpack.encode(EventBatch(1.0, recorder.drain()))
+    return V_DECODER.decode(payload).events
+
+
+@pytest.mark.parametrize(("kind", "medium"), [("host", "CPU"), ("disk", "STORAGE")])
+def test_a_spill_is_stored_below_and_removed_from_the_pool_and_a_tier_drop_removed(
+    kind: str, medium: str, tmp_path: Any
+) -> None:
+    bm = tiered_manager(kind, slots=2, tmp_path=tmp_path)
+    recorder = BlockEventRecorder(4, "all")
+    bm.listener = recorder
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    table = bm.allocate(prompt, "", bm.match(prompt, "", 8), 9)
+    bm.commit(table, prompt, 9)
+    bm.free(table)
+    hashes = [block_hash(d) for d in bm.block_hashes(prompt, "")]
+    (stored,) = stream(recorder)
+    assert (stored.block_hashes, stored.medium) == (hashes, "GPU")
+    bm.evict_all(keep_tier=True)  # both blocks spill: the deeper first
+    events = stream(recorder)
+    got = [(type(e).__name__, e.medium, e.block_hashes) for e in events]
+    assert got == [
+        ("VBlockStored", medium, [hashes[1]]),
+        ("VBlockRemoved", "GPU", [hashes[1]]),
+        ("VBlockStored", medium, [hashes[0]]),
+        ("VBlockRemoved", "GPU", [hashes[0]]),
+    ]
+    assert events[0].parent_block_hash == hashes[0] and events[0].token_ids == [5, 6, 7, 8]
+    assert events[2].parent_block_hash is None and events[2].token_ids == [1, 2, 3, 4]
+    index = ReplicaIndex()
+    index.apply(decode_batch(msgspec.msgpack.encode(VKVEventBatch(1.0, [stored]))).events)
+    index.apply(decode_batch(msgspec.msgpack.encode(VKVEventBatch(1.0, events))).events)
+    match = index.match_by_medium(prompt)
+    assert (match.tokens, match.by_medium) == (8, {medium: 8})  # still cached, one level down
+    # a reload brings them back into the pool: stored there again, still held below
+    table = bm.allocate(prompt, "", bm.match(prompt, "", 8), 9)
+    assert table.num_reloaded_tokens == 8
+    bm.free(table)
+    reloaded = stream(recorder)
+    assert [(type(e).__name__, e.medium) for e in reloaded] == [("VBlockStored", "GPU")]
+    # the tier's LRU makes room for other blocks: its drops are removals in its medium
+    other = [9, 9, 9, 9, 8, 8, 8, 8, 7]
+    table = bm.allocate(other, "", bm.match(other, "", 8), 9)
+    bm.commit(table, other, 9)
+    bm.free(table)
+    bm.evict_all(keep_tier=True)
+    moves = stream(recorder)
+    dropped = [h for e in moves if isinstance(e, VBlockRemoved) and e.medium == medium
+               for h in e.block_hashes]  # fmt: skip
+    assert sorted(dropped) == sorted(hashes)
+    bm.tier.clear()  # type: ignore[union-attr]
+    cleared = stream(recorder)
+    assert {(type(e).__name__, e.medium) for e in cleared} == {("VBlockRemoved", medium)}
+    assert bm.tier is not None and len(bm.tier) == 0
+    bm.tier.close()
+
+
+def test_an_engine_with_a_host_tier_publishes_its_spills_over_zmq() -> None:
+    from prefixcache.engine.config import EngineConfig
+    from prefixcache.engine.engine import LLMEngine
+    from prefixcache.engine.request import SamplingParams
+
+    port = free_port()
+    config = EngineConfig(
+        num_blocks=8,
+        kv_offload="host:0.05",
+        kv_events_endpoint=f"tcp://127.0.0.1:{port}",
+        kv_events_token_ids="all",
+    )
+    engine = LLMEngine(config)
+    ctx = zmq.Context()
+    sub = subscriber(ctx, f"tcp://127.0.0.1:{port}")
+    try:
+        time.sleep(0.3)
+        first, second = list(range(5, 5 + 96)), list(range(900, 900 + 96))
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        engine.generate([first], params)
+        engine.generate([second], params)  # 6 + 6 blocks in a pool of 8: the first spills
+        rebuilt, index = Rebuilt(), ReplicaIndex()  # a vLLM-schema subscriber; the router
+        for _, payload in recv_batches(sub):
+            rebuilt.apply(V_DECODER.decode(payload))
+            index.apply(decode_batch(payload).events)
+        manager = engine.block_manager
+        assert manager.tier is not None
+        spilled = {block_hash(d) for d in manager.tier._entries}
+        assert spilled and set(rebuilt.medium("CPU")) == spilled
+        assert set(rebuilt.medium("GPU")) == {block_hash(n.digest) for n in manager._tree.nodes()}
+        assert {t for _, tokens in rebuilt.medium("CPU").values() for t in tokens} <= set(first)
+        held = index.match_by_medium(first)  # the first prompt is still cached, one level down
+        assert held.by_medium.get("CPU", 0) > 0 and held.tokens == sum(held.by_medium.values())
+    finally:
+        sub.close(0)
+        ctx.term()
+        engine.close()
+
+
+def test_tier_stores_follow_the_token_policy() -> None:
+    bm = tiered_manager("host", slots=4, tmp_path=None)
+    shown = frozenset({root_digest(b"id", "tenant")})
+    recorder = BlockEventRecorder(4, shown)
+    bm.listener = recorder
+    for ns in ("", "tenant"):
+        prompt = [1, 2, 3, 4, 5]
+        table = bm.allocate(prompt, ns, bm.match(prompt, ns, 4), 5)
+        bm.commit(table, prompt, 5)
+        bm.free(table)
+    recorder.drain()
+    bm.evict_all(keep_tier=True)
+    spills = [e for e in stream(recorder) if isinstance(e, VBlockStored)]
+    assert sorted(e.token_ids for e in spills) == [[], [1, 2, 3, 4]]
+    assert {e.medium for e in spills} == {"CPU"}
+
+
+def test_the_router_decodes_every_form_vllm_has_published() -> None:
+    stored = dict(block_hashes=[5, 6], parent_block_hash=None, token_ids=[1] * 8, block_size=4)
+    current = VKVEventBatch(
+        2.0,
+        [
+            VBlockStored(**stored, lora_id=None, medium="GPU", lora_name=None, group_idx=0),
+            VBlockRemoved([6], "GPU"),
+            VAllBlocksCleared(),
+        ],
+    )
+    older = OKVEventBatch(
+        2.0, [OBlockStored(**stored, lora_id=None, medium="GPU"), OBlockRemoved([6], "GPU"),
+              OAllBlocksCleared()],
+    )  # fmt: skip
+    as_map = msgspec.json.decode(msgspec.json.encode(current))  # vLLM 0.32's events ...
+    all_maps = {"ts": 2.0, "events": as_map[1]}  # ... in a map batch too
+    from prefixcache.sidecar import kv_event_wire as w
+
+    kinds = (w.BlockStored, w.BlockRemoved, w.AllBlocksCleared)
+    seen = []
+    for wire_payload in (
+        msgspec.msgpack.encode(current),
+        msgspec.msgpack.encode(older),
+        msgspec.msgpack.encode(all_maps),
+    ):
+        batch = decode_batch(wire_payload)
+        assert batch.ts == 2.0
+        seen.append(
+            [
+                (next(k.__name__ for k in kinds if isinstance(e, k)), getattr(e, "medium", None))
+                for e in batch.events
+            ]
+        )
+        stored_event = batch.events[0]
+        assert isinstance(stored_event, w.BlockStored)
+        assert (stored_event.block_hashes, stored_event.token_ids) == ([5, 6], [1] * 8)
+    assert seen[0] == seen[1] == seen[2]
+    assert seen[0] == [("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("AllBlocksCleared", None)]

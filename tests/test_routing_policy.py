@@ -13,7 +13,7 @@ from prefixcache.sidecar.approx_tree import ApproxTree
 from prefixcache.sidecar.kv_event_wire import decode_batch
 from prefixcache.sidecar.kv_index import ReplicaIndex
 from prefixcache.sidecar.kv_subscriber import EventSubscriber
-from prefixcache.sidecar.routing import CacheAwareRouter, Replica, RoutingSettings
+from prefixcache.sidecar.routing import CacheAwareRouter, PendingPrefill, Replica, RoutingSettings
 from prefixcache.sidecar.upstream import UpstreamPool
 
 A, B, C = "http://a/v1", "http://b/v1", "http://c/v1"
@@ -188,6 +188,55 @@ def test_index_removals_and_eviction_of_a_parent() -> None:
     assert index.match([1, 1, 2, 2]) == 4
     index.apply(wire([BlockRemoved([3, 2], None)]))
     assert len(index) == 0 and index.cached_paths() == set()
+
+
+def test_a_block_held_in_a_lower_tier_stays_cached_until_every_medium_lets_go() -> None:
+    index = ReplicaIndex()
+    prompt = [1, 1, 2, 2, 3]
+    index.apply(wire([BlockStored([1, 2], None, [1, 1, 2, 2], 2, None, "GPU", None)]))
+    index.apply(wire([BlockStored([2], 1, [2, 2], 2, None, "CPU", None)]))  # spilled
+    index.apply(wire([BlockRemoved([2], "GPU")]))  # ... and evicted from the pool
+    match = index.match_by_medium(prompt)
+    assert (match.tokens, match.by_medium) == (4, {"GPU": 2, "CPU": 2})
+    index.apply(wire([BlockRemoved([2], "STORAGE")]))  # a medium that never held it
+    assert index.match(prompt) == 4
+    index.apply(wire([BlockStored([2], 1, [2, 2], 2, None, "GPU", None)]))  # reloaded
+    assert index.match_by_medium(prompt).by_medium == {"GPU": 4}  # the fastest holder serves
+    index.apply(wire([BlockRemoved([2], "GPU"), BlockRemoved([2], "CPU")]))
+    assert index.match(prompt) == 2 and len(index) == 1
+    index.apply(wire([BlockStored([3], 1, [2, 2], 2, None, "STORAGE", None)]))
+    index.apply(wire([BlockRemoved([1, 3], None)]))  # no medium: every medium lets go
+    assert index.match(prompt) == 0 and len(index) == 0 and index.cached_paths() == set()
+
+
+def test_precise_prefers_the_pool_to_a_lower_tier_and_a_lower_tier_to_nothing() -> None:
+    r = router()
+    prompt = list(range(40))
+    store(r, A, prompt[:32])
+    index_b = r.replicas[B].index
+    assert index_b is not None
+    index_b.apply(wire([BlockStored(list(range(8)), None, prompt[:32], 4, None, "CPU", None)]))
+    decision = r.choose("t", prompt)
+    assert decision is not None and (decision.upstream.url, decision.reason) == (A, "precise")
+    r.replicas[A].upstream.in_flight = 1  # a running request costs more than a tier's copy
+    decision = r.choose("t2", prompt)
+    assert decision is not None and decision.upstream.url == B and decision.predicted_tokens == 32
+    assert RoutingSettings().credit({"GPU": 10, "CPU": 10, "STORAGE": 10}) == 10 + 9 + 7
+
+
+def test_a_prompt_counts_as_held_from_its_sending_until_its_request_ends() -> None:
+    r = router()  # no events at all: only what was sent tells
+    prompt, follow_up = list(range(40)), list(range(40)) + [99] * 8
+    replica = r.replicas[B]
+    replica.pending[1] = PendingPrefill(prompt, 40)
+    assert replica.in_flight_hit(follow_up, 4) == 40 and replica.pending_prefill == 40
+    replica.answering(1)  # first byte: prefill done, blocks held while it answers
+    assert replica.pending_prefill == 0 and replica.in_flight_hit(follow_up, 4) == 40
+    decision = r.choose("x", follow_up)
+    assert decision is not None and (decision.upstream.url, decision.reason) == (B, "precise")
+    assert decision.predicted_tokens == 32  # whole blocks; 16 before any event says the size
+    replica.finished(1)
+    assert replica.in_flight_hit(follow_up, 4) == 0 and not replica.running
 
 
 def test_upstream_specs_parse_and_bad_ones_are_refused() -> None:
