@@ -204,3 +204,22 @@ def test_bf16_cascade_decode_on_the_kernel_matches_plain_decode() -> None:
     assert not runner.last_metadata.cascade_groups
     torch.testing.assert_close(cascade, plain, atol=0.1, rtol=0.05)
     assert cascade.argmax(-1).tolist() == plain.argmax(-1).tolist()
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("lq", "num_keys", "causal"), [(7, 300, False), (40, 40, True), (5, 17, False)]
+)
+def test_paged_attention_reads_the_pages_of_a_block_table(
+    lq: int, num_keys: int, causal: bool
+) -> None:
+    gen = torch.Generator().manual_seed(lq + num_keys)
+    num_blocks, bs, hq, hk, d = 64, 16, 8, 2, 64
+    kv = torch.randn(num_blocks, 2, bs, hk, d, generator=gen).to(torch.bfloat16)
+    ids = torch.randperm(num_blocks, generator=gen)[: -(-num_keys // bs)].to(torch.int32)
+    q = torch.randn(lq, hq, d, generator=gen).to(torch.bfloat16)
+    out, lse = cpu_kernels.paged_attention(q, kv, ids, num_keys, 0.125, causal)
+    k = kv[ids.long(), 0].reshape(-1, hk, d)[:num_keys]
+    v = kv[ids.long(), 1].reshape(-1, hk, d)[:num_keys]
+    dense_out, dense_lse = cpu_kernels.attention(q, k, v, 0.125, causal)
+    assert torch.equal(out, dense_out) and torch.equal(lse, dense_lse)

@@ -195,37 +195,57 @@ void attend_block(const Problem& pb, int64_t h, int64_t t0, int64_t t1, const ui
   }
 }
 
-void pack_head(const uint16_t* k, int64_t k_tok, const uint16_t* v, int64_t v_tok, int64_t lk,
-               int64_t d, int64_t kb, uint32_t* kp, uint32_t* vp) {
+// Where key j's K and V rows of kv head h are: contiguous [L, Hk, D] tensors (strided)...
+struct DenseKV {
+  const uint16_t *k, *v;
+  int64_t k_tok, k_head, v_tok, v_head;
+  const uint16_t* key(int64_t h, int64_t j) const { return k + h * k_head + j * k_tok; }
+  const uint16_t* value(int64_t h, int64_t j) const { return v + h * v_head + j * v_tok; }
+};
+
+// ... or the paged layer [num_blocks, 2, bs, Hk, D] through a block table (read in place).
+struct PagedKV {
+  const uint16_t* kv;
+  const int32_t* table;
+  int64_t bs, row_words, d;  // row_words = Hk * D
+  const uint16_t* key(int64_t h, int64_t j) const {
+    return kv + (static_cast<int64_t>(table[j / bs]) * 2 * bs + j % bs) * row_words + h * d;
+  }
+  const uint16_t* value(int64_t h, int64_t j) const { return key(h, j) + bs * row_words; }
+};
+
+template <typename Src>
+void pack_head(const Src& src, int64_t h, int64_t lk, int64_t d, int64_t kb, uint32_t* kp,
+               uint32_t* vp) {
   const int64_t np = d / 2, k0 = kb * BK;
   uint32_t* kdst = kp + kb * np * BK;
   for (int64_t j = 0; j < BK; ++j) {
     const int64_t key = k0 + j;
-    for (int64_t p = 0; p < np; ++p)
-      kdst[p * BK + j] = key < lk ? load_pair(k + key * k_tok + 2 * p) : 0u;
+    const uint16_t* row = key < lk ? src.key(h, key) : nullptr;
+    for (int64_t p = 0; p < np; ++p) kdst[p * BK + j] = row ? load_pair(row + 2 * p) : 0u;
   }
   uint32_t* vdst = vp + kb * (BK / 2) * d;
   for (int64_t i = 0; i < BK / 2; ++i) {
     const int64_t a = k0 + 2 * i, b = a + 1;
+    const uint16_t* ra = a < lk ? src.value(h, a) : nullptr;
+    const uint16_t* rb = b < lk ? src.value(h, b) : nullptr;
     for (int64_t c = 0; c < d; ++c) {
-      const uint32_t lo = a < lk ? v[a * v_tok + c] : 0u;
-      const uint32_t hi = b < lk ? v[b * v_tok + c] : 0u;
+      const uint32_t lo = ra ? ra[c] : 0u;
+      const uint32_t hi = rb ? rb[c] : 0u;
       vdst[i * d + c] = lo | (hi << 16);
     }
   }
 }
 
-template <int D, int R>
-void run(const Problem& pb, const uint16_t* k, int64_t k_tok, int64_t k_head, const uint16_t* v,
-         int64_t v_tok, int64_t v_head, int nthreads) {
+template <int D, int R, typename Src>
+void run(const Problem& pb, const Src& src, int nthreads) {
   const int64_t nkb = (pb.lk + BK - 1) / BK;
   const int64_t head_words = nkb * BK * (D / 2);  // K and V alike
   std::vector<uint32_t> kp(pb.hk * head_words), vp(pb.hk * head_words);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t task = 0; task < pb.hk * nkb; ++task) {
     const int64_t h = task / nkb, kb = task % nkb;
-    pack_head(k + h * k_head, k_tok, v + h * v_head, v_tok, pb.lk, D, kb,
-              kp.data() + h * head_words, vp.data() + h * head_words);
+    pack_head(src, h, pb.lk, D, kb, kp.data() + h * head_words, vp.data() + h * head_words);
   }
   const int64_t g = pb.hq / pb.hk;
   const int64_t tokens_per_task = std::max<int64_t>(1, ROWS_BLOCK / g);
@@ -414,15 +434,39 @@ int pc_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const ui
                       int64_t v_head, uint16_t* out, float* lse, int64_t lq, int64_t lk,
                       int64_t hq, int64_t hk, int64_t d, float scale, int causal, int nthreads) {
   Problem pb{q, q_tok, q_head, out, lse, lq, lk, hq, hk, scale * 1.44269504089f, causal != 0};
+  const DenseKV src{k, v, k_tok, k_head, v_tok, v_head};
   switch (d) {
     case 64:
-      run<64, 4>(pb, k, k_tok, k_head, v, v_tok, v_head, nthreads);
+      run<64, 4>(pb, src, nthreads);
       return 0;
     case 128:
-      run<128, 2>(pb, k, k_tok, k_head, v, v_tok, v_head, nthreads);
+      run<128, 2>(pb, src, nthreads);
       return 0;
     case 32:
-      run<32, 4>(pb, k, k_tok, k_head, v, v_tok, v_head, nthreads);
+      run<32, 4>(pb, src, nthreads);
+      return 0;
+    default:
+      return -1;
+  }
+}
+
+// The same over lk keys held in KV pages: kv_layer [num_blocks, 2, bs, hk, d], table int32
+// [ceil(lk / bs)] block ids. Read in place, no gather.
+int pc_paged_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* kv,
+                            int64_t bs, const int32_t* table, uint16_t* out, float* lse,
+                            int64_t lq, int64_t lk, int64_t hq, int64_t hk, int64_t d,
+                            float scale, int causal, int nthreads) {
+  Problem pb{q, q_tok, q_head, out, lse, lq, lk, hq, hk, scale * 1.44269504089f, causal != 0};
+  const PagedKV src{kv, table, bs, hk * d, d};
+  switch (d) {
+    case 64:
+      run<64, 4>(pb, src, nthreads);
+      return 0;
+    case 128:
+      run<128, 2>(pb, src, nthreads);
+      return 0;
+    case 32:
+      run<32, 4>(pb, src, nthreads);
       return 0;
     default:
       return -1;

@@ -119,6 +119,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr]
     fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
+    fn = lib.pc_paged_attention_bf16
+    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    fn.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
     fn = lib.pc_paged_decode_bf16
     fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr]
     fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
@@ -155,6 +159,34 @@ def attention(
         v.data_ptr(), v.stride(0), v.stride(1),
         out.data_ptr(), lse.data_ptr(),
         lq, lk, hq, hk, d, scale, int(causal), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"CPU attention kernel refused head dim {d}")
+    return out, lse
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    blocks: torch.Tensor,
+    num_keys: int,
+    scale: float,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention`` over the first ``num_keys`` keys held in the pages ``blocks`` (int32 block
+    ids, in order) of ``kv_layer`` ``[num_blocks, 2, bs, Hk, D]``, read in place."""
+    lib = load()
+    assert lib is not None and kv_layer.is_contiguous()
+    assert blocks.dtype == torch.int32 and blocks.is_contiguous()
+    lq, hq, d = q.shape
+    _, _, bs, hk, _ = kv_layer.shape
+    assert num_keys <= blocks.numel() * bs
+    out = torch.empty(lq, hq, d, dtype=torch.bfloat16)
+    lse = torch.empty(lq, hq, dtype=torch.float32)
+    rc = lib.pc_paged_attention_bf16(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        kv_layer.data_ptr(), bs, blocks.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        lq, num_keys, hq, hk, d, scale, int(causal), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"CPU attention kernel refused head dim {d}")

@@ -188,6 +188,7 @@ class _PrefillPlan:
     num_cached: int  # cached tokens this sequence attends to on its own (after any group prefix)
     cached_blocks: torch.Tensor  # int64: K page rows (2 * block) of the blocks holding them
     group: int | None = None  # index of its prefill group, whose shared prefix comes first
+    cached_ids: torch.Tensor | None = None  # int32 block ids, where the CPU kernel reads pages
 
 
 @dataclass(slots=True)
@@ -195,6 +196,7 @@ class _PrefillGroupPlan:
     q_begin: int
     q_end: int
     shared_blocks: torch.Tensor  # int64 [S]: K page rows of the prefix every member shares
+    shared_ids: torch.Tensor | None = None  # int32 block ids, where the CPU kernel reads pages
 
 
 @dataclass(slots=True)
@@ -271,7 +273,7 @@ class TorchBackend(AttentionBackend):
         # CPU bf16 with the engine's kernel: every decode reads its pages in place, one call.
         self._paged_tables: torch.Tensor | None = None  # int32 [decodes, max blocks]
         self._paged_lens = torch.empty(0, dtype=torch.int64)
-        self._kernel_cascades: list[tuple[int, int, torch.Tensor]] = []  # rows, K page rows
+        self._kernel_cascades: list[tuple[int, int, torch.Tensor]] = []  # rows, int32 block ids
         # Gather buffers, reused across layers and steps: fresh multi-MB allocations on CPU
         # cost more in page faults than the copy itself.
         self._scratch: dict[str, torch.Tensor] = {}
@@ -292,12 +294,14 @@ class TorchBackend(AttentionBackend):
         page_of = meta.kv_indptr.long()[meta.batch_indices.long()] + pos // bs
         self._write_rows = meta.kv_indices.long()[page_of] * (2 * bs) + pos % bs
 
+        in_place = self._reads_pages_in_place(shape, dev)
         self._prefill_groups = []
         group_of: dict[int, tuple[int, int]] = {}  # prefill index -> (group, shared blocks)
         for gi, g in enumerate(meta.prefill_groups):
             shared = torch.as_tensor(tables[g.begin][: g.num_shared_blocks], dtype=torch.int64)
+            ids = shared.to(torch.int32) if in_place else None
             self._prefill_groups.append(
-                _PrefillGroupPlan(qo[g.begin], qo[g.end], (shared * 2).to(dev))
+                _PrefillGroupPlan(qo[g.begin], qo[g.end], (shared * 2).to(dev), ids)
             )
             group_of.update({i: (gi, g.num_shared_blocks) for i in range(g.begin, g.end)})
         self._prefills = []
@@ -307,6 +311,8 @@ class TorchBackend(AttentionBackend):
             own = tables[i][n_shared : -(-start // bs)]
             blocks = (torch.as_tensor(own, dtype=torch.int64) * 2).to(dev)
             plan = _PrefillPlan(qo[i], qo[i + 1], start - n_shared * bs, blocks, group)
+            if in_place:
+                plan.cached_ids = torch.as_tensor(own, dtype=torch.int32)
             self._prefills.append(plan)
 
         lo = meta.decode_begin
@@ -314,7 +320,7 @@ class TorchBackend(AttentionBackend):
         self._decodes, self._cascades = [], []
         self._num_decode_rows = qo[-1] - qo[lo]
         self._meta, self._shape = meta, shape
-        if self._num_decode_rows and self._reads_pages_in_place(shape, dev):
+        if self._num_decode_rows and in_place:
             # Each decode reads its own pages in place (cascade members: those after the
             # group's shared blocks); each cascade group's shared prefix is read once, by
             # the whole group's queries in one kernel call, and merged by LSE.
@@ -324,7 +330,7 @@ class TorchBackend(AttentionBackend):
             for g in meta.cascade_groups:
                 skip[g.begin - lo : g.end - lo] = [g.num_shared_blocks] * (g.end - g.begin)
                 shared = torch.as_tensor(tables[g.begin][: g.num_shared_blocks], dtype=torch.int64)
-                self._kernel_cascades.append((qo[g.begin], qo[g.end], (shared * 2).to(dev)))
+                self._kernel_cascades.append((qo[g.begin], qo[g.end], shared.to(torch.int32)))
             lens = [sq.kv_len - n * bs for sq, n in zip(decodes, skip, strict=True)]
             width = max(-(-n // bs) for n in lens)
             table = torch.zeros(len(decodes), width, dtype=torch.int32)
@@ -420,15 +426,27 @@ class TorchBackend(AttentionBackend):
 
         out = torch.empty_like(q)
         group_states = []
-        for gp in self._prefill_groups:  # the shared prefix is gathered and read once
+        for gp in self._prefill_groups:  # the shared prefix is read once
+            qg = q[gp.q_begin : gp.q_end]
+            if gp.shared_ids is not None:
+                n = gp.shared_ids.numel() * bs
+                group_states.append(
+                    cpu_kernels.paged_attention(qg, kv_layer, gp.shared_ids, n, scale)
+                )
+                continue
             sk, sv = self._gather(kv_layer, gp.shared_blocks)
-            group_states.append(dense_attention(q[gp.q_begin : gp.q_end], sk, sv, scale, False))
+            group_states.append(dense_attention(qg, sk, sv, scale, False))
         for p in self._prefills:
             qs = q[p.q_begin : p.q_end]
             o, lse = dense_attention(
                 qs, k[p.q_begin : p.q_end], v[p.q_begin : p.q_end], scale, causal=True
             )
-            if p.num_cached:
+            if p.num_cached and p.cached_ids is not None:
+                o_c, lse_c = cpu_kernels.paged_attention(
+                    qs, kv_layer, p.cached_ids, p.num_cached, scale
+                )
+                o, lse = merge_states(o_c, lse_c, o, lse)
+            elif p.num_cached:
                 ck, cv = self._gather(kv_layer, p.cached_blocks)
                 o_c, lse_c = dense_attention(
                     qs, ck[: p.num_cached], cv[: p.num_cached], scale, causal=False
@@ -447,8 +465,9 @@ class TorchBackend(AttentionBackend):
             )
             out[d0:] = own
             for begin, end, shared_blocks in self._kernel_cascades:
-                sk, sv = self._gather(kv_layer, shared_blocks)
-                o_s, lse_s = dense_attention(q[begin:end], sk, sv, scale, causal=False)
+                o_s, lse_s = cpu_kernels.paged_attention(
+                    q[begin:end], kv_layer, shared_blocks, shared_blocks.numel() * bs, scale
+                )
                 rows = slice(begin - d0, end - d0)
                 out[begin:end], _ = merge_states(o_s, lse_s, own[rows], own_lse[rows])
             return out
