@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -423,6 +424,28 @@ void decode_run(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t
   }
 }
 
+// Calls fn with the head dim as a compile-time constant; -1 for one the kernels lack.
+template <typename Fn>
+int with_head_dim(int64_t d, Fn&& fn) {
+  switch (d) {
+    case 32:
+      fn(std::integral_constant<int, 32>{});
+      return 0;
+    case 64:
+      fn(std::integral_constant<int, 64>{});
+      return 0;
+    case 128:
+      fn(std::integral_constant<int, 128>{});
+      return 0;
+    default:
+      return -1;
+  }
+}
+
+// Query rows per register tile: 4 rows x D/16 accumulators must fit 32 vector registers.
+template <int D>
+constexpr int kTileRows = D == 128 ? 2 : 4;
+
 }  // namespace
 
 extern "C" {
@@ -433,21 +456,9 @@ int pc_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const ui
                       int64_t k_tok, int64_t k_head, const uint16_t* v, int64_t v_tok,
                       int64_t v_head, uint16_t* out, float* lse, int64_t lq, int64_t lk,
                       int64_t hq, int64_t hk, int64_t d, float scale, int causal, int nthreads) {
-  Problem pb{q, q_tok, q_head, out, lse, lq, lk, hq, hk, scale * 1.44269504089f, causal != 0};
+  const Problem pb{q, q_tok, q_head, out, lse, lq, lk, hq, hk, scale * 1.44269504089f, causal != 0};
   const DenseKV src{k, v, k_tok, k_head, v_tok, v_head};
-  switch (d) {
-    case 64:
-      run<64, 4>(pb, src, nthreads);
-      return 0;
-    case 128:
-      run<128, 2>(pb, src, nthreads);
-      return 0;
-    case 32:
-      run<32, 4>(pb, src, nthreads);
-      return 0;
-    default:
-      return -1;
-  }
+  return with_head_dim(d, [&](auto dim) { run<dim(), kTileRows<dim()>>(pb, src, nthreads); });
 }
 
 // The same over lk keys held in KV pages: kv_layer [num_blocks, 2, bs, hk, d], table int32
@@ -456,21 +467,9 @@ int pc_paged_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, co
                             int64_t bs, const int32_t* table, uint16_t* out, float* lse,
                             int64_t lq, int64_t lk, int64_t hq, int64_t hk, int64_t d,
                             float scale, int causal, int nthreads) {
-  Problem pb{q, q_tok, q_head, out, lse, lq, lk, hq, hk, scale * 1.44269504089f, causal != 0};
+  const Problem pb{q, q_tok, q_head, out, lse, lq, lk, hq, hk, scale * 1.44269504089f, causal != 0};
   const PagedKV src{kv, table, bs, hk * d, d};
-  switch (d) {
-    case 64:
-      run<64, 4>(pb, src, nthreads);
-      return 0;
-    case 128:
-      run<128, 2>(pb, src, nthreads);
-      return 0;
-    case 32:
-      run<32, 4>(pb, src, nthreads);
-      return 0;
-    default:
-      return -1;
-  }
+  return with_head_dim(d, [&](auto dim) { run<dim(), kTileRows<dim()>>(pb, src, nthreads); });
 }
 
 // q [b, hq, d] (d contiguous); kv_layer as above; tables int32 [b, table_stride]; lens int64
@@ -480,24 +479,10 @@ int pc_paged_decode_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const
                          const int64_t* lens, uint16_t* out, float* lse, int64_t b, int64_t hq,
                          int64_t hk, int64_t d, float scale, int nthreads) {
   const float scale2 = scale * 1.44269504089f;
-  switch (d) {
-    case 64:
-      decode_run<64>(q, q_tok, q_head, kv, bs, tables, table_stride, lens, out, lse, b, hq, hk,
-                     scale2, nthreads);
-      return 0;
-    case 128:
-      decode_run<128>(q, q_tok, q_head, kv, bs, tables, table_stride, lens, out, lse, b, hq, hk,
+  return with_head_dim(d, [&](auto dim) {
+    decode_run<dim()>(q, q_tok, q_head, kv, bs, tables, table_stride, lens, out, lse, b, hq, hk,
                       scale2, nthreads);
-      return 0;
-    case 32:
-      decode_run<32>(q, q_tok, q_head, kv, bs, tables, table_stride, lens, out, lse, b, hq, hk,
-                     scale2, nthreads);
-      return 0;
-    default:
-      return -1;
-  }
+  });
 }
-
-int pc_kernel_version() { return 2; }
 
 }  // extern "C"

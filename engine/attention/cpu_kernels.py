@@ -90,6 +90,8 @@ def _build(cxx: str, target: Path) -> None:
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None where it cannot run here."""
+    if _loaded:  # every attention call asks: no lock once decided
+        return _loaded[0]
     with _lock:
         if _loaded:
             return _loaded[0]
