@@ -315,6 +315,7 @@ def test_replay_after_a_dropped_subscriber_fills_the_gap() -> None:
     try:
         recorder.all_cleared()
         publisher.publish(recorder.drain())
+        time.sleep(0.3)  # batch 0 leaves on the publisher's thread before anyone subscribes
         sub = subscriber(ctx, f"tcp://127.0.0.1:{port}")
         time.sleep(0.3)
         rebuilt = Rebuilt()
