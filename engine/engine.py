@@ -238,11 +238,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduled step. An error attributable to one request (its sampling, its output)
         ends that request only; a failed forward pass ends the requests of its batch."""
+        started = time.perf_counter()
         out = self.scheduler.schedule()
         self.metrics.preemptions.inc(len(out.preempted))
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         outputs: list[RequestOutput] = []
         if out.chunks:
+            kind = "decode" if all(c.seq.is_decoding for c in out.chunks) else "prefill"
             try:
                 logits = self.runner.execute(self._batch(out))
             except Exception as exc:
@@ -288,6 +290,7 @@ class LLMEngine:
                 failed = self.fail_request(seq.request_id, "request_error", error)
                 if failed is not None:
                     outputs.append(failed)
+            self.metrics.step_duration.labels(kind).observe(time.perf_counter() - started)
         self.flush_kv_events()
         return outputs
 

@@ -112,6 +112,14 @@ class EngineMetrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
+        self.step_duration = Histogram(
+            "prefixcache:engine_step_seconds",
+            "Wall time of one engine step (schedule, forward, sample), by kind: 'decode' when "
+            "every scheduled sequence computes its last sampled token, else 'prefill'.",
+            ["kind"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
         self.e2e_latency = Histogram(
             "prefixcache:e2e_request_latency_seconds",
             "Time from arrival to the last token.",

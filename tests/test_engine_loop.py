@@ -253,6 +253,9 @@ def test_metrics_count_hits_and_tokens(loaded) -> None:
     assert registry.get_sample_value("prefixcache:prompt_tokens_computed_total") == 49
     assert registry.get_sample_value("prefixcache:generation_tokens_total") == 6
     assert registry.get_sample_value("prefixcache:time_to_first_token_seconds_count") == 2
+    steps = "prefixcache:engine_step_seconds_count"
+    assert registry.get_sample_value(steps, {"kind": "prefill"}) == 2  # the 48, then the 1
+    assert registry.get_sample_value(steps, {"kind": "decode"}) == 4
     assert registry.get_sample_value("prefixcache:kv_blocks", {"state": "in_use"}) == 0
 
 
