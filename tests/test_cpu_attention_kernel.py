@@ -174,9 +174,48 @@ def test_paged_decode_reads_pages_in_place(hq: int, hk: int, d: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize(("hq", "hk", "d"), [(8, 2, 64), (9, 3, 64), (4, 4, 128), (12, 2, 32)])
+def test_paged_decode_reads_a_cascade_groups_shared_pages_once(hq: int, hk: int, d: int) -> None:
+    """Sequences 1-11 share 5 blocks (more members than one task takes: the group is split),
+    13-14 share 2; 0, 12 and 15 stand alone. Each output is attention over all its keys."""
+    gen = torch.Generator().manual_seed(hq + d)
+    num_blocks, bs = 160, 16
+    kv = torch.randn(num_blocks, 2, bs, hk, d, generator=gen).to(torch.bfloat16)
+    pages = torch.randperm(num_blocks, generator=gen).tolist()
+    shared = {1: pages[:5], 13: pages[5:7]}
+    groups = [(1, 12, 5 * bs), (13, 15, 2 * bs)]
+    own_lens = [40, 1, 7, 16, 17, 30, 2, 3, 50, 9, 1, 33, 70, 5, 16, 20]
+    free = iter(pages[7:])
+    tables, lens = [], []
+    for s, own in enumerate(own_lens):
+        head = next((shared[b] for b, e, _ in groups if b <= s < e), [])
+        tables.append(head + [next(free) for _ in range(-(-own // bs))])
+        lens.append(len(head) * bs + own)
+    width = max(len(t) for t in tables)
+    table = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(torch.bfloat16)
+    scale = 1.0 / math.sqrt(d)
+    lens_t = torch.tensor(lens)
+    out, lse = cpu_kernels.paged_decode(q, kv, table, lens_t, scale, torch.tensor(groups))
+    plain_out, plain_lse = cpu_kernels.paged_decode(q, kv, table, lens_t, scale)
+    for i, n in enumerate(lens):
+        ids = table[i, : -(-n // bs)].long()
+        k = kv[ids, 0].reshape(-1, hk, d)[:n]
+        v = kv[ids, 1].reshape(-1, hk, d)[:n]
+        ref_out, ref_lse = reference(q[i : i + 1], k, v, scale, causal=False)
+        torch.testing.assert_close(out[i : i + 1].float(), ref_out, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse[i : i + 1], ref_lse, atol=1e-4, rtol=1e-5)
+    alone = [0, 12, 15]  # no group: the same code path as without groups, bit for bit
+    assert torch.equal(out[alone], plain_out[alone]) and torch.equal(lse[alone], plain_lse[alone])
+
+
+@needs_kernel
 def test_bf16_cascade_decode_on_the_kernel_matches_plain_decode() -> None:
-    """Decodes over a shared cached prefix: the cascade split (prefix once per group, own
-    pages in place, merged by LSE) gives the logits of each decode reading all its pages."""
+    """Decodes over a shared cached prefix: the cascade (prefix once per group, then each
+    member's own pages, merged in the kernel) gives the logits of each decode reading all
+    its pages."""
     from prefixcache.engine.attention import create_backend
     from prefixcache.engine.kv_cache import KVCache
     from prefixcache.engine.loader import load_model

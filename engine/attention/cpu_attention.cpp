@@ -288,139 +288,242 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_permutexvar_ps(order, z);
 }
 
-// Decode: one query token per sequence over its own KV pages, read in place (no gather).
+// Decode: one query token per sequence over KV pages read in place (no gather).
 // kv_layer is [num_blocks, 2, bs, hk, D]: K of (block, slot, head) at
 // ((block * 2) * bs + slot) * hk * D + head * D, its V bs * hk * D further.
-template <int D>
-struct DecodeScratch {
-  std::vector<float> scores;          // [g rows][len]: scores, then probabilities
-  std::vector<uint16_t> probs;        // one row's probabilities in bf16, zero-padded
-  std::vector<const uint16_t*> keys;  // K row of every key (V is bs rows further)
-};
+// Sequences of a cascade group share their first `shared` keys (the same pages): a task
+// takes up to kCascadeRows query rows (members x the g heads of one kv head) over those keys
+// together, then each member's own keys, and merges the two softmax states in fp32.
+constexpr int64_t kCascadeRows = 32;
 
 template <int D>
-void decode_task(const uint16_t* q, int64_t q_head, const uint16_t* kv, int64_t bs, int64_t hk,
-                 const int32_t* table, int64_t len, int64_t h, int64_t g, float scale2,
-                 uint16_t* out, float* lse, DecodeScratch<D>& scratch) {
+struct DecodeScratch {
+  std::vector<float> scores;          // [4 rows][len]: scores, then probabilities
+  std::vector<uint16_t> probs;        // 4 rows' probabilities in bf16, zero-padded
+  std::vector<const uint16_t*> keys;  // K row of every key (V is bs rows further)
+  std::vector<float> acc, mx, sum;    // a task's shared-prefix states, [rows][D], [rows]
+};
+
+// Unnormalised softmax state of up to 4 query rows over `len` keys: acc[i][D] = sum_j
+// 2^(s_ij - mx_i) v_j (P in bf16, as everywhere here), sum_i = sum_j 2^(s_ij - mx_i).
+// len == 0 gives mx = -inf, sum = 0, acc = 0.
+template <int D>
+void attend_tile(const uint16_t* const* qrow, int nr, const uint16_t* const* krows, int64_t len,
+                 int64_t v_offset, float scale2, DecodeScratch<D>& scratch, float (*acc)[D],
+                 float* mx, float* sum) {
   constexpr int NK = D / 32;  // bf16 vectors per K/V row
-  const int64_t row_words = hk * D;  // elements between slots
-  const int64_t v_offset = bs * row_words;
   std::vector<float>& sbuf = scratch.scores;
-  sbuf.resize(static_cast<size_t>(g * len));
-  std::vector<const uint16_t*>& krows = scratch.keys;
-  krows.resize(static_cast<size_t>(len));
-  for (int64_t blk = 0, j = 0; j < len; ++blk) {
-    const uint16_t* base = kv + static_cast<int64_t>(table[blk]) * 2 * bs * row_words + h * D;
-    for (int64_t slot = 0; slot < bs && j < len; ++slot) krows[j++] = base + slot * row_words;
-  }
+  sbuf.resize(static_cast<size_t>(4 * len));
   const int64_t padded = (len + 16) & ~int64_t(15);  // room for an odd length's zero partner
   std::vector<uint16_t>& pb = scratch.probs;
   pb.resize(static_cast<size_t>(4 * padded));
-  for (int64_t r0 = 0; r0 < g; r0 += 4) {
-    const int nr = static_cast<int>(std::min<int64_t>(4, g - r0));
-    __m512bh qv[4][NK];
-    for (int i = 0; i < 4; ++i)
-      for (int c = 0; c < NK; ++c)
-        qv[i][c] = (__m512bh)_mm512_loadu_si512(q + (h * g + r0 + (i < nr ? i : 0)) * q_head + c * 32);
-    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    for (int64_t j0 = 0; j0 < len; j0 += 16) {
-      const int n = static_cast<int>(std::min<int64_t>(16, len - j0));
-      const uint16_t* const* krow = &krows[j0];
-      for (int i = 0; i < nr; ++i) {
-        __m512 acc[16];
-        for (int jj = 0; jj < 16; ++jj) {
-          acc[jj] = _mm512_setzero_ps();
-          if (jj < n)
-            for (int c = 0; c < NK; ++c)
-              acc[jj] = _mm512_dpbf16_ps(acc[jj], qv[i][c],
-                                         (__m512bh)_mm512_loadu_si512(krow[jj] + c * 32));
-        }
-        const __mmask16 mk = prefix_mask(n);
-        const __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale2));
-        _mm512_mask_storeu_ps(&sbuf[i * len + j0], mk, sc);
-        mx[i] = std::max(mx[i], _mm512_mask_reduce_max_ps(mk, sc));
-      }
-    }
-    // Probabilities (unnormalised) in bf16, pairs of consecutive keys side by side.
-    float sum[4] = {0, 0, 0, 0};
+  __m512bh qv[4][NK];
+  for (int i = 0; i < 4; ++i)
+    for (int c = 0; c < NK; ++c)
+      qv[i][c] = (__m512bh)_mm512_loadu_si512(qrow[i < nr ? i : 0] + c * 32);
+  for (int i = 0; i < nr; ++i) mx[i] = -INFINITY;
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, len - j0));
+    const uint16_t* const* krow = krows + j0;
     for (int i = 0; i < nr; ++i) {
-      const float* srow = &sbuf[i * len];
-      uint16_t* prow = &pb[i * padded];
-      const __m512 mv = _mm512_set1_ps(mx[i]);
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t j = 0; j < padded; j += 16) {
-        const __mmask16 mk = prefix_mask(len - j);
-        const __m512 e =
-            _mm512_maskz_mov_ps(mk, exp2_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, srow + j), mv)));
-        acc = _mm512_add_ps(acc, e);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), (__m256i)_mm512_cvtneps_pbh(e));
+      __m512 a[16];
+      for (int jj = 0; jj < 16; ++jj) {
+        a[jj] = _mm512_setzero_ps();
+        if (jj < n)
+          for (int c = 0; c < NK; ++c)
+            a[jj] = _mm512_dpbf16_ps(a[jj], qv[i][c],
+                                     (__m512bh)_mm512_loadu_si512(krow[jj] + c * 32));
       }
-      sum[i] = _mm512_reduce_add_ps(acc);
+      const __mmask16 mk = prefix_mask(n);
+      const __m512 sc = _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale2));
+      _mm512_mask_storeu_ps(&sbuf[i * len + j0], mk, sc);
+      mx[i] = std::max(mx[i], _mm512_mask_reduce_max_ps(mk, sc));
     }
-    // O = P V over key pairs: V rows j and j+1 interleaved per 16-bit element, so that one
-    // VDPBF16PS per 16 output dims takes both keys. Within 128-bit lanes, unpacklo holds
-    // dims 8L+0..3 and unpackhi dims 8L+4..7 of each 32-dim chunk.
-    __m512 olo[4][NK], ohi[4][NK];
-    for (int i = 0; i < 4; ++i)
-      for (int c = 0; c < NK; ++c) olo[i][c] = ohi[i][c] = _mm512_setzero_ps();
-    const __m512i zero = _mm512_setzero_si512();
-    for (int64_t j = 0; j < len; j += 2) {
-      const uint16_t* v0 = krows[j] + v_offset;
-      const uint16_t* v1 = j + 1 < len ? krows[j + 1] + v_offset : nullptr;
-      __m512bh lo[NK], hi[NK];
-      for (int c = 0; c < NK; ++c) {
-        const __m512i a = _mm512_loadu_si512(v0 + c * 32);
-        const __m512i b = v1 ? _mm512_loadu_si512(v1 + c * 32) : zero;
-        lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-        hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
-      }
-      for (int i = 0; i < nr; ++i) {
-        uint32_t w;
-        std::memcpy(&w, &pb[i * padded + j], sizeof(w));
-        const __m512bh pw = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
-        for (int c = 0; c < NK; ++c) {
-          olo[i][c] = _mm512_dpbf16_ps(olo[i][c], pw, lo[c]);
-          ohi[i][c] = _mm512_dpbf16_ps(ohi[i][c], pw, hi[c]);
-        }
-      }
+  }
+  // Probabilities (unnormalised) in bf16, pairs of consecutive keys side by side.
+  for (int i = 0; i < nr; ++i) {
+    const float* srow = &sbuf[i * len];
+    uint16_t* prow = &pb[i * padded];
+    const __m512 mv = _mm512_set1_ps(mx[i]);
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 16) {
+      const __mmask16 mk = prefix_mask(len - j);
+      const __m512 e =
+          _mm512_maskz_mov_ps(mk, exp2_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, srow + j), mv)));
+      s = _mm512_add_ps(s, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    sum[i] = _mm512_reduce_add_ps(s);
+  }
+  // O = P V over key pairs: V rows j and j+1 interleaved per 16-bit element, so that one
+  // VDPBF16PS per 16 output dims takes both keys. Within 128-bit lanes, unpacklo holds
+  // dims 8L+0..3 and unpackhi dims 8L+4..7 of each 32-dim chunk.
+  __m512 olo[4][NK], ohi[4][NK];
+  for (int i = 0; i < 4; ++i)
+    for (int c = 0; c < NK; ++c) olo[i][c] = ohi[i][c] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j = 0; j < len; j += 2) {
+    const uint16_t* v0 = krows[j] + v_offset;
+    const uint16_t* v1 = j + 1 < len ? krows[j + 1] + v_offset : nullptr;
+    __m512bh lo[NK], hi[NK];
+    for (int c = 0; c < NK; ++c) {
+      const __m512i a = _mm512_loadu_si512(v0 + c * 32);
+      const __m512i b = v1 ? _mm512_loadu_si512(v1 + c * 32) : zero;
+      lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
     }
     for (int i = 0; i < nr; ++i) {
-      const int64_t head = h * g + r0 + i;
-      alignas(64) float acc_lo[NK][16], acc_hi[NK][16], row[D];
+      uint32_t w;
+      std::memcpy(&w, &pb[i * padded + j], sizeof(w));
+      const __m512bh pw = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
       for (int c = 0; c < NK; ++c) {
-        _mm512_store_ps(acc_lo[c], olo[i][c]);
-        _mm512_store_ps(acc_hi[c], ohi[i][c]);
+        olo[i][c] = _mm512_dpbf16_ps(olo[i][c], pw, lo[c]);
+        ohi[i][c] = _mm512_dpbf16_ps(ohi[i][c], pw, hi[c]);
       }
-      for (int c = 0; c < NK; ++c)
-        for (int lane = 0; lane < 4; ++lane)
-          for (int e = 0; e < 4; ++e) {
-            row[32 * c + 8 * lane + e] = acc_lo[c][4 * lane + e];
-            row[32 * c + 8 * lane + 4 + e] = acc_hi[c][4 * lane + e];
-          }
-      const __m512 inv = _mm512_set1_ps(sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f);
-      for (int c = 0; c < D / 16; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + head * D + c * 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(row + c * 16), inv)));
-      lse[head] = sum[i] > 0.0f ? mx[i] + std::log2(sum[i]) : -INFINITY;
+    }
+  }
+  for (int i = 0; i < nr; ++i) {
+    alignas(64) float acc_lo[NK][16], acc_hi[NK][16];
+    for (int c = 0; c < NK; ++c) {
+      _mm512_store_ps(acc_lo[c], olo[i][c]);
+      _mm512_store_ps(acc_hi[c], ohi[i][c]);
+    }
+    for (int c = 0; c < NK; ++c)
+      for (int lane = 0; lane < 4; ++lane)
+        for (int e = 0; e < 4; ++e) {
+          acc[i][32 * c + 8 * lane + e] = acc_lo[c][4 * lane + e];
+          acc[i][32 * c + 8 * lane + 4 + e] = acc_hi[c][4 * lane + e];
+        }
+  }
+}
+
+// out = acc / sum in bf16 and lse = mx + log2(sum); with a second state (b_*), the two are
+// merged first (b_acc == nullptr: none).
+template <int D>
+void finish_row(const float* acc, float mx, float sum, const float* b_acc, float b_mx,
+                float b_sum, uint16_t* out, float* lse) {
+  alignas(64) float row[D];
+  if (b_acc != nullptr) {
+    const float m = std::max(mx, b_mx);
+    const float wa = sum > 0.0f ? std::exp2(mx - m) : 0.0f;
+    const float wb = b_sum > 0.0f ? std::exp2(b_mx - m) : 0.0f;
+    for (int c = 0; c < D; ++c) row[c] = acc[c] * wa + b_acc[c] * wb;
+    sum = sum * wa + b_sum * wb;
+    mx = m;
+  } else {
+    std::memcpy(row, acc, sizeof(row));
+  }
+  const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);
+  for (int c = 0; c < D / 16; ++c)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c * 16),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(row + c * 16), inv)));
+  *lse = sum > 0.0f ? mx + std::log2(sum) : -INFINITY;
+}
+
+struct DecodeBatch {
+  const uint16_t* q;
+  int64_t q_tok, q_head;
+  const uint16_t* kv;
+  int64_t bs, hk, g;
+  const int32_t* tables;
+  int64_t table_stride;
+  const int64_t* lens;
+  uint16_t* out;
+  float* lse;
+  float scale2;
+  int64_t d;  // head dim
+};
+
+// K rows of keys [from, to) of sequence s, kv head h, into keys.
+inline void key_rows(const DecodeBatch& db, int64_t s, int64_t h, int64_t from, int64_t to,
+                     std::vector<const uint16_t*>& keys) {
+  const int64_t row_words = db.hk * db.d;
+  const int32_t* table = db.tables + s * db.table_stride;
+  keys.resize(static_cast<size_t>(to - from));
+  for (int64_t j = from; j < to; ++j)
+    keys[j - from] =
+        db.kv + (static_cast<int64_t>(table[j / db.bs]) * 2 * db.bs + j % db.bs) * row_words +
+        h * db.d;
+}
+
+// Members [s0, s1) of one group (sharing their first `shared` keys), kv head h.
+template <int D>
+void decode_chunk(const DecodeBatch& db, int64_t s0, int64_t s1, int64_t shared, int64_t h,
+                  DecodeScratch<D>& scratch) {
+  const int64_t g = db.g, v_offset = db.bs * db.hk * D;
+  const int64_t rows = (s1 - s0) * g;
+  auto q_of = [&](int64_t s, int64_t head) { return db.q + s * db.q_tok + head * db.q_head; };
+  float (*sacc)[D] = nullptr;
+  if (shared > 0) {
+    scratch.acc.resize(static_cast<size_t>(rows * D));
+    scratch.mx.resize(static_cast<size_t>(rows));
+    scratch.sum.resize(static_cast<size_t>(rows));
+    sacc = reinterpret_cast<float (*)[D]>(scratch.acc.data());
+    key_rows(db, s0, h, 0, shared, scratch.keys);
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int nr = static_cast<int>(std::min<int64_t>(4, rows - r0));
+      const uint16_t* qrow[4];
+      for (int i = 0; i < nr; ++i) {
+        const int64_t r = r0 + i;
+        qrow[i] = q_of(s0 + r / g, h * g + r % g);
+      }
+      attend_tile<D>(qrow, nr, scratch.keys.data(), shared, v_offset, db.scale2, scratch,
+                     sacc + r0, &scratch.mx[r0], &scratch.sum[r0]);
+    }
+  }
+  for (int64_t s = s0; s < s1; ++s) {
+    key_rows(db, s, h, shared, db.lens[s], scratch.keys);
+    const int64_t own = db.lens[s] - shared;
+    for (int64_t r0 = 0; r0 < g; r0 += 4) {
+      const int nr = static_cast<int>(std::min<int64_t>(4, g - r0));
+      const uint16_t* qrow[4];
+      for (int i = 0; i < nr; ++i) qrow[i] = q_of(s, h * g + r0 + i);
+      alignas(64) float acc[4][D];
+      float mx[4], sum[4];
+      attend_tile<D>(qrow, nr, scratch.keys.data(), own, v_offset, db.scale2, scratch, acc, mx,
+                     sum);
+      for (int i = 0; i < nr; ++i) {
+        const int64_t head = h * g + r0 + i;
+        const int64_t r = (s - s0) * g + r0 + i;  // its row in the shared-prefix states
+        finish_row<D>(acc[i], mx[i], sum[i], sacc ? sacc[r] : nullptr,
+                      sacc ? scratch.mx[r] : 0.0f, sacc ? scratch.sum[r] : 0.0f,
+                      db.out + (s * g * db.hk + head) * D, db.lse + s * g * db.hk + head);
+      }
     }
   }
 }
 
+// groups: [n_groups][3] (first seq, end seq, shared keys), ascending and disjoint; every
+// sequence outside them is a task of its own.
 template <int D>
-void decode_run(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* kv, int64_t bs,
-                const int32_t* tables, int64_t table_stride, const int64_t* lens, uint16_t* out,
-                float* lse, int64_t b, int64_t hq, int64_t hk, float scale2, int nthreads) {
-  const int64_t g = hq / hk;
+void decode_run(const DecodeBatch& db, int64_t b, const int64_t* groups, int64_t n_groups,
+                int nthreads) {
+  struct Chunk {
+    int64_t s0, s1, shared;
+  };
+  std::vector<Chunk> chunks;
+  const int64_t per_chunk = std::max<int64_t>(1, kCascadeRows / db.g);
+  int64_t s = 0;
+  for (int64_t gi = 0; gi <= n_groups; ++gi) {
+    const int64_t begin = gi < n_groups ? groups[3 * gi] : b;
+    for (; s < begin; ++s) chunks.push_back({s, s + 1, 0});
+    if (gi == n_groups) break;
+    const int64_t end = groups[3 * gi + 1], shared = groups[3 * gi + 2];
+    for (int64_t c = begin; c < end; c += per_chunk)
+      chunks.push_back({c, std::min(end, c + per_chunk), shared});
+    s = end;
+  }
+  const int64_t ntasks = static_cast<int64_t>(chunks.size()) * db.hk;
 #pragma omp parallel num_threads(nthreads)
   {
     DecodeScratch<D> scratch;
-    // A task per sequence, its kv heads in turn: the second head reads the pages the first
-    // one just brought into cache (heads are interleaved within each slot).
+    // A chunk's kv heads in turn: the second head reads the pages the first one just
+    // brought into cache (heads are interleaved within each slot).
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t s = 0; s < b; ++s)
-      for (int64_t h = 0; h < hk; ++h)
-        decode_task<D>(q + s * q_tok, q_head, kv, bs, hk, tables + s * table_stride, lens[s], h,
-                       g, scale2, out + s * hq * D, lse + s * hq, scratch);
+    for (int64_t task = 0; task < ntasks; ++task) {
+      const Chunk& c = chunks[task / db.hk];
+      decode_chunk<D>(db, c.s0, c.s1, c.shared, task % db.hk, scratch);
+    }
   }
 }
 
@@ -473,16 +576,16 @@ int pc_paged_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, co
 }
 
 // q [b, hq, d] (d contiguous); kv_layer as above; tables int32 [b, table_stride]; lens int64
-// [b] (each >= 1); out [b, hq, d] and lse [b, hq] contiguous.
+// [b] (each >= 1); groups int64 [n_groups][3] (first seq, end seq, shared keys: cascade
+// groups, see decode_run); out [b, hq, d] and lse [b, hq] contiguous.
 int pc_paged_decode_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* kv,
                          int64_t bs, const int32_t* tables, int64_t table_stride,
-                         const int64_t* lens, uint16_t* out, float* lse, int64_t b, int64_t hq,
-                         int64_t hk, int64_t d, float scale, int nthreads) {
-  const float scale2 = scale * 1.44269504089f;
-  return with_head_dim(d, [&](auto dim) {
-    decode_run<dim()>(q, q_tok, q_head, kv, bs, tables, table_stride, lens, out, lse, b, hq, hk,
-                      scale2, nthreads);
-  });
+                         const int64_t* lens, const int64_t* groups, int64_t n_groups,
+                         uint16_t* out, float* lse, int64_t b, int64_t hq, int64_t hk, int64_t d,
+                         float scale, int nthreads) {
+  const DecodeBatch db{q,   q_tok, q_head, kv,  bs, hk, hq / hk, tables, table_stride,
+                       lens, out,  lse,    scale * 1.44269504089f, d};
+  return with_head_dim(d, [&](auto dim) { decode_run<dim()>(db, b, groups, n_groups, nthreads); });
 }
 
 }  // extern "C"

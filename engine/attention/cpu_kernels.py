@@ -126,7 +126,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
     fn = lib.pc_paged_decode_bf16
-    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, ptr]
+    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr]
     fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
 
@@ -196,26 +196,40 @@ def paged_attention(
 
 
 def paged_decode(
-    q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    groups: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per sequence over its own KV pages, read in place.
+    """One query per sequence over its KV pages, read in place.
 
     ``q`` ``[B, Hq, D]`` bf16; ``kv_layer`` ``[num_blocks, 2, bs, Hk, D]`` bf16 (contiguous);
     ``tables`` int32 ``[B, W]`` (block ids, row-major); ``lens`` int64 ``[B]`` (each >= 1, at
-    most ``W * bs``). Returns ``o`` ``[B, Hq, D]`` (bf16) and the base-2 LSE ``[B, Hq]``."""
+    most ``W * bs``). ``groups`` int64 ``[G, 3]``: cascade groups (first sequence, end, number
+    of leading keys its members share, in the same pages), ascending and disjoint; the shared
+    keys are read once for the whole group. Returns ``o`` ``[B, Hq, D]`` (bf16) and the base-2
+    LSE ``[B, Hq]``."""
     lib = load()
     assert lib is not None and kv_layer.is_contiguous()
     assert tables.dtype == torch.int32 and tables.is_contiguous() and lens.dtype == torch.int64
     b, hq, d = q.shape
     _, _, bs, hk, _ = kv_layer.shape
+    if groups is None:
+        groups = _NO_GROUPS
+    assert groups.dtype == torch.int64 and groups.is_contiguous() and groups.shape[-1] == 3
     out = torch.empty(b, hq, d, dtype=torch.bfloat16)
     lse = torch.empty(b, hq, dtype=torch.float32)
     rc = lib.pc_paged_decode_bf16(
         q.data_ptr(), q.stride(0), q.stride(1),
         kv_layer.data_ptr(), bs, tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-        out.data_ptr(), lse.data_ptr(),
+        groups.data_ptr(), groups.shape[0], out.data_ptr(), lse.data_ptr(),
         b, hq, hk, d, scale, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"CPU attention kernel refused head dim {d}")
     return out, lse
+
+
+_NO_GROUPS = torch.zeros(0, 3, dtype=torch.int64)

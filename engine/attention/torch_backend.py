@@ -273,7 +273,7 @@ class TorchBackend(AttentionBackend):
         # CPU bf16 with the engine's kernel: every decode reads its pages in place, one call.
         self._paged_tables: torch.Tensor | None = None  # int32 [decodes, max blocks]
         self._paged_lens = torch.empty(0, dtype=torch.int64)
-        self._kernel_cascades: list[tuple[int, int, torch.Tensor]] = []  # rows, int32 block ids
+        self._paged_groups = torch.empty(0, 3, dtype=torch.int64)  # cascade groups (kernel form)
         # Gather buffers, reused across layers and steps: fresh multi-MB allocations on CPU
         # cost more in page faults than the copy itself.
         self._scratch: dict[str, torch.Tensor] = {}
@@ -321,24 +321,20 @@ class TorchBackend(AttentionBackend):
         self._num_decode_rows = qo[-1] - qo[lo]
         self._meta, self._shape = meta, shape
         if self._num_decode_rows and in_place:
-            # Each decode reads its own pages in place (cascade members: those after the
-            # group's shared blocks); each cascade group's shared prefix is read once, by
-            # the whole group's queries in one kernel call, and merged by LSE.
+            # One kernel call per layer: every decode reads its pages in place, and each
+            # cascade group's shared prefix is read once for all its members' queries.
             decodes = meta.seqs[lo:]
-            skip = [0] * len(decodes)
-            self._kernel_cascades = []
-            for g in meta.cascade_groups:
-                skip[g.begin - lo : g.end - lo] = [g.num_shared_blocks] * (g.end - g.begin)
-                shared = torch.as_tensor(tables[g.begin][: g.num_shared_blocks], dtype=torch.int64)
-                self._kernel_cascades.append((qo[g.begin], qo[g.end], shared.to(torch.int32)))
-            lens = [sq.kv_len - n * bs for sq, n in zip(decodes, skip, strict=True)]
-            width = max(-(-n // bs) for n in lens)
+            width = max(-(-sq.kv_len // bs) for sq in decodes)
             table = torch.zeros(len(decodes), width, dtype=torch.int32)
-            for i, (sq, n) in enumerate(zip(decodes, skip, strict=True)):
-                own = sq.block_table[n : -(-sq.kv_len // bs)]
+            for i, sq in enumerate(decodes):
+                own = sq.block_table[: -(-sq.kv_len // bs)]
                 table[i, : len(own)] = torch.as_tensor(own, dtype=torch.int32)
             self._paged_tables = table
-            self._paged_lens = torch.tensor(lens, dtype=torch.int64)
+            self._paged_lens = torch.tensor([sq.kv_len for sq in decodes], dtype=torch.int64)
+            self._paged_groups = torch.tensor(
+                [[g.begin - lo, g.end - lo, g.num_shared_blocks * bs] for g in meta.cascade_groups],
+                dtype=torch.int64,
+            ).view(-1, 3)
             return
         # Own pages of every decode (plain ones: all of them; cascade members: after the
         # group's shared blocks), then the groups' shared prefixes, batched where alike.
@@ -460,16 +456,9 @@ class TorchBackend(AttentionBackend):
             out[p.q_begin : p.q_end] = o
         if self._paged_tables is not None:
             d0 = q.shape[0] - self._num_decode_rows
-            own, own_lse = cpu_kernels.paged_decode(
-                q[d0:], kv_layer, self._paged_tables, self._paged_lens, scale
+            out[d0:], _ = cpu_kernels.paged_decode(
+                q[d0:], kv_layer, self._paged_tables, self._paged_lens, scale, self._paged_groups
             )
-            out[d0:] = own
-            for begin, end, shared_blocks in self._kernel_cascades:
-                o_s, lse_s = cpu_kernels.paged_attention(
-                    q[begin:end], kv_layer, shared_blocks, shared_blocks.numel() * bs, scale
-                )
-                rows = slice(begin - d0, end - d0)
-                out[begin:end], _ = merge_states(o_s, lse_s, own[rows], own_lse[rows])
             return out
         if not self._decodes:
             return out
