@@ -172,11 +172,12 @@ def unfused_reference(
     m = model.model
     x = m.embed_tokens(ids)
     rotation = m.rotary_emb(positions, x.dtype)
+    eps = m.norm.eps
     for layer in m.layers:
-        attn = layer.self_attn(layer.input_layernorm._torch_norm(x), rotation, causal_attend)
-        x = x + attn
-        x = x + layer.mlp(layer.post_attention_layernorm._torch_norm(x))
-    return m.norm._torch_norm(x)
+        h = torch_rms_norm(x, layer.input_layernorm.weight, eps)
+        x = x + layer.self_attn(h, rotation, causal_attend)
+        x = x + layer.mlp(torch_rms_norm(x, layer.post_attention_layernorm.weight, eps))
+    return torch_rms_norm(x, m.norm.weight, eps)
 
 
 def set_fused(model: llama.LlamaForCausalLM, fused: bool) -> None:
@@ -224,12 +225,14 @@ def test_bf16_model_on_the_fused_ops_equals_torch_ops(kind: str) -> None:
     with torch.inference_mode():
         model.prepare()
         assert model.model.norm.fused
+        assert (model.model.layers[0].self_attn.q_norm is not None) == (kind == "qwen3")
         for n in (77, 1, 32):
             ids = torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n))
             positions = torch.arange(n) + 500
             fused = model(ids, positions, causal_attend)
             set_fused(model, False)
             plain = model(ids, positions, causal_attend)
+            reference = unfused_reference(model, ids, positions)
             set_fused(model, True)
             assert torch.equal(fused, plain), n
-            assert torch.equal(plain, unfused_reference(model, ids, positions)), n
+            assert torch.equal(plain, reference), n
