@@ -202,17 +202,28 @@ int pc_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residual, in
 
 // q [tokens, hq, d] and k [tokens, hk, d] bf16 (strides in elements, the last axis
 // contiguous) rotated in place; cos, sin [tokens, d/2] bf16 with row stride cs_stride.
+// q_norm / k_norm (Qwen3's per-head RMSNorm weights [d], or nullptr): each head normalised
+// first, in place, as torch's RMSNorm over the head would (its own rounding and sum order).
 int pc_rotary_bf16(uint16_t* q, int64_t q_stride_t, int64_t q_stride_h, int64_t hq, uint16_t* k,
                    int64_t k_stride_t, int64_t k_stride_h, int64_t hk, const uint16_t* cos,
                    const uint16_t* sin, int64_t cs_stride, int64_t tokens, int64_t head_dim,
+                   const uint16_t* q_norm, const uint16_t* k_norm, float q_eps, float k_eps,
                    int num_threads) {
     if (head_dim <= 0 || head_dim % 2 != 0) return 1;
     const int64_t half = head_dim / 2;
     auto token = [&](int64_t t) {
         const uint16_t* c = cos + t * cs_stride;
         const uint16_t* s = sin + t * cs_stride;
-        for (int64_t h = 0; h < hq; ++h) rotate_head(q + t * q_stride_t + h * q_stride_h, c, s, half);
-        for (int64_t h = 0; h < hk; ++h) rotate_head(k + t * k_stride_t + h * k_stride_h, c, s, half);
+        for (int64_t h = 0; h < hq; ++h) {
+            uint16_t* head = q + t * q_stride_t + h * q_stride_h;
+            if (q_norm != nullptr) rms_norm_row(head, nullptr, q_norm, head, head_dim, q_eps);
+            rotate_head(head, c, s, half);
+        }
+        for (int64_t h = 0; h < hk; ++h) {
+            uint16_t* head = k + t * k_stride_t + h * k_stride_h;
+            if (k_norm != nullptr) rms_norm_row(head, nullptr, k_norm, head, head_dim, k_eps);
+            rotate_head(head, c, s, half);
+        }
     };
     if (tokens * (hq + hk) * head_dim < kParallelMinElements || num_threads <= 1) {
         for (int64_t t = 0; t < tokens; ++t) token(t);

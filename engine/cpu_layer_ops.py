@@ -1,5 +1,6 @@
 """The decoder layer's elementwise ops in one pass each, for bf16 on AVX512_BF16 CPUs
-(``cpu_layer_ops.cpp``): residual add + RMSNorm, rotary in place on q and k, SiLU-and-mul.
+(``cpu_layer_ops.cpp``): residual add + RMSNorm, rotary in place on q and k (with Qwen3's
+per-head q/k norms), SiLU-and-mul.
 
 At decode sizes torch's unfused ops cost more in per-op dispatch than in arithmetic (an
 RMSNorm is eight ops); these are one ``ctypes`` call each. Each bf16 output is rounded where
@@ -27,7 +28,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, c_int]
     fn.restype = c_int
     fn = lib.pc_rotary_bf16
-    fn.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, c_int]
+    fn.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
+    fn.argtypes += [ptr, ptr, ctypes.c_float, ctypes.c_float, c_int]
     fn.restype = c_int
     fn = lib.pc_silu_and_mul_bf16
     fn.argtypes = [ptr, i64, ptr, i64, i64, i64, c_int]
@@ -86,18 +88,34 @@ def fused_add_rms_norm(
     return x, residual
 
 
-def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def rotary_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> None:
     """Rotate-half RoPE in place on ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` (bf16,
-    strided, the last axis contiguous) with ``cos``/``sin`` ``[T, 1, D/2]`` (bf16)."""
+    strided, the last axis contiguous) with ``cos``/``sin`` ``[T, 1, D/2]`` (bf16).
+    ``qk_norm`` (q weight ``[D]``, k weight ``[D]``, eps): Qwen3's per-head RMSNorm of q and
+    k first, in the same pass."""
     t, hq, d = q.shape
     hk = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1 and k.shape[0] == t and k.shape[2] == d
     assert cos.shape == sin.shape == (t, 1, d // 2) and cos.stride() == sin.stride()
     assert cos.stride(2) == 1
+    q_w = k_w = None
+    eps = 0.0
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        assert q_weight.shape == k_weight.shape == (d,)
+        assert q_weight.is_contiguous() and k_weight.is_contiguous()
+        q_w, k_w = q_weight.data_ptr(), k_weight.data_ptr()
     rc = _lib().pc_rotary_bf16(
         q.data_ptr(), q.stride(0), q.stride(1), hq,
         k.data_ptr(), k.stride(0), k.stride(1), hk,
-        cos.data_ptr(), sin.data_ptr(), cos.stride(0), t, d, torch.get_num_threads(),
+        cos.data_ptr(), sin.data_ptr(), cos.stride(0), t, d,
+        q_w, k_w, eps, eps, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"rotary needs an even head dim, not {d}")

@@ -147,6 +147,11 @@ class Attention(nn.Module):
         self.out = Gemm(self.o_proj.weight, self.o_proj.bias)
         self.fused_rotary = fused_ops
 
+    def _qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+
     def forward(self, x: torch.Tensor, rotation: Rotation, attend: AttendFn) -> torch.Tensor:
         t = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -159,12 +164,12 @@ class Attention(nn.Module):
             q = self.q_proj(x).view(t, hq, d)
             k = self.k_proj(x).view(t, hk, d)
             v = self.v_proj(x).view(t, hk, d)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rotation  # before K is written to the cache:
-        if self.fused_rotary:
-            cpu_layer_ops.rotary_(q, k, cos, sin)  # in place on the qkv GEMM's output
+        cos, sin = rotation  # applied before K is written to the cache
+        if self.fused_rotary:  # in place on the qkv GEMM's output, q/k norms in the same pass
+            cpu_layer_ops.rotary_(q, k, cos, sin, self._qk_norms())
         else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         o = attend(self.layer_idx, q, k, v).reshape(t, hq * d)
         return self.out(o) if self.out is not None else self.o_proj(o)

@@ -74,9 +74,13 @@ def test_fused_add_rms_norm_is_torchs_add_then_norm(rows: int, cols: int) -> Non
         (2048, 8, 2, 64),
     ],
 )
-def test_rotary_in_place_is_rotate_half_bit_for_bit(tokens: int, hq: int, hk: int, d: int) -> None:
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_in_place_is_rotate_half_bit_for_bit(
+    tokens: int, hq: int, hk: int, d: int, qk_norm: bool
+) -> None:
     """q and k as views of one fused qkv output (the engine's layout), head dims whose halves
-    are not a multiple of 16, llama3-scaled frequencies at long positions."""
+    are not a multiple of 16, llama3-scaled frequencies at long positions; with Qwen3's
+    per-head q/k RMSNorm first (torch: a norm over each head, then the rotation)."""
     config = ModelConfig.from_dict(
         dict(
             architectures=["LlamaForCausalLM"],
@@ -100,8 +104,12 @@ def test_rotary_in_place_is_rotate_half_bit_for_bit(tokens: int, hq: int, hk: in
     q = qkv[:, : hq * d].view(tokens, hq, d)
     k = qkv[:, hq * d : (hq + hk) * d].view(tokens, hk, d)
     v_before = qkv[:, (hq + hk) * d :].clone()
-    want_q, want_k = llama._rotate(q, cos, sin), llama._rotate(k, cos, sin)
-    cpu_layer_ops.rotary_(q, k, cos, sin)
+    norms = (rand(d, seed=d + 1), rand(d, seed=d + 2), 1e-6) if qk_norm else None
+    want_q, want_k = q, k
+    if norms is not None:
+        want_q, want_k = torch_rms_norm(q, norms[0], 1e-6), torch_rms_norm(k, norms[1], 1e-6)
+    want_q, want_k = llama._rotate(want_q, cos, sin), llama._rotate(want_k, cos, sin)
+    cpu_layer_ops.rotary_(q, k, cos, sin, norms)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "v untouched"
 
