@@ -91,13 +91,6 @@ def op_cases(
     }
 
 
-def set_fused(model: llama.LlamaForCausalLM, fused: bool) -> None:
-    model.model.norm.fused = fused
-    for layer in model.model.layers:
-        layer.input_layernorm.fused = layer.post_attention_layernorm.fused = fused
-        layer.self_attn.fused_rotary = layer.mlp.fused_act = fused
-
-
 def decode_step_ms(engine: LLMEngine, args: argparse.Namespace) -> dict[str, float]:
     model = engine.runner.model
     assert model.model.norm.fused, "prepare() did not switch the fused ops on"
@@ -114,13 +107,13 @@ def decode_step_ms(engine: LLMEngine, args: argparse.Namespace) -> dict[str, flo
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in progress_iter(range(args.rounds), "decode rounds"):
         for fused in (True, False):
-            set_fused(model, fused)
+            model.set_fused_ops(fused)
             engine.step()  # warm-up after the switch
             start = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
             times[fused].append((time.perf_counter() - start) / args.steps * 1000)
-    set_fused(model, True)
+    model.set_fused_ops(True)
     fused_ms, torch_ms = statistics.median(times[True]), statistics.median(times[False])
     return {"fused_ms": fused_ms, "torch_ms": torch_ms, "ratio": torch_ms / fused_ms}
 

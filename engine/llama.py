@@ -99,7 +99,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.fused = False  # set by prepare(): one cpu_layer_ops call instead of eight ops
+        self.fused = False  # set_fused_ops(): one cpu_layer_ops call instead of eight ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
@@ -139,13 +139,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.qkv: Gemm | None = None  # set by prepare()
         self.out: Gemm | None = None
-        self.fused_rotary = False
+        self.fused_rotary = False  # set by LlamaForCausalLM.set_fused_ops()
 
-    def prepare(self, fused_ops: bool) -> None:
+    def prepare(self) -> None:
         """One [q; k; v] GEMM; q/k/v_proj.weight become views of its weight (same names)."""
         self.qkv = Gemm(*_fuse_linears(self.q_proj, self.k_proj, self.v_proj))
         self.out = Gemm(self.o_proj.weight, self.o_proj.bias)
-        self.fused_rotary = fused_ops
 
     def _qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         if self.q_norm is None or self.k_norm is None:
@@ -185,12 +184,11 @@ class MLP(nn.Module):
         self.intermediate_size = i
         self.gate_up: Gemm | None = None  # set by prepare()
         self.down: Gemm | None = None
-        self.fused_act = False
+        self.fused_act = False  # set by LlamaForCausalLM.set_fused_ops()
 
-    def prepare(self, fused_ops: bool) -> None:
+    def prepare(self) -> None:
         self.gate_up = Gemm(*_fuse_linears(self.gate_proj, self.up_proj))
         self.down = Gemm(self.down_proj.weight, self.down_proj.bias)
-        self.fused_act = fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None or self.down is None:
@@ -287,15 +285,23 @@ class LlamaForCausalLM(nn.Module):
         Idempotent."""
         if self.head is not None:
             return
-        fused = cpu_layer_ops.supports(self.model.norm.weight) and all(
-            p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in self.parameters()
+        for layer in self.model.layers:
+            layer.self_attn.prepare()
+            layer.mlp.prepare()
+        self.head = Gemm(self.lm_head.weight, None)
+        self.set_fused_ops(
+            cpu_layer_ops.supports(self.model.norm.weight)
+            and all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in self.parameters())
         )
+
+    def set_fused_ops(self, fused: bool) -> None:
+        """Norms, rotary and SiLU-and-mul on ``cpu_layer_ops`` (bf16 CPU models, where it
+        loads) or on torch's ops. ``prepare()`` chooses; benches switch to compare."""
+        assert not fused or self.head is not None, "fused ops run on prepare()d layers"
         self.model.norm.fused = fused
         for layer in self.model.layers:
-            layer.self_attn.prepare(fused)
-            layer.mlp.prepare(fused)
             layer.input_layernorm.fused = layer.post_attention_layernorm.fused = fused
-        self.head = Gemm(self.lm_head.weight, None)
+            layer.self_attn.fused_rotary = layer.mlp.fused_act = fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.head(hidden) if self.head is not None else self.lm_head(hidden)

@@ -188,13 +188,6 @@ def unfused_reference(
     return torch_rms_norm(x, m.norm.weight, eps)
 
 
-def set_fused(model: llama.LlamaForCausalLM, fused: bool) -> None:
-    model.model.norm.fused = fused
-    for layer in model.model.layers:
-        layer.input_layernorm.fused = layer.post_attention_layernorm.fused = fused
-        layer.self_attn.fused_rotary = layer.mlp.fused_act = fused
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prepared", [False, True])
 def test_torch_path_of_the_fused_residual_layout_is_unchanged(
@@ -206,7 +199,7 @@ def test_torch_path_of_the_fused_residual_layout_is_unchanged(
     with torch.inference_mode():
         if prepared:
             model.prepare()
-        set_fused(model, False)
+        model.set_fused_ops(False)
         got = model(ids, positions, causal_attend)
         want = unfused_reference(model, ids, positions)
     assert torch.equal(got, want)
@@ -238,9 +231,9 @@ def test_bf16_model_on_the_fused_ops_equals_torch_ops(kind: str) -> None:
             ids = torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n))
             positions = torch.arange(n) + 500
             fused = model(ids, positions, causal_attend)
-            set_fused(model, False)
+            model.set_fused_ops(False)
             plain = model(ids, positions, causal_attend)
             reference = unfused_reference(model, ids, positions)
-            set_fused(model, True)
+            model.set_fused_ops(True)
             assert torch.equal(fused, plain), n
             assert torch.equal(plain, reference), n
