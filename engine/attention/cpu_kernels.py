@@ -22,6 +22,12 @@ HEAD_DIMS = frozenset({32, 64, 128})
 REQUIRED_FLAGS = cpu_library.REQUIRED_FLAGS
 
 
+# _declare is defined further down (with the entry points' argtypes): looked up at load().
+_library = cpu_library.CpuLibrary(
+    SOURCE, "CPU attention kernel", "torch's attention", lambda lib: _declare(lib)
+)
+
+
 def unavailable_reason(cpuinfo: str | None = None) -> str | None:
     """Why the kernel cannot run here (None when it can be tried)."""
     return cpu_library.unavailable_reason(cpuinfo)
@@ -136,6 +142,3 @@ def paged_decode(
     if rc != 0:
         raise ValueError(f"CPU attention kernel refused head dim {d}")
     return out, lse
-
-
-_library = cpu_library.CpuLibrary(SOURCE, "CPU attention kernel", "torch's attention", _declare)
