@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_layer_ops
 from .model_config import ModelConfig
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -98,8 +99,24 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused = False  # set_fused_ops(): one cpu_layer_ops call instead of eight ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return cpu_layer_ops.rms_norm(x, self.weight, self.eps)
+        return self._torch_norm(x)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``: the residual add fused into the norm (the
+        fused kernel reuses ``x``'s and ``residual``'s memory for the two results)."""
+        if self.fused:
+            return cpu_layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self._torch_norm(residual), residual
+
+    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -122,11 +139,17 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.qkv: Gemm | None = None  # set by prepare()
         self.out: Gemm | None = None
+        self.fused_rotary = False  # set by LlamaForCausalLM.set_fused_ops()
 
     def prepare(self) -> None:
         """One [q; k; v] GEMM; q/k/v_proj.weight become views of its weight (same names)."""
         self.qkv = Gemm(*_fuse_linears(self.q_proj, self.k_proj, self.v_proj))
         self.out = Gemm(self.o_proj.weight, self.o_proj.bias)
+
+    def _qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
     def forward(self, x: torch.Tensor, rotation: Rotation, attend: AttendFn) -> torch.Tensor:
         t = x.shape[0]
@@ -140,10 +163,13 @@ class Attention(nn.Module):
             q = self.q_proj(x).view(t, hq, d)
             k = self.k_proj(x).view(t, hk, d)
             v = self.v_proj(x).view(t, hk, d)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rotation
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)  # before K is written to the cache
+        cos, sin = rotation  # applied before K is written to the cache
+        if self.fused_rotary:  # in place on the qkv GEMM's output, q/k norms in the same pass
+            cpu_layer_ops.rotary_(q, k, cos, sin, self._qk_norms())
+        else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         o = attend(self.layer_idx, q, k, v).reshape(t, hq * d)
         return self.out(o) if self.out is not None else self.o_proj(o)
 
@@ -158,6 +184,7 @@ class MLP(nn.Module):
         self.intermediate_size = i
         self.gate_up: Gemm | None = None  # set by prepare()
         self.down: Gemm | None = None
+        self.fused_act = False  # set by LlamaForCausalLM.set_fused_ops()
 
     def prepare(self) -> None:
         self.gate_up = Gemm(*_fuse_linears(self.gate_proj, self.up_proj))
@@ -167,6 +194,8 @@ class MLP(nn.Module):
         if self.gate_up is None or self.down is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self.gate_up(x)
+        if self.fused_act:
+            return self.down(cpu_layer_ops.silu_and_mul(gate_up))
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
         return self.down(F.silu(gate).mul_(up))
 
@@ -197,9 +226,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rotation: Rotation, attend: AttendFn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotation, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation, attend: AttendFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's MLP output and the residual stream before it is added: the caller
+        adds the two in the next norm (``add_and_norm``), so the add costs no pass of its own.
+        ``residual`` None: ``x`` is the embedding (the first layer)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, rotation, attend)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -215,9 +254,12 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rotation = self.rotary_emb(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rotation, attend)
-        return self.norm(x)
+            x, residual = layer(x, residual, rotation, attend)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.add_and_norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -238,13 +280,28 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare(self) -> None:
         """For serving, once the weights are loaded: fused QKV and gate/up GEMMs (fewer, larger
-        matmuls per layer), weights pre-packed where that pays (see ``Gemm``). Idempotent."""
+        matmuls per layer), weights pre-packed where that pays (see ``Gemm``), and for bf16
+        on CPU the norms, rotary and SiLU-and-mul in ``cpu_layer_ops`` where it loads.
+        Idempotent."""
         if self.head is not None:
             return
         for layer in self.model.layers:
             layer.self_attn.prepare()
             layer.mlp.prepare()
         self.head = Gemm(self.lm_head.weight, None)
+        self.set_fused_ops(
+            cpu_layer_ops.supports(self.model.norm.weight)
+            and all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in self.parameters())
+        )
+
+    def set_fused_ops(self, fused: bool) -> None:
+        """Norms, rotary and SiLU-and-mul on ``cpu_layer_ops`` (bf16 CPU models, where it
+        loads) or on torch's ops. ``prepare()`` chooses; benches switch to compare."""
+        assert not fused or self.head is not None, "fused ops run on prepare()d layers"
+        self.model.norm.fused = fused
+        for layer in self.model.layers:
+            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = fused
+            layer.self_attn.fused_rotary = layer.mlp.fused_act = fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.head(hidden) if self.head is not None else self.lm_head(hidden)

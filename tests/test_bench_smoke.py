@@ -78,6 +78,11 @@ CASES = {
         ["--prefill", "300", "--decodes", "3", "--max-len", "50", "--repeat", "1"],
         {"available", "cpu"},
     ),
+    "cpu_layer_ops.py": (
+        ["--model", "demo", "--decode-rows", "4", "--prefill-rows", "64", "--repeat", "1"]
+        + ["--seqs", "2", "--prompt", "40", "--max-tokens", "30", "--rounds", "1", "--steps", "2"],
+        {"available", "cpu"},
+    ),
     "sidecar_overhead.py": (
         ["--requests", "3", "--warmup", "1", "--streams", "4", "--stream-tokens", "2"],
         {"http_added_outside_engine_p50_ms", "http_added_p50_ms", "stream_errors"},

@@ -11,108 +11,31 @@ keeps torch's kernel.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
-from ..cpu_features import cpu_flags
-from ..local_dirs import home_dir
-
-log = logging.getLogger("prefixcache.engine")
+from .. import cpu_library
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 HEAD_DIMS = frozenset({32, 64, 128})
-_CXX_FLAGS = (
-    "-O3",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512dq",
-    "-mavx512bf16",
-    "-mfma",
-    "-fopenmp",  # libgomp: the same runtime torch's CPU wheel loads, so one thread pool
-    "-fPIC",
-    "-shared",
-)
+REQUIRED_FLAGS = cpu_library.REQUIRED_FLAGS
 
-_lock = threading.Lock()
-_loaded: list[ctypes.CDLL | None] = []  # empty until the first load()
+
+# _declare is defined further down (with the entry points' argtypes): looked up at load().
+_library = cpu_library.CpuLibrary(
+    SOURCE, "CPU attention kernel", "torch's attention", lambda lib: _declare(lib)
+)
 
 
 def unavailable_reason(cpuinfo: str | None = None) -> str | None:
     """Why the kernel cannot run here (None when it can be tried)."""
-    if os.environ.get("PREFIXCACHE_CPU_KERNELS", "1") == "0":
-        return "PREFIXCACHE_CPU_KERNELS=0"
-    missing = REQUIRED_FLAGS - cpu_flags(cpuinfo)
-    if missing:
-        return f"the CPU lacks {', '.join(sorted(missing))}"
-    if _compiler() is None:
-        return "no C++ compiler (set CXX, or install g++)"
-    return None
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "")) or shutil.which("g++") or shutil.which("c++")
-
-
-def _library_path(cxx: str) -> Path:
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.stdout.encode(), " ".join(_CXX_FLAGS).encode()):
-        key.update(part)
-    key.update(" ".join(sorted(cpu_flags() & REQUIRED_FLAGS)).encode())
-    return home_dir() / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}.so"
-
-
-def _build(cxx: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [cxx, *_CXX_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)  # atomic: concurrent first uses do not see half a file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    return cpu_library.unavailable_reason(cpuinfo)
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None where it cannot run here."""
-    if _loaded:  # every attention call asks: no lock once decided
-        return _loaded[0]
-    with _lock:
-        if _loaded:
-            return _loaded[0]
-        lib = None
-        reason = unavailable_reason()
-        if reason is None:
-            try:
-                cxx = _compiler()
-                assert cxx is not None
-                path = _library_path(cxx)
-                if not path.exists():
-                    _build(cxx, path)
-                lib = ctypes.CDLL(str(path))
-                _declare(lib)
-                log.info("CPU attention kernel: %s", path)
-            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                reason = f"build or load failed: {exc}"
-        if reason is not None:
-            log.info("CPU attention kernel off (%s): torch's attention is used", reason)
-        _loaded.append(lib)
-        return lib
+    return _library.load()
 
 
 def _declare(lib: ctypes.CDLL) -> None:

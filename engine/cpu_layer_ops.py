@@ -1,0 +1,135 @@
+"""The decoder layer's elementwise ops in one pass each, for bf16 on AVX512_BF16 CPUs
+(``cpu_layer_ops.cpp``): residual add + RMSNorm, rotary in place on q and k (with Qwen3's
+per-head q/k norms), SiLU-and-mul.
+
+At decode sizes torch's unfused ops cost more in per-op dispatch than in arithmetic (an
+RMSNorm is eight ops); these are one ``ctypes`` call each. Each bf16 output is rounded where
+torch's ops round it and RMSNorm sums in torch's order, so results are torch's bit for bit
+(the tests compare with ``torch.equal``, SiLU over every bf16 gate value). ``available()`` is false
+(and ``llama`` keeps torch's ops) where the CPU lacks the features, no compiler is found or
+``PREFIXCACHE_CPU_KERNELS=0`` is set; see ``cpu_library``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from . import cpu_library
+
+SOURCE = Path(__file__).with_name("cpu_layer_ops.cpp")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    fn = lib.pc_rms_norm_bf16
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, c_int]
+    fn.restype = c_int
+    fn = lib.pc_rotary_bf16
+    fn.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
+    fn.argtypes += [ptr, ptr, ctypes.c_float, ctypes.c_float, c_int]
+    fn.restype = c_int
+    fn = lib.pc_silu_and_mul_bf16
+    fn.argtypes = [ptr, i64, ptr, i64, i64, i64, c_int]
+    fn.restype = c_int
+
+
+_library = cpu_library.CpuLibrary(SOURCE, "CPU layer ops", "torch's elementwise ops", _declare)
+
+
+def unavailable_reason(cpuinfo: str | None = None) -> str | None:
+    """Why the ops cannot run here (None when they can be tried)."""
+    return cpu_library.unavailable_reason(cpuinfo)
+
+
+def available() -> bool:
+    """Whether the ops are built and loaded (building them on first use, a few seconds)."""
+    return _library.load() is not None
+
+
+def supports(t: torch.Tensor) -> bool:
+    """Whether the ops take tensors like ``t`` (CPU bf16) and are loaded."""
+    return t.device.type == "cpu" and t.dtype == torch.bfloat16 and available()
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _library.load()
+    assert lib is not None, "cpu_layer_ops used where available() is false"
+    return lib
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * RMSNorm(x)`` over the last axis of ``x`` ``[T, H]`` (bf16, rows strided,
+    the last axis contiguous); a new ``[T, H]`` tensor."""
+    rows, cols = x.shape
+    assert x.stride(1) == 1 and weight.is_contiguous() and weight.shape == (cols,)
+    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    _lib().pc_rms_norm_bf16(
+        x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(),
+        out.data_ptr(), cols, rows, cols, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x`` (bf16), then ``x = weight * RMSNorm(residual)``, both in place
+    (``x`` and ``residual`` ``[T, H]`` contiguous bf16). Returns ``(x, residual)``."""
+    rows, cols = x.shape
+    assert x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape
+    assert weight.is_contiguous() and weight.shape == (cols,)
+    _lib().pc_rms_norm_bf16(
+        x.data_ptr(), cols, residual.data_ptr(), cols, weight.data_ptr(),
+        x.data_ptr(), cols, rows, cols, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return x, residual
+
+
+def rotary_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> None:
+    """Rotate-half RoPE in place on ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` (bf16,
+    strided, the last axis contiguous) with ``cos``/``sin`` ``[T, 1, D/2]`` (bf16).
+    ``qk_norm`` (q weight ``[D]``, k weight ``[D]``, eps): Qwen3's per-head RMSNorm of q and
+    k first, in the same pass."""
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and k.shape[0] == t and k.shape[2] == d
+    assert cos.shape == sin.shape == (t, 1, d // 2) and cos.stride() == sin.stride()
+    assert cos.stride(2) == 1
+    q_w = k_w = None
+    eps = 0.0
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        assert q_weight.shape == k_weight.shape == (d,)
+        assert q_weight.is_contiguous() and k_weight.is_contiguous()
+        q_w, k_w = q_weight.data_ptr(), k_weight.data_ptr()
+    rc = _lib().pc_rotary_bf16(
+        q.data_ptr(), q.stride(0), q.stride(1), hq,
+        k.data_ptr(), k.stride(0), k.stride(1), hk,
+        cos.data_ptr(), sin.data_ptr(), cos.stride(0), t, d,
+        q_w, k_w, eps, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"rotary needs an even head dim, not {d}")
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` ``[T, 2I]`` (bf16, gate then up, rows strided, the
+    last axis contiguous); a new ``[T, I]`` tensor."""
+    rows, width = gate_up.shape
+    inter = width // 2
+    assert gate_up.stride(1) == 1 and width == 2 * inter
+    out = torch.empty(rows, inter, dtype=torch.bfloat16)
+    _lib().pc_silu_and_mul_bf16(
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, rows, inter,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
