@@ -295,6 +295,7 @@ inline __m512 sum16(const __m512* v) {
 // takes up to kCascadeRows query rows (members x the g heads of one kv head) over those keys
 // together, then each member's own keys, and merges the two softmax states in fp32.
 constexpr int64_t kCascadeRows = 32;
+constexpr int64_t kPrefetchKeys = 32;  // how far ahead the K rows are fetched
 
 template <int D>
 struct DecodeScratch {
@@ -325,6 +326,14 @@ void attend_tile(const uint16_t* const* qrow, int nr, const uint16_t* const* kro
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, len - j0));
     const uint16_t* const* krow = krows + j0;
+    // Pages are scattered, so the hardware prefetcher stops at each one: ask for the K rows
+    // kPrefetchKeys ahead (into L1) and this chunk's V rows (into L2, for the P V pass).
+    for (int jj = 0; jj < 16 && j0 + kPrefetchKeys + jj < len; ++jj)
+      for (int c = 0; c < D; c += 32)
+        _mm_prefetch(reinterpret_cast<const char*>(krow[kPrefetchKeys + jj] + c), _MM_HINT_T0);
+    for (int jj = 0; jj < n; ++jj)
+      for (int c = 0; c < D; c += 32)
+        _mm_prefetch(reinterpret_cast<const char*>(krow[jj] + v_offset + c), _MM_HINT_T1);
     for (int i = 0; i < nr; ++i) {
       __m512 a[16];
       for (int jj = 0; jj < 16; ++jj) {
