@@ -7,7 +7,9 @@
   reading pages in place vs gathering the pages and one padded torch call (the fallback path);
 - cascade: 4 groups of 8 decodes sharing a 512-token prefix (50 own tokens each): the decode
   kernel with the groups (prefix read once per group, states merged in the kernel) vs the
-  split it replaced (prefill kernel on each prefix, plain decode on the own pages, LSE merge).
+  split it replaced (prefill kernel on each prefix, plain decode on the own pages, LSE merge);
+- merge: two partial states of 1,088 tokens merged by LSE, the kernel's one pass vs torch's
+  ops (``merge_states`` with the kernel off).
 
 Prints milliseconds (median) and the speedup; CPU time with one thread (robust on a shared
 box) and wall time with the configured threads.
@@ -114,6 +116,17 @@ def main() -> None:
             out[rows], _ = merge_states(o_s, lse_s, own[rows], own_lse[rows])
         return out
 
+    # Merge of two partial states (a prefill's cached part with its new tokens), 1,088 rows.
+    mo_a, mo_b = rand(1088, hq, d), rand(1088, hq, d)
+    ml_a, ml_b = (torch.randn(1088, hq, generator=gen) * 4 for _ in range(2))
+
+    def torch_merge() -> object:
+        merges, cpu_kernels.merges = cpu_kernels.merges, lambda *a: False
+        try:
+            return merge_states(mo_a, ml_a, mo_b, ml_b)
+        finally:
+            cpu_kernels.merges = merges
+
     cases = {
         "prefill": (
             lambda: cpu_kernels.attention(q, k, v, scale, True),
@@ -124,6 +137,7 @@ def main() -> None:
             lambda: cpu_kernels.paged_decode(cq, ckv, full, full_lens, scale, groups),
             split_cascade,
         ),
+        "merge": (lambda: cpu_kernels.merge_states(mo_a, ml_a, mo_b, ml_b), torch_merge),
     }
     threads = torch.get_num_threads()
     result: dict[str, object] = {

@@ -262,3 +262,26 @@ def test_paged_attention_reads_the_pages_of_a_block_table(
     v = kv[ids.long(), 1].reshape(-1, hk, d)[:num_keys]
     dense_out, dense_lse = cpu_kernels.attention(q, k, v, 0.125, causal)
     assert torch.equal(out, dense_out) and torch.equal(lse, dense_lse)
+
+
+@needs_kernel
+def test_merge_states_kernel_matches_torchs_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-pass merge against torch's ops: the same bf16 outputs (exp2/log2 may differ in
+    the last fp32 bit, so a rare output may round the other way), empty states included."""
+    from prefixcache.engine.attention import torch_backend
+
+    gen = torch.Generator().manual_seed(3)
+    n, h, d = 37, 8, 64
+    o_a, o_b = (torch.randn(n, h, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    lse_a, lse_b = (torch.randn(n, h, generator=gen) * 4 for _ in range(2))
+    lse_a[0], lse_b[1] = -math.inf, -math.inf  # one side empty
+    lse_a[2], lse_b[2] = -math.inf, -math.inf  # both empty: 0 and -inf
+    out, lse = cpu_kernels.merge_states(o_a, lse_a, o_b, lse_b)
+    monkeypatch.setattr(cpu_kernels, "merges", lambda *a: False)
+    ref, ref_lse = torch_backend.merge_states(o_a, lse_a, o_b, lse_b)
+    assert (out == ref).float().mean() > 0.999
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
+    assert torch.equal(out[2], torch.zeros(h, d, dtype=torch.bfloat16))
+    assert torch.isinf(lse[2]).all() and (lse[2] < 0).all()
+    assert torch.equal(out[0], o_b[0]) and torch.equal(out[1], o_a[1])

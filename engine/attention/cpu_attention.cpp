@@ -562,6 +562,32 @@ constexpr int kTileRows = D == 128 ? 2 : 4;
 
 extern "C" {
 
+// Two partial attention states over disjoint keys merged: per row (token x head) of d
+// values, o = (o_a w_a + o_b w_b) / (w_a + w_b) with w = 2^(lse - max), lse = max + log2(sum).
+// The same operations in the same order as torch_backend.merge_states in fp32 (no fused
+// multiply-add), so the two differ only where exp2/log2 do, in the last bit.
+void pc_merge_states_bf16(const uint16_t* oa, const float* la, const uint16_t* ob,
+                          const float* lb, uint16_t* out, float* lse, int64_t rows, int64_t d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = std::max(la[r], lb[r]);
+    if (std::isinf(m)) m = 0.0f;
+    const float wa = std::exp2(la[r] - m), wb = std::exp2(lb[r] - m);
+    const float total = wa + wb;
+    const __m512 va = _mm512_set1_ps(wa), vb = _mm512_set1_ps(wb);
+    const __m512 den = _mm512_set1_ps(total > 0.0f ? total : 1.0f);
+    for (int64_t c = 0; c < d; c += 16) {
+      const __mmask16 mk = prefix_mask(d - c);
+      const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, oa + r * d + c)), 16));
+      const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, ob + r * d + c)), 16));
+      const __m512 o = _mm512_div_ps(_mm512_add_ps(_mm512_mul_ps(a, va), _mm512_mul_ps(b, vb)), den);
+      _mm256_mask_storeu_epi16(out + r * d + c, mk, (__m256i)_mm512_cvtneps_pbh(o));
+    }
+    lse[r] = m + std::log2(total);
+  }
+}
+
 // q [lq, hq, d], k/v [lk, hk, d] with the given element strides (d contiguous);
 // out [lq, hq, d] and lse [lq, hq] contiguous. Returns 0, or -1 for an unsupported d.
 int pc_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* k,

@@ -48,6 +48,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     fn.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
+    fn = lib.pc_merge_states_bf16
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
+    fn.restype = None
     fn = lib.pc_paged_decode_bf16
     fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr]
     fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
@@ -156,3 +159,32 @@ def paged_decode(
 
 
 _NO_GROUPS = torch.zeros(0, 3, dtype=torch.int64)
+
+
+def merges(o_a: torch.Tensor, o_b: torch.Tensor) -> bool:
+    """Whether ``merge_states`` takes these outputs (CPU bf16, contiguous, kernel loaded)."""
+    return (
+        o_a.device.type == "cpu"
+        and o_a.dtype == o_b.dtype == torch.bfloat16
+        and o_a.is_contiguous()
+        and o_b.is_contiguous()
+        and load() is not None
+    )
+
+
+def merge_states(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch_backend.merge_states`` in one pass (``merges`` true): ``o_*`` ``[N, H, D]``
+    bf16, ``lse_*`` float32 ``[N, H]`` (base 2)."""
+    lib = load()
+    assert lib is not None and o_a.shape == o_b.shape
+    lse_a, lse_b = lse_a.contiguous(), lse_b.contiguous()
+    out = torch.empty_like(o_a)
+    lse = torch.empty_like(lse_a)
+    d = o_a.shape[-1]
+    lib.pc_merge_states_bf16(
+        o_a.data_ptr(), lse_a.data_ptr(), o_b.data_ptr(), lse_b.data_ptr(),
+        out.data_ptr(), lse.data_ptr(), o_a.numel() // d, d,
+    )  # fmt: skip
+    return out, lse
