@@ -421,6 +421,10 @@ class TorchBackend(AttentionBackend):
         kv_rows = kv_layer.view(num_blocks * 2 * bs, hk, d)
         kv_rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
         kv_rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
+        if self._paged_tables is not None and self._num_decode_rows == q.shape[0]:
+            return cpu_kernels.paged_decode(  # a decode-only step: the kernel's output as is
+                q, kv_layer, self._paged_tables, self._paged_lens, scale, self._paged_groups
+            )[0]
 
         out = torch.empty_like(q)
         group_states = []
