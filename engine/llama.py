@@ -151,7 +151,15 @@ class Attention(nn.Module):
             return None
         return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
-    def forward(self, x: torch.Tensor, rotation: Rotation, attend: AttendFn) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotation: Rotation,
+        attend: AttendFn,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention output ``[T, hidden]``, or only for ``rows`` (K/V of every token are still
+        written to the cache)."""
         t = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None:
@@ -171,6 +179,10 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         o = attend(self.layer_idx, q, k, v).reshape(t, hq * d)
+        if rows is not None:
+            if rows.numel() == 0:
+                return x.new_empty((0, x.shape[1]))
+            o = o.index_select(0, rows)
         return self.out(o) if self.out is not None else self.o_proj(o)
 
 
@@ -227,16 +239,26 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation, attend: AttendFn
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotation: Rotation,
+        attend: AttendFn,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's MLP output and the residual stream before it is added: the caller
         adds the two in the next norm (``add_and_norm``), so the add costs no pass of its own.
-        ``residual`` None: ``x`` is the embedding (the first layer)."""
+        ``residual`` None: ``x`` is the embedding (the first layer). ``rows``: only those
+        tokens go on past attention (the last layer, where only some outputs are read)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, rotation, attend)
+        h = self.self_attn(h, rotation, attend, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows)
+            if rows.numel() == 0:
+                return h, residual
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 
@@ -250,15 +272,22 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: AttendFn,
+        out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rotation = self.rotary_emb(positions, x.dtype)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rotation, attend)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, rotation, attend, out_rows if i == last else None)
         if residual is None:  # no layers
-            return self.norm(x)
+            return self.norm(x if out_rows is None else x.index_select(0, out_rows))
+        if x.shape[0] == 0:
+            return x
         return self.norm.add_and_norm(x, residual)[0]
 
 
@@ -273,10 +302,17 @@ class LlamaForCausalLM(nn.Module):
         self.head: Gemm | None = None  # set by prepare()
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: AttendFn,
+        out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` for flat ``input_ids``/``positions`` ``[T]``."""
-        return self.model(input_ids, positions, attend)
+        """Final hidden states ``[T, hidden]`` for flat ``input_ids``/``positions`` ``[T]``, or
+        ``[len(out_rows), hidden]`` for those tokens only: every layer still writes every
+        token's K/V, but the last one takes only ``out_rows`` past its attention (a prefill's
+        other tokens skip the last O projection and MLP, about 1/num_layers of its GEMMs)."""
+        return self.model(input_ids, positions, attend, out_rows)
 
     def prepare(self) -> None:
         """For serving, once the weights are loaded: fused QKV and gate/up GEMMs (fewer, larger

@@ -81,16 +81,17 @@ class ModelRunner:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return backend.forward(q, k, v, layers[layer])
 
-        hidden = self.model(input_ids, meta.positions, attend)
-
-        # Row of each logits entry's last token, listed in batch order.
+        # Row of each logits entry's last token, listed in batch order: only those rows go on
+        # past the last layer's attention.
         qo_end = meta.qo_indptr[1:].tolist()
         row_of = {i: qo_end[j] - 1 for j, i in enumerate(order)}
         rows = [row_of[i] for i, e in enumerate(batch) if e.compute_logits]
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        every_row = len(rows) == len(ids) and rows == sorted(rows)  # a decode-only step
+        hidden = self.model(input_ids, meta.positions, attend, None if every_row else index)
         if not rows:
             return torch.empty(0, self.loaded.config.vocab_size, dtype=torch.float32)
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, index))
+        return self.model.compute_logits(hidden)
 
     def _validate(self, batch: list[BatchEntry]) -> None:
         cfg = self.loaded.config
