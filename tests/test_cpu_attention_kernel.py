@@ -41,6 +41,26 @@ def operands(lq: int, lk: int, hq: int, hk: int, d: int, seed: int):
     )
 
 
+def assert_each_decode_matches_reference(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    tables: torch.Tensor,
+    lens: list[int],
+    scale: float,
+) -> None:
+    """Decode i's output and LSE equal the fp32 reference over its first lens[i] paged keys."""
+    _, _, bs, hk, d = kv.shape
+    for i, n in enumerate(lens):
+        pages = tables[i, : -(-n // bs)].long()
+        k = kv[pages, 0].reshape(-1, hk, d)[:n]
+        v = kv[pages, 1].reshape(-1, hk, d)[:n]
+        ref_out, ref_lse = reference(q[i : i + 1], k, v, scale, causal=False)
+        torch.testing.assert_close(out[i : i + 1].float(), ref_out, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse[i : i + 1], ref_lse, atol=1e-4, rtol=1e-5)
+
+
 def test_unavailable_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PREFIXCACHE_CPU_KERNELS", "0")
     assert cpu_kernels.unavailable_reason() == "PREFIXCACHE_CPU_KERNELS=0"
@@ -164,13 +184,7 @@ def test_paged_decode_reads_pages_in_place(hq: int, hk: int, d: int) -> None:
     q = torch.randn(len(lens), hq, d, generator=gen).to(torch.bfloat16)
     scale = 1.0 / math.sqrt(d)
     out, lse = cpu_kernels.paged_decode(q, kv, tables, torch.tensor(lens), scale)
-    for i, n in enumerate(lens):
-        pages = tables[i, : -(-n // bs)].long()
-        k = kv[pages, 0].reshape(-1, hk, d)[:n]
-        v = kv[pages, 1].reshape(-1, hk, d)[:n]
-        ref_out, ref_lse = reference(q[i : i + 1], k, v, scale, causal=False)
-        torch.testing.assert_close(out[i : i + 1].float(), ref_out, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(lse[i : i + 1], ref_lse, atol=1e-4, rtol=1e-5)
+    assert_each_decode_matches_reference(out, lse, q, kv, tables, lens, scale)
 
 
 @needs_kernel
@@ -200,13 +214,7 @@ def test_paged_decode_reads_a_cascade_groups_shared_pages_once(hq: int, hk: int,
     lens_t = torch.tensor(lens)
     out, lse = cpu_kernels.paged_decode(q, kv, table, lens_t, scale, torch.tensor(groups))
     plain_out, plain_lse = cpu_kernels.paged_decode(q, kv, table, lens_t, scale)
-    for i, n in enumerate(lens):
-        ids = table[i, : -(-n // bs)].long()
-        k = kv[ids, 0].reshape(-1, hk, d)[:n]
-        v = kv[ids, 1].reshape(-1, hk, d)[:n]
-        ref_out, ref_lse = reference(q[i : i + 1], k, v, scale, causal=False)
-        torch.testing.assert_close(out[i : i + 1].float(), ref_out, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(lse[i : i + 1], ref_lse, atol=1e-4, rtol=1e-5)
+    assert_each_decode_matches_reference(out, lse, q, kv, table, lens, scale)
     alone = [0, 12, 15]  # no group: the same code path as without groups, bit for bit
     assert torch.equal(out[alone], plain_out[alone]) and torch.equal(lse[alone], plain_lse[alone])
 

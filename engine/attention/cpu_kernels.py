@@ -69,6 +69,18 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
+def _outputs(rows: int, hq: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' result buffers: ``o`` bf16 ``[rows, hq, d]`` and the LSE ``[rows, hq]``."""
+    return torch.empty(rows, hq, d, dtype=torch.bfloat16), torch.empty(
+        rows, hq, dtype=torch.float32
+    )
+
+
+def _check(rc: int, d: int) -> None:
+    if rc != 0:
+        raise ValueError(f"CPU attention kernel refused head dim {d}")
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +91,7 @@ def attention(
     assert lib is not None
     lq, hq, d = q.shape
     lk, hk, _ = k.shape
-    out = torch.empty(lq, hq, d, dtype=torch.bfloat16)
-    lse = torch.empty(lq, hq, dtype=torch.float32)
+    out, lse = _outputs(lq, hq, d)
     rc = lib.pc_attention_bf16(
         q.data_ptr(), q.stride(0), q.stride(1),
         k.data_ptr(), k.stride(0), k.stride(1),
@@ -88,8 +99,7 @@ def attention(
         out.data_ptr(), lse.data_ptr(),
         lq, lk, hq, hk, d, scale, int(causal), torch.get_num_threads(),
     )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"CPU attention kernel refused head dim {d}")
+    _check(rc, d)
     return out, lse
 
 
@@ -109,15 +119,13 @@ def paged_attention(
     lq, hq, d = q.shape
     _, _, bs, hk, _ = kv_layer.shape
     assert num_keys <= blocks.numel() * bs
-    out = torch.empty(lq, hq, d, dtype=torch.bfloat16)
-    lse = torch.empty(lq, hq, dtype=torch.float32)
+    out, lse = _outputs(lq, hq, d)
     rc = lib.pc_paged_attention_bf16(
         q.data_ptr(), q.stride(0), q.stride(1),
         kv_layer.data_ptr(), bs, blocks.data_ptr(), out.data_ptr(), lse.data_ptr(),
         lq, num_keys, hq, hk, d, scale, int(causal), torch.get_num_threads(),
     )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"CPU attention kernel refused head dim {d}")
+    _check(rc, d)
     return out, lse
 
 
@@ -145,16 +153,14 @@ def paged_decode(
     if groups is None:
         groups = _NO_GROUPS
     assert groups.dtype == torch.int64 and groups.is_contiguous() and groups.shape[-1] == 3
-    out = torch.empty(b, hq, d, dtype=torch.bfloat16)
-    lse = torch.empty(b, hq, dtype=torch.float32)
+    out, lse = _outputs(b, hq, d)
     rc = lib.pc_paged_decode_bf16(
         q.data_ptr(), q.stride(0), q.stride(1),
         kv_layer.data_ptr(), bs, tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         groups.data_ptr(), groups.shape[0], out.data_ptr(), lse.data_ptr(),
         b, hq, hk, d, scale, torch.get_num_threads(),
     )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"CPU attention kernel refused head dim {d}")
+    _check(rc, d)
     return out, lse
 
 

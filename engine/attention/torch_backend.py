@@ -421,10 +421,14 @@ class TorchBackend(AttentionBackend):
         kv_rows = kv_layer.view(num_blocks * 2 * bs, hk, d)
         kv_rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
         kv_rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
-        if self._paged_tables is not None and self._num_decode_rows == q.shape[0]:
-            return cpu_kernels.paged_decode(  # a decode-only step: the kernel's output as is
-                q, kv_layer, self._paged_tables, self._paged_lens, scale, self._paged_groups
+        decoded = None  # every decode in one kernel call, reading its pages in place
+        if self._paged_tables is not None:
+            d0 = q.shape[0] - self._num_decode_rows
+            decoded = cpu_kernels.paged_decode(
+                q[d0:], kv_layer, self._paged_tables, self._paged_lens, scale, self._paged_groups
             )[0]
+            if d0 == 0:  # a decode-only step: the kernel's output as is
+                return decoded
 
         out = torch.empty_like(q)
         group_states = []
@@ -460,11 +464,8 @@ class TorchBackend(AttentionBackend):
                 rows = slice(first, first + p.q_end - p.q_begin)
                 o, lse = merge_states(o_g[rows], lse_g[rows], o, lse)
             out[p.q_begin : p.q_end] = o
-        if self._paged_tables is not None:
-            d0 = q.shape[0] - self._num_decode_rows
-            out[d0:], _ = cpu_kernels.paged_decode(
-                q[d0:], kv_layer, self._paged_tables, self._paged_lens, scale, self._paged_groups
-            )
+        if decoded is not None:
+            out[q.shape[0] - decoded.shape[0] :] = decoded
             return out
         if not self._decodes:
             return out
