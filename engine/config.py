@@ -42,7 +42,11 @@ class EngineConfig:
     # "auto" (or None): bf16 on CUDA and on CPUs with native bf16, else fp32 | "float32" | ...
     dtype: str | None = "auto"
     device: str | None = None  # None: cuda if available, else cpu
-    attention_backend: str = "auto"  # auto | torch | flashinfer
+    attention_backend: str = "auto"  # auto | cpu | torch | flashinfer
+    # A position's logits depend only on the tokens up to it, bit for bit, whatever was
+    # cached, wherever chunked prefill cut and whoever shares the step (docs/architecture.md,
+    # "Fidelity"). Off: oneDNN's GEMMs and the split attention paths, a little faster.
+    batch_invariant: bool = True
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None  # wins over kv_memory_bytes when set
     kv_memory_bytes: int = 512 * 1024**2

@@ -85,8 +85,12 @@ class LLMEngine:
             spill_policy=config.kv_spill_policy,
         )
         self.max_hint_pinned_blocks = config.max_hint_pinned_blocks or max(1, num_blocks // 4)
-        backend = create_backend(config.attention_backend, self.loaded.device)
-        self.runner = ModelRunner(self.loaded, self.kv_cache, backend, config.enable_cascade)
+        backend = create_backend(
+            config.attention_backend, self.loaded.device, batch_invariant=config.batch_invariant
+        )
+        self.runner = ModelRunner(
+            self.loaded, self.kv_cache, backend, config.enable_cascade, config.batch_invariant
+        )
         self.scheduler = Scheduler(config, self.block_manager)
         self.activity = CacheActivity(self.block_manager)  # miss reasons, the dashboard's data
         self.block_manager.on_evict = self.activity.on_evict

@@ -31,10 +31,11 @@ class ModelRunner:
         kv_cache: KVCache,
         backend: AttentionBackend,
         enable_cascade: bool = True,
+        batch_invariant: bool = True,
     ) -> None:
         self.loaded = loaded
         self.model = loaded.model
-        self.model.prepare()
+        self.model.prepare(batch_invariant)
         self.kv_cache = kv_cache
         self.backend = backend
         self.enable_cascade = enable_cascade

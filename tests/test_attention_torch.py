@@ -215,7 +215,8 @@ def test_generic_padded_decode_matches_cpu_kernel_path() -> None:
 
 def test_create_backend() -> None:
     assert create_backend("torch", "cpu").name == "torch"
-    assert create_backend("auto", "cpu").name == "torch"
+    assert create_backend("auto", "cpu").name == "cpu"  # the batch-invariant kernel backend
+    assert create_backend("auto", "cpu", batch_invariant=False).name == "torch"
     with pytest.raises(ValueError, match="CUDA"):
         create_backend("flashinfer", "cpu")
     with pytest.raises(ValueError, match="unknown attention backend"):

@@ -125,10 +125,17 @@ def test_dense_attention_uses_the_kernel_for_cpu_bf16(monkeypatch: pytest.Monkey
 
 
 @needs_kernel
-def test_bf16_engine_caching_never_changes_greedy_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("invariant", "kernels"),
+    [(True, ("row_attention",)), (False, ("attention", "paged_decode"))],
+)
+def test_bf16_engine_caching_never_changes_greedy_outputs(
+    monkeypatch: pytest.MonkeyPatch, invariant: bool, kernels: tuple[str, ...]
+) -> None:
     """The engine in bf16 on the kernel: cold, warm (prefix cached), chunked and batched
-    greedy runs give the same tokens."""
-    calls = {"attention": 0, "paged_decode": 0}
+    greedy runs give the same tokens (batch-invariant by default: one kernel call per layer;
+    off: the split prefill and decode kernels)."""
+    calls = dict.fromkeys(kernels, 0)
     for name in calls:
         real = getattr(cpu_kernels, name)
 
@@ -150,7 +157,9 @@ def test_bf16_engine_caching_never_changes_greedy_outputs(monkeypatch: pytest.Mo
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
 
     def engine(**overrides) -> LLMEngine:
-        config = EngineConfig(model="demo", dtype="bfloat16", device="cpu", num_blocks=256)
+        config = EngineConfig(
+            model="demo", dtype="bfloat16", device="cpu", num_blocks=256, batch_invariant=invariant
+        )
         for key, value in overrides.items():
             setattr(config, key, value)
         return LLMEngine(config, loaded)
@@ -165,7 +174,7 @@ def test_bf16_engine_caching_never_changes_greedy_outputs(monkeypatch: pytest.Mo
     assert [out.token_ids for out in warm] == cold
     assert [out.token_ids for out in chunked] == cold
     assert [out.token_ids for out in batched] == cold
-    assert calls["attention"] > 0 and calls["paged_decode"] > 0, calls
+    assert all(n > 0 for n in calls.values()), calls
 
 
 @needs_kernel

@@ -7,12 +7,9 @@ into their paged slots and then attends.
 
 from __future__ import annotations
 
-import math
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-
 import torch
 
+from .backend import AttentionBackend, AttentionShape
 from .metadata import (
     MIN_CASCADE_SHARED_BLOCKS,
     AttentionMetadata,
@@ -22,41 +19,18 @@ from .metadata import (
 )
 
 
-@dataclass(slots=True, frozen=True)
-class AttentionShape:
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
-
-
-class AttentionBackend(ABC):
-    name: str = ""
-
-    def prepare(self, shape: AttentionShape, device: torch.device) -> None:  # noqa: B027
-        """Once, before the first step: build or load what the backend needs for this shape
-        (so that no request waits for it)."""
-
-    @abstractmethod
-    def plan(self, meta: AttentionMetadata, shape: AttentionShape) -> None:
-        """Prepare for one step; the same plan serves every layer."""
-
-    @abstractmethod
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
-    ) -> torch.Tensor:
-        """Write k/v ``[T, Hk, D]`` into ``kv_layer`` ``[num_blocks, 2, block_size, Hk, D]``,
-        then return attention output ``[T, Hq, D]`` for queries ``q`` ``[T, Hq, D]``."""
-
-
-def create_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """``auto`` picks FlashInfer on CUDA when it is installed, else torch."""
+def create_backend(
+    name: str = "auto", device: torch.device | str = "cpu", *, batch_invariant: bool = True
+) -> AttentionBackend:
+    """``auto`` picks FlashInfer on CUDA when it is installed; on CPU the engine's kernel
+    (``cpu``: batch-invariant, see ``cpu_backend``) unless ``batch_invariant`` is off; else
+    the torch reference."""
     device = torch.device(device)
     on_cuda = device.type == "cuda" and torch.cuda.is_available()
+    if name == "cpu" or (name == "auto" and device.type == "cpu" and batch_invariant):
+        from .cpu_backend import CpuKernelBackend
+
+        return CpuKernelBackend()
     if name == "torch":
         from .torch_backend import TorchBackend
 
@@ -81,7 +55,7 @@ def create_backend(name: str = "auto", device: torch.device | str = "cpu") -> At
         from .torch_backend import TorchBackend
 
         return TorchBackend()
-    raise ValueError(f"unknown attention backend {name!r}: expected auto, torch or flashinfer")
+    raise ValueError(f"unknown attention backend {name!r}: expected auto, cpu, torch or flashinfer")
 
 
 __all__ = [

@@ -55,6 +55,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr]
     fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    fn = lib.pc_row_attention_bf16
+    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr]
+    fn.argtypes += [i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -165,6 +169,63 @@ def paged_decode(
 
 
 _NO_GROUPS = torch.zeros(0, 3, dtype=torch.int64)
+
+
+def row_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    tables: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    groups: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The batch-invariant attention: every query row over its sequence's keys in the pages,
+    one arithmetic whatever the step holds (see ``cpu_attention.cpp``, ``row_run``).
+
+    ``q`` ``[T, Hq, D]`` bf16, rows of sequence s at ``qo_indptr[s]:qo_indptr[s+1]``, its
+    last query seeing ``kv_lens[s]`` keys (bottom-right causal); ``kv_layer`` ``[num_blocks,
+    2, bs, Hk, D]`` bf16 with the step's K/V already written; ``tables`` int32 ``[S, W]``;
+    ``groups`` int64 ``[G, 3]`` (first sequence, end, leading keys they share in the same
+    pages), ascending and disjoint. Returns ``[T, Hq, D]`` bf16."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("row_attention needs the CPU attention kernel")
+    t, hq, d = q.shape
+    _, _, bs, hk, _ = kv_layer.shape
+    groups = _NO_GROUPS if groups is None else groups
+    _require(
+        kv_layer.is_contiguous()
+        and q.stride(-1) == 1
+        and q.dtype == kv_layer.dtype == torch.bfloat16,
+        "q and kv_layer must be bf16 with contiguous rows",
+    )
+    _require(tables.dtype == torch.int32 and tables.is_contiguous(), "tables must be int32")
+    nseq = kv_lens.numel()
+    _require(
+        qo_indptr.dtype == kv_lens.dtype == groups.dtype == torch.int64
+        and qo_indptr.numel() == nseq + 1
+        and tables.shape[0] == nseq
+        and groups.is_contiguous()
+        and groups.shape[-1] == 3,
+        "qo_indptr [S+1], kv_lens [S] and groups [G, 3] must be int64",
+    )
+    out = torch.empty(t, hq, d, dtype=torch.bfloat16)
+    rc = lib.pc_row_attention_bf16(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        kv_layer.data_ptr(), bs, tables.data_ptr(), tables.stride(0),
+        qo_indptr.data_ptr(), kv_lens.data_ptr(), nseq,
+        groups.data_ptr(), groups.shape[0], out.data_ptr(),
+        hq, hk, d, scale, torch.get_num_threads(),
+    )  # fmt: skip
+    _check(rc, d)
+    return out
+
+
+def _require(ok: bool, what: str) -> None:
+    """A check at the kernel boundary that ``python -O`` keeps."""
+    if not ok:
+        raise ValueError(f"CPU attention kernel: {what}")
 
 
 def merges(o_a: torch.Tensor, o_b: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import AttentionBackend, AttentionShape
+from .backend import AttentionBackend, AttentionShape
 from .metadata import AttentionMetadata
 
 WORKSPACE_BYTES = 128 * 1024 * 1024

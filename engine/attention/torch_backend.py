@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import AttentionBackend, AttentionShape, cpu_kernels
+from . import cpu_kernels
+from .backend import AttentionBackend, AttentionShape
 from .metadata import AttentionMetadata, CascadeGroup
 
 LOG2E = 1.0 / math.log(2.0)

@@ -1,0 +1,42 @@
+"""The attention backend interface: what the model runner plans and calls per layer."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from .metadata import AttentionMetadata
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+class AttentionBackend(ABC):
+    name: str = ""
+
+    def prepare(self, shape: AttentionShape, device: torch.device) -> None:  # noqa: B027
+        """Once, before the first step: build or load what the backend needs for this shape
+        (so that no request waits for it)."""
+
+    @abstractmethod
+    def plan(self, meta: AttentionMetadata, shape: AttentionShape) -> None:
+        """Prepare for one step; the same plan serves every layer."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        """Write k/v ``[T, Hk, D]`` into ``kv_layer`` ``[num_blocks, 2, block_size, Hk, D]``,
+        then return attention output ``[T, Hq, D]`` for queries ``q`` ``[T, Hq, D]``."""

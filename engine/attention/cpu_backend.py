@@ -1,0 +1,92 @@
+"""The CPU backend on the engine's own kernel: batch-invariant paged attention.
+
+Every query row of a step (prefill chunks, rows after cached pages, decodes, members of a
+cascade or prefill group) goes through one kernel call per layer, ``cpu_kernels.
+row_attention``, which reads the K/V pages in place and gives each row the same arithmetic
+whatever shares the step: fixed key blocks at absolute positions, one online-softmax order,
+one bf16 rounding at the end. So a position's attention output depends only on the tokens up
+to it, not on how much came from the cache, where chunked prefill cut or who shares the step.
+
+Shapes the kernel lacks (fp32 or fp16 pools, other head dims) go to the torch reference
+backend, which computes the same math without that guarantee.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu_kernels
+from .backend import AttentionBackend, AttentionShape
+from .metadata import AttentionMetadata
+from .torch_backend import TorchBackend
+
+
+class CpuKernelBackend(AttentionBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._reference: TorchBackend | None = None  # set by prepare() for shapes we lack
+        self._write_rows = torch.empty(0, dtype=torch.int64)
+        self._tables = torch.empty(0, 0, dtype=torch.int32)
+        self._qo = torch.zeros(1, dtype=torch.int64)
+        self._kv_lens = torch.empty(0, dtype=torch.int64)
+        self._groups = torch.empty(0, 3, dtype=torch.int64)
+        self._scale = 1.0
+
+    @staticmethod
+    def supports(shape: AttentionShape, device: torch.device) -> bool:
+        return (
+            device.type == "cpu"
+            and shape.dtype == torch.bfloat16
+            and shape.head_dim in cpu_kernels.HEAD_DIMS
+            and cpu_kernels.load() is not None
+        )
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether this backend's rows are batch-invariant (False once it fell back)."""
+        return self._reference is None
+
+    def prepare(self, shape: AttentionShape, device: torch.device) -> None:
+        if not self.supports(shape, device):
+            self._reference = TorchBackend()
+            self._reference.prepare(shape, device)
+
+    def plan(self, meta: AttentionMetadata, shape: AttentionShape) -> None:
+        if self._reference is not None:
+            self._reference.plan(meta, shape)
+            return
+        bs = meta.block_size
+        pos = meta.positions
+        page_of = meta.kv_indptr.long()[meta.batch_indices.long()] + pos // bs
+        self._write_rows = meta.kv_indices.long()[page_of] * (2 * bs) + pos % bs
+        pages = (meta.kv_indptr[1:] - meta.kv_indptr[:-1]).tolist()
+        tables = torch.zeros(meta.num_seqs, max(pages, default=1), dtype=torch.int32)
+        start = 0
+        for i, n in enumerate(pages):  # the step's pages, one padded row per sequence
+            tables[i, :n] = meta.kv_indices[start : start + n]
+            start += n
+        self._tables = tables
+        self._qo = meta.qo_indptr.long()
+        self._kv_lens = torch.tensor([s.kv_len for s in meta.seqs], dtype=torch.int64)
+        groups = sorted(
+            [*meta.prefill_groups, *meta.cascade_groups], key=lambda g: g.begin
+        )  # disjoint: prefill groups hold prefills, cascade groups decodes
+        self._groups = torch.tensor(
+            [[g.begin, g.end, g.num_shared_blocks * bs] for g in groups], dtype=torch.int64
+        ).view(-1, 3)
+        self._scale = shape.scale
+
+    @torch.inference_mode()
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
+        if self._reference is not None:
+            return self._reference.forward(q, k, v, kv_layer)
+        num_blocks, _, bs, hk, d = kv_layer.shape
+        kv_rows = kv_layer.view(num_blocks * 2 * bs, hk, d)
+        kv_rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
+        kv_rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
+        return cpu_kernels.row_attention(
+            q, kv_layer, self._tables, self._qo, self._kv_lens, self._scale, self._groups
+        )

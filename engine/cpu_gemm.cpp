@@ -1,0 +1,235 @@
+// Batch-invariant GEMM for x86 CPUs with AVX-512 (and AVX512_BF16 for bf16): out = x W^T + b.
+//
+// Built at first use by cpu_gemm.py (g++, no torch headers) and called through ctypes.
+// Every output element is one fp32 accumulator that takes the products of its row and
+// column in ascending k, by one instruction sequence whatever the tile it falls in: so a
+// row's result never depends on how many rows share the call, where the row sits, or how
+// the work is split between threads. (oneDNN's and MKL's GEMMs pick kernels, K blocking
+// and tail paths by M, so there a row's bits change with its batch.)
+//
+// W is packed once at load into panels of 64 output columns:
+//   bf16: [N/64][K/2][64] words of (W[n][2p], W[n][2p+1]), the pair VDPBF16PS consumes;
+//   fp32: [N/64][K][64] floats.
+// Columns past N and the odd k past K are zero.
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace {
+
+constexpr int64_t NP = 64;  // columns per panel (4 vectors of 16)
+constexpr int MR = 6;       // rows per register tile: 6 x 4 accumulators + 4 panel vectors
+
+inline __mmask16 lane_mask(int64_t n) {
+  if (n >= 16) return 0xFFFF;
+  if (n <= 0) return 0;
+  return static_cast<__mmask16>((1u << n) - 1u);
+}
+
+inline int64_t panels_of(int64_t n) { return (n + NP - 1) / NP; }
+
+// x row r's k-pair p as one 32-bit word; the odd k past K reads as zero.
+inline uint32_t x_pair(const uint16_t* row, int64_t p, int64_t k) {
+  if (2 * p + 1 < k) {
+    uint32_t w;
+    std::memcpy(&w, row + 2 * p, sizeof(w));
+    return w;
+  }
+  return row[2 * p];
+}
+
+inline void store_bf16(uint16_t* dst, __m512 v, __mmask16 mk) {
+  _mm256_mask_storeu_epi16(dst, mk, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// Rows [r0, r0 + R) x the NV vectors of panel `pn` starting at vector c0.
+template <int R, int NV>
+void tile_bf16(const uint16_t* x, int64_t ldx, int64_t r0, const uint32_t* panel, int64_t k,
+               int64_t n, int64_t pn, int c0, const float* bias, uint16_t* out, int64_t ldo) {
+  const int64_t pairs = (k + 1) / 2, full = k / 2;
+  __m512 acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_setzero_ps();
+  const uint16_t* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = x + (r0 + i) * ldx;
+  for (int64_t p = 0; p < full; ++p) {
+    __m512bh b[NV];
+    for (int c = 0; c < NV; ++c)
+      b[c] = (__m512bh)_mm512_loadu_si512(panel + p * NP + (c0 + c) * 16);
+    for (int i = 0; i < R; ++i) {
+      uint32_t w;
+      std::memcpy(&w, rows[i] + 2 * p, sizeof(w));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+      for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], a, b[c]);
+    }
+  }
+  if (pairs > full) {  // odd K: the last pair's second half is zero in both operands
+    __m512bh b[NV];
+    for (int c = 0; c < NV; ++c)
+      b[c] = (__m512bh)_mm512_loadu_si512(panel + full * NP + (c0 + c) * 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh a =
+          (__m512bh)_mm512_set1_epi32(static_cast<int>(x_pair(rows[i], full, k)));
+      for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], a, b[c]);
+    }
+  }
+  for (int c = 0; c < NV; ++c) {
+    const int64_t col = pn * NP + (c0 + c) * 16;
+    const __mmask16 mk = lane_mask(n - col);
+    if (mk == 0) continue;
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + col) : _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i)
+      store_bf16(out + (r0 + i) * ldo + col, _mm512_add_ps(acc[i][c], bv), mk);
+  }
+}
+
+template <int R, int NV>
+void tile_f32(const float* x, int64_t ldx, int64_t r0, const float* panel, int64_t k, int64_t n,
+              int64_t pn, int c0, const float* bias, float* out, int64_t ldo) {
+  __m512 acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_setzero_ps();
+  const float* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = x + (r0 + i) * ldx;
+  for (int64_t j = 0; j < k; ++j) {
+    __m512 b[NV];
+    for (int c = 0; c < NV; ++c) b[c] = _mm512_loadu_ps(panel + j * NP + (c0 + c) * 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512 a = _mm512_set1_ps(rows[i][j]);
+      for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_fmadd_ps(a, b[c], acc[i][c]);
+    }
+  }
+  for (int c = 0; c < NV; ++c) {
+    const int64_t col = pn * NP + (c0 + c) * 16;
+    const __mmask16 mk = lane_mask(n - col);
+    if (mk == 0) continue;
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + col) : _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i)
+      _mm512_mask_storeu_ps(out + (r0 + i) * ldo + col, mk, _mm512_add_ps(acc[i][c], bv));
+  }
+}
+
+// Calls fn.template operator()<R>() for the row count R in 1..MR (a compile-time constant).
+template <typename Fn>
+void with_rows(int r, Fn&& fn) {
+  switch (r) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    default: fn(std::integral_constant<int, 6>{}); break;
+  }
+}
+
+// The work split: a task is (a run of rows, one panel or a half panel). Few rows: half
+// panels (2 vectors), so that a decode's few panels still keep every thread busy. The split
+// changes which tile computes an element, never the element's arithmetic.
+struct Split {
+  int64_t row_chunk;  // rows per task (a multiple of MR, or all of them)
+  int nv;             // vectors per task: 4 (a panel) or 2 (half)
+};
+
+inline Split split_for(int64_t m, int64_t n, int nthreads) {
+  const int64_t panels = panels_of(n);
+  Split s{m, 4};
+  if (m <= MR && panels < 8 * nthreads) s.nv = 2;
+  if (m > MR) {
+    // Rows in chunks of 8 tiles: the panel is read from L2 once per chunk.
+    s.row_chunk = 8 * MR;
+  }
+  return s;
+}
+
+template <typename T, typename P, typename Tile>
+void run(const T* x, int64_t ldx, int64_t m, const P* packed, int64_t n, int64_t panel_words,
+         int nthreads, Tile&& tile) {
+  const Split s = split_for(m, n, nthreads);
+  const int64_t panels = panels_of(n);
+  const int64_t parts = 4 / s.nv;
+  const int64_t chunks = (m + s.row_chunk - 1) / s.row_chunk;
+  const int64_t tasks = chunks * panels * parts;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t t = 0; t < tasks; ++t) {
+    // Panel-major: a thread's contiguous run of tasks covers whole panels, all rows.
+    const int64_t pn = t / (chunks * parts), rest = t % (chunks * parts);
+    const int64_t chunk = rest / parts;
+    const int c0 = static_cast<int>((rest % parts) * s.nv);
+    const int64_t r_begin = chunk * s.row_chunk, r_end = std::min(m, r_begin + s.row_chunk);
+    const P* panel = packed + pn * panel_words;
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += MR) {
+      const int r = static_cast<int>(std::min<int64_t>(MR, r_end - r0));
+      tile(r, s.nv, r0, panel, pn, c0);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Words of a packed bf16 weight [n, k] (and floats of a packed fp32 one).
+int64_t pc_gemm_packed_words(int64_t n, int64_t k, int bf16) {
+  return panels_of(n) * NP * (bf16 ? (k + 1) / 2 : k);
+}
+
+// w bf16 [n, k] row-major (row stride ldw) into packed (pc_gemm_packed_words words).
+void pc_gemm_pack_bf16(const uint16_t* w, int64_t ldw, int64_t n, int64_t k, uint32_t* packed) {
+  const int64_t pairs = (k + 1) / 2;
+  for (int64_t pn = 0; pn < panels_of(n); ++pn) {
+    uint32_t* panel = packed + pn * pairs * NP;
+    for (int64_t p = 0; p < pairs; ++p)
+      for (int64_t c = 0; c < NP; ++c) {
+        const int64_t col = pn * NP + c;
+        panel[p * NP + c] = col < n ? x_pair(w + col * ldw, p, k) : 0u;
+      }
+  }
+}
+
+void pc_gemm_pack_f32(const float* w, int64_t ldw, int64_t n, int64_t k, float* packed) {
+  for (int64_t pn = 0; pn < panels_of(n); ++pn) {
+    float* panel = packed + pn * k * NP;
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t c = 0; c < NP; ++c) {
+        const int64_t col = pn * NP + c;
+        panel[j * NP + c] = col < n ? w[col * ldw + j] : 0.0f;
+      }
+  }
+}
+
+// out bf16 [m, n] (row stride ldo) = x bf16 [m, k] (row stride ldx) W^T + bias (fp32 [n] or
+// null), W packed by pc_gemm_pack_bf16.
+void pc_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t* packed, int64_t n,
+                  int64_t k, const float* bias, uint16_t* out, int64_t ldo, int nthreads) {
+  const int64_t panel_words = (k + 1) / 2 * NP;
+  run(x, ldx, m, packed, n, panel_words, nthreads,
+      [&](int r, int nv, int64_t r0, const uint32_t* panel, int64_t pn, int c0) {
+        with_rows(r, [&](auto rows) {
+          if (nv == 4)
+            tile_bf16<rows(), 4>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
+          else
+            tile_bf16<rows(), 2>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
+        });
+      });
+}
+
+void pc_gemm_f32(const float* x, int64_t ldx, int64_t m, const float* packed, int64_t n,
+                 int64_t k, const float* bias, float* out, int64_t ldo, int nthreads) {
+  const int64_t panel_words = k * NP;
+  run(x, ldx, m, packed, n, panel_words, nthreads,
+      [&](int r, int nv, int64_t r0, const float* panel, int64_t pn, int c0) {
+        with_rows(r, [&](auto rows) {
+          if (nv == 4)
+            tile_f32<rows(), 4>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
+          else
+            tile_f32<rows(), 2>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
+        });
+      });
+}
+
+}  // extern "C"

@@ -1,0 +1,226 @@
+"""Bitwise cache- and batch-invariance at the default dtype: a position's logits depend only on
+the tokens up to it, not on how much came from the cache, where chunked prefill cut, which
+requests share the step (prefills, decodes, prefill groups, cascade groups) or the row's place.
+
+Prompts, cached lengths, chunk sizes and companions are drawn by hypothesis; every comparison
+is ``torch.equal``. Runs where the CPU has the batch-invariant kernels (AVX512_BF16); the
+torch reference backend promises the same math, not the same bits, and is not checked here.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixcache.engine import cpu_gemm
+from prefixcache.engine.attention import cpu_kernels, create_backend
+from prefixcache.engine.attention.cpu_backend import CpuKernelBackend
+from prefixcache.engine.kv_cache import KVCache
+from prefixcache.engine.loader import LoadedModel, load_model
+from prefixcache.engine.model_runner import BatchEntry, ModelRunner
+
+BS = 16
+NUM_BLOCKS = 640
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.load() is None or not cpu_gemm.available(),
+    reason=f"no batch-invariant CPU kernels here ({cpu_kernels.unavailable_reason()})",
+)
+
+
+@dataclass
+class Pages:
+    """Fresh, scattered physical blocks for each new sequence."""
+
+    rng: random.Random
+    free: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.free = list(range(NUM_BLOCKS))
+        self.rng.shuffle(self.free)
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError("test pool exhausted")
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+
+def n_blocks(tokens: int) -> int:
+    return -(-tokens // BS)
+
+
+def runner_for(loaded: LoadedModel) -> ModelRunner:
+    cache = KVCache(loaded.kv_cache_spec(BS), num_blocks=NUM_BLOCKS)
+    backend = create_backend("auto", "cpu")
+    assert isinstance(backend, CpuKernelBackend)
+    runner = ModelRunner(loaded, cache, backend)
+    assert backend.batch_invariant
+    return runner
+
+
+def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def demo_bf16() -> LoadedModel:
+    return load_model("demo", dtype="bfloat16", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def hf_llama_bf16(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A transformers-saved Llama (head dim 64, grouped KV heads), loaded in bf16."""
+    transformers = pytest.importorskip("transformers")
+    import json
+    import shutil
+
+    from prefixcache.engine.demo_model import ASSETS
+
+    torch.manual_seed(7)
+    cfg = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_position_embeddings=2048,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    folder = Path(tmp_path_factory.mktemp("llama"))
+    model.save_pretrained(folder)
+    shutil.copy(ASSETS / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    return load_model(str(folder), dtype="bfloat16", device="cpu")
+
+
+def cold_logits(runner: ModelRunner, pages: Pages, prompt: list[int]) -> torch.Tensor:
+    return runner.execute([BatchEntry(prompt, 0, pages.take(n_blocks(len(prompt))))])[0]
+
+
+def check_variants(loaded: LoadedModel, seed: int, length: int, cut: int, chunk: int) -> None:
+    rng = random.Random(seed)
+    vocab = loaded.config.vocab_size
+    runner = runner_for(loaded)
+    pages = Pages(rng)
+    prompt = tokens(rng, length, vocab)
+    cut = max(1, min(cut, length - 1))
+    cold = cold_logits(runner, pages, prompt)
+
+    # Warm: the first `cut` tokens came from the cache (any cut, block-aligned or not).
+    table = pages.take(n_blocks(length))
+    runner.execute([BatchEntry(prompt[:cut], 0, table, compute_logits=False)])
+    warm = runner.execute([BatchEntry(prompt[cut:], cut, table)])[0]
+    assert torch.equal(warm, cold), f"warm (cut {cut}) != cold"
+
+    # Chunked prefill, `chunk` tokens a step.
+    table = pages.take(n_blocks(length))
+    for start in range(0, length, chunk):
+        part = prompt[start : start + chunk]
+        last = start + len(part) == length
+        out = runner.execute([BatchEntry(part, start, table, compute_logits=last)])
+    assert torch.equal(out[0], cold), f"chunked ({chunk}) != cold"
+
+    # Decode: the last token alone over the rest in the cache.
+    table = pages.take(n_blocks(length))
+    runner.execute([BatchEntry(prompt[:-1], 0, table, compute_logits=False)])
+    decoded = runner.execute([BatchEntry(prompt[-1:], length - 1, table)])[0]
+    assert torch.equal(decoded, cold), "decode != cold"
+
+    # Batched: the same warm suffix in one step with companions: a cold prefill, another
+    # prefill after the same cached blocks (a prefill group), and decodes, two of them
+    # sharing a long prefix (a cascade group); the prompt's entry sits at a random place.
+    table = pages.take(n_blocks(length))
+    runner.execute([BatchEntry(prompt[:cut], 0, table, compute_logits=False)])
+    shared_blocks = cut // BS
+    entries: list[BatchEntry] = []
+    other = tokens(rng, rng.randint(2, 90), vocab)
+    entries.append(BatchEntry(other, 0, pages.take(n_blocks(len(other)))))
+    if shared_blocks:
+        suffix = tokens(rng, rng.randint(2, 40), vocab)
+        own = pages.take(n_blocks(shared_blocks * BS + len(suffix)) - shared_blocks)
+        entries.append(BatchEntry(suffix, shared_blocks * BS, table[:shared_blocks] + own))
+    base = tokens(rng, 16 * rng.randint(4, 8) + rng.randint(0, 15), vocab)
+    base_table = pages.take(n_blocks(len(base)))
+    runner.execute([BatchEntry(base, 0, base_table, compute_logits=False)])
+    common = len(base) // BS
+    for _ in range(3):  # decodes whose first `common` blocks are the same pages
+        tail = tokens(rng, rng.randint(1, 20), vocab)
+        t = base_table[:common] + pages.take(n_blocks(common * BS + len(tail) + 1) - common)
+        runner.execute([BatchEntry(tail, common * BS, t, compute_logits=False)])
+        entries.append(BatchEntry(tokens(rng, 1, vocab), common * BS + len(tail), t))
+    place = rng.randint(0, len(entries))
+    entries.insert(place, BatchEntry(prompt[cut:], cut, table))
+    batched = runner.execute(entries)[place]
+    assert torch.equal(batched, cold), f"batched (place {place} of {len(entries)}) != cold"
+
+    # A decode in a cascade group: the prompt's last token next to decodes that share its
+    # leading blocks.
+    table = pages.take(n_blocks(length))
+    runner.execute([BatchEntry(prompt[:-1], 0, table, compute_logits=False)])
+    group = [BatchEntry(prompt[-1:], length - 1, table)]
+    lead = (length - 1) // BS
+    for _ in range(2):
+        tail = tokens(rng, rng.randint(1, 20), vocab)
+        t = table[:lead] + pages.take(n_blocks(lead * BS + len(tail) + 1) - lead)
+        runner.execute([BatchEntry(tail, lead * BS, t, compute_logits=False)])
+        group.append(BatchEntry(tokens(rng, 1, vocab), lead * BS + len(tail), t))
+    rng.shuffle(group)
+    place = next(i for i, e in enumerate(group) if e.block_table is table)
+    assert torch.equal(runner.execute(group)[place], cold), "cascade-grouped decode != cold"
+
+
+CASES = dict(
+    seed=st.integers(0, 2**31),
+    length=st.integers(2, 400),
+    cut=st.integers(1, 399),
+    chunk=st.integers(1, 130),
+)
+SETTINGS = settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@SETTINGS
+@given(**CASES)
+def test_demo_model_bf16_is_cache_and_batch_invariant(
+    demo_bf16: LoadedModel, seed: int, length: int, cut: int, chunk: int
+) -> None:
+    check_variants(demo_bf16, seed, length, cut, chunk)
+
+
+@SETTINGS
+@given(**CASES)
+def test_transformers_llama_bf16_is_cache_and_batch_invariant(
+    hf_llama_bf16: LoadedModel, seed: int, length: int, cut: int, chunk: int
+) -> None:
+    check_variants(hf_llama_bf16, seed, length, cut, chunk)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("k", "n"), [(576, 1728), (1536, 576), (576, 49152 // 8), (64, 96)])
+def test_gemm_rows_do_not_depend_on_their_batch(dtype: torch.dtype, k: int, n: int) -> None:
+    """Each row's output equals that row computed alone, for every M and offset tried."""
+    gen = torch.Generator().manual_seed(k * n)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    bias = (torch.randn(n, generator=gen) * 0.1).to(dtype)
+    gemm = cpu_gemm.PackedLinear(w, bias)
+    x = torch.randn(300, k, generator=gen).to(dtype)
+    alone = torch.cat([gemm(x[i : i + 1]) for i in range(300)])
+    for m in [*range(2, 20), 31, 33, 64, 65, 127, 256, 300]:
+        assert torch.equal(gemm(x[:m]), alone[:m]), f"M={m}"
+    assert torch.equal(gemm(x[7:250]), alone[7:250])
+    ref = x.float() @ w.float().T + bias.float()
+    tol = 0.05 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(gemm(x).float(), ref, atol=tol, rtol=tol)
