@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 from .paging import DEFAULT_BLOCK_SIZE
 
@@ -53,12 +53,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     max_num_seqs: int = 256  # running sequences at once
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_waiting: int = 1024  # waiting queue limit; over it the sidecar answers 429
     enable_prefix_caching: bool = True
     enable_cascade: bool = True
     lpm_queue_limit: int = 128  # above this many waiting requests, plain arrival order
     max_wait_steps: int = 64  # age bound: a request waiting this many steps goes first
-    seed: int = 0
     kv_events_endpoint: str | None = None  # ZMQ PUB address for KV events, e.g. tcp://*:5557
     kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER address for replays
     kv_events_topic: str = ""
@@ -72,8 +70,12 @@ class EngineConfig:
     kv_spill_policy: str = "all"  # "all" evicted blocks, or "hit": only blocks hit before
     max_pin_ttl_s: float = 3600.0  # retention hints (cache_control ttl) are capped at this
     max_hint_pinned_blocks: int | None = None  # per namespace; None: a quarter of the pool
+    # Accepted and ignored, not stored: the queue limit is the sidecar's own
+    # (``SidecarSettings.max_waiting``). Goes once no caller passes it.
+    max_waiting: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_waiting: int | None) -> None:
+        del max_waiting  # see the field
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1:

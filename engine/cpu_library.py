@@ -20,8 +20,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from . import settings
 from .cpu_features import cpu_flags
-from .local_dirs import home_dir
 
 log = logging.getLogger("prefixcache.engine")
 
@@ -42,8 +42,8 @@ CXX_FLAGS = (
 
 def unavailable_reason(cpuinfo: str | None = None) -> str | None:
     """Why the engine's CPU kernels cannot run here (None when they can be tried)."""
-    if os.environ.get("PREFIXCACHE_CPU_KERNELS", "1") == "0":
-        return "PREFIXCACHE_CPU_KERNELS=0"
+    if not settings.cpu_kernels_enabled():
+        return f"{settings.CPU_KERNELS_ENV}=0"
     missing = REQUIRED_FLAGS - cpu_flags(cpuinfo)
     if missing:
         return f"the CPU lacks {', '.join(sorted(missing))}"
@@ -53,7 +53,8 @@ def unavailable_reason(cpuinfo: str | None = None) -> str | None:
 
 
 def compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "")) or shutil.which("g++") or shutil.which("c++")
+    override = settings.compiler_override()
+    return (override and shutil.which(override)) or shutil.which("g++") or shutil.which("c++")
 
 
 class CpuLibrary:
@@ -79,7 +80,7 @@ class CpuLibrary:
         ):
             key.update(part)
         key.update(" ".join(sorted(cpu_flags() & REQUIRED_FLAGS)).encode())
-        return home_dir() / "kernels" / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
+        return settings.home_dir() / "kernels" / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
 
     def _build(self, cxx: str, target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)

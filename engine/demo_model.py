@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from .settings import home_dir
+
 DEMO_NAME = "demo"
 DEMO_VERSION = "demo-v1"
 DEMO_SEED = 20240611
@@ -74,9 +76,7 @@ def demo_config(vocab_size: int) -> dict[str, Any]:
 
 
 def demo_home() -> Path:
-    root = os.environ.get("PREFIXCACHE_HOME")
-    base = Path(root) if root else Path.home() / ".cache" / "prefixcache"
-    return base / DEMO_VERSION
+    return home_dir() / DEMO_VERSION
 
 
 def ensure_demo_model(home: Path | None = None) -> Path:

@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from .local_dirs import home_dir
 from .progress import progress_bar, progress_wanted
+from .settings import models_dir
 
 FETCH_TIMEOUT_S = 900
 
@@ -57,12 +57,6 @@ NAMED_MODELS: dict[str, NamedModel] = {
 
 class ModelFetchError(RuntimeError):
     """A named model could not be fetched, or what was fetched is not the pinned file."""
-
-
-def models_dir() -> Path:
-    if explicit := os.environ.get("PREFIXCACHE_MODELS"):
-        return Path(explicit).expanduser()
-    return home_dir() / "models"
 
 
 def named_model_path(name: str) -> Path:

@@ -13,9 +13,9 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, TypeVar
 
-PROGRESS_ENV = "PREFIXCACHE_PROGRESS"
-_ON = ("1", "on", "true", "yes")
-_OFF = ("0", "off", "false", "no")
+from . import settings
+from .settings import PROGRESS_ENV as PROGRESS_ENV  # the variable's name, for callers
+
 T = TypeVar("T")
 
 
@@ -49,11 +49,9 @@ class _Silent:
 
 
 def progress_wanted() -> bool:
-    setting = os.environ.get(PROGRESS_ENV, "").strip().lower()
-    if setting in _ON:
-        return True
-    if setting in _OFF:
-        return False
+    setting = settings.progress_setting()
+    if setting is not None:
+        return setting
     isatty = getattr(sys.stderr, "isatty", None)
     return bool(isatty and isatty())
 

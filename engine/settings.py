@@ -1,0 +1,64 @@
+"""The engine's environment variables, each read here and nowhere else (docs/settings.md).
+
+One typed accessor per variable. Each reads the environment when called, not at import, so a
+variable set before first use (by a test, a bench or the CLI) is honoured. A leaf module: the
+standard library only, no torch.
+
+- ``PREFIXCACHE_HOME``: the root of what prefixcache keeps on this machine (compiled CPU
+  kernels, the demo model, fetched models); ``~`` expanded; default ``~/.cache/prefixcache``.
+- ``PREFIXCACHE_MODELS``: where named models are fetched to; default ``$PREFIXCACHE_HOME/models``.
+- ``PREFIXCACHE_PROGRESS``: progress bars on stderr: ``1``/``on``/``true``/``yes`` always,
+  ``0``/``off``/``false``/``no`` never, anything else (or unset): when stderr is a terminal.
+- ``PREFIXCACHE_CPU_KERNELS``: ``0`` turns the engine's AVX512_BF16 C++ kernels off.
+- ``CXX``: the C++ compiler that builds those kernels (else ``g++``, else ``c++``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HOME_ENV = "PREFIXCACHE_HOME"
+MODELS_ENV = "PREFIXCACHE_MODELS"
+PROGRESS_ENV = "PREFIXCACHE_PROGRESS"
+CPU_KERNELS_ENV = "PREFIXCACHE_CPU_KERNELS"
+CXX_ENV = "CXX"
+
+_ON = ("1", "on", "true", "yes")
+_OFF = ("0", "off", "false", "no")
+
+
+def _path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value).expanduser() if value else None
+
+
+def home_dir() -> Path:
+    """``$PREFIXCACHE_HOME``, else ``~/.cache/prefixcache``."""
+    return _path(HOME_ENV) or Path.home() / ".cache" / "prefixcache"
+
+
+def models_dir() -> Path:
+    """``$PREFIXCACHE_MODELS``, else ``home_dir() / "models"``."""
+    return _path(MODELS_ENV) or home_dir() / "models"
+
+
+def progress_setting() -> bool | None:
+    """``$PREFIXCACHE_PROGRESS``: True (on), False (off), None (unset or unrecognised: the
+    caller decides, by whether stderr is a terminal)."""
+    setting = os.environ.get(PROGRESS_ENV, "").strip().lower()
+    if setting in _ON:
+        return True
+    if setting in _OFF:
+        return False
+    return None
+
+
+def cpu_kernels_enabled() -> bool:
+    """False when ``$PREFIXCACHE_CPU_KERNELS`` is ``0``."""
+    return os.environ.get(CPU_KERNELS_ENV, "1") != "0"
+
+
+def compiler_override() -> str | None:
+    """``$CXX``, when set and not empty."""
+    return os.environ.get(CXX_ENV) or None
