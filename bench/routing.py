@@ -51,9 +51,9 @@ from prefixcache.engine.demo_model import ensure_demo_model
 from prefixcache.engine.loader import load_model
 from prefixcache.engine.progress import progress_bar
 from prefixcache.engine.tokenizer import Tokenizer
-from prefixcache.sidecar.app import SidecarSettings, create_app
-from prefixcache.sidecar.route_input import RouteReader
-from prefixcache.sidecar.upstream_app import EventSource, UpstreamSettings, create_upstream_app
+from prefixcache.sidecar.router.app import EventSource, UpstreamSettings, create_upstream_app
+from prefixcache.sidecar.router.route_input import RouteReader
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 WORDS = [
     "train",

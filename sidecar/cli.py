@@ -14,10 +14,10 @@ if TYPE_CHECKING:
     from prefixcache.engine.api import EngineAPI
     from prefixcache.engine.config import EngineConfig
 
-    from .upstream_app import EventSource
+    from .router.app import EventSource
 
 from .cli_parser import build_parser
-from .http_protocol import HalfCloseHTTPProtocol
+from .http.uvicorn_protocol import HalfCloseHTTPProtocol
 
 MIB = 1024**2
 
@@ -45,8 +45,8 @@ def serve(args: argparse.Namespace) -> None:
 
     from prefixcache.engine.config import EngineConfig
 
-    from .app import SidecarSettings, create_app
-    from .tenancy import KeyStore
+    from .http.tenancy import KeyStore
+    from .server.app import SidecarSettings, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -125,7 +125,7 @@ def create_engine(config: EngineConfig, mode: str) -> EngineAPI:
 
 def set_kv_events(config: EngineConfig, args: argparse.Namespace, secret: bytes) -> None:
     """The --kv-events-* flags on the engine's configuration."""
-    from .tenancy import cache_namespace
+    from .http.tenancy import cache_namespace
 
     if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
         raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
@@ -145,7 +145,7 @@ def set_kv_events(config: EngineConfig, args: argparse.Namespace, secret: bytes)
 
 def parse_upstream(spec: str) -> tuple[str, EventSource | None]:
     """``URL[,events=ZMQ[,replay=ZMQ]]`` -> (URL, its event source)."""
-    from .upstream_app import EventSource
+    from .router.app import EventSource
 
     url, *options = [part.strip() for part in spec.split(",")]
     fields: dict[str, str] = {}
@@ -165,9 +165,9 @@ def serve_upstream(args: argparse.Namespace) -> None:
     """Upstream mode: a prefix-affinity router in front of OpenAI-compatible servers."""
     import uvicorn
 
-    from .routing import RoutingSettings
-    from .tenancy import KeyStore
-    from .upstream_app import UpstreamSettings, create_upstream_app
+    from .http.tenancy import KeyStore
+    from .router.app import UpstreamSettings, create_upstream_app
+    from .router.cache_aware import RoutingSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
