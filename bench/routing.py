@@ -355,7 +355,7 @@ def main() -> None:
     servers = Servers()
     replicas, sources = [], []
     if args.upstreams:
-        from prefixcache.sidecar.cli import parse_upstream
+        from prefixcache.sidecar.cli.route_command import parse_upstream
 
         for spec in args.upstreams.split(";"):
             url, source = parse_upstream(spec)

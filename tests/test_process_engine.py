@@ -161,7 +161,7 @@ def test_the_api_side_never_imports_torch() -> None:
         "import sys\n"
         "import prefixcache.engine.process_engine, prefixcache.sidecar.server.app, prefixcache.sidecar.cli\n"
         "from prefixcache.engine.config import EngineConfig\n"
-        "from prefixcache.sidecar.cli import create_engine\n"
+        "from prefixcache.sidecar.cli.serve_command import create_engine\n"
         "create_engine(EngineConfig(), 'process')\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )

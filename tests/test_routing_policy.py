@@ -247,7 +247,7 @@ def test_a_prompt_counts_as_held_from_its_sending_until_its_request_ends() -> No
 def test_upstream_specs_parse_and_bad_ones_are_refused() -> None:
     import pytest
 
-    from prefixcache.sidecar.cli import parse_upstream
+    from prefixcache.sidecar.cli.route_command import parse_upstream
     from prefixcache.sidecar.router.app import EventSource
 
     assert parse_upstream("http://a/v1") == ("http://a/v1", None)

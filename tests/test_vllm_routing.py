@@ -17,7 +17,7 @@ import httpx
 import pytest
 from conftest import Server, ServerLoop, serve
 
-from prefixcache.sidecar.cli import parse_upstream
+from prefixcache.sidecar.cli.route_command import parse_upstream
 from prefixcache.sidecar.router.app import UpstreamSettings, create_upstream_app
 
 SPECS = os.environ.get("PREFIXCACHE_VLLM_UPSTREAMS")
