@@ -18,6 +18,7 @@ from conftest import Server
 
 from prefixcache.sidecar.cli import build_parser
 from prefixcache.sidecar.cli.serve_command import read_secret, serve
+from prefixcache.sidecar.environment import SidecarEnvironment
 
 SHARED_OPTIONS = ["--host", "--port", "--api-keys-file", "--max-body-mib"]
 SERVE_OPTIONS = [
@@ -107,6 +108,15 @@ def test_one_tenant_keeps_its_namespace_across_restarts(monkeypatch: pytest.Monk
     assert read_secret(None, keys_enabled=True) != read_secret(None, keys_enabled=True)
     monkeypatch.setenv("PREFIXCACHE_SECRET", "from the environment")
     assert read_secret(None, keys_enabled=True) == b"from the environment"
+
+
+def test_environment_variables_are_read_in_one_place() -> None:
+    environ = {"PREFIXCACHE_SECRET": "s" * 16, "PREFIXCACHE_UPSTREAM_API_KEY": "sk-up"}
+    assert SidecarEnvironment.read(environ) == SidecarEnvironment(b"s" * 16, "sk-up")
+    empty = {"PREFIXCACHE_SECRET": "", "PREFIXCACHE_UPSTREAM_API_KEY": ""}
+    assert SidecarEnvironment.read(empty) == SidecarEnvironment()  # empty counts as unset
+    given = SidecarEnvironment(secret=b"given" * 4)
+    assert read_secret(None, keys_enabled=True, environment=given) == b"given" * 4
 
 
 def launch(
