@@ -51,9 +51,9 @@ from prefixcache.engine.demo_model import ensure_demo_model
 from prefixcache.engine.loader import load_model
 from prefixcache.engine.progress import progress_bar
 from prefixcache.engine.tokenizer import Tokenizer
-from prefixcache.sidecar.app import SidecarSettings, create_app
-from prefixcache.sidecar.route_input import RouteReader
-from prefixcache.sidecar.upstream_app import EventSource, UpstreamSettings, create_upstream_app
+from prefixcache.sidecar.router.app import EventSource, UpstreamSettings, create_upstream_app
+from prefixcache.sidecar.router.route_input import RouteReader
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 WORDS = [
     "train",
@@ -355,7 +355,7 @@ def main() -> None:
     servers = Servers()
     replicas, sources = [], []
     if args.upstreams:
-        from prefixcache.sidecar.cli import parse_upstream
+        from prefixcache.sidecar.cli.route_command import parse_upstream
 
         for spec in args.upstreams.split(";"):
             url, source = parse_upstream(spec)

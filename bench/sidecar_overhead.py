@@ -43,8 +43,8 @@ from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.progress import progress_bar, progress_iter
 from prefixcache.engine.request import EngineRequest, SamplingParams
-from prefixcache.sidecar.app import create_app
-from prefixcache.sidecar.rendering import PromptRenderer
+from prefixcache.sidecar.chat.rendering import PromptRenderer
+from prefixcache.sidecar.server.app import create_app
 
 SYSTEM = "You are a concise assistant for a train timetable service. " * 12
 

@@ -30,8 +30,8 @@ from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.loader import load_model
 from prefixcache.engine.progress import progress_bar, progress_iter
-from prefixcache.sidecar.app import SidecarSettings, create_app
-from prefixcache.sidecar.upstream_app import UpstreamSettings, create_upstream_app
+from prefixcache.sidecar.router.app import UpstreamSettings, create_upstream_app
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 WORDS = [
     "train",

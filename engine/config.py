@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass
+from dataclasses import dataclass
 
 from .paging import DEFAULT_BLOCK_SIZE
 
@@ -70,12 +70,7 @@ class EngineConfig:
     kv_spill_policy: str = "all"  # "all" evicted blocks, or "hit": only blocks hit before
     max_pin_ttl_s: float = 3600.0  # retention hints (cache_control ttl) are capped at this
     max_hint_pinned_blocks: int | None = None  # per namespace; None: a quarter of the pool
-    # Accepted and ignored, not stored: the queue limit is the sidecar's own
-    # (``SidecarSettings.max_waiting``). Goes once no caller passes it.
-    max_waiting: InitVar[int | None] = None
-
-    def __post_init__(self, max_waiting: int | None) -> None:
-        del max_waiting  # see the field
+    def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1:

@@ -27,9 +27,9 @@ import httpx
 import pytest
 import uvicorn
 
-from prefixcache.sidecar.app import SidecarSettings, create_app
-from prefixcache.sidecar.http_protocol import HalfCloseHTTPProtocol
-from prefixcache.sidecar.tenancy import KeyStore
+from prefixcache.sidecar.http.tenancy import KeyStore
+from prefixcache.sidecar.http.uvicorn_protocol import HalfCloseHTTPProtocol
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 TEST_NUM_BLOCKS = 512  # 8192 token slots at block size 16: room for 50 concurrent streams
 TEST_MAX_MODEL_LEN = 1024

@@ -24,10 +24,10 @@ from conftest import (
 from prefixcache.engine.api import RequestRecord, TreeSnapshot
 from prefixcache.sdk import Client, Prompt
 from prefixcache.sdk.types import CacheStats, TierBlockStats
-from prefixcache.sidecar.activity_window import ActivityWindow, ttft_bin, ttft_of
-from prefixcache.sidecar.app import SidecarSettings, create_app
-from prefixcache.sidecar.cache_view import build_view
-from prefixcache.sidecar.dashboard import BACKLOG, DashboardRoutes
+from prefixcache.sidecar.server.activity_window import ActivityWindow, ttft_bin, ttft_of
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
+from prefixcache.sidecar.server.cache_view import build_view
+from prefixcache.sidecar.server.dashboard import BACKLOG, DashboardRoutes
 
 BS = 16
 

@@ -19,7 +19,7 @@ import pytest
 from cdp import Browser, find_chromium
 from conftest import Server, ServerLoop, demo_engine, serve
 
-from prefixcache.sidecar.app import SidecarSettings, create_app
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 PREFIXES = ("Atlas desk", "Poetry room", "Kitchen shelf")  # distinct from the first token
 TOP_LEVEL = 'document.querySelectorAll(\'g[data-kind="prefix"][data-depth="1"]\').length'

@@ -22,8 +22,8 @@ from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.prefix_store import PrefixStoreError
 from prefixcache.engine.request import EngineRequest, SamplingParams
-from prefixcache.sidecar.app import SidecarSettings, create_app
-from prefixcache.sidecar.tenancy import cache_file_key
+from prefixcache.sidecar.http.tenancy import cache_file_key
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 KEY = cache_file_key(b"the server secret, 32 bytes long")
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from conftest import KEYS, Server, ServerLoop, serve
 
-from prefixcache.sidecar.app import SidecarSettings, create_app
-from prefixcache.sidecar.tenancy import KeyStore
+from prefixcache.sidecar.http.tenancy import KeyStore
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 CONTEXT = 8192
 
@@ -85,7 +85,7 @@ def test_refused_requests_leave_nothing_in_memory(real_tokenizer_server: Server)
 
 def test_memos_are_bounded_in_bytes(demo_loaded: Any) -> None:
     from prefixcache.engine.piece_encoder import PieceEncoder
-    from prefixcache.sidecar.rendering import PromptRenderer
+    from prefixcache.sidecar.chat.rendering import PromptRenderer
 
     rng = random.Random(12)
     hf = demo_loaded.tokenizer._tok
@@ -198,7 +198,7 @@ def test_no_timing_oracle_across_tenants(real_tokenizer_server: Server) -> None:
 
 def test_a_refused_request_keeps_the_entries_others_use(demo_loaded: Any) -> None:
     """forget drops only what the refused request itself added: a shared system prompt stays."""
-    from prefixcache.sidecar.rendering import PromptRenderer
+    from prefixcache.sidecar.chat.rendering import PromptRenderer
 
     tok = demo_loaded.tokenizer
     renderer = PromptRenderer(tok)

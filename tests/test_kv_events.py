@@ -20,8 +20,8 @@ from test_block_manager_state_machine import BlockManagerMachine
 
 from prefixcache.engine.kv_events import BlockEventRecorder, KVEventPublisher, block_hash
 from prefixcache.engine.prefix_tree import Node, root_digest
-from prefixcache.sidecar.kv_event_wire import decode_batch
-from prefixcache.sidecar.kv_index import ReplicaIndex
+from prefixcache.sidecar.router.kv_event_wire import decode_batch
+from prefixcache.sidecar.router.kv_index import ReplicaIndex
 
 zmq = pytest.importorskip("zmq")
 
@@ -526,7 +526,7 @@ def test_the_router_decodes_every_form_vllm_has_published() -> None:
     )  # fmt: skip
     as_map = msgspec.json.decode(msgspec.json.encode(current))  # vLLM 0.32's events ...
     all_maps = {"ts": 2.0, "events": as_map[1]}  # ... in a map batch too
-    from prefixcache.sidecar import kv_event_wire as w
+    from prefixcache.sidecar.router import kv_event_wire as w
 
     kinds = (w.BlockStored, w.BlockRemoved, w.AllBlocksCleared)
     seen = []

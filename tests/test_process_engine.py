@@ -159,9 +159,9 @@ def test_the_api_side_never_imports_torch() -> None:
     process loads the model."""
     code = (
         "import sys\n"
-        "import prefixcache.engine.process_engine, prefixcache.sidecar.app, prefixcache.sidecar.cli\n"
+        "import prefixcache.engine.process_engine, prefixcache.sidecar.server.app, prefixcache.sidecar.cli\n"
         "from prefixcache.engine.config import EngineConfig\n"
-        "from prefixcache.sidecar.cli import create_engine\n"
+        "from prefixcache.sidecar.cli.serve_command import create_engine\n"
         "create_engine(EngineConfig(), 'process')\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
     )
@@ -175,7 +175,7 @@ async def test_kv_events_and_a_disk_tier_run_in_the_core(tmp_path: Path) -> None
     spilled prefix comes back from its tier, and shutdown flushes the events and removes the
     tier's file."""
     zmq = pytest.importorskip("zmq")
-    from prefixcache.sidecar.kv_event_wire import BlockRemoved, BlockStored, decode_batch
+    from prefixcache.sidecar.router.kv_event_wire import BlockRemoved, BlockStored, decode_batch
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -9,12 +9,17 @@ from typing import Any
 import msgspec
 
 from prefixcache.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from prefixcache.sidecar.approx_tree import ApproxTree
-from prefixcache.sidecar.kv_event_wire import decode_batch
-from prefixcache.sidecar.kv_index import ReplicaIndex
-from prefixcache.sidecar.kv_subscriber import EventSubscriber
-from prefixcache.sidecar.routing import CacheAwareRouter, PendingPrefill, Replica, RoutingSettings
-from prefixcache.sidecar.upstream import UpstreamPool
+from prefixcache.sidecar.router.approx_tree import ApproxTree
+from prefixcache.sidecar.router.cache_aware import (
+    CacheAwareRouter,
+    PendingPrefill,
+    Replica,
+    RoutingSettings,
+)
+from prefixcache.sidecar.router.kv_event_wire import decode_batch
+from prefixcache.sidecar.router.kv_index import ReplicaIndex
+from prefixcache.sidecar.router.kv_subscriber import EventSubscriber
+from prefixcache.sidecar.router.pool import UpstreamPool
 
 A, B, C = "http://a/v1", "http://b/v1", "http://c/v1"
 
@@ -242,8 +247,8 @@ def test_a_prompt_counts_as_held_from_its_sending_until_its_request_ends() -> No
 def test_upstream_specs_parse_and_bad_ones_are_refused() -> None:
     import pytest
 
-    from prefixcache.sidecar.cli import parse_upstream
-    from prefixcache.sidecar.upstream_app import EventSource
+    from prefixcache.sidecar.cli.route_command import parse_upstream
+    from prefixcache.sidecar.router.app import EventSource
 
     assert parse_upstream("http://a/v1") == ("http://a/v1", None)
     assert parse_upstream("http://a/v1,events=tcp://a:5557") == (

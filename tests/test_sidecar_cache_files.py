@@ -9,7 +9,7 @@ import httpx
 import pytest
 from conftest import Server, ServerLoop, demo_engine, serve
 
-from prefixcache.sidecar.app import SidecarSettings, create_app
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 SYSTEM = "You are the timetable assistant of a small railway. Answer in one sentence. " * 6
 SECRET = b"a fixed secret for both servers"

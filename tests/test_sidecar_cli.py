@@ -1,4 +1,4 @@
-"""The CLI: help text for every option, and `serve` as a real subprocess."""
+"""The CLI: help text for every option, and `serve` and `route` as real subprocesses."""
 
 from __future__ import annotations
 
@@ -16,46 +16,74 @@ import httpx
 import pytest
 from conftest import Server
 
-from prefixcache.sidecar.cli import build_parser, read_secret, serve
+from prefixcache.sidecar.cli import build_parser
+from prefixcache.sidecar.cli.serve_command import read_secret, serve
+from prefixcache.sidecar.environment import SidecarEnvironment
 
-OPTIONS = [
+SHARED_OPTIONS = ["--host", "--port", "--api-keys-file", "--max-body-mib"]
+SERVE_OPTIONS = [
     "--model",
-    "--host",
-    "--port",
     "--block-size",
     "--kv-memory-mib",
     "--max-batch-tokens",
     "--queue-limit",
     "--attention-backend",
-    "--api-keys-file",
-    "--max-body-mib",
     "--cache-dir",
     "--load-cache",
+    "--generation-config",
+]
+ROUTE_OPTIONS = [
     "--upstream",
     "--load-factor",
     "--min-load",
-    "--generation-config",
     "--upstream-api-key",
     "--upstream-timeout",
 ]
 
 
+def help_of(*command: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "prefixcache.sidecar.cli", *command, "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 def test_help_explains_every_option() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "prefixcache.sidecar.cli", "serve", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    for option in OPTIONS:
+    out = help_of("serve")
+    for option in SHARED_OPTIONS + SERVE_OPTIONS:
         assert option in out
-    top = subprocess.run(
-        [sys.executable, "-m", "prefixcache.sidecar.cli", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    routed = help_of("route")
+    for option in SHARED_OPTIONS + ROUTE_OPTIONS:
+        assert option in routed
+    top = help_of()
     assert "serve" in top
+    assert "route" in top
+
+
+def test_each_command_has_only_its_own_options() -> None:
+    serve_help, route_help = help_of("serve"), help_of("route")
+    assert "--routing" not in serve_help and "--upstream-timeout" not in serve_help
+    assert "--model" not in route_help and "--kv-memory-mib" not in route_help
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--routing", "hash"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["route", "--upstream", "http://u/v1", "--model", "demo"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["route"])  # at least one --upstream
+
+
+def test_serve_upstream_says_it_is_deprecated() -> None:
+    """The old spelling still parses every option it took (the engine's too) and says what
+    to use instead; here it stops at an invalid value, after the message."""
+    cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", "serve", "--upstream", "http://u/v1"]
+    done = subprocess.run(
+        [*cmd, "--model", "demo", "--routing", "nope"], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "deprecated" in done.stderr and "prefixcache route" in done.stderr
+    assert "--routing: invalid choice" in done.stderr
 
 
 def test_parser_maps_options() -> None:
@@ -82,13 +110,24 @@ def test_one_tenant_keeps_its_namespace_across_restarts(monkeypatch: pytest.Monk
     assert read_secret(None, keys_enabled=True) == b"from the environment"
 
 
-def launch(*options: str, timeout: float = 120) -> tuple[subprocess.Popen, str]:
-    """`prefixcache serve OPTIONS` as a subprocess on a free port, and its root URL, once
+def test_environment_variables_are_read_in_one_place() -> None:
+    environ = {"PREFIXCACHE_SECRET": "s" * 16, "PREFIXCACHE_UPSTREAM_API_KEY": "sk-up"}
+    assert SidecarEnvironment.read(environ) == SidecarEnvironment(b"s" * 16, "sk-up")
+    empty = {"PREFIXCACHE_SECRET": "", "PREFIXCACHE_UPSTREAM_API_KEY": ""}
+    assert SidecarEnvironment.read(empty) == SidecarEnvironment()  # empty counts as unset
+    given = SidecarEnvironment(secret=b"given" * 4)
+    assert read_secret(None, keys_enabled=True, environment=given) == b"given" * 4
+
+
+def launch(
+    *options: str, timeout: float = 120, command: str = "serve"
+) -> tuple[subprocess.Popen, str]:
+    """`prefixcache COMMAND OPTIONS` as a subprocess on a free port, and its root URL, once
     healthy."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", "serve", "--port", str(port)]
+    cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", command, "--port", str(port)]
     proc = subprocess.Popen([*cmd, *options], env={**os.environ, "PYTHONUNBUFFERED": "1"})
     root = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -136,10 +175,10 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 @contextlib.contextmanager
-def cli_server(*options: str, timeout: float = 120) -> Iterator[str]:
-    """`prefixcache serve OPTIONS`'s root URL once healthy; stopped with SIGINT, which must
+def cli_server(*options: str, timeout: float = 120, command: str = "serve") -> Iterator[str]:
+    """`prefixcache COMMAND OPTIONS`'s root URL once healthy; stopped with SIGINT, which must
     exit 0 and leave no child process (the engine core) behind."""
-    proc, root = launch(*options, timeout=timeout)
+    proc, root = launch(*options, timeout=timeout, command=command)
     kids = children_of(proc.pid)
     try:
         yield root
@@ -187,9 +226,11 @@ def test_the_default_engine_mode_is_a_process() -> None:
     assert build_parser().parse_args(["serve", "--engine", "thread"]).engine == "thread"
 
 
-def test_serve_upstream_routes_to_another_server(fake_server: Server) -> None:
-    """`prefixcache serve --upstream URL`: no engine here, the fake sidecar answers."""
-    with cli_server("--upstream", fake_server.url, "--log-level", "warning", timeout=60) as root:
+@pytest.mark.parametrize("command", ["route", "serve"])  # serve --upstream: the old spelling
+def test_route_routes_to_another_server(fake_server: Server, command: str) -> None:
+    """`prefixcache route --upstream URL`: no engine here, the fake sidecar answers."""
+    options = ("--upstream", fake_server.url, "--log-level", "warning")
+    with cli_server(*options, timeout=60, command=command) as root:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         response = httpx.post(f"{root}/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text

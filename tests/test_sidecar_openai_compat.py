@@ -16,8 +16,8 @@ from tokenizers import decoders, models, normalizers
 
 from prefixcache.engine.request import TokenLogprob
 from prefixcache.engine.tokenizer import Tokenizer
-from prefixcache.sidecar.app import SidecarSettings, create_app
-from prefixcache.sidecar.responses import chat_logprobs
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
+from prefixcache.sidecar.server.responses import chat_logprobs
 
 ASSETS = Path(__file__).resolve().parents[1] / "engine" / "demo_assets"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

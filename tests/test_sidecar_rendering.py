@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from sidecar_fake_engine import FakeTokenizer
 
-from prefixcache.sidecar.protocol import Message, Segment
-from prefixcache.sidecar.rendering import PromptRenderer, TemplateError, order_segments
+from prefixcache.sidecar.chat.rendering import PromptRenderer, TemplateError, order_segments
+from prefixcache.sidecar.wire.protocol import Message, Segment
 
 
 def seg(tag: str, stability: str, content: str = "x", role: str = "user") -> Segment:

@@ -12,7 +12,7 @@ from conftest import Server, wait_for_idle_blocks
 from sidecar_fake_engine import FakeEngine
 
 from prefixcache.engine.request import EngineRequest, RequestOutput
-from prefixcache.sidecar.app import SidecarSettings, create_app
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 LONG_RUN = {"max_tokens": 600, "ignore_eos": True, "temperature": 0}
 

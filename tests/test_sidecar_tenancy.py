@@ -11,8 +11,8 @@ import httpx
 import pytest
 from conftest import KEYS, Server
 
-from prefixcache.sidecar.errors import APIError
-from prefixcache.sidecar.tenancy import KeyStore, cache_namespace
+from prefixcache.sidecar.http.errors import APIError
+from prefixcache.sidecar.http.tenancy import KeyStore, cache_namespace
 
 PROMPT = [
     {"role": "system", "content": "You are the archive assistant of tenant-neutral docs. " * 6},

@@ -23,16 +23,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from prefixcache.sidecar.streaming import DONE, SSEResponse, sse_event
-from prefixcache.sidecar.tenancy import KeyStore
-from prefixcache.sidecar.upstream import (
+from prefixcache.sidecar.http.streaming import DONE, SSEResponse, sse_event
+from prefixcache.sidecar.http.tenancy import KeyStore
+from prefixcache.sidecar.router.app import UpstreamSettings, create_upstream_app
+from prefixcache.sidecar.router.pool import (
     PROMPT_KEY_CHARS,
     PROMPT_KEY_TOKENS,
     Choice,
     UpstreamPool,
     affinity_key,
 )
-from prefixcache.sidecar.upstream_app import UpstreamSettings, create_upstream_app
 
 SYSTEM = "You are the help desk of a railway company. Answer in one sentence. " * 8
 

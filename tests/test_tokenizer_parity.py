@@ -22,7 +22,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from prefixcache.engine.tokenizer import Tokenizer, _compile_template
-from prefixcache.sidecar.app import SidecarSettings, create_app
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from sidecar_fake_engine import FakeEngine, FakeTokenizer
 
 from prefixcache.engine.request import EngineRequest, RequestOutput, Usage
-from prefixcache.sidecar.app import SidecarSettings, create_app
-from prefixcache.sidecar.tool_calls import (
+from prefixcache.sidecar.chat.tool_calls import (
     ForcedParser,
     HermesParser,
     Llama3JsonParser,
@@ -24,6 +23,7 @@ from prefixcache.sidecar.tool_calls import (
     ToolCallParser,
     ToolCallStream,
 )
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 CALL = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}
 SECOND = {"name": "search", "arguments": {"q": "café"}}

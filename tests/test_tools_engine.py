@@ -21,7 +21,7 @@ from tool_templates import LLAMA31_STYLE
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.process_engine import ProcessEngine
 from prefixcache.engine.tokenizer import _compile_template
-from prefixcache.sidecar.app import SidecarSettings, create_app
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 pytest.importorskip("xgrammar")
 

@@ -14,8 +14,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tool_templates import LLAMA31_STYLE, QWEN25_STYLE
 
 from prefixcache.engine.tokenizer import Tokenizer
-from prefixcache.sidecar.app import SidecarSettings, create_app
-from prefixcache.sidecar.tool_prompt import ToolTemplate
+from prefixcache.sidecar.chat.tool_prompt import ToolTemplate
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from conftest import Server, ServerLoop, demo_engine, serve
 
-from prefixcache.sidecar.app import SidecarSettings, create_app
-from prefixcache.sidecar.upstream_app import EventSource, UpstreamSettings, create_upstream_app
+from prefixcache.sidecar.router.app import EventSource, UpstreamSettings, create_upstream_app
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 pytest.importorskip("zmq")
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from conftest import Server, ServerLoop, serve
 
-from prefixcache.sidecar.cli import parse_upstream
-from prefixcache.sidecar.upstream_app import UpstreamSettings, create_upstream_app
+from prefixcache.sidecar.cli.route_command import parse_upstream
+from prefixcache.sidecar.router.app import UpstreamSettings, create_upstream_app
 
 SPECS = os.environ.get("PREFIXCACHE_VLLM_UPSTREAMS")
 pytestmark = pytest.mark.skipif(not SPECS, reason="make test-vllm sets PREFIXCACHE_VLLM_UPSTREAMS")

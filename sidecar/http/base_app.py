@@ -1,4 +1,4 @@
-"""The Starlette app both modes build (engine mode, app.py; upstream mode, upstream_app.py):
+"""The Starlette app both modes build (engine mode, server/app.py; upstream mode, router/app.py):
 the OpenAI routes in one order, the HTTP metrics middleware, the OpenAI-shaped exception
 handlers, and the /health and /metrics replies."""
 
@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .http_io import exception_handlers
-from .http_metrics import HTTPMetrics
+from .io import exception_handlers
+from .metrics import HTTPMetrics
 
 Endpoint = Callable[[Request], Awaitable[Any]]
 Lifespan = Callable[[Starlette], AbstractAsyncContextManager[None]]

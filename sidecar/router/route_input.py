@@ -3,7 +3,7 @@
 ``text`` keys the approximate tree: the model, then each message as role and content (or the
 completions prompt), with separators no prompt text contains, and without the generation
 prompt, so turn N's text is a prefix of turn N+1's. ``token_ids`` are what the upstream will
-compute: the chat template rendered once and encoded once (sidecar/rendering.py, as vLLM and
+compute: the chat template rendered once and encoded once (chat/rendering.py, as vLLM and
 our engine do), or the completions prompt encoded with special tokens (a token-id prompt as
 given). None when the router has no tokenizer or the body is not one it can render.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from .rendering import ChatTokenizer, PromptRenderer
+from ..chat.rendering import ChatTokenizer, PromptRenderer
 
 FIELD = "\x1f"  # between a message's role and content
 RECORD = "\x1e"  # after each message

@@ -18,7 +18,7 @@ from prefixcache.engine.api import TokenizerAPI
 from prefixcache.engine.request import GrammarSpec
 from prefixcache.sdk.canonical import canonical_json
 
-from . import protocol as p
+from ..wire import protocol as p
 from .tool_calls import (
     PROBE_CALL_MESSAGES,
     PROBE_TOOL,

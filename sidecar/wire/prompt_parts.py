@@ -18,7 +18,7 @@ CacheSalt = Annotated[
     str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+\Z")
 ]
 Tag = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-# Segments are rendered one prefix at a time (rendering.py): their count bounds that work.
+# Segments are rendered one prefix at a time (chat/rendering.py): their count bounds that work.
 MAX_SEGMENTS = 256
 
 

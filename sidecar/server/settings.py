@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .tenancy import KeyStore
+from ..http.tenancy import KeyStore
 
 
 @dataclass(slots=True)

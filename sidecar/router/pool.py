@@ -11,7 +11,7 @@
 - Health is passive: a connection failure marks an upstream down for ``retry_after_s``;
   after that it is tried again.
 
-sidecar/upstream_app.py does the HTTP.
+router/app.py does the HTTP.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Upstream mode: the sidecar as a cache-aware router in front of OpenAI-compatible servers.
 
 ``create_upstream_app(settings)`` proxies /v1/chat/completions and /v1/completions to the
-upstream the routing policy chooses: ``cache_aware`` (sidecar/routing.py: precise over the
+upstream the routing policy chooses: ``cache_aware`` (router/cache_aware.py: precise over the
 upstreams' KV events, approximate over a tree of what was sent where) or ``hash``
-(sidecar/upstream.py: bounded-load rendezvous hashing of the request's affinity key). Bodies are forwarded as
+(router/pool.py: bounded-load rendezvous hashing of the request's affinity key). Bodies are forwarded as
 they came, except that a chat body with ``segments`` becomes plain ``messages`` (upstreams do
 not know segments). Statuses, bodies and content types come back unchanged; SSE streams are
 relayed as their bytes arrive. A connection that fails before any response byte marks its
 upstream down and the request moves to the next choice; nothing is retried once the
-upstream has answered. Its metrics: upstream_metrics.py; one request's routing bookkeeping:
-upstream_routed.py.
+upstream has answered. Its metrics: metrics.py; one request's routing bookkeeping:
+routed.py.
 """
 
 from __future__ import annotations
@@ -27,21 +27,21 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .errors import APIError
-from .http_app import build_app, health_reply, metrics_reply, openai_routes
-from .http_io import read_body
+from ..chat.rendering import ChatTokenizer
+from ..http.base_app import build_app, health_reply, metrics_reply, openai_routes
+from ..http.errors import APIError
+from ..http.io import read_body
+from ..http.streaming import SSEResponse, run_until_disconnect
+from ..http.tenancy import KeyStore
+from .bodies import decode_object, segments_to_messages
+from .cache_aware import CacheAwareRouter, Replica, RoutingSettings
 from .kv_index import ReplicaIndex
 from .kv_subscriber import EventSubscriber
-from .rendering import ChatTokenizer
+from .metrics import UpstreamMetrics
+from .pool import Upstream, UpstreamPool, affinity_key
+from .relay import Exchange, relay_events, upstream_lost
 from .route_input import RouteInput, RouteReader
-from .routing import CacheAwareRouter, Replica, RoutingSettings
-from .streaming import SSEResponse, run_until_disconnect
-from .tenancy import KeyStore
-from .upstream import Upstream, UpstreamPool, affinity_key
-from .upstream_bodies import decode_object, segments_to_messages
-from .upstream_metrics import UpstreamMetrics
-from .upstream_relay import Exchange, relay_events, upstream_lost
-from .upstream_routed import Routed
+from .routed import Routed
 
 log = logging.getLogger("prefixcache.sidecar.upstream")
 

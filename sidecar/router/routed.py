@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator
 
-from .routing import CacheAwareRouter, Decision, PendingPrefill, Replica
-from .upstream import Upstream
-from .upstream_metrics import UpstreamMetrics
+from .cache_aware import CacheAwareRouter, Decision, PendingPrefill, Replica
+from .metrics import UpstreamMetrics
+from .pool import Upstream
 
 
 def legacy_route(decision: Decision) -> str:

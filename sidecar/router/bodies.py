@@ -7,9 +7,9 @@ from typing import Any
 
 import msgspec
 
-from . import protocol as p
-from .errors import bad_request, from_validation
-from .http_io import decode_json
+from ..http.errors import bad_request, from_validation
+from ..http.io import decode_json
+from ..wire import protocol as p
 
 
 def decode_object(payload: bytes) -> dict[str, Any]:

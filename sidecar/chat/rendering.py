@@ -34,7 +34,7 @@ from prefixcache.engine.request import RetentionHint, SegmentSpan
 from prefixcache.engine.tokenizer import ChatTemplateError
 from prefixcache.sdk.canonical import canonical_json
 
-from .protocol import Message, Segment, order_segments
+from ..wire.protocol import Message, Segment, order_segments
 
 
 class ChatTokenizer(Protocol):

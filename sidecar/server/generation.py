@@ -13,16 +13,16 @@ from starlette.responses import Response
 from prefixcache.engine.api import EngineAPI
 from prefixcache.engine.request import EngineRequest, GrammarSpec, SamplingParams
 
-from . import protocol as p
+from ..chat.rendering import RenderedPrompt
+from ..chat.tool_prompt import ToolTemplate, canonical_tools, grammar_for
+from ..http.errors import bad_request
+from ..http.streaming import SSEResponse
+from ..http.tenancy import Tenant
+from ..wire import protocol as p
 from .admission import Admission
-from .errors import bad_request
 from .gate import RequestGate, content_size
-from .rendering import RenderedPrompt
 from .responses import Job, reply
 from .settings import SidecarSettings
-from .streaming import SSEResponse
-from .tenancy import Tenant
-from .tool_prompt import ToolTemplate, canonical_tools, grammar_for
 
 
 class GenerationRoutes:

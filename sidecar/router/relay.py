@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from .errors import APIError
-from .streaming import DONE, sse_event
-from .upstream import Upstream, UpstreamPool
+from ..http.errors import APIError
+from ..http.streaming import DONE, sse_event
+from .pool import Upstream, UpstreamPool
 
 log = logging.getLogger("prefixcache.sidecar.upstream")
 

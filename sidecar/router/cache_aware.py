@@ -46,7 +46,7 @@ from typing import Literal
 from .approx_tree import ApproxTree
 from .kv_index import ReplicaIndex
 from .kv_subscriber import EventSubscriber
-from .upstream import Upstream, UpstreamPool
+from .pool import Upstream, UpstreamPool
 
 Reason = Literal["precise", "approximate", "balance", "failover"]
 REASONS: tuple[Reason, ...] = ("precise", "approximate", "balance", "failover")

@@ -14,12 +14,12 @@ from starlette.routing import Route
 
 from prefixcache.engine.api import EngineAPI
 
-from . import protocol as p
-from . import reply_types as rt
-from .errors import APIError, bad_request
+from ..http.errors import APIError, bad_request
+from ..http.tenancy import cache_file_key
+from ..wire import protocol as p
+from ..wire import reply_types as rt
 from .gate import RequestGate, content_size
 from .responses import json_response
-from .tenancy import cache_file_key
 
 log = logging.getLogger("prefixcache.sidecar")
 

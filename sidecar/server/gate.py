@@ -18,12 +18,12 @@ from starlette.requests import Request
 from prefixcache.engine.api import EngineAPI
 from prefixcache.engine.tokenizer import ChatTemplateError
 
-from . import protocol as p
-from .errors import bad_request, model_not_found, not_ready
-from .http_io import decode_json, read_body
-from .rendering import PromptRenderer, RenderedPrompt, TemplateError
+from ..chat.rendering import PromptRenderer, RenderedPrompt, TemplateError
+from ..http.errors import bad_request, model_not_found, not_ready
+from ..http.io import decode_json, read_body
+from ..http.tenancy import Tenant, cache_namespace
+from ..wire import protocol as p
 from .settings import SidecarSettings
-from .tenancy import Tenant, cache_namespace
 
 S = TypeVar("S")
 R = TypeVar("R", bound=p.SamplingFields)

@@ -1,5 +1,5 @@
 """Engine mode: the Starlette app over an ``EngineAPI``, wiring the request gate, the
-generation routes, the cache admin routes and the shared app set-up (http_app.py).
+generation routes, the cache admin routes and the shared app set-up (http/base_app.py).
 
 ``create_app(engine, settings)`` takes any ``EngineAPI`` (engine/api.py), so tests can inject
 one. Every check runs before the engine sees a request: auth, readiness, body size, JSON types,
@@ -22,13 +22,13 @@ from starlette.routing import Route
 
 from prefixcache.engine.api import EngineAPI
 
-from . import reply_types as rt
+from ..http.base_app import build_app, health_reply, metrics_reply, openai_routes
+from ..wire import reply_types as rt
 from .admission import Admission
 from .cache_routes import CacheRoutes
 from .dashboard import DashboardRoutes
 from .gate import RequestGate
 from .generation import GenerationRoutes
-from .http_app import build_app, health_reply, metrics_reply, openai_routes
 from .responses import json_response
 from .settings import SidecarSettings
 

@@ -24,11 +24,11 @@ from prefixcache.engine.request import (
     Usage,
 )
 
-from . import reply_types as rt
+from ..chat.tool_calls import ToolCall, ToolCallParser, ToolCallStream
+from ..http.errors import APIError, server_error
+from ..http.streaming import DONE, SSEResponse, run_until_disconnect, sse_event
+from ..wire import reply_types as rt
 from .admission import EngineStream
-from .errors import APIError, server_error
-from .streaming import DONE, SSEResponse, run_until_disconnect, sse_event
-from .tool_calls import ToolCall, ToolCallParser, ToolCallStream
 
 log = logging.getLogger("prefixcache.sidecar")
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator
 from prefixcache.engine.api import EngineAPI
 from prefixcache.engine.request import EngineRequest, RequestOutput
 
-from .errors import bad_request, overloaded
+from ..http.errors import bad_request, overloaded
 
 
 class Admission:

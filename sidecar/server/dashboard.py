@@ -28,11 +28,11 @@ from starlette.routing import Route
 from prefixcache.engine.api import EngineAPI, RequestRecord
 from prefixcache.sdk.cache_stats import BlockStats, CacheStats, TierBlockStats, TokenStats
 
+from ..http.errors import bad_request
+from ..http.streaming import SSEResponse, sse_event
 from .activity_window import ActivityWindow, WindowBucket
 from .cache_view import DEFAULT_MAX_NODES, build_view
-from .errors import bad_request
 from .gate import RequestGate
-from .streaming import SSEResponse, sse_event
 
 log = logging.getLogger(__name__)
 

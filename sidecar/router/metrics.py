@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .routing import REASONS, CacheAwareRouter
-from .upstream import ROUTES, UpstreamPool
+from .cache_aware import REASONS, CacheAwareRouter
+from .pool import ROUTES, UpstreamPool
 
 
 class UpstreamMetrics:

@@ -1,57 +1,55 @@
-"""``prefixcache serve``: the sidecar over the embedded engine, served by uvicorn."""
+"""``prefixcache serve``: the engine-mode sidecar over the embedded engine, served by uvicorn."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..environment import SidecarEnvironment
+from ..http.uvicorn_protocol import HalfCloseHTTPProtocol
+from .shared_options import MIB, configure_logging
+
 if TYPE_CHECKING:
     from prefixcache.engine.api import EngineAPI
     from prefixcache.engine.config import EngineConfig
 
-    from .upstream_app import EventSource
-
-from .cli_parser import build_parser
-from .http_protocol import HalfCloseHTTPProtocol
-
-MIB = 1024**2
-
-
+# Without keys there is one tenant: nothing to keep apart, and a fixed key keeps its namespace
+# (so pinned prefixes loaded from --cache-dir) the same across restarts.
 SINGLE_TENANT_SECRET = b"prefixcache: one tenant, no keys"
 
 
-def read_secret(path: Path | None, keys_enabled: bool = True) -> bytes:
+def read_secret(
+    path: Path | None, keys_enabled: bool = True, environment: SidecarEnvironment | None = None
+) -> bytes:
+    """The namespace secret: --secret-file, else $PREFIXCACHE_SECRET, else random per start
+    with keys and fixed without."""
     if path is not None:
         secret = path.read_bytes().strip()
         if len(secret) < 16:
             raise SystemExit(f"{path}: the secret must be at least 16 bytes")
         return secret
-    from_env = os.environ.get("PREFIXCACHE_SECRET")
-    if from_env:
-        return from_env.encode()
+    environment = environment or SidecarEnvironment.read()
+    if environment.secret is not None:
+        return environment.secret
     return os.urandom(32) if keys_enabled else SINGLE_TENANT_SECRET
 
 
-def serve(args: argparse.Namespace) -> None:
-    if args.upstream:
-        serve_upstream(args)
-        return
+def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = None) -> None:
     import uvicorn
 
     from prefixcache.engine.config import EngineConfig
 
-    from .app import SidecarSettings, create_app
-    from .tenancy import KeyStore
+    from ..http.tenancy import KeyStore
+    from ..server.app import SidecarSettings, create_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args)
     try:
         keys = KeyStore.from_file(args.api_keys_file) if args.api_keys_file else KeyStore()
-        secret = read_secret(args.secret_file, keys.enabled)
+        secret = read_secret(args.secret_file, keys.enabled, environment)
         config = EngineConfig(
             model=args.model,
             dtype=args.dtype,
@@ -63,8 +61,8 @@ def serve(args: argparse.Namespace) -> None:
             max_num_batched_tokens=args.max_batch_tokens,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
-            max_waiting=args.queue_limit,
             enable_prefix_caching=not args.no_prefix_caching,
+            batch_invariant=not args.no_batch_invariance,
             kv_offload=args.kv_offload,
             kv_offload_keep_files=args.kv_offload_keep,
             kv_spill_policy=args.kv_spill_policy,
@@ -73,7 +71,6 @@ def serve(args: argparse.Namespace) -> None:
         )
         if args.load_cache and args.cache_dir is None:
             raise ValueError("--load-cache needs --cache-dir")
-        secret = read_secret(args.secret_file, keys.enabled)
         set_kv_events(config, args, secret)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"prefixcache serve: {exc}") from None
@@ -125,7 +122,7 @@ def create_engine(config: EngineConfig, mode: str) -> EngineAPI:
 
 def set_kv_events(config: EngineConfig, args: argparse.Namespace, secret: bytes) -> None:
     """The --kv-events-* flags on the engine's configuration."""
-    from .tenancy import cache_namespace
+    from ..http.tenancy import cache_namespace
 
     if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
         raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
@@ -141,81 +138,3 @@ def set_kv_events(config: EngineConfig, args: argparse.Namespace, secret: bytes)
         raise ValueError("--kv-events-token-ids: none, all, or a comma-separated tenant list")
     config.kv_events_token_ids = "listed"
     config.kv_events_token_namespaces = tuple(cache_namespace(secret, t) for t in tenants)
-
-
-def parse_upstream(spec: str) -> tuple[str, EventSource | None]:
-    """``URL[,events=ZMQ[,replay=ZMQ]]`` -> (URL, its event source)."""
-    from .upstream_app import EventSource
-
-    url, *options = [part.strip() for part in spec.split(",")]
-    fields: dict[str, str] = {}
-    for option in options:
-        name, sep, value = option.partition("=")
-        if not sep or name not in ("events", "replay") or not value or name in fields:
-            raise ValueError(f"--upstream {spec!r}: expected URL[,events=ZMQ[,replay=ZMQ]]")
-        fields[name] = value
-    if "replay" in fields and "events" not in fields:
-        raise ValueError(f"--upstream {spec!r}: replay= needs events=")
-    if "events" not in fields:
-        return url, None
-    return url, EventSource(fields["events"], fields.get("replay"))
-
-
-def serve_upstream(args: argparse.Namespace) -> None:
-    """Upstream mode: a prefix-affinity router in front of OpenAI-compatible servers."""
-    import uvicorn
-
-    from .routing import RoutingSettings
-    from .tenancy import KeyStore
-    from .upstream_app import UpstreamSettings, create_upstream_app
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    try:
-        parsed = [parse_upstream(spec) for spec in args.upstream]
-        tokenizer = None
-        if args.tokenizer is not None:
-            from prefixcache.engine.tokenizer import Tokenizer
-
-            tokenizer = Tokenizer.from_folder(args.tokenizer)
-        settings = UpstreamSettings(
-            upstreams=tuple(url for url, _ in parsed),
-            routing=args.routing,
-            events={url: source for url, source in parsed if source is not None},
-            tokenizer=tokenizer,
-            cache_aware=RoutingSettings(
-                match_threshold=args.match_threshold,
-                balance_abs_threshold=args.balance_abs_threshold,
-                balance_rel_threshold=args.balance_rel_threshold,
-                prefill_weight=args.prefill_weight,
-                running_weight=args.running_weight,
-                host_tier_credit=args.host_tier_credit,
-                storage_tier_credit=args.storage_tier_credit,
-            ),
-            keys=KeyStore.from_file(args.api_keys_file) if args.api_keys_file else KeyStore(),
-            upstream_api_key=args.upstream_api_key,
-            load_factor=args.load_factor,
-            min_load=args.min_load,
-            timeout_s=args.upstream_timeout,
-            max_body_bytes=int(args.max_body_mib * MIB),
-        )
-        app = create_upstream_app(settings)
-    except (ValueError, OSError) as exc:
-        raise SystemExit(f"prefixcache serve: {exc}") from None
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=5,
-        http=HalfCloseHTTPProtocol,
-    )
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        serve(args)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -1,0 +1,5 @@
+"""``python -m prefixcache.sidecar.cli``: the ``prefixcache`` command."""
+
+from .main import main
+
+main()
