@@ -70,6 +70,7 @@ class EngineConfig:
     kv_spill_policy: str = "all"  # "all" evicted blocks, or "hit": only blocks hit before
     max_pin_ttl_s: float = 3600.0  # retention hints (cache_control ttl) are capped at this
     max_hint_pinned_blocks: int | None = None  # per namespace; None: a quarter of the pool
+
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
