@@ -191,3 +191,41 @@ def test_greedy_answers_equal_transformers_batched(
     shared = len(tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM}])))
     computed = sum(r.usage.computed_prompt_tokens for r in results[:NUM_SHARED])
     assert computed < shared + NUM_SHARED * 4 * BLOCK_SIZE
+
+
+@pytest.fixture(scope="module")
+def loaded_default(gguf_path: Path) -> LoadedModel:
+    """The same GGUF at the default dtype (bf16 where the CPU has it)."""
+    return load_model("smollm2", dtype="auto", device="cpu")
+
+
+@pytest.mark.timeout(900)
+def test_default_dtype_answers_are_the_same_cold_warm_chunked_and_batched(
+    loaded_default: LoadedModel,
+) -> None:
+    """At the default dtype and settings (batch-invariant), greedy answers are bit-identical
+    however the prompts reach the model: one at a time without the cache, after the document
+    was cached, with prefill cut into 48-token chunks, and all sent at once."""
+    tok = loaded_default.tokenizer
+
+    def run(tag: str, **overrides: object) -> list[list[int]]:
+        config = EngineConfig(model="smollm2", num_blocks=2048, block_size=BLOCK_SIZE)
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        eng = LLMEngine(config, loaded=loaded_default)
+        if tag == "batched":
+            return [r.token_ids for r in eng.generate(requests(loaded_default, tag))]
+        if tag == "warm":
+            eng.generate(requests(loaded_default, "warm-up")[:1])
+        return [eng.generate([req])[0].token_ids for req in requests(loaded_default, tag)]
+
+    cold = run("cold", enable_prefix_caching=False)
+    assert "Paris" in tok.decode(cold[9])
+    for tag, overrides in (
+        ("warm", {}),
+        ("chunked", {"max_num_batched_tokens": 48, "enable_prefix_caching": False}),
+        ("batched", {}),
+    ):
+        got = run(tag, **overrides)
+        for i, (mine, ref) in enumerate(zip(got, cold, strict=True)):
+            assert mine == ref, f"{tag} {i}: {tok.decode(mine)!r} != cold {tok.decode(ref)!r}"
