@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from prefixcache.sdk.cache_stats import CacheStats, TokenizerPieceStats
+from prefixcache.sdk.cache_stats import CacheStats
 
 from . import engine_wire as wire
 from .api import (
@@ -35,6 +35,7 @@ from .api import (
     WarmResult,
     compute_prefix,
 )
+from .cache_report import piece_stats
 from .config import EngineConfig
 from .errors import EngineDeadError, EngineNotReadyError
 from .output import aborted_output
@@ -44,15 +45,6 @@ from .tokenizer import Tokenizer
 log = logging.getLogger("prefixcache.engine")
 T = TypeVar("T")
 RECORDS_KEPT = 2000  # finished requests remembered for the dashboard (as CacheActivity keeps)
-
-
-def piece_stats(tokenizer: Tokenizer | None) -> TokenizerPieceStats | msgspec.UnsetType:
-    """The tokenizer's memo of text between special tokens; UNSET where it keeps none."""
-    pieces = tokenizer.piece_cache if tokenizer is not None else None
-    if pieces is None:
-        return msgspec.UNSET
-    s = pieces.stats
-    return TokenizerPieceStats(hits=s.hits, misses=s.misses, entries=s.entries, chars=s.chars)
 
 
 class EngineClient:
