@@ -17,12 +17,25 @@ import time
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
+from prefixcache.engine.engine_hooks import EngineHooks
 from prefixcache.engine.loader import load_model
 from prefixcache.engine.progress import progress_bar
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, label: str) -> dict:
+class PeakBlocks:
+    """The high-water mark of blocks held by requests (an ``on_schedule`` hook)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def __call__(self, out: object, used_blocks: int) -> None:
+        self.peak = max(self.peak, used_blocks)
+
+
+def run(
+    engine: LLMEngine, peak: PeakBlocks, prompts: list[list[int]], max_tokens: int, label: str
+) -> dict:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -47,7 +60,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, label: str
     return {
         "all_first_token_s": all_first_s,
         "computed": computed,
-        "peak_blocks": engine.peak_used_blocks,
+        "peak_blocks": peak.peak,
     }
 
 
@@ -88,11 +101,12 @@ def main() -> None:
             max_num_seqs=max(args.n, 1),
             enable_prefix_caching=caching,
         )
-        return LLMEngine(config, loaded)
+        peak = PeakBlocks()
+        return LLMEngine(config, loaded, EngineHooks(on_schedule=peak)), peak
 
-    cached = run(engine(True), prompts, args.max_tokens, "cached")
+    cached = run(*engine(True), prompts, args.max_tokens, "cached")
     uncached = (
-        None if args.skip_nocache else run(engine(False), prompts, args.max_tokens, "no cache")
+        None if args.skip_nocache else run(*engine(False), prompts, args.max_tokens, "no cache")
     )
 
     ideal_tokens = args.prefix + args.n * args.suffix

@@ -93,7 +93,13 @@ def main() -> None:
         batch.append(BatchEntry([token], start, list(range(shared_blocks)) + own))
 
     backend = create_backend(args.backend, args.device)
-    runners = {c: ModelRunner(loaded, cache, backend, enable_cascade=c) for c in (False, True)}
+    plans: list = []  # the cascade runner's attention plans
+    runners = {
+        c: ModelRunner(
+            loaded, cache, backend, enable_cascade=c, on_plan=plans.append if c else None
+        )
+        for c in (False, True)
+    }
 
     def sync() -> None:
         if loaded.device.type == "cuda":
@@ -104,7 +110,7 @@ def main() -> None:
     for c in runners:
         step[c] = timed(lambda c=c: runners[c].execute(batch), args.repeat, sync)
         bar.update()
-    meta = runners[True].last_metadata
+    meta = plans[-1] if plans else None
     assert meta is not None and meta.cascade_groups, "the batch did not form a cascade group"
 
     # Attention only: one layer's backend.forward, times the number of layers.

@@ -49,11 +49,14 @@ CopySlots = Callable[[int, int, int], None]
 
 
 class BlockListener(Protocol):
-    """Told of every change to the tree (KV events, engine/kv_events.py)."""
+    """Told of every change to the tree (KV events, engine/kv_events.py; the cache activity).
+    A subclass keeps the no-op default of what it does not need."""
 
     def block_stored(self, node: Node, root: bytes) -> None: ...
 
-    def block_removed(self, node: Node) -> None: ...
+    def block_removed(self, node: Node, cause: str) -> None:
+        """An evicted leaf; ``cause``: "pressure", "ttl", or the admin cause of ``evict_all``."""
+        ...
 
     def block_spilled(self, node: Node, tier: str) -> None:
         """An evicted block's KV now also lives in the tier (kind "host" or "disk")."""
@@ -123,6 +126,7 @@ class BlockManager:
         tier: KVTier | None = None,
         spill_policy: str = "all",
         clock: Callable[[], float] = time.monotonic,
+        listener: BlockListener | None = None,
     ) -> None:
         """``copy_slots(src, dst, k)`` copies a block's first k token slots of KV. Without it
         (an index-only manager) partial-block reuse is off. ``tier``: where evicted blocks'
@@ -140,8 +144,7 @@ class BlockManager:
         self._tree = PrefixTree(block_size, num_blocks)
         self._roots: dict[str, bytes] = {}
         self._stats = ManagerStats(num_blocks=num_blocks, block_size=block_size)
-        self.listener: BlockListener | None = None
-        self.on_evict: Callable[[Node, str], None] | None = None  # (leaf, cause): miss reasons
+        self.listener = listener
         self.tier = tier if enable_caching else None
         self._tier_link = (
             TierLink(
@@ -541,6 +544,4 @@ class BlockManager:
         self._pool.evict(block)
         self._stats.evicted_tokens += self.block_size
         if self.listener is not None:
-            self.listener.block_removed(node)
-        if self.on_evict is not None:
-            self.on_evict(node, cause)
+            self.listener.block_removed(node, cause)

@@ -12,7 +12,7 @@ import time
 from collections import OrderedDict, deque
 
 from .api import RequestRecord, TreeSnapshot
-from .block_manager import BlockManager, PrefixMatch
+from .block_manager import BlockListener, BlockManager, PrefixMatch
 from .miss_reasons import MissReasons
 from .prefix_tree import Node
 from .request import SegmentMiss
@@ -22,7 +22,7 @@ MAX_RECORDS = 2000
 MAX_ROOT_LABELS = 65536
 
 
-class CacheActivity:
+class CacheActivity(BlockListener):
     def __init__(self, manager: BlockManager, max_records: int = MAX_RECORDS) -> None:
         self.manager = manager
         self.reasons = MissReasons(manager)
@@ -35,7 +35,7 @@ class CacheActivity:
         self._lock = threading.Lock()
         self._next = 1
 
-    # -- hooks (engine thread) ------------------------------------------------------------
+    # -- hooks (engine thread): the scheduler's, and the block manager's listener ---------------
 
     def on_admit(self, seq: Sequence, match: PrefixMatch) -> SegmentMiss | None:
         """A request's first admission, before it allocates: count the hit, explain the miss."""
@@ -83,7 +83,7 @@ class CacheActivity:
             )
             self._next += 1
 
-    def on_evict(self, node: Node, cause: str) -> None:
+    def block_removed(self, node: Node, cause: str) -> None:
         block = node.block
         self._hits[block] = 0
         self._last_used[block] = 0.0

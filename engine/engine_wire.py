@@ -1,10 +1,10 @@
-"""The messages between ``ProcessEngine`` (API side) and the engine core process, as msgpack.
+"""The messages between an engine client (API side) and the engine core (engine_core.py).
 
-One duplex pipe carries them. The API side sends ``Add``/``Abort``/``Call``/``Shutdown``; the
-core answers ``Ready`` (or ``Failed``) once at start, then ``Step`` after every engine step
-(the step's outputs with the stats they leave behind) and ``Reply`` to every ``Call``.
-Requests and outputs travel as the engine's own dataclasses (msgspec encodes them natively).
-Torch-free.
+The client sends ``Add``/``Abort``/``Call``/``Shutdown``; the core answers ``Ready`` (or
+``Failed``) once at start, then ``Step`` after every engine step (the step's outputs with the
+stats they leave behind) and ``Reply`` to every ``Call``. ``ProcessEngine`` sends them as
+msgpack over one duplex pipe; ``AsyncEngine`` hands the same objects across threads. Requests
+and outputs travel as the engine's own dataclasses (msgspec encodes them natively). Torch-free.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 
 
 class Call(msgspec.Struct, tag=True, array_like=True):
-    """Run an admin method of ``LLMEngine`` (pin, unpin, evict_all, save_pinned, load_pinned)."""
+    """Run an admin method of ``LLMEngine`` (the core's allow-list: pin, unpin, evict_all, ...)."""
 
     call_id: int
     method: str
@@ -99,10 +99,10 @@ class Step(msgspec.Struct, tag=True, array_like=True):
 
 class Reply(msgspec.Struct, tag=True, array_like=True):
     call_id: int
-    result: msgspec.Raw  # msgpack of the method's result; decoded by the caller's type
+    result: Any  # the method's result (over a pipe: plain msgpack values, converted by type)
     error: str | None  # the message of the ValueError the method raised
     stats: CacheStats
-    metrics: list[MetricFamily]
+    metrics: list[MetricFamily] | None  # None: the client reads the registry itself
 
 
 ToApi = Ready | Failed | Step | Reply

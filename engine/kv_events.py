@@ -110,7 +110,7 @@ class BlockEventRecorder:
     def block_stored(self, node: Node, root: bytes) -> None:
         self._stored(node, root, self.medium)
 
-    def block_removed(self, node: Node) -> None:
+    def block_removed(self, node: Node, cause: str = "") -> None:
         self._removed(block_hash(node.digest), self.medium)
 
     # ---- the KV tier

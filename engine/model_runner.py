@@ -6,6 +6,7 @@ attention metadata is built once (in FlashInfer's form) and shared by all layers
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,9 @@ class ModelRunner:
         backend: AttentionBackend,
         enable_cascade: bool = True,
         batch_invariant: bool = True,
+        on_plan: Callable[[AttentionMetadata], None] | None = None,
     ) -> None:
+        """``on_plan`` sees every step's attention metadata once it is planned."""
         self.loaded = loaded
         self.model = loaded.model
         self.model.prepare(batch_invariant)
@@ -52,7 +55,7 @@ class ModelRunner:
             raise ValueError("KV cache spec does not match the model (layers, kv heads, head dim)")
         if spec.dtype != loaded.dtype:
             raise ValueError(f"KV cache dtype {spec.dtype} != model dtype {loaded.dtype}")
-        self.last_metadata: AttentionMetadata | None = None
+        self.on_plan = on_plan
 
     @torch.inference_mode()
     def execute(self, batch: list[BatchEntry]) -> torch.Tensor:
@@ -70,7 +73,8 @@ class ModelRunner:
             ordered, bs, self.device, cascade_groups=groups, prefill_groups=prefill_groups
         )
         self.backend.plan(meta, self.shape)
-        self.last_metadata = meta
+        if self.on_plan is not None:
+            self.on_plan(meta)
 
         ids = [t for i in order for t in batch[i].token_ids]
         if min(ids) < 0 or max(ids) >= self.loaded.config.vocab_size:

@@ -1,5 +1,9 @@
 """Turn last-token logits into next tokens: greedy rows in one argmax, sampled rows per request.
 
+The logits processors run here, in this order: the grammar masks of constrained requests
+(``StructuredOutput``, in place: logprobs see them), then on a copy the penalties and any
+processors given at construction, one row at a time; the grammars then take the tokens.
+
 Numerics are safe for every value validation lets through: a temperature below
 ``GREEDY_BELOW`` is greedy (``logits / T`` would overflow), sampled rows are scaled and
 normalised in float64 on the CPU, top-p keeps the most likely token whatever ``top_p`` is, and
@@ -10,17 +14,24 @@ output, a bug) fails alone: its error is in ``Sampled.errors`` and the other row
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from .request import SamplingParams, TokenLogprob
 
+if TYPE_CHECKING:
+    from .sequence import Sequence as Seq
+    from .structured_output import StructuredOutput
+
 log = logging.getLogger("prefixcache.engine")
 
 History = tuple[Sequence[int], Sequence[int]]  # (prompt ids, output ids) of one request
 GREEDY_BELOW = 1e-5  # temperatures under this sample as greedy, as vLLM's _SAMPLING_EPS
+# Changes one request's row of logits in place (row, its params, its request id); an
+# exception fails that request alone.
+RowProcessor = Callable[[torch.Tensor, SamplingParams, str], None]
 
 
 def first_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -50,8 +61,32 @@ def is_greedy(p: SamplingParams) -> bool:
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(
+        self, grammar: StructuredOutput | None = None, processors: Sequence[RowProcessor] = ()
+    ) -> None:
+        self.grammar = grammar
+        self.processors = tuple(processors)
         self._generators: dict[str, torch.Generator] = {}
+
+    def add(self, request_id: str, params: SamplingParams) -> None:
+        """A new request: its grammar compiled (ValueError for a schema it cannot use)."""
+        if params.grammar is not None:
+            if self.grammar is None:
+                raise ValueError("this engine does no constrained output")
+            self.grammar.add(request_id, params.grammar)
+
+    def sample_next(self, logits: torch.Tensor, seqs: list[Seq]) -> Sampled:
+        """The next token of each sequence (a row of ``logits`` each, in order)."""
+        params = [s.request.sampling for s in seqs]
+        histories = None
+        if any(p.penalized for p in params):  # only then: the ids each request has seen
+            histories = [
+                (s.token_ids[: s.num_prompt_tokens], s.token_ids[s.num_prompt_tokens :])
+                if p.penalized
+                else ((), ())
+                for s, p in zip(seqs, params, strict=True)
+            ]
+        return self.sample(logits, params, [s.request_id for s in seqs], histories)
 
     def sample(
         self,
@@ -66,15 +101,23 @@ class Sampler:
         model's own, before penalties, temperature and truncation (as vLLM reports them).
         """
         assert logits.shape[0] == len(params)
+        if self.grammar is not None:
+            self.grammar.mask(logits, request_ids)  # constrained rows only
         errors: list[str | None] = [None] * len(params)
         chosen_from = logits
-        if histories is not None and any(p.penalized for p in params):
+        penalize = histories is not None and any(p.penalized for p in params)
+        if penalize or self.processors:
             chosen_from = logits.clone()
+        if histories is not None and penalize:
             for row, (p, history) in enumerate(zip(params, histories, strict=True)):
                 if p.penalized:
                     self._guard(
                         errors, row, request_ids, apply_penalties, chosen_from[row], p, history
                     )
+        for fn in self.processors:
+            for row, (p, rid) in enumerate(zip(params, request_ids, strict=True)):
+                if errors[row] is None:
+                    self._guard(errors, row, request_ids, fn, chosen_from[row], p, rid)
         tokens = first_argmax(chosen_from).tolist()  # greedy for every row; sampled overwrite
         for row, (p, rid) in enumerate(zip(params, request_ids, strict=True)):
             if errors[row] is None and not is_greedy(p):
@@ -89,12 +132,16 @@ class Sampler:
                 logprobs[row] = self._guard(
                     errors, row, request_ids, _logprob_of, logits[row], tokens[row], top
                 )
-        return Sampled(
-            [-1 if e else t for t, e in zip(tokens, errors, strict=True)], logprobs, errors
-        )
+        tokens = [-1 if e else t for t, e in zip(tokens, errors, strict=True)]
+        if self.grammar is not None:
+            ok = [i for i, e in enumerate(errors) if e is None]
+            self.grammar.accept([request_ids[i] for i in ok], [tokens[i] for i in ok])
+        return Sampled(tokens, logprobs, errors)
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        if self.grammar is not None:
+            self.grammar.forget(request_id)
 
     @staticmethod
     def _guard(errors: list[str | None], row: int, request_ids: list[str], fn, *args):  # type: ignore[no-untyped-def]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_attention_torch import BS, run_paged
 
-from prefixcache.engine.attention import CascadeGroup, SeqSpec, plan_step_order
+from prefixcache.engine.attention import AttentionMetadata, CascadeGroup, SeqSpec, plan_step_order
 from prefixcache.engine.attention.torch_backend import TorchBackend
 from prefixcache.engine.kv_cache import KVCache
 from prefixcache.engine.loader import LoadedModel, load_model
@@ -71,10 +71,10 @@ def test_runner_cascade_equals_plain_in_a_mixed_step(loaded: LoadedModel) -> Non
     batch.insert(2, BatchEntry([11], 33, [40, 41, 42]))  # alone
     batch.insert(4, BatchEntry(list(range(5, 25)), 16, [43, 44, 45]))  # a prefill chunk
     backend = TorchBackend()
-    runner = ModelRunner(loaded, cache, backend, enable_cascade=True)
+    plans: list[AttentionMetadata] = []
+    runner = ModelRunner(loaded, cache, backend, enable_cascade=True, on_plan=plans.append)
     with_cascade = runner.execute(batch)
-    meta = runner.last_metadata
-    assert meta is not None
+    meta = plans[-1]
     assert sorted(g.num_shared_blocks for g in meta.cascade_groups) == [4, 5]
     assert meta.num_prefills == 1 and meta.num_plain_decodes == 1
     runner.enable_cascade = False
@@ -108,10 +108,11 @@ def test_runner_batches_alike_cascade_groups_and_equals_plain(loaded: LoadedMode
     ]
     batch += [BatchEntry([6], 85 + i, [80, 81, 82, 83, 84, 86 + i]) for i in range(2)]
     backend = TorchBackend()
-    runner = ModelRunner(loaded, cache, backend, enable_cascade=True)
+    plans: list[AttentionMetadata] = []
+    runner = ModelRunner(loaded, cache, backend, enable_cascade=True, on_plan=plans.append)
     with_cascade = runner.execute(batch)
-    meta = runner.last_metadata
-    assert meta is not None and len(meta.cascade_groups) == 5
+    meta = plans[-1]
+    assert len(meta.cascade_groups) == 5
     assert [c.num_groups for c in backend._cascades] == [4, 1]
     assert backend._cascades[0].pad_rows is not None
     runner.enable_cascade = False

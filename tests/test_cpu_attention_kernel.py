@@ -240,8 +240,12 @@ def test_bf16_cascade_decode_on_the_kernel_matches_plain_decode() -> None:
 
     loaded = load_model("demo", dtype="bfloat16", device="cpu")
     bs, vocab = 16, loaded.config.vocab_size
+    plans: list = []
     runner = ModelRunner(
-        loaded, KVCache(loaded.kv_cache_spec(bs), num_blocks=64), create_backend("torch", "cpu")
+        loaded,
+        KVCache(loaded.kv_cache_spec(bs), num_blocks=64),
+        create_backend("torch", "cpu"),
+        on_plan=plans.append,
     )
     rng = random.Random(9)
     shared = [rng.randrange(3, vocab) for _ in range(96)]  # 6 full blocks
@@ -254,10 +258,10 @@ def test_bf16_cascade_decode_on_the_kernel_matches_plain_decode() -> None:
         for i, (t, tb) in enumerate(zip(tails, tables, strict=True))
     ]
     cascade = runner.execute(batch)
-    assert runner.last_metadata is not None and runner.last_metadata.cascade_groups
+    assert plans[-1].cascade_groups
     runner.enable_cascade = False
     plain = runner.execute(batch)
-    assert not runner.last_metadata.cascade_groups
+    assert not plans[-1].cascade_groups
     torch.testing.assert_close(cascade, plain, atol=0.1, rtol=0.05)
     assert cascade.argmax(-1).tolist() == plain.argmax(-1).tolist()
 

@@ -8,6 +8,7 @@ import pytest
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
+from prefixcache.engine.engine_hooks import EngineHooks
 from prefixcache.engine.loader import load_model
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
@@ -174,7 +175,7 @@ def test_preemption_under_a_tiny_pool_keeps_outputs(loaded) -> None:
     results = tiny.generate(prompts, greedy(24))
     assert [r.token_ids for r in results] == expected
     assert all(r.finish_reason == "length" for r in results)
-    preemptions = tiny.metrics.preemptions._value.get()
+    preemptions = tiny.metrics.registry.get_sample_value("prefixcache:num_preemptions_total")
     assert preemptions > 0, "the pool was meant to be too small for the whole batch"
     assert_clean(tiny)
 
@@ -291,13 +292,15 @@ def test_decodes_sharing_a_prefix_run_as_one_cascade_group(loaded) -> None:
     vocab = loaded.config.vocab_size
     shared = random_tokens(rng, 100, vocab)
     prompts = [shared + random_tokens(rng, 5, vocab) for _ in range(4)]
-    engine = make_engine(loaded)
+    config = EngineConfig(model="demo", dtype="float32", device="cpu", num_blocks=512)
+    plans: list = []
+    engine = LLMEngine(config, loaded, EngineHooks(on_plan=plans.append))
     for i, prompt in enumerate(prompts):
         engine.add_request(EngineRequest(f"d{i}", prompt, greedy(6)))
     groups_seen = []
     while engine.has_unfinished:
         engine.step()
-        meta = engine.runner.last_metadata
+        meta = plans[-1]
         if meta.num_prefills == 0 and meta.num_seqs >= 2:  # a decode-only step of a group
             groups_seen.append(
                 [(g.end - g.begin, g.num_shared_blocks) for g in meta.cascade_groups]

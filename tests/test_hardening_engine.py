@@ -10,6 +10,7 @@ import torch
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
+from prefixcache.engine.engine_hooks import EngineHooks
 from prefixcache.engine.loader import load_model
 from prefixcache.engine.request import EngineRequest, SamplingParams
 from prefixcache.engine.sampler import Sampler
@@ -76,20 +77,18 @@ def test_extreme_sampling_values_leave_the_batch_unchanged(loaded) -> None:
     assert all(r.finish_reason == "length" and len(r.token_ids) == 6 for r in results)
 
 
-def test_a_request_whose_sampling_fails_ends_alone(loaded, monkeypatch) -> None:
+def test_a_request_whose_sampling_fails_ends_alone(loaded) -> None:
     vocab = loaded.config.vocab_size
     greedy = SamplingParams(max_tokens=5, ignore_eos=True)
     bystanders = prompts(vocab, 6, seed=4)
     alone = [r.token_ids for r in make_engine(loaded).generate(bystanders, greedy)]
-    engine = make_engine(loaded)
-    real = engine.sampler._sample_row
 
     def faulty(row, p, request_id):
         if request_id == "bad":
             raise RuntimeError("injected sampling fault")
-        return real(row, p, request_id)
 
-    monkeypatch.setattr(engine.sampler, "_sample_row", faulty)
+    config = EngineConfig(model="demo", dtype="float32", device="cpu", num_blocks=256)
+    engine = LLMEngine(config, loaded, EngineHooks(logits_processors=(faulty,)))
     requests = [EngineRequest(f"b{i}", p, greedy) for i, p in enumerate(bystanders)]
     bad = EngineRequest("bad", bystanders[1], SamplingParams(max_tokens=5, temperature=1.0))
     requests.insert(2, bad)

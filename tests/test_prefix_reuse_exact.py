@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixcache.engine.attention import create_backend
+from prefixcache.engine.attention import AttentionMetadata, create_backend
 from prefixcache.engine.kv_cache import KVCache
 from prefixcache.engine.loader import LoadedModel, load_model
 from prefixcache.engine.model_runner import BatchEntry, ModelRunner
@@ -18,9 +18,15 @@ def loaded() -> LoadedModel:
     return load_model("demo", dtype="float32", device="cpu")
 
 
-def make_runner(loaded: LoadedModel, cascade: bool = True) -> ModelRunner:
+def make_runner(
+    loaded: LoadedModel, cascade: bool = True, plans: list[AttentionMetadata] | None = None
+) -> ModelRunner:
+    """``plans``: where every step's attention metadata goes."""
     cache = KVCache(loaded.kv_cache_spec(BS), num_blocks=128)
-    return ModelRunner(loaded, cache, create_backend("torch", "cpu"), enable_cascade=cascade)
+    on_plan = plans.append if plans is not None else None
+    return ModelRunner(
+        loaded, cache, create_backend("torch", "cpu"), enable_cascade=cascade, on_plan=on_plan
+    )
 
 
 def tokens(n: int, seed: int, vocab: int) -> list[int]:
@@ -70,7 +76,8 @@ def test_chunked_prefill_and_decode_batch_equal_single_runs(loaded: LoadedModel)
     """Chunked prefill + mixed batches + cascade decode match one-shot computation."""
     vocab = loaded.config.vocab_size
     shared = tokens(80, 5, vocab)
-    runner = make_runner(loaded)
+    plans: list[AttentionMetadata] = []
+    runner = make_runner(loaded, plans=plans)
     # Prefill the shared 80 tokens (5 full blocks) in two chunks.
     runner.execute([BatchEntry(shared[:48], 0, [0, 1, 2], compute_logits=False)])
     runner.execute([BatchEntry(shared[48:], 48, [0, 1, 2, 3, 4])])
@@ -80,10 +87,10 @@ def test_chunked_prefill_and_decode_batch_equal_single_runs(loaded: LoadedModel)
     nxt = [5, 6, 7]
     batch = [BatchEntry([n], 80 + len(t), tb) for n, t, tb in zip(nxt, tails, tables, strict=True)]
     cascade_logits = runner.execute(batch)
-    assert runner.last_metadata is not None and runner.last_metadata.cascade_groups
+    assert plans[-1].cascade_groups
     runner.enable_cascade = False
     plain_logits = runner.execute(batch)
-    assert not runner.last_metadata.cascade_groups
+    assert not plans[-1].cascade_groups
     torch.testing.assert_close(cascade_logits, plain_logits, atol=1e-5, rtol=1e-5)
     for i, (t, n) in enumerate(zip(tails, nxt, strict=True)):
         one = make_runner(loaded).execute([BatchEntry(shared + t + [n], 0, blocks(0, 100))])
@@ -125,7 +132,8 @@ def test_prefills_after_one_cached_prefix_read_it_once_with_same_logits(
     """A burst over one cached prefix forms a prefill group; logits equal ungrouped runs."""
     vocab = loaded.config.vocab_size
     shared = tokens(96, 21, vocab)  # 6 full blocks
-    runner = make_runner(loaded)
+    plans: list[AttentionMetadata] = []
+    runner = make_runner(loaded, plans=plans)
     runner.execute([BatchEntry(shared, 0, blocks(0, 96), compute_logits=False)])
     extra = tokens(16, 22, vocab)  # one member also has its own cached block beyond the prefix
     runner.execute([BatchEntry(extra, 96, [*blocks(0, 96), 6], compute_logits=False)])
@@ -137,12 +145,12 @@ def test_prefills_after_one_cached_prefix_read_it_once_with_same_logits(
         BatchEntry(suffixes[2], 96, [*blocks(0, 96), 13]),
     ]
     grouped = runner.execute(batch)
-    meta = runner.last_metadata
-    assert meta is not None and [g.num_shared_blocks for g in meta.prefill_groups] == [6]
+    meta = plans[-1]
+    assert [g.num_shared_blocks for g in meta.prefill_groups] == [6]
     assert meta.prefill_groups[0].end - meta.prefill_groups[0].begin == 3
     runner.enable_cascade = False
     plain = runner.execute(batch)
-    assert not runner.last_metadata.prefill_groups
+    assert not plans[-1].prefill_groups
     torch.testing.assert_close(grouped, plain, atol=1e-5, rtol=1e-5)
     one = make_runner(loaded).execute([BatchEntry(shared + extra + suffixes[1], 0, blocks(0, 129))])
     torch.testing.assert_close(grouped[1:2], one, atol=1e-5, rtol=1e-5)

@@ -138,7 +138,8 @@ async def test_a_dead_core_ends_every_stream(engine: ProcessEngine) -> None:
     stream = engine.generate(EngineRequest("x", PREFIX, greedy(10_000)))
     first = await stream.__anext__()
     assert not first.finished
-    os.kill(engine._process.pid, signal.SIGKILL)
+    assert engine.core_pid is not None
+    os.kill(engine.core_pid, signal.SIGKILL)
     last = first
     async for out in stream:
         last = out
@@ -215,14 +216,14 @@ async def test_kv_events_and_a_disk_tier_run_in_the_core(tmp_path: Path) -> None
     assert stored and stored[0].token_ids[:16] == PREFIX[:16]
     assert any(isinstance(e, BlockRemoved) for e in events)
     assert list(tmp_path.iterdir()) == []  # the engine closed its tier
-    assert eng._process is None
+    assert eng.core_pid is None
 
 
 def test_a_core_whose_parent_is_gone_exits() -> None:
     """The backstop for a server killed while its core loads the model (no pipe reader yet):
     the core notices the parent is gone and exits after a grace period."""
     core = (
-        "import sys, prefixcache.engine.engine_core as c\n"
+        "import sys, prefixcache.engine.core_process as c\n"
         "c.PARENT_GONE_GRACE_S = 0.2\n"
         "c.exit_with_parent(int(sys.argv[1]))\n"
     )
@@ -260,7 +261,6 @@ def test_under_uvloop_large_messages_keep_the_pipe() -> None:
         eng = ProcessEngine(EngineConfig(**CONFIG))
         await eng.start()
         try:
-            assert os.get_blocking(eng._conn.fileno())
             for i in range(3):  # an Add of ~600 KB: more than the socket's buffer
                 with pytest.raises(ValueError, match="accepts at most"):
                     await collect(eng, EngineRequest(f"long{i}", [300] * 200_000, greedy(2)))

@@ -31,9 +31,7 @@ def tier_server(server_loop: Any, demo_loaded: Any) -> Any:
 
 def on_engine(loop: Any, engine: Any, fn: Any) -> Any:
     """Run ``fn(LLMEngine)`` on the engine thread (the server's loop drives the call)."""
-    return asyncio.run_coroutine_threadsafe(
-        engine._call(lambda: fn(engine.engine)), loop.loop
-    ).result(timeout=60)
+    return asyncio.run_coroutine_threadsafe(engine.run_on_engine(fn), loop.loop).result(timeout=60)
 
 
 def chat(root: str, body: dict) -> dict:
