@@ -729,6 +729,13 @@ struct RowBatch {
   float scale2;
 };
 
+// Sequences whose rows span several tasks have their keys packed once per call (the same
+// words pack_block would produce per task), so long prefills do not repack them per task.
+struct Prepacked {
+  std::vector<int64_t> offset;  // [nseq]: first word of sequence s's K (and V) blocks, or -1
+  std::vector<uint32_t> k, v;   // per (s, head): its key blocks back to back
+};
+
 // A task's rows come from segments: tokens [t0, t1) of sequence s (absolute query rows).
 struct Segment {
   int64_t s, t0, t1;
@@ -740,7 +747,8 @@ struct RowTask {
 constexpr int64_t kTaskRows = 64;  // rows (tokens x folded heads) per task, about
 
 template <int D, int R>
-void run_row_task(const RowBatch& rb, const Segment* segs, const RowTask& task, int64_t h,
+void run_row_task(const RowBatch& rb, const Prepacked& pre, const Segment* segs,
+                  const RowTask& task, int64_t h,
                   std::vector<uint32_t>& qw, std::vector<int64_t>& limit,
                   std::vector<float>& m, std::vector<float>& l, std::vector<float>& obuf,
                   std::vector<uint16_t>& pbuf, uint32_t* kbuf, uint32_t* vbuf) {
@@ -782,9 +790,16 @@ void run_row_task(const RowBatch& rb, const Segment* segs, const RowTask& task, 
       const int64_t seg_rows = (sg.t1 - sg.t0) * g;
       const int64_t seg_max = limit[ra + seg_rows - 1];
       if (seg_max > k0) {
-        pack_block<D>(rb.kv, rb.tables + sg.s * rb.table_stride, rb.bs, row_words, h, k0,
-                      seg_max, v_offset, kbuf, vbuf);
-        attend_packed<D, R>(kbuf, vbuf, k0, ra, ra + seg_rows, qw.data(), limit.data(),
+        const uint32_t *kb_words = kbuf, *vb_words = vbuf;
+        if (pre.offset[sg.s] >= 0) {
+          const int64_t nkb_s = (rb.kv_lens[sg.s] + BK - 1) / BK;
+          kb_words = pre.k.data() + pre.offset[sg.s] + (h * nkb_s + kb) * (NP * BK);
+          vb_words = pre.v.data() + pre.offset[sg.s] + (h * nkb_s + kb) * (NP * BK);
+        } else {
+          pack_block<D>(rb.kv, rb.tables + sg.s * rb.table_stride, rb.bs, row_words, h, k0,
+                        seg_max, v_offset, kbuf, vbuf);
+        }
+        attend_packed<D, R>(kb_words, vb_words, k0, ra, ra + seg_rows, qw.data(), limit.data(),
                             m.data(), l.data(), obuf.data(), pbuf.data(), rb.scale2);
       }
       ra += seg_rows;
@@ -850,9 +865,44 @@ inline void plan_row_tasks(const RowBatch& rb, int64_t nseq, const int64_t* grou
 template <int D, int R>
 void row_run(const RowBatch& rb, int64_t nseq, const int64_t* groups, int64_t n_groups,
              int nthreads) {
+  constexpr int64_t WORDS = (D / 2) * BK;  // per key block, K and V alike
   std::vector<Segment> segs;
   std::vector<RowTask> tasks;
   plan_row_tasks(rb, nseq, groups, n_groups, segs, tasks);
+  // A sequence in two or more tasks (a long prefill chunk) gets its keys packed once.
+  Prepacked pre;
+  pre.offset.assign(static_cast<size_t>(nseq), -1);
+  std::vector<int64_t> tasks_of(static_cast<size_t>(nseq), 0);
+  for (const RowTask& t : tasks)
+    for (int64_t si = t.seg_begin; si < t.seg_end; ++si) ++tasks_of[segs[si].s];
+  struct PackJob {
+    int64_t s, h, kb;
+  };
+  std::vector<PackJob> jobs;
+  int64_t words = 0;
+  for (int64_t s = 0; s < nseq; ++s) {
+    if (tasks_of[s] < 2) continue;
+    const int64_t nkb = (rb.kv_lens[s] + BK - 1) / BK;
+    pre.offset[s] = words;
+    words += rb.hk * nkb * WORDS;
+    for (int64_t h = 0; h < rb.hk; ++h)
+      for (int64_t kb = 0; kb < nkb; ++kb) jobs.push_back({s, h, kb});
+  }
+  if (words > 0) {
+    pre.k.resize(static_cast<size_t>(words));
+    pre.v.resize(static_cast<size_t>(words));
+    const int64_t row_words = rb.hk * D, v_offset = rb.bs * row_words;
+    const int64_t njobs = static_cast<int64_t>(jobs.size());
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t j = 0; j < njobs; ++j) {
+      const PackJob& job = jobs[j];
+      const int64_t nkb = (rb.kv_lens[job.s] + BK - 1) / BK;
+      const int64_t at = pre.offset[job.s] + (job.h * nkb + job.kb) * WORDS;
+      pack_block<D>(rb.kv, rb.tables + job.s * rb.table_stride, rb.bs, row_words, job.h,
+                    job.kb * BK, rb.kv_lens[job.s], v_offset, pre.k.data() + at,
+                    pre.v.data() + at);
+    }
+  }
   const int64_t ntasks = static_cast<int64_t>(tasks.size()) * rb.hk;
 #pragma omp parallel num_threads(nthreads)
   {
@@ -860,14 +910,14 @@ void row_run(const RowBatch& rb, int64_t nseq, const int64_t* groups, int64_t n_
     std::vector<int64_t> limit;
     std::vector<float> m, l, obuf;
     std::vector<uint16_t> pbuf(R * BK);
-    alignas(64) uint32_t kbuf[(D / 2) * BK];
-    alignas(64) uint32_t vbuf[(BK / 2) * D];
+    alignas(64) uint32_t kbuf[WORDS];
+    alignas(64) uint32_t vbuf[WORDS];
     // Largest tasks (the latest query rows) first.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < ntasks; ++i) {
       const int64_t ti = static_cast<int64_t>(tasks.size()) - 1 - i / rb.hk, h = i % rb.hk;
-      run_row_task<D, R>(rb, segs.data(), tasks[ti], h, qw, limit, m, l, obuf, pbuf, kbuf,
-                         vbuf);
+      run_row_task<D, R>(rb, pre, segs.data(), tasks[ti], h, qw, limit, m, l, obuf, pbuf,
+                         kbuf, vbuf);
     }
   }
 }
