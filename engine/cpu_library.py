@@ -59,14 +59,21 @@ def compiler() -> str | None:
 
 class CpuLibrary:
     """One C++ source, built on first ``load()`` and declared by ``declare`` (argtypes);
-    ``label`` and ``fallback`` name it and what runs without it, in the log."""
+    ``label`` and ``fallback`` name it and what runs without it, in the log; ``headers``
+    are the local headers it includes (part of the build key)."""
 
-    __slots__ = ("_declare", "_loaded", "_lock", "fallback", "label", "source")
+    __slots__ = ("_declare", "_loaded", "_lock", "fallback", "headers", "label", "source")
 
     def __init__(
-        self, source: Path, label: str, fallback: str, declare: Callable[[ctypes.CDLL], None]
+        self,
+        source: Path,
+        label: str,
+        fallback: str,
+        declare: Callable[[ctypes.CDLL], None],
+        headers: tuple[Path, ...] = (),
     ) -> None:
         self.source, self.label, self.fallback, self._declare = source, label, fallback, declare
+        self.headers = headers
         self._lock = threading.Lock()
         self._loaded: list[ctypes.CDLL | None] = []  # empty until the first load()
 
@@ -75,6 +82,7 @@ class CpuLibrary:
         key = hashlib.sha256()
         for part in (
             self.source.read_bytes(),
+            *(h.read_bytes() for h in self.headers),
             version.stdout.encode(),
             " ".join(CXX_FLAGS).encode(),
         ):

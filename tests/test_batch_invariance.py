@@ -3,8 +3,9 @@ the tokens up to it, not on how much came from the cache, where chunked prefill 
 requests share the step (prefills, decodes, prefill groups, cascade groups) or the row's place.
 
 Prompts, cached lengths, chunk sizes and companions are drawn by hypothesis; every comparison
-is ``torch.equal``. Runs where the CPU has the batch-invariant kernels (AVX512_BF16); the
-torch reference backend promises the same math, not the same bits, and is not checked here.
+is ``torch.equal``, in bf16 (the default here) and fp32. Runs where the CPU has the
+batch-invariant kernels (AVX512_BF16); the torch reference backend promises the same math,
+not the same bits, and is not checked here.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ BS = 16
 NUM_BLOCKS = 640
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernels.load() is None or not cpu_gemm.available(),
+    cpu_kernels.load_rows() is None or not cpu_gemm.available(),
     reason=f"no batch-invariant CPU kernels here ({cpu_kernels.unavailable_reason()})",
 )
 
@@ -75,8 +76,13 @@ def demo_bf16() -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def hf_llama_bf16(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """A transformers-saved Llama (head dim 64, grouped KV heads), loaded in bf16."""
+def demo_fp32() -> LoadedModel:
+    return load_model("demo", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def hf_llama_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A transformers-saved Llama (head dim 64, grouped KV heads)."""
     transformers = pytest.importorskip("transformers")
     import json
     import shutil
@@ -102,7 +108,17 @@ def hf_llama_bf16(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     model.save_pretrained(folder)
     shutil.copy(ASSETS / "tokenizer.json", folder / "tokenizer.json")
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
-    return load_model(str(folder), dtype="bfloat16", device="cpu")
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def hf_llama_bf16(hf_llama_folder: str) -> LoadedModel:
+    return load_model(hf_llama_folder, dtype="bfloat16", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def hf_llama_fp32(hf_llama_folder: str) -> LoadedModel:
+    return load_model(hf_llama_folder, dtype="float32", device="cpu")
 
 
 def cold_logits(runner: ModelRunner, pages: Pages, prompt: list[int]) -> torch.Tensor:
@@ -206,6 +222,22 @@ def test_transformers_llama_bf16_is_cache_and_batch_invariant(
     hf_llama_bf16: LoadedModel, seed: int, length: int, cut: int, chunk: int
 ) -> None:
     check_variants(hf_llama_bf16, seed, length, cut, chunk)
+
+
+@SETTINGS
+@given(**CASES)
+def test_demo_model_fp32_is_cache_and_batch_invariant(
+    demo_fp32: LoadedModel, seed: int, length: int, cut: int, chunk: int
+) -> None:
+    check_variants(demo_fp32, seed, length, cut, chunk)
+
+
+@SETTINGS
+@given(**CASES)
+def test_transformers_llama_fp32_is_cache_and_batch_invariant(
+    hf_llama_fp32: LoadedModel, seed: int, length: int, cut: int, chunk: int
+) -> None:
+    check_variants(hf_llama_fp32, seed, length, cut, chunk)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

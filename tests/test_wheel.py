@@ -124,7 +124,7 @@ def test_the_wheel_holds_every_tracked_file(built: Built) -> None:
 PROBE = """
 import importlib.resources, json, sys
 import prefixcache.engine
-from prefixcache.engine import cpu_layer_ops
+from prefixcache.engine import cpu_gemm, cpu_layer_ops
 from prefixcache.engine.attention import cpu_kernels
 cpps = json.loads(sys.argv[1])
 report = {
@@ -135,6 +135,8 @@ report = {
 if report["reasons"] == [None, None]:
     report["layer_ops"] = cpu_layer_ops.available()
     report["attention"] = cpu_kernels.load() is not None
+    report["row_attention"] = cpu_kernels.load_rows() is not None
+    report["gemm"] = cpu_gemm.available()
 print(json.dumps(report))
 """
 
@@ -163,10 +165,12 @@ def test_the_installed_wheel_holds_the_kernel_sources(probe: dict[str, object]) 
     assert all(resources.values()), resources
 
 
-def test_the_installed_wheel_loads_both_kernel_libraries(probe: dict[str, object]) -> None:
+def test_the_installed_wheel_loads_every_kernel_library(probe: dict[str, object]) -> None:
     reasons = probe["reasons"]
     assert isinstance(reasons, list)
     if reasons != [None, None]:
         pytest.skip(f"the CPU kernels cannot run on this machine: {reasons[0] or reasons[1]}")
     assert probe["layer_ops"] is True, "cpu_layer_ops.available() is false in the installed wheel"
     assert probe["attention"] is True, "cpu_kernels.load() is None in the installed wheel"
+    assert probe["row_attention"] is True, "cpu_kernels.load_rows() is None in the wheel"
+    assert probe["gemm"] is True, "cpu_gemm.available() is false in the installed wheel"

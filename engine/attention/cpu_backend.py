@@ -7,8 +7,9 @@ whatever shares the step: fixed key blocks at absolute positions, one online-sof
 one bf16 rounding at the end. So a position's attention output depends only on the tokens up
 to it, not on how much came from the cache, where chunked prefill cut or who shares the step.
 
-Shapes the kernel lacks (fp32 or fp16 pools, other head dims) go to the torch reference
-backend, which computes the same math without that guarantee.
+bf16 and fp32 pools run on it; shapes it lacks (fp16 pools, other head dims) and CPUs
+without AVX512_BF16 go to the torch reference backend, which computes the same math
+without that guarantee.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ class CpuKernelBackend(AttentionBackend):
     def supports(shape: AttentionShape, device: torch.device) -> bool:
         return (
             device.type == "cpu"
-            and shape.dtype == torch.bfloat16
+            and shape.dtype in cpu_kernels.ROW_DTYPES
             and shape.head_dim in cpu_kernels.HEAD_DIMS
-            and cpu_kernels.load() is not None
+            and cpu_kernels.load_rows() is not None
         )
 
     @property

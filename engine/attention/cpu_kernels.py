@@ -18,13 +18,23 @@ import torch
 from .. import cpu_library
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+ROW_SOURCE = Path(__file__).with_name("cpu_row_attention.cpp")
+HEADERS = (Path(__file__).with_name("cpu_simd.h"),)
 HEAD_DIMS = frozenset({32, 64, 128})
+ROW_DTYPES = (torch.bfloat16, torch.float32)  # what row_attention takes
 REQUIRED_FLAGS = cpu_library.REQUIRED_FLAGS
 
 
 # _declare is defined further down (with the entry points' argtypes): looked up at load().
 _library = cpu_library.CpuLibrary(
-    SOURCE, "CPU attention kernel", "torch's attention", lambda lib: _declare(lib)
+    SOURCE, "CPU attention kernel", "torch's attention", lambda lib: _declare(lib), HEADERS
+)
+_row_library = cpu_library.CpuLibrary(
+    ROW_SOURCE,
+    "CPU batch-invariant attention kernel",
+    "the torch reference backend",
+    lambda lib: _declare_rows(lib),
+    HEADERS,
 )
 
 
@@ -36,6 +46,12 @@ def unavailable_reason(cpuinfo: str | None = None) -> str | None:
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None where it cannot run here."""
     return _library.load()
+
+
+def load_rows() -> ctypes.CDLL | None:
+    """The batch-invariant attention kernel (``cpu_row_attention.cpp``), built on first use;
+    None where it cannot run here."""
+    return _row_library.load()
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -55,10 +71,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr]
     fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
-    fn = lib.pc_row_attention_bf16
-    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr]
-    fn.argtypes += [i64, i64, i64, ctypes.c_float, ctypes.c_int]
-    fn.restype = ctypes.c_int
+
+
+def _declare_rows(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name in ("pc_row_attention_bf16", "pc_row_attention_f32"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr]
+        fn.argtypes += [i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -181,24 +202,25 @@ def row_attention(
     groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The batch-invariant attention: every query row over its sequence's keys in the pages,
-    one arithmetic whatever the step holds (see ``cpu_attention.cpp``, ``row_run``).
+    one arithmetic whatever the step holds (see ``cpu_row_attention.cpp``).
 
-    ``q`` ``[T, Hq, D]`` bf16, rows of sequence s at ``qo_indptr[s]:qo_indptr[s+1]``, its
+    ``q`` ``[T, Hq, D]`` bf16 or fp32 (``kv_layer`` alike), rows of sequence s at ``qo_indptr[s]:qo_indptr[s+1]``, its
     last query seeing ``kv_lens[s]`` keys (bottom-right causal); ``kv_layer`` ``[num_blocks,
     2, bs, Hk, D]`` bf16 with the step's K/V already written; ``tables`` int32 ``[S, W]``;
     ``groups`` int64 ``[G, 3]`` (first sequence, end, leading keys they share in the same
-    pages), ascending and disjoint. Returns ``[T, Hq, D]`` bf16."""
-    lib = load()
+    pages), ascending and disjoint. Returns ``[T, Hq, D]`` in q's dtype."""
+    lib = load_rows()
     if lib is None:
-        raise RuntimeError("row_attention needs the CPU attention kernel")
+        raise RuntimeError("row_attention needs the CPU batch-invariant attention kernel")
     t, hq, d = q.shape
     _, _, bs, hk, _ = kv_layer.shape
     groups = _NO_GROUPS if groups is None else groups
     _require(
         kv_layer.is_contiguous()
         and q.stride(-1) == 1
-        and q.dtype == kv_layer.dtype == torch.bfloat16,
-        "q and kv_layer must be bf16 with contiguous rows",
+        and q.dtype == kv_layer.dtype
+        and q.dtype in ROW_DTYPES,
+        "q and kv_layer must be bf16 or fp32 alike, with contiguous rows",
     )
     _require(tables.dtype == torch.int32 and tables.is_contiguous(), "tables must be int32")
     nseq = kv_lens.numel()
@@ -210,8 +232,9 @@ def row_attention(
         and groups.shape[-1] == 3,
         "qo_indptr [S+1], kv_lens [S] and groups [G, 3] must be int64",
     )
-    out = torch.empty(t, hq, d, dtype=torch.bfloat16)
-    rc = lib.pc_row_attention_bf16(
+    out = torch.empty(t, hq, d, dtype=q.dtype)
+    fn = lib.pc_row_attention_bf16 if q.dtype == torch.bfloat16 else lib.pc_row_attention_f32
+    rc = fn(
         q.data_ptr(), q.stride(0), q.stride(1),
         kv_layer.data_ptr(), bs, tables.data_ptr(), tables.stride(0),
         qo_indptr.data_ptr(), kv_lens.data_ptr(), nseq,

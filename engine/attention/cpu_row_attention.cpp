@@ -1,0 +1,487 @@
+// Batch-invariant paged attention for x86 CPUs with AVX-512 (bf16 also AVX512_BF16).
+//
+// Built at first use by cpu_kernels.py (g++, no torch headers) and called through ctypes.
+// Every query row (a token x a query head) attends to keys [0, limit) of its sequence, read
+// from the KV pages, in key blocks of BK aligned to absolute key positions (block kb holds
+// keys [kb*BK, kb*BK + BK)), with one online-softmax update per block and one rounding of
+// the output at the end. Prefill chunks, rows after cached pages, decodes, and members of a
+// group that shares leading pages all run this same sequence of operations per row, so a
+// row's result depends only on its query and its keys: not on how much of the prompt was
+// cached, where chunked prefill cut, or which rows share the call. Rows that share pages (a
+// group) take each fully shared key block packed once.
+//
+// Two element types, one structure. bf16 (T = uint16_t): K packed as [D/2][BK] pairs along
+// D and V as [BK/2][D] pairs of keys, the layout VDPBF16PS consumes; P rounded to bf16.
+// fp32 (T = float): K packed as [D][BK], V as [BK][D]; P kept in fp32; fused multiply-adds.
+// Scores are in base 2 (scale * log2 e folded in).
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_simd.h"
+
+namespace {
+
+using namespace pc;
+
+constexpr int64_t BK = 128;  // keys per block
+
+template <typename T>
+constexpr bool kF32 = std::is_same_v<T, float>;
+
+// 32-bit words per packed key block, K and V alike: BK keys x D elements.
+template <int D, typename T>
+constexpr int64_t kBlockWords = BK * D * static_cast<int64_t>(sizeof(T)) / 4;
+
+// The 16 x 16 dwords at rows[0..16) + col (row-major; a null row reads as zeros) transposed
+// into dst[c * stride + r].
+inline void transpose16(const uint32_t* const* rows, int64_t col, uint32_t* dst,
+                        int64_t stride) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i)
+    r[i] = rows[i] ? _mm512_loadu_si512(rows[i] + col) : _mm512_setzero_si512();
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // r[4a + b]: per 128-bit lane L, rows 4a..4a+3 of column 4L + b.
+  for (int a = 0; a < 4; ++a) {
+    const int i = 4 * a;
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int b = 0; b < 4; ++b) {
+    // x[h]: lanes 0 and 2 of row groups 2h, 2h+1; y[h]: lanes 1 and 3.
+    const __m512i x0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88);
+    const __m512i y0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xDD);
+    const __m512i x1 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x88);
+    const __m512i y1 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xDD);
+    _mm512_storeu_si512(dst + b * stride, _mm512_shuffle_i32x4(x0, x1, 0x88));
+    _mm512_storeu_si512(dst + (8 + b) * stride, _mm512_shuffle_i32x4(x0, x1, 0xDD));
+    _mm512_storeu_si512(dst + (4 + b) * stride, _mm512_shuffle_i32x4(y0, y1, 0x88));
+    _mm512_storeu_si512(dst + (12 + b) * stride, _mm512_shuffle_i32x4(y0, y1, 0xDD));
+  }
+}
+
+// Keys [k0, k0 + BK) of one sequence (those < kv_end; the rest zero), kv head h, packed:
+// kbuf [KW][BK] (KW = D words of K per key: pairs for bf16, elements for fp32), vbuf
+// (bf16: [BK/2][D] pairs of keys; fp32: [BK][D]).
+template <int D, typename T>
+void pack_block(const T* kv, const int32_t* table, int64_t bs, int64_t row_elems, int64_t h,
+                int64_t k0, int64_t kv_end, int64_t v_offset, uint32_t* kbuf, uint32_t* vbuf) {
+  constexpr int KW = D * static_cast<int>(sizeof(T)) / 4;
+  const T* krow[BK];
+  for (int64_t j = 0; j < BK; ++j) {
+    const int64_t key = k0 + j;
+    krow[j] = key < kv_end ? kv + (static_cast<int64_t>(table[key / bs]) * 2 * bs + key % bs) *
+                                      row_elems +
+                                 h * D
+                           : nullptr;
+  }
+  for (int64_t j0 = 0; j0 < BK; j0 += 16) {
+    const uint32_t* rows[16];
+    for (int i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const uint32_t*>(krow[j0 + i]);
+    for (int64_t p0 = 0; p0 < KW; p0 += 16) transpose16(rows, p0, kbuf + p0 * BK + j0, BK);
+  }
+  const __m512i zero = _mm512_setzero_si512();
+  if constexpr (kF32<T>) {
+    for (int64_t j = 0; j < BK; ++j) {
+      uint32_t* dst = vbuf + j * D;
+      for (int64_t c = 0; c < D; c += 16)
+        _mm512_storeu_si512(dst + c, krow[j] ? _mm512_loadu_si512(krow[j] + v_offset + c) : zero);
+    }
+  } else {
+    // V pairs: word (i, c) = V[2i][c] | V[2i + 1][c] << 16.
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41,
+                                            9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2,
+                                            33, 1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    for (int64_t i = 0; i < BK / 2; ++i) {
+      const T* a = krow[2 * i];
+      const T* b = krow[2 * i + 1];
+      uint32_t* dst = vbuf + i * D;
+      for (int64_t c = 0; c < D; c += 32) {
+        const __m512i va = a ? _mm512_loadu_si512(a + v_offset + c) : zero;
+        const __m512i vb = b ? _mm512_loadu_si512(b + v_offset + c) : zero;
+        _mm512_storeu_si512(dst + c, _mm512_permutex2var_epi16(va, lo_idx, vb));
+        _mm512_storeu_si512(dst + c + 16, _mm512_permutex2var_epi16(va, hi_idx, vb));
+      }
+    }
+  }
+}
+
+// One key block [k0, k0 + BK) for rows [ra, rb) of a task: scores, the online-softmax
+// update, O = O * corr + P V. qw: each row's query as KW words.
+template <int D, int R, typename T>
+void attend_packed(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64_t ra,
+                   int64_t rb, const uint32_t* qw, const int64_t* limit, float* m, float* l,
+                   float* obuf, float* pbuf, float scale2f) {
+  constexpr int ND = D / 16;
+  constexpr int KW = D * static_cast<int>(sizeof(T)) / 4;
+  const __m512 scale2 = _mm512_set1_ps(scale2f);
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  // bf16 probabilities live in the first half of each pbuf row (BK words of 16 bits).
+  uint16_t* pbuf16 = reinterpret_cast<uint16_t*>(pbuf);
+  for (int64_t r0 = ra; r0 < rb; r0 += R) {
+    const int nr = static_cast<int>(std::min<int64_t>(R, rb - r0));
+    int64_t tile_keys = 0;  // keys of this block any row of the tile sees
+    for (int i = 0; i < nr; ++i)
+      tile_keys = std::max(tile_keys, std::min<int64_t>(limit[r0 + i] - k0, BK));
+    if (tile_keys <= 0) continue;
+    alignas(64) float sbuf[R][BK];
+    for (int64_t half = 0; half * 64 < tile_keys; ++half) {
+      __m512 s[R][4];
+      for (int i = 0; i < R; ++i)
+        for (int c = 0; c < 4; ++c) s[i][c] = _mm512_setzero_ps();
+      const uint32_t* kh = kblk + half * 64;
+      for (int p = 0; p < KW; ++p) {
+        __m512i kv[4];
+        for (int c = 0; c < 4; ++c) kv[c] = _mm512_loadu_si512(kh + p * BK + c * 16);
+        for (int i = 0; i < R; ++i) {
+          const __m512i qb =
+              _mm512_set1_epi32(static_cast<int>(qw[(r0 + (i < nr ? i : 0)) * KW + p]));
+          for (int c = 0; c < 4; ++c) {
+            if constexpr (kF32<T>)
+              s[i][c] = _mm512_fmadd_ps(_mm512_castsi512_ps(qb), _mm512_castsi512_ps(kv[c]),
+                                        s[i][c]);
+            else
+              s[i][c] = _mm512_dpbf16_ps(s[i][c], (__m512bh)qb, (__m512bh)kv[c]);
+          }
+        }
+      }
+      for (int i = 0; i < R; ++i)
+        for (int c = 0; c < 4; ++c)
+          _mm512_store_ps(&sbuf[i][half * 64 + c * 16], _mm512_mul_ps(s[i][c], scale2));
+    }
+    float corr[R];
+    const int64_t nvec = (tile_keys + 15) / 16;
+    for (int i = 0; i < nr; ++i) {
+      const int64_t row = r0 + i;
+      const int64_t valid = limit[row] - k0;
+      if (valid <= 0) {
+        corr[i] = 1.0f;
+        if constexpr (kF32<T>)
+          std::memset(pbuf + i * BK, 0, sizeof(float) * BK);
+        else
+          std::memset(pbuf16 + i * 2 * BK, 0, sizeof(uint16_t) * BK);
+        continue;
+      }
+      __m512 vmax = neg_inf;
+      for (int64_t c = 0; c < nvec; ++c) {
+        const __m512 x = _mm512_mask_mov_ps(neg_inf, prefix_mask(valid - c * 16),
+                                            _mm512_load_ps(&sbuf[i][c * 16]));
+        vmax = _mm512_max_ps(vmax, x);
+      }
+      const float m_new = std::max(m[row], _mm512_reduce_max_ps(vmax));
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t c = 0; c < nvec; ++c) {
+        const __m512 e = _mm512_maskz_mov_ps(
+            prefix_mask(valid - c * 16),
+            exp2_ps(_mm512_sub_ps(_mm512_load_ps(&sbuf[i][c * 16]), mv)));
+        sum = _mm512_add_ps(sum, e);
+        if constexpr (kF32<T>)
+          _mm512_storeu_ps(pbuf + i * BK + c * 16, e);
+        else
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pbuf16 + i * 2 * BK + c * 16),
+                              (__m256i)_mm512_cvtneps_pbh(e));
+      }
+      corr[i] = std::exp2(m[row] - m_new);  // m[row] = -inf at first: 0
+      l[row] = l[row] * corr[i] + _mm512_reduce_add_ps(sum);
+      m[row] = m_new;
+    }
+    // Rows past nr go to a scratch row, so that every index below is a constant and the
+    // accumulators stay in registers.
+    alignas(64) float spare[D];
+    float* orow[R];
+    __m512 o[R][ND];
+    for (int i = 0; i < R; ++i) {
+      orow[i] = i < nr ? obuf + (r0 + i) * D : spare;
+      const __m512 cv = _mm512_set1_ps(i < nr ? corr[i] : 0.0f);
+      for (int c = 0; c < ND; ++c)
+        o[i][c] = i < nr ? _mm512_mul_ps(_mm512_loadu_ps(orow[i] + c * 16), cv)
+                         : _mm512_setzero_ps();
+    }
+    if constexpr (kF32<T>) {
+      const float* vf = reinterpret_cast<const float*>(vblk);
+      for (int64_t j = 0; j < tile_keys; ++j) {
+        __m512 vv[ND];
+        for (int c = 0; c < ND; ++c) vv[c] = _mm512_loadu_ps(vf + j * D + c * 16);
+        for (int i = 0; i < R; ++i) {
+          const __m512 pw = _mm512_set1_ps(pbuf[(i < nr ? i : 0) * BK + j]);
+          for (int c = 0; c < ND; ++c) o[i][c] = _mm512_fmadd_ps(pw, vv[c], o[i][c]);
+        }
+      }
+    } else {
+      const int64_t pairs = (tile_keys + 1) / 2;
+      for (int64_t jp = 0; jp < pairs; ++jp) {
+        __m512bh vv[ND];
+        for (int c = 0; c < ND; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vblk + jp * D + c * 16);
+        for (int i = 0; i < R; ++i) {
+          const __m512bh pw = (__m512bh)_mm512_set1_epi32(
+              static_cast<int>(load_pair(pbuf16 + (i < nr ? i : 0) * 2 * BK + 2 * jp)));
+          for (int c = 0; c < ND; ++c) o[i][c] = _mm512_dpbf16_ps(o[i][c], pw, vv[c]);
+        }
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(orow[i] + c * 16, o[i][c]);
+  }
+}
+
+template <typename T>
+struct RowBatch {
+  const T* q;
+  int64_t q_tok, q_head;
+  const T* kv;
+  int64_t bs, hq, hk;
+  const int32_t* tables;
+  int64_t table_stride;
+  const int64_t* qo;       // [nseq + 1] query rows of each sequence
+  const int64_t* kv_lens;  // [nseq] keys its last query sees
+  T* out;                  // [tokens, hq, D]
+  float scale2;
+};
+
+// Sequences whose rows span several tasks have their keys packed once per call (the same
+// words pack_block would produce per task), so long prefills do not repack them per task.
+struct Prepacked {
+  std::vector<int64_t> offset;  // [nseq]: first word of sequence s's K (and V) blocks, or -1
+  std::vector<uint32_t> k, v;   // per (s, head): its key blocks back to back
+};
+
+// A task's rows come from segments: tokens [t0, t1) of sequence s (absolute query rows).
+struct Segment {
+  int64_t s, t0, t1;
+};
+struct RowTask {
+  int64_t seg_begin, seg_end, shared;  // segments of `segments`; keys all of them share
+};
+
+constexpr int64_t kTaskRows = 64;  // rows (tokens x folded heads) per task, about
+
+template <int D, int R, typename T>
+void run_row_task(const RowBatch<T>& rb, const Prepacked& pre, const Segment* segs,
+                  const RowTask& task, int64_t h,
+                  std::vector<uint32_t>& qw, std::vector<int64_t>& limit,
+                  std::vector<float>& m, std::vector<float>& l, std::vector<float>& obuf,
+                  std::vector<float>& pbuf, uint32_t* kbuf, uint32_t* vbuf) {
+  constexpr int KW = D * static_cast<int>(sizeof(T)) / 4;  // words per query / key row
+  constexpr int64_t WORDS = kBlockWords<D, T>;
+  const int64_t g = rb.hq / rb.hk, row_elems = rb.hk * D, v_offset = rb.bs * row_elems;
+  int64_t rows = 0;
+  for (int64_t si = task.seg_begin; si < task.seg_end; ++si) rows += (segs[si].t1 - segs[si].t0) * g;
+  qw.resize(static_cast<size_t>(rows * KW));
+  limit.resize(static_cast<size_t>(rows));
+  m.assign(static_cast<size_t>(rows), -INFINITY);
+  l.assign(static_cast<size_t>(rows), 0.0f);
+  obuf.assign(static_cast<size_t>(rows * D), 0.0f);
+  int64_t r = 0, max_limit = 0;
+  for (int64_t si = task.seg_begin; si < task.seg_end; ++si) {
+    const Segment& sg = segs[si];
+    const int64_t n = rb.qo[sg.s + 1] - rb.qo[sg.s], first = rb.kv_lens[sg.s] - n;
+    for (int64_t t = sg.t0; t < sg.t1; ++t)
+      for (int64_t j = 0; j < g; ++j, ++r) {
+        std::memcpy(&qw[r * KW], rb.q + t * rb.q_tok + (h * g + j) * rb.q_head,
+                    sizeof(T) * D);
+        limit[r] = first + (t - rb.qo[sg.s]) + 1;
+        max_limit = std::max(max_limit, limit[r]);
+      }
+  }
+  const int64_t nkb = (max_limit + BK - 1) / BK;
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    const int64_t k0 = kb * BK;
+    if (k0 + BK <= task.shared) {  // every segment's sequence holds these keys in the same pages
+      const int64_t s = segs[task.seg_begin].s;
+      pack_block<D>(rb.kv, rb.tables + s * rb.table_stride, rb.bs, row_elems, h, k0,
+                    rb.kv_lens[s], v_offset, kbuf, vbuf);
+      attend_packed<D, R, T>(kbuf, vbuf, k0, 0, rows, qw.data(), limit.data(), m.data(), l.data(),
+                          obuf.data(), pbuf.data(), rb.scale2);
+      continue;
+    }
+    int64_t ra = 0;
+    for (int64_t si = task.seg_begin; si < task.seg_end; ++si) {
+      const Segment& sg = segs[si];
+      const int64_t seg_rows = (sg.t1 - sg.t0) * g;
+      const int64_t seg_max = limit[ra + seg_rows - 1];
+      if (seg_max > k0) {
+        const uint32_t *kb_words = kbuf, *vb_words = vbuf;
+        if (pre.offset[sg.s] >= 0) {
+          const int64_t nkb_s = (rb.kv_lens[sg.s] + BK - 1) / BK;
+          kb_words = pre.k.data() + pre.offset[sg.s] + (h * nkb_s + kb) * WORDS;
+          vb_words = pre.v.data() + pre.offset[sg.s] + (h * nkb_s + kb) * WORDS;
+        } else {
+          pack_block<D>(rb.kv, rb.tables + sg.s * rb.table_stride, rb.bs, row_elems, h, k0,
+                        seg_max, v_offset, kbuf, vbuf);
+        }
+        attend_packed<D, R, T>(kb_words, vb_words, k0, ra, ra + seg_rows, qw.data(), limit.data(),
+                            m.data(), l.data(), obuf.data(), pbuf.data(), rb.scale2);
+      }
+      ra += seg_rows;
+    }
+  }
+  r = 0;
+  for (int64_t si = task.seg_begin; si < task.seg_end; ++si) {
+    const Segment& sg = segs[si];
+    for (int64_t t = sg.t0; t < sg.t1; ++t)
+      for (int64_t j = 0; j < g; ++j, ++r) {
+        T* dst = rb.out + (t * rb.hq + h * g + j) * D;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int c = 0; c < D / 16; ++c) {
+          const __m512 x =
+              _mm512_mul_ps(_mm512_loadu_ps(&obuf[r * D + c * 16]), _mm512_set1_ps(inv));
+          if constexpr (kF32<T>)
+            _mm512_storeu_ps(dst + c * 16, x);
+          else
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 16),
+                                (__m256i)_mm512_cvtneps_pbh(x));
+        }
+      }
+  }
+}
+
+// Segments and tasks: a sequence outside the groups is split into tasks of about kTaskRows
+// rows; a group's members are packed into tasks together (their shared keys read once).
+template <typename T>
+void plan_row_tasks(const RowBatch<T>& rb, int64_t nseq, const int64_t* groups,
+                           int64_t n_groups, std::vector<Segment>& segs,
+                           std::vector<RowTask>& tasks) {
+  const int64_t g = rb.hq / rb.hk;
+  const int64_t tokens = std::max<int64_t>(1, kTaskRows / g);
+  auto add_alone = [&](int64_t s) {
+    for (int64_t t0 = rb.qo[s]; t0 < rb.qo[s + 1]; t0 += tokens) {
+      const int64_t t1 = std::min(rb.qo[s + 1], t0 + tokens);
+      const int64_t b = static_cast<int64_t>(segs.size());
+      segs.push_back({s, t0, t1});
+      tasks.push_back({b, b + 1, 0});
+    }
+  };
+  int64_t s = 0;
+  for (int64_t gi = 0; gi <= n_groups; ++gi) {
+    const int64_t begin = gi < n_groups ? groups[3 * gi] : nseq;
+    for (; s < begin; ++s) add_alone(s);
+    if (gi == n_groups) break;
+    const int64_t end = groups[3 * gi + 1], shared = groups[3 * gi + 2];
+    int64_t b = static_cast<int64_t>(segs.size()), used = 0;
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t t0 = rb.qo[m]; t0 < rb.qo[m + 1];) {
+        const int64_t t1 = std::min(rb.qo[m + 1], t0 + std::max<int64_t>(1, tokens - used));
+        segs.push_back({m, t0, t1});
+        used += t1 - t0;
+        t0 = t1;
+        if (used >= tokens) {
+          const int64_t e = static_cast<int64_t>(segs.size());
+          tasks.push_back({b, e, shared});
+          b = e;
+          used = 0;
+        }
+      }
+    if (static_cast<int64_t>(segs.size()) > b)
+      tasks.push_back({b, static_cast<int64_t>(segs.size()), shared});
+    s = end;
+  }
+}
+
+template <int D, int R, typename T>
+void row_run(const RowBatch<T>& rb, int64_t nseq, const int64_t* groups, int64_t n_groups,
+             int nthreads) {
+  constexpr int64_t WORDS = kBlockWords<D, T>;  // per key block, K and V alike
+  std::vector<Segment> segs;
+  std::vector<RowTask> tasks;
+  plan_row_tasks(rb, nseq, groups, n_groups, segs, tasks);
+  // A sequence in two or more tasks (a long prefill chunk) gets its keys packed once.
+  Prepacked pre;
+  pre.offset.assign(static_cast<size_t>(nseq), -1);
+  std::vector<int64_t> tasks_of(static_cast<size_t>(nseq), 0);
+  for (const RowTask& t : tasks)
+    for (int64_t si = t.seg_begin; si < t.seg_end; ++si) ++tasks_of[segs[si].s];
+  struct PackJob {
+    int64_t s, h, kb;
+  };
+  std::vector<PackJob> jobs;
+  int64_t words = 0;
+  for (int64_t s = 0; s < nseq; ++s) {
+    if (tasks_of[s] < 2) continue;
+    const int64_t nkb = (rb.kv_lens[s] + BK - 1) / BK;
+    pre.offset[s] = words;
+    words += rb.hk * nkb * WORDS;
+    for (int64_t h = 0; h < rb.hk; ++h)
+      for (int64_t kb = 0; kb < nkb; ++kb) jobs.push_back({s, h, kb});
+  }
+  if (words > 0) {
+    pre.k.resize(static_cast<size_t>(words));
+    pre.v.resize(static_cast<size_t>(words));
+    const int64_t row_elems = rb.hk * D, v_offset = rb.bs * row_elems;
+    const int64_t njobs = static_cast<int64_t>(jobs.size());
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t j = 0; j < njobs; ++j) {
+      const PackJob& job = jobs[j];
+      const int64_t nkb = (rb.kv_lens[job.s] + BK - 1) / BK;
+      const int64_t at = pre.offset[job.s] + (job.h * nkb + job.kb) * WORDS;
+      pack_block<D>(rb.kv, rb.tables + job.s * rb.table_stride, rb.bs, row_elems, job.h,
+                    job.kb * BK, rb.kv_lens[job.s], v_offset, pre.k.data() + at,
+                    pre.v.data() + at);
+    }
+  }
+  const int64_t ntasks = static_cast<int64_t>(tasks.size()) * rb.hk;
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<uint32_t> qw;
+    std::vector<int64_t> limit;
+    std::vector<float> m, l, obuf;
+    std::vector<float> pbuf(R * BK);
+    std::vector<uint32_t> kbuf(WORDS), vbuf(WORDS);  // a key block packed on the fly
+    // Largest tasks (the latest query rows) first.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < ntasks; ++i) {
+      const int64_t ti = static_cast<int64_t>(tasks.size()) - 1 - i / rb.hk, h = i % rb.hk;
+      run_row_task<D, R, T>(rb, pre, segs.data(), tasks[ti], h, qw, limit, m, l, obuf, pbuf,
+                            kbuf.data(), vbuf.data());
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The batch-invariant attention (see row_run): q [T, hq, d] (d contiguous); kv_layer
+// [num_blocks, 2, bs, hk, d]; tables int32 [nseq, table_stride]; qo int64 [nseq + 1]; kv_lens
+// int64 [nseq] (keys the last query of each sequence sees; query i of sequence s sees
+// kv_lens[s] - (qo[s+1] - qo[s]) + i + 1); groups int64 [n_groups][3] (first seq, end seq,
+// keys they share in the same pages), ascending and disjoint; out [T, hq, d] contiguous.
+int pc_row_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* kv,
+                          int64_t bs, const int32_t* tables, int64_t table_stride,
+                          const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
+                          const int64_t* groups, int64_t n_groups, uint16_t* out, int64_t hq,
+                          int64_t hk, int64_t d, float scale, int nthreads) {
+  const RowBatch<uint16_t> rb{q,  q_tok, q_head, kv, bs, hq, hk, tables, table_stride, qo,
+                              kv_lens, out, scale * 1.44269504089f};
+  return with_head_dim(d, [&](auto dim) {
+    row_run<dim(), kTileRows<dim()>, uint16_t>(rb, nseq, groups, n_groups, nthreads);
+  });
+}
+
+// The same for fp32 Q, pages and output.
+int pc_row_attention_f32(const float* q, int64_t q_tok, int64_t q_head, const float* kv,
+                         int64_t bs, const int32_t* tables, int64_t table_stride,
+                         const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
+                         const int64_t* groups, int64_t n_groups, float* out, int64_t hq,
+                         int64_t hk, int64_t d, float scale, int nthreads) {
+  const RowBatch<float> rb{q,  q_tok, q_head, kv, bs, hq, hk, tables, table_stride, qo,
+                           kv_lens, out, scale * 1.44269504089f};
+  return with_head_dim(d, [&](auto dim) {
+    row_run<dim(), kTileRows<dim()>, float>(rb, nseq, groups, n_groups, nthreads);
+  });
+}
+
+}  // extern "C"
