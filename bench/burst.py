@@ -17,10 +17,10 @@ import time
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.engine_hooks import EngineHooks
-from prefixcache.engine.loader import load_model
-from prefixcache.engine.progress import progress_bar
+from prefixcache.engine.model.loader import load_model
+from prefixcache.engine.model.progress import progress_bar
 from prefixcache.engine.request import EngineRequest, SamplingParams
+from prefixcache.engine.step.engine_hooks import EngineHooks
 
 
 class PeakBlocks:

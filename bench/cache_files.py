@@ -20,8 +20,8 @@ from pathlib import Path
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.loader import load_model
-from prefixcache.engine.progress import progress_bar
+from prefixcache.engine.model.loader import load_model
+from prefixcache.engine.model.progress import progress_bar
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
 

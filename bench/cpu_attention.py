@@ -30,8 +30,8 @@ import torch
 
 from prefixcache.engine.attention import cpu_kernels
 from prefixcache.engine.attention.torch_backend import merge_states, padded_decode_attention
-from prefixcache.engine.cpu_features import cpu_flags, cpu_model_name
-from prefixcache.engine.progress import progress_iter
+from prefixcache.engine.kernels.cpu_features import cpu_flags, cpu_model_name
+from prefixcache.engine.model.progress import progress_iter
 
 
 def timed(fn: Callable[[], object], repeat: int, clock: Callable[[], float]) -> float:

@@ -24,11 +24,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from prefixcache.engine import cpu_layer_ops, llama
 from prefixcache.engine.config import EngineConfig
-from prefixcache.engine.cpu_features import cpu_model_name
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.progress import progress_iter
+from prefixcache.engine.kernels import cpu_layer_ops
+from prefixcache.engine.kernels.cpu_features import cpu_model_name
+from prefixcache.engine.model import llama
+from prefixcache.engine.model.progress import progress_iter
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
 

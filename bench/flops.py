@@ -6,7 +6,7 @@ weighted sum over every visible key (causal), plus the LM head for the one token
 
 from __future__ import annotations
 
-from prefixcache.engine.model_config import ModelConfig
+from prefixcache.engine.model.model_config import ModelConfig
 
 
 def linear_flops_per_token(c: ModelConfig) -> int:

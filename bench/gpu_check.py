@@ -29,7 +29,7 @@ from prefixcache.engine.attention import (
     create_backend,
     plan_step_order,
 )
-from prefixcache.engine.progress import progress_iter
+from prefixcache.engine.model.progress import progress_iter
 
 BS = 16
 HQ, HK, D = 8, 4, 64  # the demo model's attention shape
@@ -151,9 +151,9 @@ def main() -> int:
 
     # 2. The demo model end to end.
     if not args.skip_model:
-        from prefixcache.engine.kv_cache import KVCache
-        from prefixcache.engine.loader import load_model
-        from prefixcache.engine.model_runner import BatchEntry, ModelRunner
+        from prefixcache.engine.memory.kv_cache import KVCache
+        from prefixcache.engine.model.loader import load_model
+        from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
 
         loaded = load_model("demo", dtype=dtype, device="cuda")
         gen = torch.Generator().manual_seed(3)

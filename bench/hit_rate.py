@@ -16,8 +16,8 @@ import argparse
 import json
 import random
 
-from prefixcache.engine.block_manager import BlockManager
-from prefixcache.engine.progress import progress_iter
+from prefixcache.engine.memory.block_manager import BlockManager
+from prefixcache.engine.model.progress import progress_iter
 
 BLOCK = 16
 

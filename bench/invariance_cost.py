@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from prefixcache.engine.cpu_features import cpu_flags
+from prefixcache.engine.kernels.cpu_features import cpu_flags
 
 SERVING = Path(__file__).with_name("serving.py")
 WORKLOADS = {

@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from prefixcache.engine.progress import progress_bar, progress_wanted
+from prefixcache.engine.model.progress import progress_bar, progress_wanted
 
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]

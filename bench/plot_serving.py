@@ -17,7 +17,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from prefixcache.engine.progress import progress_iter
+from prefixcache.engine.model.progress import progress_iter
 
 
 def main() -> None:

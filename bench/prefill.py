@@ -19,18 +19,18 @@ import torch
 from flops import prefill_flops
 
 from prefixcache.engine.attention import create_backend
-from prefixcache.engine.kv_cache import KVCache
-from prefixcache.engine.loader import LoadedModel, load_model
-from prefixcache.engine.model_config import ModelConfig
-from prefixcache.engine.model_runner import BatchEntry, ModelRunner
-from prefixcache.engine.progress import progress_iter
+from prefixcache.engine.memory.kv_cache import KVCache
+from prefixcache.engine.model.loader import LoadedModel, load_model
+from prefixcache.engine.model.model_config import ModelConfig
+from prefixcache.engine.model.progress import progress_iter
+from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
 
 BLOCK = 16
 
 
 def sized_model(base: LoadedModel, args: argparse.Namespace) -> LoadedModel:
     """The demo model's tokenizer with a random model of the sizes given by flags."""
-    from prefixcache.engine.llama import LlamaForCausalLM
+    from prefixcache.engine.model.llama import LlamaForCausalLM
 
     raw = base.config.to_dict()
     for flag, key in [

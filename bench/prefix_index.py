@@ -18,8 +18,8 @@ import statistics
 import time
 from collections import deque
 
-from prefixcache.engine.block_manager import BlockManager
-from prefixcache.engine.progress import progress_bar
+from prefixcache.engine.memory.block_manager import BlockManager
+from prefixcache.engine.model.progress import progress_bar
 
 TARGET_US = 1000.0
 

@@ -35,7 +35,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from prefixcache.engine.progress import progress_bar, progress_iter
+from prefixcache.engine.model.progress import progress_bar, progress_iter
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -81,7 +81,7 @@ def ttft_sweep(sizes: dict) -> list[dict]:
     import torch
     from ttft import measure  # bench/ttft.py: one cold and one warm request
 
-    from prefixcache.engine.loader import load_model
+    from prefixcache.engine.model.loader import load_model
 
     torch.set_num_threads(1)  # CPU time of this thread is then the whole work
     with progress_bar("load demo model", 1, leave=False) as bar:

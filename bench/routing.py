@@ -45,12 +45,12 @@ from typing import Any
 import httpx
 import uvicorn
 
-from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.engine.config import EngineConfig
-from prefixcache.engine.demo_model import ensure_demo_model
-from prefixcache.engine.loader import load_model
-from prefixcache.engine.progress import progress_bar
-from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.engine.model.demo_model import ensure_demo_model
+from prefixcache.engine.model.loader import load_model
+from prefixcache.engine.model.progress import progress_bar
+from prefixcache.engine.serving.async_engine import AsyncEngine
+from prefixcache.engine.text.tokenizer import Tokenizer
 from prefixcache.sidecar.router.app import EventSource, UpstreamSettings, create_upstream_app
 from prefixcache.sidecar.router.route_input import RouteReader
 from prefixcache.sidecar.server.app import SidecarSettings, create_app

@@ -42,7 +42,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from prefixcache.engine.progress import progress_bar, progress_iter
+from prefixcache.engine.model.progress import progress_bar, progress_iter
 
 FIRST_ID = 3  # ids below this are the bench model's special tokens
 

@@ -28,10 +28,10 @@ from prefixcache.engine.attention import (
     create_backend,
     plan_step_order,
 )
-from prefixcache.engine.kv_cache import KVCache
-from prefixcache.engine.loader import load_model
-from prefixcache.engine.model_runner import BatchEntry, ModelRunner
-from prefixcache.engine.progress import progress_bar
+from prefixcache.engine.memory.kv_cache import KVCache
+from prefixcache.engine.model.loader import load_model
+from prefixcache.engine.model.progress import progress_bar
+from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
 
 BLOCK = 16
 

@@ -39,10 +39,10 @@ from multiprocessing.connection import Connection
 import httpx
 import uvicorn
 
-from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.engine.config import EngineConfig
-from prefixcache.engine.progress import progress_bar, progress_iter
+from prefixcache.engine.model.progress import progress_bar, progress_iter
 from prefixcache.engine.request import EngineRequest, SamplingParams
+from prefixcache.engine.serving.async_engine import AsyncEngine
 from prefixcache.sidecar.chat.rendering import PromptRenderer
 from prefixcache.sidecar.server.app import create_app
 

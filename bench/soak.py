@@ -43,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from prefixcache.engine.progress import progress_bar
+from prefixcache.engine.model.progress import progress_bar
 
 KEYS = {
     "admin": {"key": "sk-soak-admin-00001", "tenant": "ops", "admin": True},

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.loader import LoadedModel, load_model
-from prefixcache.engine.progress import progress_iter
+from prefixcache.engine.model.loader import LoadedModel, load_model
+from prefixcache.engine.model.progress import progress_iter
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
 BS = 16

@@ -18,9 +18,9 @@ import statistics
 import time
 from pathlib import Path
 
-from prefixcache.engine.demo_model import ensure_demo_model
-from prefixcache.engine.progress import progress_iter
-from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.engine.model.demo_model import ensure_demo_model
+from prefixcache.engine.model.progress import progress_iter
+from prefixcache.engine.text.tokenizer import Tokenizer
 
 WORDS = [
     "cache",

@@ -20,8 +20,8 @@ from flops import prefill_flops
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.loader import LoadedModel, load_model
-from prefixcache.engine.progress import progress_bar
+from prefixcache.engine.model.loader import LoadedModel, load_model
+from prefixcache.engine.model.progress import progress_bar
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
 Clock = Callable[[], float]

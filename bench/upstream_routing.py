@@ -26,10 +26,10 @@ import time
 import httpx
 import uvicorn
 
-from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.engine.config import EngineConfig
-from prefixcache.engine.loader import load_model
-from prefixcache.engine.progress import progress_bar, progress_iter
+from prefixcache.engine.model.loader import load_model
+from prefixcache.engine.model.progress import progress_bar, progress_iter
+from prefixcache.engine.serving.async_engine import AsyncEngine
 from prefixcache.sidecar.router.app import UpstreamSettings, create_upstream_app
 from prefixcache.sidecar.server.app import SidecarSettings, create_app
 

@@ -32,7 +32,7 @@ class PrefixStoreError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class SaveResult:
-    """What ``save_pinned`` wrote (the file format: engine/prefix_store.py)."""
+    """What ``save_pinned`` wrote (the file format: engine/memory/prefix_store.py)."""
 
     path: str
     prefixes: int

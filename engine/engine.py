@@ -18,29 +18,31 @@ import msgspec
 
 from prefixcache.sdk.cache_stats import CacheStats, TokenizerPieceStats
 
-from . import cache_report, output, prefix_store
 from .api import TreeSnapshot
 from .attention import create_backend
-from .block_listeners import BlockListeners
-from .block_manager import BlockManager
-from .cache_activity import CacheActivity
 from .config import EngineConfig, TierSpec
-from .engine_hooks import EngineHooks
-from .engine_stats import EngineStats
-from .generate import GenerationResult, run_to_completion
-from .kv_cache import KVCache
-from .kv_event_feed import KVEventFeed
-from .kv_tier import KVTier, TierStats, create_tier
-from .loader import LoadedModel, load_model
-from .metrics import EngineMetrics
-from .model_runner import BatchEntry, ModelRunner
-from .prefix_store import LoadResult, SaveResult, Snapshot
+from .memory import prefix_store
+from .memory.block_manager import BlockManager
+from .memory.kv_cache import KVCache
+from .memory.kv_tier import KVTier, TierStats, create_tier
+from .memory.prefix_store import LoadResult, SaveResult, Snapshot
+from .model.loader import LoadedModel, load_model
+from .observability import cache_report
+from .observability.block_listeners import BlockListeners
+from .observability.cache_activity import CacheActivity
+from .observability.engine_stats import EngineStats
+from .observability.kv_event_feed import KVEventFeed
+from .observability.metrics import EngineMetrics
 from .request import EngineRequest, RequestOutput, SamplingParams, TokenLogprob
-from .sampler import Sampler
-from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Sequence
-from .structured_output import StructuredOutput
-from .tokenizer import IncrementalDetokenizer
+from .step import output
+from .step.engine_hooks import EngineHooks
+from .step.generate import GenerationResult, run_to_completion
+from .step.model_runner import ModelRunner, batch_of
+from .step.sampler import Sampler
+from .step.scheduler import Scheduler, SchedulerOutput
+from .step.sequence import Sequence
+from .step.structured_output import StructuredOutput
+from .text.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("prefixcache.engine")
 
@@ -227,7 +229,7 @@ class LLMEngine:
         if out.chunks:
             kind = "decode" if all(c.seq.is_decoding for c in out.chunks) else "prefill"
             try:
-                logits = self.runner.execute(self._batch(out))
+                logits = self.runner.execute(batch_of(out))
             except Exception as exc:
                 return self._fail_batch(out, exc)
             self.error = None
@@ -271,21 +273,6 @@ class LLMEngine:
             if failed is not None:
                 outputs.append(failed)
         return outputs
-
-    def _batch(self, out: SchedulerOutput) -> list[BatchEntry]:
-        batch = []
-        for chunk in out.chunks:
-            seq, start = chunk.seq, chunk.seq.num_computed_tokens
-            end = start + chunk.num_tokens
-            batch.append(
-                BatchEntry(
-                    token_ids=seq.token_ids[start:end],
-                    start_pos=start,
-                    block_table=seq.table.block_ids,
-                    compute_logits=end == seq.num_tokens,
-                )
-            )
-        return batch
 
     def _append_token(
         self, seq: Sequence, token: int, logprob: TokenLogprob | None, now: float

@@ -41,7 +41,7 @@ class SamplingParams:
     # vLLM's / transformers': logits of tokens in the prompt or output, divided if positive,
     # multiplied if negative.
     repetition_penalty: float = 1.0
-    grammar: GrammarSpec | None = None  # constrained decoding (engine/structured_output.py)
+    grammar: GrammarSpec | None = None  # constrained decoding (engine/step/structured_output.py)
     skip_special_tokens: bool = True  # False: the text keeps e.g. [TOOL_CALLS] for parsers
 
     def __post_init__(self) -> None:
@@ -95,7 +95,7 @@ class EngineRequest:
 
 @dataclass(slots=True, frozen=True)
 class SegmentMiss:
-    """Why a segment's tokens were not served from the cache (engine/miss_reasons.py)."""
+    """Why a segment's tokens were not served from the cache (engine/memory/miss_reasons.py)."""
 
     reason: str  # cold | evicted | diverged | partial_block | below_min | namespace
     segment: str | None = None  # the segment where the cached prefix stopped (diverged: changed)

@@ -71,7 +71,7 @@ def main() -> int:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, interrupt)
     if args.model == "smollm2":  # fetch first, so that a download problem reads clearly
-        from prefixcache.engine.named_models import ModelFetchError, ensure_named_model
+        from prefixcache.engine.model.named_models import ModelFetchError, ensure_named_model
 
         try:
             ensure_named_model("smollm2")

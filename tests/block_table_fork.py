@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prefixcache.engine.block_manager import BlockManager, BlockTable, CopySlots, PrefixMatch
+from prefixcache.engine.memory.block_manager import BlockManager
+from prefixcache.engine.memory.block_types import BlockTable, CopySlots, PrefixMatch
 
 
 def _committed(table: BlockTable) -> PrefixMatch:

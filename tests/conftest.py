@@ -114,14 +114,14 @@ def server_loop() -> Iterator[ServerLoop]:
 
 @pytest.fixture(scope="session")
 def demo_loaded() -> Any:
-    from prefixcache.engine.loader import load_model
+    from prefixcache.engine.model.loader import load_model
 
     return load_model("demo", dtype="float32", device="cpu")
 
 
 def demo_engine(loaded: Any, **overrides: Any) -> Any:
-    from prefixcache.engine.async_engine import AsyncEngine
     from prefixcache.engine.config import EngineConfig
+    from prefixcache.engine.serving.async_engine import AsyncEngine
 
     config = EngineConfig(
         model="demo",
@@ -133,7 +133,7 @@ def demo_engine(loaded: Any, **overrides: Any) -> Any:
         **overrides,
     )
     if os.environ.get("PREFIXCACHE_TEST_ENGINE") == "process":  # the same tests, core apart
-        from prefixcache.engine.process_engine import ProcessEngine
+        from prefixcache.engine.serving.process_engine import ProcessEngine
 
         return ProcessEngine(config)
     return AsyncEngine(config, loaded)

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from prefixcache.engine.async_engine import AsyncEngine
 from prefixcache.engine.config import EngineConfig
-from prefixcache.engine.loader import load_model
+from prefixcache.engine.model.loader import load_model
 from prefixcache.engine.request import EngineRequest, SamplingParams
+from prefixcache.engine.serving.async_engine import AsyncEngine
 
 
 @pytest.fixture(scope="module")

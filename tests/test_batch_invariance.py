@@ -19,12 +19,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixcache.engine import cpu_gemm
 from prefixcache.engine.attention import cpu_kernels, create_backend
 from prefixcache.engine.attention.cpu_backend import CpuKernelBackend
-from prefixcache.engine.kv_cache import KVCache
-from prefixcache.engine.loader import LoadedModel, load_model
-from prefixcache.engine.model_runner import BatchEntry, ModelRunner
+from prefixcache.engine.kernels import cpu_gemm
+from prefixcache.engine.memory.kv_cache import KVCache
+from prefixcache.engine.model.loader import LoadedModel, load_model
+from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
 
 BS = 16
 NUM_BLOCKS = 640
@@ -87,7 +87,7 @@ def hf_llama_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
     import json
     import shutil
 
-    from prefixcache.engine.demo_model import ASSETS
+    from prefixcache.engine.model.demo_model import ASSETS
 
     torch.manual_seed(7)
     cfg = transformers.LlamaConfig(

@@ -1,13 +1,9 @@
 import pytest
 from block_table_fork import fork
 
-from prefixcache.engine.block_manager import (
-    BlockManager,
-    BlockTable,
-    OutOfBlocksError,
-    PrefixMatch,
-)
-from prefixcache.engine.prefix_tree import PrefixTree
+from prefixcache.engine.memory.block_manager import BlockManager
+from prefixcache.engine.memory.block_types import BlockTable, OutOfBlocksError, PrefixMatch
+from prefixcache.engine.memory.prefix_tree import PrefixTree
 
 BS = 4
 IDENTITY = b"model|tokenizer|fp32"

@@ -25,9 +25,10 @@ from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from prefixcache.engine.block_manager import BlockManager, BlockTable, OutOfBlocksError
-from prefixcache.engine.kv_tier import HostSlots, KVTier, TierEntry
-from prefixcache.engine.prefix_tree import root_digest
+from prefixcache.engine.memory.block_manager import BlockManager
+from prefixcache.engine.memory.block_types import BlockTable, OutOfBlocksError
+from prefixcache.engine.memory.kv_tier import HostSlots, KVTier, TierEntry
+from prefixcache.engine.memory.prefix_tree import root_digest
 
 BS = 4
 NUM_BLOCKS = 20

@@ -1,6 +1,6 @@
 import pytest
 
-from prefixcache.engine.block_pool import BlockPool
+from prefixcache.engine.memory.block_pool import BlockPool
 
 
 def cached_idle(pool: BlockPool, block: int) -> None:

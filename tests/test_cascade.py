@@ -8,9 +8,9 @@ from test_attention_torch import BS, run_paged
 
 from prefixcache.engine.attention import AttentionMetadata, CascadeGroup, SeqSpec, plan_step_order
 from prefixcache.engine.attention.torch_backend import TorchBackend
-from prefixcache.engine.kv_cache import KVCache
-from prefixcache.engine.loader import LoadedModel, load_model
-from prefixcache.engine.model_runner import BatchEntry, ModelRunner
+from prefixcache.engine.memory.kv_cache import KVCache
+from prefixcache.engine.model.loader import LoadedModel, load_model
+from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
 
 
 @pytest.mark.parametrize("hq,hk", [(4, 4), (8, 2)])

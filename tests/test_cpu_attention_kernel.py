@@ -146,7 +146,7 @@ def test_bf16_engine_caching_never_changes_greedy_outputs(
         monkeypatch.setattr(cpu_kernels, name, counted)
     from prefixcache.engine.config import EngineConfig
     from prefixcache.engine.engine import LLMEngine
-    from prefixcache.engine.loader import load_model
+    from prefixcache.engine.model.loader import load_model
     from prefixcache.engine.request import SamplingParams
 
     loaded = load_model("demo", dtype="bfloat16", device="cpu")
@@ -234,9 +234,9 @@ def test_bf16_cascade_decode_on_the_kernel_matches_plain_decode() -> None:
     member's own pages, merged in the kernel) gives the logits of each decode reading all
     its pages."""
     from prefixcache.engine.attention import create_backend
-    from prefixcache.engine.kv_cache import KVCache
-    from prefixcache.engine.loader import load_model
-    from prefixcache.engine.model_runner import BatchEntry, ModelRunner
+    from prefixcache.engine.memory.kv_cache import KVCache
+    from prefixcache.engine.model.loader import load_model
+    from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
 
     loaded = load_model("demo", dtype="bfloat16", device="cpu")
     bs, vocab = 16, loaded.config.vocab_size

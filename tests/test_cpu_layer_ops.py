@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixcache.engine import cpu_layer_ops, llama
-from prefixcache.engine.model_config import ModelConfig
+from prefixcache.engine.kernels import cpu_layer_ops
+from prefixcache.engine.model import llama
+from prefixcache.engine.model.model_config import ModelConfig
 
 REASON = cpu_layer_ops.unavailable_reason()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"CPU layer ops: {REASON}")

@@ -229,9 +229,9 @@ def test_tree_and_live_stream_over_a_real_engine(sidecar_server: Server) -> None
 @pytest.fixture(scope="module", params=["thread", "process"])
 def tier_sidecar(request: pytest.FixtureRequest, server_loop: ServerLoop, demo_loaded: Any):
     """A fresh engine with a host tier, in the sidecar's process (AsyncEngine) or its own."""
-    from prefixcache.engine.async_engine import AsyncEngine
     from prefixcache.engine.config import EngineConfig
-    from prefixcache.engine.process_engine import ProcessEngine
+    from prefixcache.engine.serving.async_engine import AsyncEngine
+    from prefixcache.engine.serving.process_engine import ProcessEngine
 
     config = EngineConfig(
         model="demo", dtype="float32", device="cpu", attention_backend="torch",
@@ -327,8 +327,8 @@ def test_miss_reasons_in_replies_and_the_sdk(sidecar_server: Server) -> None:
 
 
 def test_engine_snapshot_of_100k_blocks_is_one_quick_pass() -> None:
-    from prefixcache.engine.block_manager import BlockManager
-    from prefixcache.engine.cache_activity import CacheActivity
+    from prefixcache.engine.memory.block_manager import BlockManager
+    from prefixcache.engine.observability.cache_activity import CacheActivity
 
     manager = BlockManager(100_000, BS, identity=b"snapshot-test")
     activity = CacheActivity(manager)

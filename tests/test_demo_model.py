@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixcache.engine import demo_model
 from prefixcache.engine.attention import create_backend
-from prefixcache.engine.kv_cache import KVCache
-from prefixcache.engine.loader import load_model
-from prefixcache.engine.model_runner import BatchEntry, ModelRunner
+from prefixcache.engine.memory.kv_cache import KVCache
+from prefixcache.engine.model import demo_model
+from prefixcache.engine.model.loader import load_model
+from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
 
 
 def test_two_fresh_creations_are_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,8 +15,8 @@ import pytest
 from sidecar_fake_engine import FakeEngine, FakeTokenizer
 
 from prefixcache.engine.api import EngineAPI, TokenizerAPI
-from prefixcache.engine.async_engine import AsyncEngine
-from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.engine.serving.async_engine import AsyncEngine
+from prefixcache.engine.text.tokenizer import Tokenizer
 from prefixcache.sdk.cache_stats import CacheStats, TierBlockStats, TokenizerPieceStats
 
 SIDECAR = Path(__file__).resolve().parent.parent / "sidecar"
@@ -117,7 +117,7 @@ def test_a_missing_member_is_caught() -> None:
 def test_sidecar_imports_only_the_seam_from_the_engine() -> None:
     """Only cli/serve_command.py (which builds the AsyncEngine) may import more of the engine."""
     allowed = {"prefixcache.engine.api", "prefixcache.engine.request"}
-    allowed.add("prefixcache.engine.tokenizer")  # ChatTemplateError, raised by the tokenizer
+    allowed.add("prefixcache.engine.text.tokenizer")  # ChatTemplateError, raised by the tokenizer
     for path in sorted(SIDECAR.rglob("*.py")):
         if path.relative_to(SIDECAR).as_posix() == "cli/serve_command.py":
             continue

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.loader import load_model
+from prefixcache.engine.model.loader import load_model
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
 BASES = [[7 + i for i in range(40)], [300 + i for i in range(23)]]  # two shared prefixes

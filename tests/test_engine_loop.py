@@ -8,9 +8,9 @@ import pytest
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.engine_hooks import EngineHooks
-from prefixcache.engine.loader import load_model
+from prefixcache.engine.model.loader import load_model
 from prefixcache.engine.request import EngineRequest, SamplingParams
+from prefixcache.engine.step.engine_hooks import EngineHooks
 
 
 @pytest.fixture(scope="module")

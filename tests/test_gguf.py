@@ -22,16 +22,16 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from prefixcache.engine.demo_model import ASSETS, CHAT_TEMPLATE  # noqa: E402
-from prefixcache.engine.gguf_loader import (  # noqa: E402
+from prefixcache.engine.model.demo_model import ASSETS, CHAT_TEMPLATE  # noqa: E402
+from prefixcache.engine.model.gguf_loader import (  # noqa: E402
     GGUFLoadError,
     load_gguf,
     unpermute_rope_rows,
 )
-from prefixcache.engine.gguf_tokenizer import sentencepiece_merges  # noqa: E402
-from prefixcache.engine.loader import ModelLoadError, load_model  # noqa: E402
-from prefixcache.engine.model_config import UnsupportedModelError  # noqa: E402
-from prefixcache.engine.tokenizer import TokenizerSpec  # noqa: E402
+from prefixcache.engine.model.loader import ModelLoadError, load_model  # noqa: E402
+from prefixcache.engine.model.model_config import UnsupportedModelError  # noqa: E402
+from prefixcache.engine.text.gguf_tokenizer import sentencepiece_merges  # noqa: E402
+from prefixcache.engine.text.tokenizer import TokenizerSpec  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 2, 4, 2, 64  # rows of 256: K-quants
@@ -332,7 +332,7 @@ def test_tied_gguf_without_output_tensor_ties_the_head(
 def test_byte_level_tokenizer_ids_equal_tokenizer_json_and_transformers(
     checkpoint: tuple[Path, transformers.PreTrainedModel], tmp_path: Path, pre: str
 ) -> None:
-    from prefixcache.engine.tokenizer import Tokenizer
+    from prefixcache.engine.text.tokenizer import Tokenizer
 
     path = tmp_path / "tok.gguf"
     write_gguf(path, checkpoint[1], Q.F16, pre=pre)
@@ -361,8 +361,8 @@ def test_sentencepiece_tokenizer_ids_equal_transformers(tmp_path: Path) -> None:
     write_gguf(path, None, tokenizer="llama")
     from gguf import GGUFReader
 
-    from prefixcache.engine.gguf_loader import read_metadata
-    from prefixcache.engine.tokenizer import Tokenizer
+    from prefixcache.engine.model.gguf_loader import read_metadata
+    from prefixcache.engine.text.tokenizer import Tokenizer
 
     ours = Tokenizer.from_gguf(read_metadata(GGUFReader(path)))
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
@@ -410,8 +410,8 @@ def test_a_gguf_tokenizer_rebuilds_from_its_spec(tmp_path: Path, kind: str) -> N
     vocabulary kinds (and a Hugging Face folder's)."""
     from gguf import GGUFReader
 
-    from prefixcache.engine.gguf_loader import read_metadata
-    from prefixcache.engine.tokenizer import Tokenizer
+    from prefixcache.engine.model.gguf_loader import read_metadata
+    from prefixcache.engine.text.tokenizer import Tokenizer
 
     path = tmp_path / f"{kind}.gguf"
     write_gguf(path, None, tokenizer=kind)
@@ -432,8 +432,8 @@ async def test_process_engine_serves_a_gguf_file(
     tokenizes as the core does, and the tokens equal the in-process engine's."""
     from prefixcache.engine.config import EngineConfig
     from prefixcache.engine.engine import LLMEngine
-    from prefixcache.engine.process_engine import ProcessEngine
     from prefixcache.engine.request import EngineRequest, SamplingParams
+    from prefixcache.engine.serving.process_engine import ProcessEngine
 
     path = tmp_path / "m.gguf"
     write_gguf(path, checkpoint[1], Q.Q8_0)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.engine import named_models
-from prefixcache.engine.named_models import ModelFetchError, NamedModel, ensure_named_model
+from prefixcache.engine.model import named_models
+from prefixcache.engine.model.named_models import ModelFetchError, NamedModel, ensure_named_model
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
 

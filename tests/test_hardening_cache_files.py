@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.prefix_store import PrefixStoreError
+from prefixcache.engine.memory.prefix_store import PrefixStoreError
 from prefixcache.engine.request import EngineRequest, SamplingParams
 from prefixcache.sidecar.http.tenancy import cache_file_key
 from prefixcache.sidecar.server.app import SidecarSettings, create_app
@@ -99,7 +99,7 @@ def test_a_file_signed_with_another_secret_is_refused(demo_loaded, tmp_path: Pat
 def test_non_finite_pages_are_refused_even_when_signed_with_the_key(
     demo_loaded, tmp_path: Path
 ) -> None:
-    from prefixcache.engine import prefix_store
+    from prefixcache.engine.memory import prefix_store
 
     path = saved_file(demo_loaded, tmp_path / "p.safetensors")
     with safe_open(str(path), framework="pt") as f:

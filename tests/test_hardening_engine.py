@@ -10,10 +10,10 @@ import torch
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.engine_hooks import EngineHooks
-from prefixcache.engine.loader import load_model
+from prefixcache.engine.model.loader import load_model
 from prefixcache.engine.request import EngineRequest, SamplingParams
-from prefixcache.engine.sampler import Sampler
+from prefixcache.engine.step.engine_hooks import EngineHooks
+from prefixcache.engine.step.sampler import Sampler
 
 # Values validation lets through that overflowed or underflowed float32 in the sampler.
 EXTREME = [

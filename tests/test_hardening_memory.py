@@ -84,7 +84,7 @@ def test_refused_requests_leave_nothing_in_memory(real_tokenizer_server: Server)
 
 
 def test_memos_are_bounded_in_bytes(demo_loaded: Any) -> None:
-    from prefixcache.engine.piece_encoder import PieceEncoder
+    from prefixcache.engine.text.piece_encoder import PieceEncoder
     from prefixcache.sidecar.chat.rendering import PromptRenderer
 
     rng = random.Random(12)

@@ -18,8 +18,12 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import invariant
 from test_block_manager_state_machine import BlockManagerMachine
 
-from prefixcache.engine.kv_events import BlockEventRecorder, KVEventPublisher, block_hash
-from prefixcache.engine.prefix_tree import Node, root_digest
+from prefixcache.engine.memory.prefix_tree import Node, root_digest
+from prefixcache.engine.observability.kv_events import (
+    BlockEventRecorder,
+    KVEventPublisher,
+    block_hash,
+)
 from prefixcache.sidecar.router.kv_event_wire import decode_batch
 from prefixcache.sidecar.router.kv_index import ReplicaIndex
 
@@ -181,7 +185,7 @@ class EventedMachine(BlockManagerMachine):
 
     @invariant()
     def events_rebuild_the_tree(self) -> None:
-        from prefixcache.engine.kv_events import EventBatch
+        from prefixcache.engine.observability.kv_events import EventBatch
 
         events = self.recorder.drain()
         payload = self.encoder.encode(EventBatch(time.time(), events))
@@ -211,7 +215,7 @@ TestEventedMachine.settings = settings(
 
 
 def test_token_ids_follow_the_policy() -> None:
-    from prefixcache.engine.block_manager import BlockManager
+    from prefixcache.engine.memory.block_manager import BlockManager
 
     policies: list[tuple[Any, set[str]]] = [
         (frozenset(), set()),
@@ -295,7 +299,7 @@ def test_an_engine_stream_decodes_with_vllms_schema() -> None:
 
 
 def test_replay_after_a_dropped_subscriber_fills_the_gap() -> None:
-    from prefixcache.engine.block_manager import BlockManager
+    from prefixcache.engine.memory.block_manager import BlockManager
 
     port, replay_port = free_port(), free_port()
     bm = BlockManager(64, 4, b"id")
@@ -382,8 +386,8 @@ def test_a_full_queue_drops_a_batch_and_leaves_a_gap_in_the_numbers() -> None:
 def tiered_manager(kind: str, slots: int, tmp_path: Any) -> Any:
     from test_kv_tier import Pages
 
-    from prefixcache.engine.block_manager import BlockManager
-    from prefixcache.engine.kv_tier import DiskSlots, HostSlots, KVTier
+    from prefixcache.engine.memory.block_manager import BlockManager
+    from prefixcache.engine.memory.kv_tier import DiskSlots, HostSlots, KVTier
 
     pages = Pages(8)
     storage = (
@@ -395,7 +399,7 @@ def tiered_manager(kind: str, slots: int, tmp_path: Any) -> Any:
 
 
 def stream(recorder: BlockEventRecorder) -> list[Any]:
-    from prefixcache.engine.kv_events import EventBatch
+    from prefixcache.engine.observability.kv_events import EventBatch
 
     payload = msgspec.msgpack.encode(EventBatch(1.0, recorder.drain()))
     return V_DECODER.decode(payload).events

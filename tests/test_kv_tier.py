@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefixcache.engine.block_manager import BlockManager
-from prefixcache.engine.cache_activity import CacheActivity
 from prefixcache.engine.config import EngineConfig, TierSpec
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.kv_tier import DiskSlots, HostSlots, KVTier
-from prefixcache.engine.loader import load_model
+from prefixcache.engine.memory.block_manager import BlockManager
+from prefixcache.engine.memory.kv_tier import DiskSlots, HostSlots, KVTier
+from prefixcache.engine.model.loader import load_model
+from prefixcache.engine.observability.cache_activity import CacheActivity
 from prefixcache.engine.request import EngineRequest, SamplingParams
 from prefixcache.sdk.cache_stats import TierBlockStats
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from prefixcache.engine.attention import create_backend
-from prefixcache.engine.kv_cache import KVCache
-from prefixcache.engine.loader import load_model
-from prefixcache.engine.model_runner import BatchEntry, ModelRunner
+from prefixcache.engine.memory.kv_cache import KVCache
+from prefixcache.engine.model.loader import load_model
+from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
 
 
 def step(dtype: str, skip: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, KVCache]:

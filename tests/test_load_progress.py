@@ -13,9 +13,9 @@ import torch
 from test_gguf_named_models import PAYLOAD, fake_index, fake_spec  # noqa: F401 (a fixture)
 from test_loader import write_folder
 
-from prefixcache.engine import named_models, progress
-from prefixcache.engine.loader import load_model
-from prefixcache.engine.named_models import ModelFetchError, ensure_named_model
+from prefixcache.engine.model import named_models, progress
+from prefixcache.engine.model.loader import load_model
+from prefixcache.engine.model.named_models import ModelFetchError, ensure_named_model
 
 
 class _Terminal(io.StringIO):

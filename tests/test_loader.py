@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from prefixcache.engine.demo_model import ASSETS, CHAT_TEMPLATE
-from prefixcache.engine.loader import ModelLoadError, load_model
-from prefixcache.engine.model_config import ModelConfig, UnsupportedModelError
-from prefixcache.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from prefixcache.engine.model.demo_model import ASSETS, CHAT_TEMPLATE
+from prefixcache.engine.model.loader import ModelLoadError, load_model
+from prefixcache.engine.model.model_config import ModelConfig, UnsupportedModelError
+from prefixcache.engine.text.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -71,7 +71,7 @@ def write_folder(folder: Path, cfg: dict | None = None, **kw: object) -> Path:
 
 
 def test_loads_and_runs(tmp_path: Path) -> None:
-    from prefixcache.engine.loader import auto_dtype
+    from prefixcache.engine.model.loader import auto_dtype
 
     loaded = load_model(str(write_folder(tmp_path / "m")))  # dtype auto: bf16 where native
     assert loaded.dtype == auto_dtype(torch.device("cpu")) and loaded.device.type == "cpu"
@@ -249,8 +249,8 @@ def test_no_bos_is_invented_from_config_json(tmp_path: Path) -> None:
 
 
 def test_dtype_auto_is_bf16_only_where_the_hardware_computes_it() -> None:
-    from prefixcache.engine.cpu_features import cpu_bf16_flags
-    from prefixcache.engine.loader import auto_dtype, resolve_dtype
+    from prefixcache.engine.kernels.cpu_features import cpu_bf16_flags
+    from prefixcache.engine.model.loader import auto_dtype, resolve_dtype
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     zen4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"

@@ -9,8 +9,8 @@ import pytest
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.loader import load_model
-from prefixcache.engine.miss_reasons import EvictionLog
+from prefixcache.engine.memory.miss_reasons import EvictionLog
+from prefixcache.engine.model.loader import load_model
 from prefixcache.engine.request import EngineRequest, SamplingParams, SegmentMiss, SegmentSpan
 
 BS = 16

@@ -13,10 +13,10 @@ from safetensors.torch import save_file
 transformers = pytest.importorskip("transformers")
 
 from prefixcache.engine.attention import create_backend  # noqa: E402
-from prefixcache.engine.demo_model import ASSETS  # noqa: E402
-from prefixcache.engine.kv_cache import KVCache  # noqa: E402
-from prefixcache.engine.loader import load_model  # noqa: E402
-from prefixcache.engine.model_runner import BatchEntry, ModelRunner  # noqa: E402
+from prefixcache.engine.memory.kv_cache import KVCache  # noqa: E402
+from prefixcache.engine.model.demo_model import ASSETS  # noqa: E402
+from prefixcache.engine.model.loader import load_model  # noqa: E402
+from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner  # noqa: E402
 
 BS = 16
 TINY = dict(

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixcache.engine.loader import load_model
+from prefixcache.engine.model.loader import load_model
 
 
 def causal_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from prefixcache.engine.piece_encoder import PieceEncoder
-from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.engine.text.piece_encoder import PieceEncoder
+from prefixcache.engine.text.tokenizer import Tokenizer
 
-ASSETS = Path(__file__).resolve().parents[1] / "engine" / "demo_assets"
+ASSETS = Path(__file__).resolve().parents[1] / "engine" / "model" / "demo_assets"
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|im_start|>x", "[INST]", "[/INST]", "<s>"]
 FRAGMENTS = [
     " ",

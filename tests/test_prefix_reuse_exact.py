@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from prefixcache.engine.attention import AttentionMetadata, create_backend
-from prefixcache.engine.kv_cache import KVCache
-from prefixcache.engine.loader import LoadedModel, load_model
-from prefixcache.engine.model_runner import BatchEntry, ModelRunner
+from prefixcache.engine.memory.kv_cache import KVCache
+from prefixcache.engine.model.loader import LoadedModel, load_model
+from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
 
 BS = 16
 

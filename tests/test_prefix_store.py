@@ -11,10 +11,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from prefixcache.engine import prefix_store
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.prefix_store import PrefixStoreError
+from prefixcache.engine.memory import prefix_store
+from prefixcache.engine.memory.prefix_store import PrefixStoreError
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
 BS = 16

@@ -2,7 +2,7 @@ import hashlib
 
 import pytest
 
-from prefixcache.engine.prefix_tree import (
+from prefixcache.engine.memory.prefix_tree import (
     PrefixTree,
     block_digest,
     root_digest,

@@ -23,8 +23,8 @@ from test_engine_api import check_implements
 from prefixcache.engine.api import EngineAPI
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.process_engine import EngineProcessError, ProcessEngine
 from prefixcache.engine.request import EngineRequest, SamplingParams
+from prefixcache.engine.serving.process_engine import EngineProcessError, ProcessEngine
 
 CONFIG = dict(model="demo", dtype="float32", device="cpu", num_blocks=96)
 PREFIX = list(range(10, 90))
@@ -160,7 +160,7 @@ def test_the_api_side_never_imports_torch() -> None:
     process loads the model."""
     code = (
         "import sys\n"
-        "import prefixcache.engine.process_engine, prefixcache.sidecar.server.app, prefixcache.sidecar.cli\n"
+        "import prefixcache.engine.serving.process_engine, prefixcache.sidecar.server.app, prefixcache.sidecar.cli\n"
         "from prefixcache.engine.config import EngineConfig\n"
         "from prefixcache.sidecar.cli.serve_command import create_engine\n"
         "create_engine(EngineConfig(), 'process')\n"
@@ -223,7 +223,7 @@ def test_a_core_whose_parent_is_gone_exits() -> None:
     """The backstop for a server killed while its core loads the model (no pipe reader yet):
     the core notices the parent is gone and exits after a grace period."""
     core = (
-        "import sys, prefixcache.engine.core_process as c\n"
+        "import sys, prefixcache.engine.serving.core_process as c\n"
         "c.PARENT_GONE_GRACE_S = 0.2\n"
         "c.exit_with_parent(int(sys.argv[1]))\n"
     )

@@ -5,7 +5,7 @@ A dozen chat prompts (a long public-domain document as the system prompt with se
 questions, multi-turn conversations, no system prompt): the engine's prompt token ids equal
 transformers' ``apply_chat_template``, and its greedy answers equal transformers' greedy
 ``generate``, cold (no prefix cache), warm (the document cached) and all at once (batched).
-The GGUF is fetched once into the models cache (engine/named_models.py) and reused.
+The GGUF is fetched once into the models cache (engine/model/named_models.py) and reused.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ pytest.importorskip("gguf")
 
 from prefixcache.engine.config import EngineConfig  # noqa: E402
 from prefixcache.engine.engine import LLMEngine  # noqa: E402
-from prefixcache.engine.loader import LoadedModel, load_model  # noqa: E402
-from prefixcache.engine.named_models import ModelFetchError, ensure_named_model  # noqa: E402
+from prefixcache.engine.model.loader import LoadedModel, load_model  # noqa: E402
+from prefixcache.engine.model.named_models import ModelFetchError, ensure_named_model  # noqa: E402
 from prefixcache.engine.request import EngineRequest, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow

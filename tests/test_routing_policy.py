@@ -8,7 +8,12 @@ from typing import Any
 
 import msgspec
 
-from prefixcache.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from prefixcache.engine.observability.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
 from prefixcache.sidecar.router.approx_tree import ApproxTree
 from prefixcache.sidecar.router.cache_aware import (
     CacheAwareRouter,

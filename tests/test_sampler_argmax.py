@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.engine.sampler import first_argmax
+from prefixcache.engine.step.sampler import first_argmax
 
 
 @settings(max_examples=200, deadline=None)

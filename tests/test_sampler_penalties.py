@@ -8,7 +8,7 @@ import torch
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.request import EngineRequest, SamplingParams
-from prefixcache.engine.sampler import Sampler, apply_penalties
+from prefixcache.engine.step.sampler import Sampler, apply_penalties
 
 
 def reference(row: list[float], p: SamplingParams, prompt: list[int], output: list[int]):

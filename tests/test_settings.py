@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.engine import cpu_library, demo_model, named_models, progress, settings
+from prefixcache.engine import settings
+from prefixcache.engine.kernels import cpu_library
+from prefixcache.engine.model import demo_model, named_models, progress
 
 ENGINE = Path(settings.__file__).resolve().parent
 

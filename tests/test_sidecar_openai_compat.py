@@ -15,11 +15,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers
 
 from prefixcache.engine.request import TokenLogprob
-from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.engine.text.tokenizer import Tokenizer
 from prefixcache.sidecar.server.app import SidecarSettings, create_app
 from prefixcache.sidecar.server.responses import chat_logprobs
 
-ASSETS = Path(__file__).resolve().parents[1] / "engine" / "demo_assets"
+ASSETS = Path(__file__).resolve().parents[1] / "engine" / "model" / "demo_assets"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 USER = [{"role": "user", "content": "hello"}]
 ALTERNATE = (

@@ -21,12 +21,12 @@ from sidecar_fake_engine import FakeEngine
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from prefixcache.engine.tokenizer import Tokenizer, _compile_template
+from prefixcache.engine.text.tokenizer import Tokenizer, _compile_template
 from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 transformers = pytest.importorskip("transformers")
 
-ASSETS = Path(__file__).resolve().parents[1] / "engine" / "demo_assets"
+ASSETS = Path(__file__).resolve().parents[1] / "engine" / "model" / "demo_assets"
 
 LLAMA3 = (
     "{{ bos_token }}{% for m in messages %}"

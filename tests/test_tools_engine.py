@@ -19,8 +19,8 @@ from conftest import ServerLoop, demo_engine, serve
 from tool_templates import LLAMA31_STYLE
 
 from prefixcache.engine.config import EngineConfig
-from prefixcache.engine.process_engine import ProcessEngine
-from prefixcache.engine.tokenizer import _compile_template
+from prefixcache.engine.serving.process_engine import ProcessEngine
+from prefixcache.engine.text.tokenizer import _compile_template
 from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 pytest.importorskip("xgrammar")

@@ -13,13 +13,13 @@ from sidecar_fake_engine import FakeEngine
 from tokenizers import Tokenizer as HFTokenizer
 from tool_templates import LLAMA31_STYLE, QWEN25_STYLE
 
-from prefixcache.engine.tokenizer import Tokenizer
+from prefixcache.engine.text.tokenizer import Tokenizer
 from prefixcache.sidecar.chat.tool_prompt import ToolTemplate
 from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 transformers = pytest.importorskip("transformers")
 
-ASSETS = Path(__file__).resolve().parents[1] / "engine" / "demo_assets"
+ASSETS = Path(__file__).resolve().parents[1] / "engine" / "model" / "demo_assets"
 
 WEATHER = {
     "type": "function",

@@ -124,8 +124,8 @@ def replicas(server_loop: ServerLoop, demo_loaded: Any) -> Iterator[list[Replica
 
 @pytest.fixture
 def router(server_loop: ServerLoop, replicas: list[Replica]) -> Iterator[Server]:
-    from prefixcache.engine.demo_model import ensure_demo_model
-    from prefixcache.engine.tokenizer import Tokenizer
+    from prefixcache.engine.model.demo_model import ensure_demo_model
+    from prefixcache.engine.text.tokenizer import Tokenizer
 
     settings = UpstreamSettings(
         tuple(r.url for r in replicas),

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not SPECS, reason="make test-vllm sets PREFIXCAC
 
 @pytest.fixture(scope="module")
 def router(server_loop: ServerLoop) -> Iterator[Server]:
-    from prefixcache.engine.tokenizer import Tokenizer
+    from prefixcache.engine.text.tokenizer import Tokenizer
 
     assert SPECS
     parsed = [parse_upstream(spec) for spec in SPECS.split(";")]

@@ -124,7 +124,7 @@ def test_the_wheel_holds_every_tracked_file(built: Built) -> None:
 PROBE = """
 import importlib.resources, json, sys
 import prefixcache.engine
-from prefixcache.engine import cpu_gemm, cpu_layer_ops
+from prefixcache.engine.kernels import cpu_gemm, cpu_layer_ops
 from prefixcache.engine.attention import cpu_kernels
 cpps = json.loads(sys.argv[1])
 report = {

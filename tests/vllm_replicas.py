@@ -24,7 +24,7 @@ import time
 
 import httpx
 
-from prefixcache.engine.demo_model import ensure_demo_model
+from prefixcache.engine.model.demo_model import ensure_demo_model
 
 
 def free_port() -> int:

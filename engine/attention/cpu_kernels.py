@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .. import cpu_library
+from ..kernels import cpu_library
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 ROW_SOURCE = Path(__file__).with_name("cpu_row_attention.cpp")

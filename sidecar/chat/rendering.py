@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prefixcache.engine.request import RetentionHint, SegmentSpan
-from prefixcache.engine.tokenizer import ChatTemplateError
+from prefixcache.engine.text.tokenizer import ChatTemplateError
 from prefixcache.sdk.canonical import canonical_json
 
 from ..wire.protocol import Message, Segment, order_segments

@@ -51,7 +51,7 @@ def route(
         parsed = [parse_upstream(spec) for spec in args.upstream]
         tokenizer = None
         if args.tokenizer is not None:
-            from prefixcache.engine.tokenizer import Tokenizer
+            from prefixcache.engine.text.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_folder(args.tokenizer)
         settings = UpstreamSettings(

@@ -112,10 +112,10 @@ def create_engine(config: EngineConfig, mode: str) -> EngineAPI:
     """``--engine process``: the engine core in a child process (this one never imports torch);
     ``--engine thread``: on a thread of this process."""
     if mode == "process":
-        from prefixcache.engine.process_engine import ProcessEngine
+        from prefixcache.engine.serving.process_engine import ProcessEngine
 
         return ProcessEngine(config)
-    from prefixcache.engine.async_engine import AsyncEngine
+    from prefixcache.engine.serving.async_engine import AsyncEngine
 
     return AsyncEngine(config)
 

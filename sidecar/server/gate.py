@@ -16,7 +16,7 @@ from jinja2.exceptions import TemplateError as JinjaError
 from starlette.requests import Request
 
 from prefixcache.engine.api import EngineAPI
-from prefixcache.engine.tokenizer import ChatTemplateError
+from prefixcache.engine.text.tokenizer import ChatTemplateError
 
 from ..chat.rendering import PromptRenderer, RenderedPrompt, TemplateError
 from ..http.errors import bad_request, model_not_found, not_ready

@@ -18,7 +18,7 @@ class UsageInfo(msgspec.Struct):
 
 
 class SegmentMiss(msgspec.Struct, omit_defaults=True):
-    """Why a segment was not (all) served from the cache; engine/miss_reasons.py."""
+    """Why a segment was not (all) served from the cache; engine/memory/miss_reasons.py."""
 
     reason: str
     segment: str | None = None

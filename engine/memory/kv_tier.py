@@ -1,0 +1,333 @@
+"""The KV tier below the pool: evicted blocks' KV kept in host memory or in a disk file.
+
+A tier is a fixed number of block-sized slots (its byte budget) and an index over them::
+
+    entry = digest -> (slot, parent digest, token bytes, crc32 of the slot, written?)
+
+The key is the block's chained digest (prefix_tree.py), which already names the model,
+tokenizer, dtype and namespace, and the whole prefix before the block: a tenant can only ever
+find its own entries. A lookup still compares the parent digest and the exact token bytes
+(the same collision guard as the tree). The index has its own LRU: a spill into a full tier
+drops the least recently used entry. A read checks the slot's crc32: a corrupt, missing or
+unwritten slot is a miss (the entry is dropped), never wrong KV.
+
+Writes never stall a step: ``spill`` copies the page out (one block) into a staging buffer
+and a writer thread checksums it and stores it in the slot; a spill that finds the writer
+``max_pending_bytes`` of staged copies behind is refused (counted as a drop; an admin
+``evict_all`` waits instead). ``writer=False`` writes inline
+(tests). The pool's pages are read and written through ``PageIO`` (``KVCache`` implements it),
+so this module knows nothing about layers.
+
+Storage: ``HostSlots`` (a uint8 tensor, pinned when the pool is on CUDA) or ``DiskSlots`` (one
+preallocated file, memory-mapped, removed at close unless kept).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import tempfile
+import threading
+import weakref
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ..config import TierSpec
+
+
+class PageIO(Protocol):
+    """The pool's side: copy whole pages out as bytes, and bytes back into pages."""
+
+    @property
+    def bytes_per_block(self) -> int: ...
+
+    def read_pages(self, pages: list[int]) -> np.ndarray:
+        """A copy of the pages' KV: uint8 ``[len(pages), bytes_per_block]``."""
+        ...
+
+    def write_pages(self, pages: list[int], data: np.ndarray) -> None: ...
+
+
+class SlotStorage(Protocol):
+    kind: str  # "host" | "disk"
+    num_slots: int
+    slots: np.ndarray  # uint8 [num_slots, slot_bytes]
+
+    def close(self) -> None: ...
+
+
+class HostSlots:
+    kind = "host"
+
+    def __init__(self, num_slots: int, slot_bytes: int, pin_memory: bool) -> None:
+        self.num_slots = num_slots
+        self._tensor = torch.empty(
+            (num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pin_memory
+        )
+        self.slots = self._tensor.numpy()
+
+    def close(self) -> None:
+        pass
+
+
+class DiskSlots:
+    kind = "disk"
+
+    def __init__(self, num_slots: int, slot_bytes: int, directory: str, keep: bool) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix="prefixcache-kv-", suffix=".slots", dir=directory)
+        self.path = Path(name)
+        size = num_slots * slot_bytes
+        try:
+            with contextlib.suppress(AttributeError, OSError):  # not every filesystem has it
+                os.posix_fallocate(fd, 0, size)
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        self.num_slots = num_slots
+        self.slots = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(num_slots, slot_bytes))
+        # the file goes at close, at garbage collection or at interpreter exit, unless kept
+        self._remove = None if keep else weakref.finalize(self, _unlink, self.path)
+
+    def close(self) -> None:
+        self.slots.flush()
+        if self._remove is not None:
+            self._remove()
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
+@dataclass(slots=True, eq=False)
+class TierEntry:
+    slot: int
+    parent: bytes  # parent block's digest, or the namespace root digest
+    tokens: bytes
+    checksum: int = 0
+    written: bool = False
+
+
+@dataclass(slots=True)
+class TierStats:
+    kind: str = ""
+    num_slots: int = 0
+    slot_bytes: int = 0
+    num_entries: int = 0
+    writes: int = 0  # blocks written into the tier
+    reloads: int = 0  # blocks copied back into the pool
+    drops: int = 0  # entries dropped by the tier's LRU, or spills refused (writer behind)
+    corrupt: int = 0  # reads refused by the checksum (or of a slot never written)
+
+    @property
+    def bytes_used(self) -> int:
+        return self.num_entries * self.slot_bytes
+
+    @property
+    def bytes_free(self) -> int:
+        return (self.num_slots - self.num_entries) * self.slot_bytes
+
+
+class KVTier:
+    def __init__(
+        self,
+        storage: SlotStorage,
+        pages: PageIO,
+        writer: bool = True,
+        max_pending_bytes: int = 256 * 1024**2,
+    ) -> None:
+        if storage.num_slots < 1:
+            raise ValueError("the KV tier holds no block: give it more bytes")
+        self.kind = storage.kind
+        self.storage = storage
+        self.pages = pages
+        self.slot_bytes = pages.bytes_per_block
+        self._entries: OrderedDict[bytes, TierEntry] = OrderedDict()  # LRU, oldest first
+        self._free = list(range(storage.num_slots - 1, -1, -1))
+        self._stats = TierStats(storage.kind, storage.num_slots, self.slot_bytes)
+        self._max_pending = max(16, max_pending_bytes // self.slot_bytes)  # staged copies
+        self._queue: queue.Queue[tuple[TierEntry, np.ndarray] | None] | None = None
+        self._thread: threading.Thread | None = None
+        self.on_drop: Callable[[bytes], None] | None = None  # an entry left (KV events)
+        if writer:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._write_loop, name="kv-tier", daemon=True)
+            self._thread.start()
+
+    # ---- lookup
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def find(self, digest: bytes, parent: bytes, tokens: bytes) -> bool:
+        """Whether the tier holds this block (read-only: no LRU touch)."""
+        entry = self._entries.get(digest)
+        return entry is not None and entry.parent == parent and entry.tokens == tokens
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._entries
+
+    def touch(self, digests: list[bytes]) -> None:
+        """Most recently used, in this order (a match about to be reloaded)."""
+        for digest in digests:
+            if digest in self._entries:
+                self._entries.move_to_end(digest)
+
+    # ---- writes
+
+    def spill(
+        self, digest: bytes, parent: bytes, tokens: bytes, page: int, wait: bool = False
+    ) -> bool:
+        """Keep an evicted page's KV under ``digest``; False if refused (the writer is
+        ``max_pending_bytes`` behind; ``wait``: wait for it instead, off the step path).
+        Already held: a touch."""
+        entry = self._entries.get(digest)
+        if entry is not None:
+            self._entries.move_to_end(digest)
+            return True
+        if self._queue is not None and self._queue.qsize() >= self._max_pending:
+            if not wait:
+                self._stats.drops += 1
+                return False
+            self.drain()
+        if not self._free:
+            self._drop(next(iter(self._entries)))
+        entry = TierEntry(self._free.pop(), parent, tokens)
+        self._entries[digest] = entry
+        data = self.pages.read_pages([page])[0]  # the page is reused right after this
+        if self._queue is None:
+            self._store(entry, data)
+        else:
+            self._queue.put((entry, data))
+        return True
+
+    def _store(self, entry: TierEntry, data: np.ndarray) -> None:
+        entry.checksum = zlib.crc32(data)
+        self.storage.slots[entry.slot] = data
+        entry.written = True
+        self._stats.writes += 1
+
+    def _write_loop(self) -> None:
+        assert self._queue is not None
+        while (item := self._queue.get()) is not None:
+            try:
+                self._store(*item)
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def drain(self) -> None:
+        """Wait until every queued write is in its slot."""
+        if self._queue is not None:
+            self._queue.join()
+
+    # ---- reads
+
+    def reload(self, digests: list[bytes], pages: list[int]) -> int:
+        """Copy the entries' KV into ``pages`` (one batched write); stops at the first entry
+        that is gone or fails its checksum (dropped). Returns how many were copied."""
+        if any(
+            (e := self._entries.get(d)) is not None and not e.written for d in digests
+        ):  # a spill still on its way: wait for it rather than recompute
+            self.drain()
+        entries: list[TierEntry] = []
+        for digest in digests:
+            entry = self._entries.get(digest)
+            if entry is None:
+                break
+            entries.append(entry)
+        if not entries:
+            return 0
+        rows = self.storage.slots[[e.slot for e in entries]]  # one gather: a copy
+        count = len(entries)
+        for i, (digest, entry) in enumerate(zip(digests, entries, strict=False)):
+            if not entry.written or zlib.crc32(rows[i]) != entry.checksum:
+                self._stats.corrupt += 1
+                self._drop(digest, count=False)
+                count = i
+                break
+            self._entries.move_to_end(digest)
+        if count:
+            self.pages.write_pages(pages[:count], rows[:count])
+            self._stats.reloads += count
+        return count
+
+    # ---- upkeep
+
+    def discard(self, digest: bytes) -> None:
+        if digest in self._entries:
+            self._drop(digest, count=False)
+
+    def clear(self) -> None:
+        for digest in list(self._entries):
+            self._drop(digest, count=False)
+
+    def _drop(self, digest: bytes, count: bool = True) -> None:
+        entry = self._entries.pop(digest)
+        entry.written = False  # a reader holding it sees a miss
+        self._free.append(entry.slot)
+        if count:
+            self._stats.drops += 1
+        if self.on_drop is not None:
+            self.on_drop(digest)
+
+    def stats(self) -> TierStats:
+        s = self._stats
+        return TierStats(
+            s.kind,
+            s.num_slots,
+            s.slot_bytes,
+            len(self._entries),
+            s.writes,
+            s.reloads,
+            s.drops,
+            s.corrupt,
+        )
+
+    def corrupt_slot(self, digest: bytes) -> None:
+        """Change a byte of an entry's slot (tests: a damaged slot must read as a miss)."""
+        self.drain()
+        slot = self._entries[digest].slot
+        self.storage.slots[slot, 0] += 1  # uint8: wraps; a second damage never repairs it
+
+    def check(self) -> None:
+        """Bytes used equal the live entries' slots; no slot is held twice or both held and free."""
+        held = [e.slot for e in self._entries.values()]
+        assert len(set(held)) == len(held), "a slot held by two entries"
+        assert not set(held) & set(self._free), "a slot both held and free"
+        assert len(held) + len(self._free) == self.storage.num_slots, "a slot leaked"
+        s = self.stats()
+        assert s.bytes_used == sum(self.slot_bytes for _ in self._entries.values())
+        assert s.bytes_used + s.bytes_free == self.storage.num_slots * self.slot_bytes
+
+    def close(self) -> None:
+        if self._thread is not None and self._queue is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+        self.storage.close()
+
+
+def create_tier(spec: TierSpec, pages: PageIO, device: str, keep_files: bool = False) -> KVTier:
+    """The tier ``--kv-offload`` asks for, its slots sized to the pool's pages."""
+    slot_bytes = pages.bytes_per_block
+    num_slots = spec.num_bytes // slot_bytes
+    if num_slots < 1:
+        raise ValueError(f"--kv-offload: {spec.num_bytes} bytes hold no {slot_bytes}-byte block")
+    storage: SlotStorage
+    if spec.kind == "host":
+        pin = device.startswith("cuda") and torch.cuda.is_available()
+        storage = HostSlots(num_slots, slot_bytes, pin_memory=pin)
+    else:
+        assert spec.path is not None
+        storage = DiskSlots(num_slots, slot_bytes, spec.path, keep_files)
+    return KVTier(storage, pages)

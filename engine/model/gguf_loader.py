@@ -1,0 +1,272 @@
+"""load_gguf(): a llama.cpp GGUF file -> GGUFModel, dequantized to the engine dtype.
+
+The file is memory-mapped by the ``gguf`` package's reader; tensors are dequantized one at a
+time (``gguf.dequantize``, float32) and cast to the engine dtype, so the process holds the
+model once plus one float32 tensor, never two copies of the weights. Config comes from the
+``<arch>.*`` metadata, the tokenizer from ``tokenizer.*`` (engine/text/gguf_tokenizer.py).
+
+llama.cpp's converter permutes the rows of q and k for llama and mistral (its RoPE rotates
+interleaved pairs, Hugging Face's rotates halves); that permutation is undone here. qwen2 and
+qwen3 files are written unpermuted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..text.tokenizer import Tokenizer
+from .llama import LlamaForCausalLM, rope_inv_freq
+from .model_config import ModelConfig, UnsupportedModelError
+from .progress import progress_bar
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
+# GGUF general.architecture -> the Hugging Face architecture the engine runs.
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_PERMUTED_QK = ("llama", "mistral")  # written with interleaved-pair RoPE rows
+# Tensor types dequantized at load (names as gguf.GGMLQuantizationType spells them).
+SUPPORTED_TENSOR_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+_FINGERPRINT_SAMPLE = 1 << 20  # bytes of tensor data hashed from each end of the file
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-pair frequency divisors
+
+
+class GGUFLoadError(ValueError):
+    """The file is not a readable GGUF, is truncated, or holds what the engine cannot run."""
+
+
+@dataclass(slots=True)
+class GGUFModel:
+    """What loader.load_model wraps into a LoadedModel."""
+
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    fingerprint: str
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """The memory-mapped reader, after checking that every tensor lies inside the file."""
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise GGUFLoadError(f"GGUF file {str(path)!r} not found")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as exc:  # the reader raises ValueError / IndexError on broken headers
+        raise GGUFLoadError(
+            f"{path}: not a readable GGUF file (truncated or corrupt header?): {exc}"
+        ) from exc
+    size = path.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size or t.data.nbytes != int(t.n_bytes):
+            raise GGUFLoadError(
+                f"{path}: truncated: tensor {t.name} needs bytes up to {end} but the file has "
+                f"{size}"
+            )
+    return reader
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every key/value field as Python values (strings, numbers, lists)."""
+    return {name: f.contents() for name, f in reader.fields.items() if f.types}
+
+
+def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """A config.json-style dict for ModelConfig.from_dict, from ``<arch>.*`` metadata."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}: prefixcache runs "
+            f"{', '.join(GGUF_ARCHITECTURES)}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if isinstance(value, list):
+            raise UnsupportedModelError(
+                f"{arch}.{key} differs per layer in this file; prefixcache needs one value"
+            )
+        return value
+
+    for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
+        if get(key) is None:
+            raise GGUFLoadError(f"GGUF metadata {arch}.{key} is missing")
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads)
+    if int(get("attention.value_length") or head_dim) != head_dim:
+        raise UnsupportedModelError("key and value head sizes differ: prefixcache needs them equal")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    raw: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(get("vocab_size") or len(tokens)),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv") or heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(get("context_length") or 4096),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon") or 1e-6),
+        "rope_theta": float(get("rope.freq_base") or 10000.0),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "hidden_act": "silu",
+    }
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        factor = float(get("rope.scaling.factor") or 1.0)
+        if scaling != "linear":  # yarn and the rest: ModelConfig names what it supports
+            raw["rope_scaling"] = {"rope_type": scaling, "factor": factor}
+        elif factor != 1.0:
+            raw["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    if (window := get("attention.sliding_window")) is not None:
+        raw["sliding_window"] = int(window)
+        raw["use_sliding_window"] = True
+    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        if (value := meta.get(f"tokenizer.ggml.{key}")) is not None:
+            raw[name] = int(value)
+    return raw
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if (m := _LAYER_TENSOR.fullmatch(gguf_name)) and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order: per head, rows (0, D/2, 1, D/2+1, ...) -> (0..D-1),
+    i.e. interleaved rotation pairs back to rotate-half halves. Works for weights and biases."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize_tensor(t: Any) -> np.ndarray:
+    """One tensor as a float32 array in Hugging Face (row-major, reversed GGUF) shape."""
+    from gguf import dequantize
+
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+
+
+def check_tensor_types(reader: GGUFReader, path: Path) -> None:
+    bad = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_TENSOR_TYPES))
+    if bad:
+        names = [t.name for t in reader.tensors if t.tensor_type.name in bad][:3]
+        raise UnsupportedModelError(
+            f"{path.name}: unsupported GGUF tensor type {', '.join(bad)} (e.g. {', '.join(names)}):"
+            f" prefixcache dequantizes {', '.join(SUPPORTED_TENSOR_TYPES)}"
+        )
+
+
+def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> GGUFModel:
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    raw_config = config_from_metadata(meta, set(tensors))
+    config = ModelConfig.from_dict(raw_config)
+    check_tensor_types(reader, path)
+    tokenizer = Tokenizer.from_gguf(meta, extra_eos_ids=config.eos_token_ids)
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    unknown = [n for n in tensors if n != ROPE_FREQS and hf_tensor_name(n) is None]
+    unexpected = [n for n in tensors if (hf := hf_tensor_name(n)) and hf not in expected]
+    if unknown or unexpected:
+        raise GGUFLoadError(f"{path.name}: tensors the engine cannot place: {unknown + unexpected}")
+    missing = sorted(set(expected) - {hf_tensor_name(n) for n in tensors})
+    if missing:
+        raise GGUFLoadError(f"{path.name}: missing tensors: {missing[:6]}")
+
+    permute = raw_config["model_type"] in _PERMUTED_QK
+    state: dict[str, torch.Tensor] = {}
+    placed = [t for n, t in tensors.items() if hf_tensor_name(n) is not None]
+    with progress_bar("dequantize", sum(int(t.n_bytes) for t in placed), unit="B") as bar:
+        for gguf_name, t in tensors.items():
+            hf = hf_tensor_name(gguf_name)
+            if hf is None:
+                continue
+            if tuple(int(d) for d in reversed(t.shape.tolist())) != expected[hf]:
+                raise GGUFLoadError(
+                    f"{path.name}: tensor {gguf_name} has shape {list(reversed(t.shape.tolist()))} but "
+                    f"the metadata implies {list(expected[hf])}"
+                )
+            w = dequantize_tensor(t)
+            if permute and ".attn_q." in gguf_name:
+                w = unpermute_rope_rows(w, config.num_heads)
+            elif permute and ".attn_k." in gguf_name:
+                w = unpermute_rope_rows(w, config.num_kv_heads)
+            state[hf] = torch.from_numpy(w).to(device=device, dtype=dtype)
+            del w  # one float32 tensor at a time
+            bar.update(int(t.n_bytes))
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if ROPE_FREQS in tensors:  # divides each pair's frequency, as llama.cpp's rope does
+        factors = torch.from_numpy(dequantize_tensor(tensors[ROPE_FREQS]).reshape(-1))
+        model.model.rotary_emb.inv_freq_cpu = rope_inv_freq(config) / factors
+    model.eval().requires_grad_(False)
+    return GGUFModel(model, config, tokenizer, gguf_fingerprint(path, reader, raw_config))
+
+
+def gguf_fingerprint(path: Path, reader: GGUFReader, raw_config: dict[str, Any]) -> str:
+    """sha256 over the derived config, the file's name and size, its whole header (metadata
+    and tensor table) and the first and last MiB of tensor data."""
+    h = hashlib.sha256(json.dumps(raw_config, sort_keys=True).encode())
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size}".encode())
+    data_start = int(reader.data_offset)
+    with open(path, "rb") as fh:
+        h.update(fh.read(data_start))
+        h.update(fh.read(_FINGERPRINT_SAMPLE))
+        fh.seek(max(data_start, size - _FINGERPRINT_SAMPLE))
+        h.update(fh.read())
+    return h.hexdigest()[:32]

@@ -1,0 +1,356 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat batch of tokens.
+
+``forward`` takes every token of a step flattened into one ``[T]`` tensor with its position,
+and an ``attend(layer, q, k, v)`` callback that writes K/V into the paged cache and attends.
+Parameter names match Hugging Face checkpoints, so a safetensors state dict loads as is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import cpu_gemm, cpu_layer_ops
+from .model_config import ModelConfig
+
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Per-pair rotation frequencies (float32, CPU), with linear or llama3 scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta
+        ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    )
+    scaling = config.rope_scaling or {}
+    rope_type = config.rope_type
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(in_band, blended, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.inv_freq_cpu = rope_inv_freq(config)
+        self._inv_freq: torch.Tensor | None = None
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, D/2]`` for the step's positions, computed once for all layers."""
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = self.inv_freq_cpu.to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [T, D/2]
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+
+Rotation = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) from RotaryEmbedding
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Gemm:
+    """``x @ weight.T + bias`` for a weight fixed at load.
+
+    ``batch_invariant`` (the default) runs ``cpu_gemm``'s kernel where it loads: a row's
+    result is then the same whatever else shares the call. Otherwise bf16 weights on CPU are
+    reordered once into oneDNN's blocked layout (1.4x faster than a plain bf16 ``linear`` at
+    32 rows, 2.5x at one, which reorders the weight on every call), and fp32 runs MKL."""
+
+    __slots__ = ("bias", "invariant", "packed", "weight")
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, batch_invariant: bool = True
+    ) -> None:
+        self.weight, self.bias = weight, bias
+        self.invariant: cpu_gemm.PackedLinear | None = None
+        self.packed: torch.Tensor | None = None
+        if batch_invariant and cpu_gemm.supports(weight):
+            self.invariant = cpu_gemm.PackedLinear(weight, bias)
+        elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _MKLDNN:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant is not None:
+            return self.invariant(x)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+_MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_PACK_ROWS_HINT = 32  # oneDNN's layout choice; any row count runs on it
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.fused = False  # set_fused_ops(): one cpu_layer_ops call instead of eight ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return cpu_layer_ops.rms_norm(x, self.weight, self.eps)
+        return self._torch_norm(x)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``: the residual add fused into the norm (the
+        fused kernel reuses ``x``'s and ``residual``'s memory for the two results)."""
+        if self.fused:
+            return cpu_layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self._torch_norm(residual), residual
+
+    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        hidden, d, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        o_bias = bias and config.model_type != "qwen2"  # Qwen2 biases q/k/v only
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=o_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.qkv: Gemm | None = None  # set by prepare()
+        self.out: Gemm | None = None
+        self.fused_rotary = False  # set by LlamaForCausalLM.set_fused_ops()
+
+    def prepare(self, batch_invariant: bool = True) -> None:
+        """One [q; k; v] GEMM; q/k/v_proj.weight become views of its weight (same names)."""
+        weight, bias = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = Gemm(weight, bias, batch_invariant)
+        self.out = Gemm(self.o_proj.weight, self.o_proj.bias, batch_invariant)
+
+    def _qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotation: Rotation,
+        attend: AttendFn,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention output ``[T, hidden]``, or only for ``rows`` (K/V of every token are still
+        written to the cache)."""
+        t = x.shape[0]
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv is not None:
+            qkv = self.qkv(x)
+            q = qkv[:, : hq * d].view(t, hq, d)
+            k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+            v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+        else:
+            q = self.q_proj(x).view(t, hq, d)
+            k = self.k_proj(x).view(t, hk, d)
+            v = self.v_proj(x).view(t, hk, d)
+        cos, sin = rotation  # applied before K is written to the cache
+        if self.fused_rotary:  # in place on the qkv GEMM's output, q/k norms in the same pass
+            cpu_layer_ops.rotary_(q, k, cos, sin, self._qk_norms())
+        else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        o = attend(self.layer_idx, q, k, v).reshape(t, hq * d)
+        if rows is not None:
+            if rows.numel() == 0:
+                return x.new_empty((0, x.shape[1]))
+            o = o.index_select(0, rows)
+        return self.out(o) if self.out is not None else self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.intermediate_size = i
+        self.gate_up: Gemm | None = None  # set by prepare()
+        self.down: Gemm | None = None
+        self.fused_act = False  # set by LlamaForCausalLM.set_fused_ops()
+
+    def prepare(self, batch_invariant: bool = True) -> None:
+        weight, bias = _fuse_linears(self.gate_proj, self.up_proj)
+        self.gate_up = Gemm(weight, bias, batch_invariant)
+        self.down = Gemm(self.down_proj.weight, self.down_proj.bias, batch_invariant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is None or self.down is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up(x)
+        if self.fused_act:
+            return self.down(cpu_layer_ops.silu_and_mul(gate_up))
+        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
+        return self.down(F.silu(gate).mul_(up))
+
+
+def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the linears' weights (and biases) along the output dim and re-point each
+    linear's parameters at its slice, so the state dict keeps its names and memory is not
+    doubled. Returns the fused (weight, bias) for ``F.linear``."""
+    weight = torch.cat([lin.weight for lin in linears])
+    has_bias = [lin.bias is not None for lin in linears]
+    assert all(has_bias) or not any(has_bias), "fused linears have biases on all or none"
+    bias = torch.cat([lin.bias for lin in linears]) if all(has_bias) else None  # type: ignore[misc]
+    row = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotation: Rotation,
+        attend: AttendFn,
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's MLP output and the residual stream before it is added: the caller
+        adds the two in the next norm (``add_and_norm``), so the add costs no pass of its own.
+        ``residual`` None: ``x`` is the embedding (the first layer). ``rows``: only those
+        tokens go on past attention (the last layer, where only some outputs are read)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, rotation, attend, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows)
+            if rows.numel() == 0:
+                return h, residual
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: AttendFn,
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rotation = self.rotary_emb(positions, x.dtype)
+        residual = None
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, rotation, attend, out_rows if i == last else None)
+        if residual is None:  # no layers
+            return self.norm(x if out_rows is None else x.index_select(0, out_rows))
+        if x.shape[0] == 0:
+            return x
+        return self.norm.add_and_norm(x, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.head: Gemm | None = None  # set by prepare()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: AttendFn,
+        out_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` for flat ``input_ids``/``positions`` ``[T]``, or
+        ``[len(out_rows), hidden]`` for those tokens only: every layer still writes every
+        token's K/V, but the last one takes only ``out_rows`` past its attention (a prefill's
+        other tokens skip the last O projection and MLP, about 1/num_layers of its GEMMs)."""
+        return self.model(input_ids, positions, attend, out_rows)
+
+    def prepare(self, batch_invariant: bool = True) -> None:
+        """For serving, once the weights are loaded: fused QKV and gate/up GEMMs (fewer, larger
+        matmuls per layer), weights pre-packed (see ``Gemm``; ``batch_invariant``: on the
+        kernel whose rows do not depend on their batch), and for bf16 on CPU the norms,
+        rotary and SiLU-and-mul in ``cpu_layer_ops`` where it loads. Idempotent."""
+        if self.head is not None:
+            return
+        for layer in self.model.layers:
+            layer.self_attn.prepare(batch_invariant)
+            layer.mlp.prepare(batch_invariant)
+        self.head = Gemm(self.lm_head.weight, None, batch_invariant)
+        self.set_fused_ops(
+            cpu_layer_ops.supports(self.model.norm.weight)
+            and all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in self.parameters())
+        )
+
+    def set_fused_ops(self, fused: bool) -> None:
+        """Norms, rotary and SiLU-and-mul on ``cpu_layer_ops`` (bf16 CPU models, where it
+        loads) or on torch's ops. ``prepare()`` chooses; benches switch to compare."""
+        assert not fused or self.head is not None, "fused ops run on prepare()d layers"
+        self.model.norm.fused = fused
+        for layer in self.model.layers:
+            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = fused
+            layer.self_attn.fused_rotary = layer.mlp.fused_act = fused
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden) if self.head is not None else self.lm_head(hidden)
+        return logits.float()

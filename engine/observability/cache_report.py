@@ -1,0 +1,66 @@
+"""The cache as the SDK's ``CacheStats`` shows it: the block manager's counts, the KV tier's
+occupancy, the tokenizer's piece memo. Torch-free (both sides of a process engine use it)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from prefixcache.sdk.cache_stats import (
+    BlockStats,
+    CacheStats,
+    TierBlockStats,
+    TokenizerPieceStats,
+    TokenStats,
+)
+
+if TYPE_CHECKING:
+    from ..memory.block_types import ManagerStats
+    from ..memory.kv_tier import TierStats
+    from ..text.tokenizer import Tokenizer
+
+
+def cache_stats(
+    s: ManagerStats,
+    tier: TierStats | None,
+    pieces: TokenizerPieceStats | msgspec.UnsetType = msgspec.UNSET,
+) -> CacheStats:
+    return CacheStats(
+        block_size=s.block_size,
+        blocks=BlockStats(
+            total=s.num_blocks,
+            free=s.num_free_blocks,
+            cached_idle=s.num_cached_idle_blocks,
+            in_use=s.num_used_blocks,
+            pinned=s.num_pinned_blocks,
+        ),
+        tokens=TokenStats(
+            queries=s.query_tokens,
+            hits=s.hit_tokens,
+            inserted=s.inserted_tokens,
+            evicted=s.evicted_tokens,
+        ),
+        hit_rate=s.hit_tokens / s.query_tokens if s.query_tokens else 0.0,
+        tokenizer_pieces=pieces,
+        tier=tier_blocks(tier) if tier is not None else msgspec.UNSET,
+    )
+
+
+def tier_blocks(t: TierStats) -> TierBlockStats:
+    return TierBlockStats(
+        kind=t.kind,
+        total=t.num_slots,
+        used=t.num_entries,
+        bytes_total=t.num_slots * t.slot_bytes,
+        bytes_used=t.bytes_used,
+    )
+
+
+def piece_stats(tokenizer: Tokenizer | None) -> TokenizerPieceStats | msgspec.UnsetType:
+    """The tokenizer's memo of text between special tokens; UNSET where it keeps none."""
+    pieces = tokenizer.piece_cache if tokenizer is not None else None
+    if pieces is None:
+        return msgspec.UNSET
+    s = pieces.stats
+    return TokenizerPieceStats(hits=s.hits, misses=s.misses, entries=s.entries, chars=s.chars)

@@ -1,0 +1,214 @@
+"""``EngineCore``: the one serving loop around ``LLMEngine``, whatever carries its messages.
+
+The loop drains the commands that arrived (engine_wire's ``Add``/``Abort``/``Call``/
+``Shutdown``), runs one step, fails what a step broke, and publishes the step's outputs with
+the stats they leave behind as one ``Step``. ``AsyncEngine`` runs it on a thread of the API
+process (its ``CoreOutput`` hands messages to the event loop); the core process
+(core_process.py) runs it in a child, sending them down a pipe. Commands may be submitted
+from any thread; everything else runs on the loop's own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..engine import LLMEngine
+from ..request import RequestOutput
+from . import engine_wire as wire
+
+log = logging.getLogger("prefixcache.engine")
+METRICS_EVERY_S = 0.25  # a mirrored /metrics lags the core by at most this (or a finish)
+IDLE_WAIT_S = 0.5
+ADMIN_CALLS = frozenset({"pin", "unpin", "evict_all", "save_pinned", "load_pinned", "cache_tree"})
+# In one process a call may also pass objects that never cross a pipe: a Snapshot's tensors
+# (the client does a cache file's I/O itself, the core only touches the pages), or a function
+# to run on the engine ("apply").
+THREAD_CALLS = ADMIN_CALLS | {"snapshot_pinned", "restore_pinned", "apply"}
+
+
+class CoreOutput(Protocol):
+    """Where the core's messages go (the API side's event loop, or a pipe)."""
+
+    @property
+    def mirrors_metrics(self) -> bool:
+        """Whether messages carry the registry's samples (the client cannot read it live)."""
+        ...
+
+    def send(self, msg: wire.ToApi) -> bool:
+        """Deliver ``msg``; False once the API side is gone (the core then stops)."""
+        ...
+
+
+def metric_families(engine: LLMEngine) -> list[wire.MetricFamily]:
+    return [
+        wire.MetricFamily(
+            m.name,
+            m.documentation,
+            m.type,
+            m.unit,
+            [wire.Sample(s.name, dict(s.labels), s.value) for s in m.samples],
+        )
+        for m in engine.metrics.registry.collect()
+    ]
+
+
+def ready_message(engine: LLMEngine, with_metrics: bool) -> wire.Ready:
+    """What a client is built from: the model card, the tokenizer, the first stats."""
+    loaded = engine.loaded
+    return wire.Ready(
+        model_name=loaded.name,
+        tokenizer=engine.tokenizer.to_spec(),
+        tokenizer_fingerprint=engine.tokenizer.fingerprint,
+        max_model_len=engine.max_seq_len,
+        block_size=engine.config.block_size,
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        cache_identity=engine.cache_identity(loaded),
+        sampling_defaults=dict(loaded.sampling_defaults),
+        stats=engine.cache_stats(),
+        metrics=metric_families(engine) if with_metrics else [],
+    )
+
+
+class EngineCore:
+    def __init__(
+        self, engine: LLMEngine, out: CoreOutput, calls: frozenset[str] = ADMIN_CALLS
+    ) -> None:
+        self.engine = engine
+        self.out = out
+        self.calls = calls
+        self.inbox: queue.SimpleQueue[wire.ToCore] = queue.SimpleQueue()
+        self.wakeup = threading.Event()
+        self.stopping = False
+        self.pending: list[RequestOutput] = []  # outputs of aborts, sent with the next Step
+        self.refused: list[wire.Refusal] = []
+        self.metrics_sent_at = 0.0
+        self.records_sent = 0  # the seq of the last RequestRecord sent
+
+    def ready(self) -> wire.Ready:
+        return ready_message(self.engine, self.out.mirrors_metrics)
+
+    # -- any thread --------------------------------------------------------------------------
+
+    def submit(self, msg: wire.ToCore) -> None:
+        self.inbox.put(msg)
+        self.wakeup.set()
+
+    def stop(self) -> None:
+        """Stop after the current step, as a Shutdown message would."""
+        self.submit(wire.Shutdown())
+
+    # -- the loop's thread -------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until Shutdown (or the API side is gone); requests left then are aborted."""
+        engine = self.engine
+        while not self.stopping:
+            self.wakeup.clear()
+            self.drain()
+            if self.stopping:
+                break
+            if engine.has_unfinished:
+                self.send_step(self.step())
+            elif self.pending or self.refused:
+                self.send_step([])
+            else:
+                self.wakeup.wait(timeout=IDLE_WAIT_S)
+        for seq in [*engine.scheduler.running, *engine.scheduler.waiting]:
+            engine.abort_request(seq.request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; a bug outside the model step (which ``LLMEngine.step`` contains
+        itself) fails every request rather than the loop."""
+        engine = self.engine
+        try:
+            return engine.step()
+        except Exception as exc:
+            log.exception("engine step failed")
+            engine.error = f"internal engine error: {type(exc).__name__}: {exc}"
+            return engine.fail_all("engine_error", engine.error)
+
+    def drain(self) -> None:
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.handle(msg)
+
+    def handle(self, msg: wire.ToCore) -> None:
+        engine = self.engine
+        if isinstance(msg, wire.Add):
+            try:
+                engine.add_request(msg.request, msg.arrival)
+            except ValueError as e:
+                self.refused.append(wire.Refusal(msg.request.request_id, str(e)))
+        elif isinstance(msg, wire.Abort):
+            out = engine.abort_request(msg.request_id)
+            if out is not None:
+                self.pending.append(out)
+        elif isinstance(msg, wire.Call):
+            self.reply(msg)
+        else:
+            self.stopping = True
+
+    def reply(self, call: wire.Call) -> None:
+        result: Any = None
+        error = None
+        try:
+            result = self.method(call.method)(*call.args)
+        except ValueError as e:
+            error = str(e) or type(e).__name__
+        except Exception as e:  # reported to the caller as an error, the core keeps running
+            log.exception("engine call %s failed", call.method)
+            error = f"internal engine error: {e}"
+        self.metrics_sent_at = time.monotonic()
+        stats = self.engine.cache_stats()  # visible before the caller resumes
+        self.send(wire.Reply(call.call_id, result, error, stats, self.metrics()))
+
+    def method(self, name: str) -> Callable[..., Any]:
+        if name not in self.calls:
+            raise ValueError(f"unknown engine call {name!r}")
+        if name == "apply":
+            return lambda fn: fn(self.engine)
+        return getattr(self.engine, name)
+
+    def send_step(self, outputs: list[RequestOutput]) -> None:
+        if self.pending:
+            outputs = self.pending + outputs
+            self.pending = []
+        refused, self.refused = self.refused, []
+        engine = self.engine
+        now = time.monotonic()
+        refresh = any(o.finished for o in outputs) or now - self.metrics_sent_at > METRICS_EVERY_S
+        metrics = None
+        if refresh:
+            metrics = self.metrics()
+            self.metrics_sent_at = now
+        stats = engine.cache_stats() if refresh or outputs else None
+        records = engine.activity.records(self.records_sent)
+        if records:
+            self.records_sent = records[-1].seq
+        self.send(
+            wire.Step(
+                outputs,
+                refused,
+                stats,
+                engine.num_waiting,
+                engine.num_running,
+                metrics,
+                engine.error,
+                records,
+            )
+        )
+
+    def metrics(self) -> list[wire.MetricFamily] | None:
+        return metric_families(self.engine) if self.out.mirrors_metrics else None
+
+    def send(self, msg: wire.ToApi) -> None:
+        if not self.out.send(msg):
+            self.stopping = True

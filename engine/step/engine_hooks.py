@@ -1,0 +1,24 @@
+"""``EngineHooks``: what a caller attaches to an ``LLMEngine`` when it builds one (tests,
+benchmarks, tools), instead of patching its parts afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..attention import AttentionMetadata
+    from .sampler import RowProcessor
+    from .scheduler import SchedulerOutput
+
+
+@dataclass(slots=True, frozen=True)
+class EngineHooks:
+    # every step's attention plan, as the model runner built it (cascade groups, prefills)
+    on_plan: Callable[[AttentionMetadata], None] | None = None
+    # every schedule, before the model step, with the blocks requests hold then (their peak
+    # within the step)
+    on_schedule: Callable[[SchedulerOutput, int], None] | None = None
+    # extra logits processors, after the penalties, one row at a time
+    logits_processors: tuple[RowProcessor, ...] = ()

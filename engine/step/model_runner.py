@@ -1,0 +1,141 @@
+"""ModelRunner: one forward step over a batch of prefill chunks and decodes.
+
+Every token of the step goes through the linear layers as one flat ``[T, hidden]`` tensor;
+attention metadata is built once (in FlashInfer's form) and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..attention import AttentionBackend, AttentionMetadata, AttentionShape, SeqSpec
+from ..attention.metadata import find_prefill_groups, plan_step_order
+from ..memory.kv_cache import KVCache
+from ..model.loader import LoadedModel
+
+if TYPE_CHECKING:
+    from .scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class BatchEntry:
+    token_ids: list[int]  # tokens to compute this step (a prefill chunk, or 1 token for decode)
+    start_pos: int  # tokens already in the KV cache (position of token_ids[0])
+    block_table: list[int]  # physical blocks covering start_pos + len(token_ids) tokens
+    compute_logits: bool = True  # False for a non-final prefill chunk
+
+
+def batch_of(out: SchedulerOutput) -> list[BatchEntry]:
+    """A scheduled step as the runner's batch: each chunk's tokens, where they start, its
+    table; logits only for a chunk that reaches its sequence's last token."""
+    batch = []
+    for chunk in out.chunks:
+        seq, start = chunk.seq, chunk.seq.num_computed_tokens
+        end = start + chunk.num_tokens
+        batch.append(
+            BatchEntry(
+                token_ids=seq.token_ids[start:end],
+                start_pos=start,
+                block_table=seq.table.block_ids,
+                compute_logits=end == seq.num_tokens,
+            )
+        )
+    return batch
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+        enable_cascade: bool = True,
+        batch_invariant: bool = True,
+        on_plan: Callable[[AttentionMetadata], None] | None = None,
+    ) -> None:
+        """``on_plan`` sees every step's attention metadata once it is planned."""
+        self.loaded = loaded
+        self.model = loaded.model
+        self.model.prepare(batch_invariant)
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.enable_cascade = enable_cascade
+        self.device = loaded.device
+        cfg = loaded.config
+        self.shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, loaded.dtype)
+        backend.prepare(self.shape, torch.device(self.device))
+        spec = kv_cache.spec
+        if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        ):
+            raise ValueError("KV cache spec does not match the model (layers, kv heads, head dim)")
+        if spec.dtype != loaded.dtype:
+            raise ValueError(f"KV cache dtype {spec.dtype} != model dtype {loaded.dtype}")
+        self.on_plan = on_plan
+
+    @torch.inference_mode()
+    def execute(self, batch: list[BatchEntry]) -> torch.Tensor:
+        """float32 logits ``[n, vocab]``: one row per entry with ``compute_logits``, for its last
+        token, in batch order."""
+        if not batch:
+            return torch.empty(0, self.loaded.config.vocab_size, dtype=torch.float32)
+        self._validate(batch)
+        bs = self.kv_cache.block_size
+        seqs = [SeqSpec(e.start_pos, len(e.token_ids), e.block_table) for e in batch]
+        order, groups = plan_step_order(seqs, bs, self.enable_cascade)
+        ordered = [seqs[i] for i in order]
+        prefill_groups = find_prefill_groups(ordered, bs) if self.enable_cascade else []
+        meta = AttentionMetadata.build(
+            ordered, bs, self.device, cascade_groups=groups, prefill_groups=prefill_groups
+        )
+        self.backend.plan(meta, self.shape)
+        if self.on_plan is not None:
+            self.on_plan(meta)
+
+        ids = [t for i in order for t in batch[i].token_ids]
+        if min(ids) < 0 or max(ids) >= self.loaded.config.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.loaded.config.vocab_size})")
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        layers = self.kv_cache.layers
+        backend = self.backend
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return backend.forward(q, k, v, layers[layer])
+
+        # Row of each logits entry's last token, listed in batch order: only those rows go on
+        # past the last layer's attention.
+        qo_end = meta.qo_indptr[1:].tolist()
+        row_of = {i: qo_end[j] - 1 for j, i in enumerate(order)}
+        rows = [row_of[i] for i, e in enumerate(batch) if e.compute_logits]
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        every_row = len(rows) == len(ids) and rows == sorted(rows)  # a decode-only step
+        hidden = self.model(input_ids, meta.positions, attend, None if every_row else index)
+        if not rows:
+            return torch.empty(0, self.loaded.config.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(hidden)
+
+    def _validate(self, batch: list[BatchEntry]) -> None:
+        cfg = self.loaded.config
+        bs = self.kv_cache.block_size
+        for e in batch:
+            n = len(e.token_ids)
+            if n == 0:
+                raise ValueError("a batch entry must have at least one token")
+            if e.start_pos < 0 or e.start_pos + n > cfg.max_position_embeddings:
+                raise ValueError(
+                    f"positions {e.start_pos}..{e.start_pos + n} exceed the model's "
+                    f"max_position_embeddings {cfg.max_position_embeddings}"
+                )
+            if len(e.block_table) * bs < e.start_pos + n:
+                raise ValueError(
+                    f"block table of {len(e.block_table)} blocks cannot hold "
+                    f"{e.start_pos + n} tokens"
+                )
+            if min(e.block_table) < 0 or max(e.block_table) >= self.kv_cache.num_blocks:
+                raise ValueError("block table references a block outside the KV cache")
