@@ -113,7 +113,7 @@ def attention(
     true). ``causal`` is bottom-right aligned (query i sees keys up to ``i + Lk - Lq``).
     Returns the output ``[Lq, Hq, D]`` (bf16) and the base-2 LSE ``[Lq, Hq]`` (float32)."""
     lib = load()
-    assert lib is not None
+    cpu_library.require(lib is not None, "the kernel must be loaded (supports() first)")
     lq, hq, d = q.shape
     lk, hk, _ = k.shape
     out, lse = _outputs(lq, hq, d)
@@ -139,11 +139,17 @@ def paged_attention(
     """``attention`` over the first ``num_keys`` keys held in the pages ``blocks`` (int32 block
     ids, in order) of ``kv_layer`` ``[num_blocks, 2, bs, Hk, D]``, read in place."""
     lib = load()
-    assert lib is not None and kv_layer.is_contiguous()
-    assert blocks.dtype == torch.int32 and blocks.is_contiguous()
+    cpu_library.require(
+        lib is not None and kv_layer.is_contiguous(),
+        "the kernel must be loaded and kv_layer contiguous",
+    )
+    cpu_library.require(
+        blocks.dtype == torch.int32 and blocks.is_contiguous(),
+        "blocks must be contiguous int32",
+    )
     lq, hq, d = q.shape
     _, _, bs, hk, _ = kv_layer.shape
-    assert num_keys <= blocks.numel() * bs
+    cpu_library.require(num_keys <= blocks.numel() * bs, "num_keys exceeds the blocks given")
     out, lse = _outputs(lq, hq, d)
     rc = lib.pc_paged_attention_bf16(
         q.data_ptr(), q.stride(0), q.stride(1),
@@ -171,13 +177,22 @@ def paged_decode(
     keys are read once for the whole group. Returns ``o`` ``[B, Hq, D]`` (bf16) and the base-2
     LSE ``[B, Hq]``."""
     lib = load()
-    assert lib is not None and kv_layer.is_contiguous()
-    assert tables.dtype == torch.int32 and tables.is_contiguous() and lens.dtype == torch.int64
+    cpu_library.require(
+        lib is not None and kv_layer.is_contiguous(),
+        "the kernel must be loaded and kv_layer contiguous",
+    )
+    cpu_library.require(
+        tables.dtype == torch.int32 and tables.is_contiguous() and lens.dtype == torch.int64,
+        "tables must be contiguous int32, lens int64",
+    )
     b, hq, d = q.shape
     _, _, bs, hk, _ = kv_layer.shape
     if groups is None:
         groups = _NO_GROUPS
-    assert groups.dtype == torch.int64 and groups.is_contiguous() and groups.shape[-1] == 3
+    cpu_library.require(
+        groups.dtype == torch.int64 and groups.is_contiguous() and groups.shape[-1] == 3,
+        "groups must be contiguous int64 [G, 3]",
+    )
     out, lse = _outputs(b, hq, d)
     rc = lib.pc_paged_decode_bf16(
         q.data_ptr(), q.stride(0), q.stride(1),
@@ -215,16 +230,18 @@ def row_attention(
     t, hq, d = q.shape
     _, _, bs, hk, _ = kv_layer.shape
     groups = _NO_GROUPS if groups is None else groups
-    _require(
+    cpu_library.require(
         kv_layer.is_contiguous()
         and q.stride(-1) == 1
         and q.dtype == kv_layer.dtype
         and q.dtype in ROW_DTYPES,
         "q and kv_layer must be bf16 or fp32 alike, with contiguous rows",
     )
-    _require(tables.dtype == torch.int32 and tables.is_contiguous(), "tables must be int32")
+    cpu_library.require(
+        tables.dtype == torch.int32 and tables.is_contiguous(), "tables must be int32"
+    )
     nseq = kv_lens.numel()
-    _require(
+    cpu_library.require(
         qo_indptr.dtype == kv_lens.dtype == groups.dtype == torch.int64
         and qo_indptr.numel() == nseq + 1
         and tables.shape[0] == nseq
@@ -245,12 +262,6 @@ def row_attention(
     return out
 
 
-def _require(ok: bool, what: str) -> None:
-    """A check at the kernel boundary that ``python -O`` keeps."""
-    if not ok:
-        raise ValueError(f"CPU attention kernel: {what}")
-
-
 def merges(o_a: torch.Tensor, o_b: torch.Tensor) -> bool:
     """Whether ``merge_states`` takes these outputs (CPU bf16, contiguous, kernel loaded)."""
     return (
@@ -268,7 +279,10 @@ def merge_states(
     """``torch_backend.merge_states`` in one pass (``merges`` true): ``o_*`` ``[N, H, D]``
     bf16, ``lse_*`` float32 ``[N, H]`` (base 2)."""
     lib = load()
-    assert lib is not None and o_a.shape == o_b.shape
+    cpu_library.require(
+        lib is not None and o_a.shape == o_b.shape,
+        "the kernel must be loaded and the two states alike",
+    )
     lse_a, lse_b = lse_a.contiguous(), lse_b.contiguous()
     out = torch.empty_like(o_a)
     lse = torch.empty_like(lse_a)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import torch_private
 from . import cpu_kernels
 from .backend import AttentionBackend, AttentionShape
 from .metadata import AttentionMetadata, CascadeGroup
@@ -73,17 +74,13 @@ def dense_attention(
                 k = k.repeat_interleave(g, dim=1)
                 v = v.repeat_interleave(g, dim=1)
             qh, kh, vh = (t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v))
-            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qh, kh, vh, 0.0, True, scale=scale
-            )
+            o, lse = torch_private.flash_attention_cpu(qh, kh, vh, True, scale)
             return o[0].permute(1, 0, 2), lse[0].transpose(0, 1) * LOG2E
         # Non-causal: fold the g query heads of a kv head into the row axis, so K/V are not
         # expanded and are read once per kv head.
         qh = q.view(lq, hk, g, d).permute(1, 2, 0, 3).reshape(1, hk, g * lq, d)
         kh, vh = k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qh, kh, vh, 0.0, False, scale=scale
-        )
+        o, lse = torch_private.flash_attention_cpu(qh, kh, vh, False, scale)
         o = o.view(hk, g, lq, d).permute(2, 0, 1, 3).reshape(lq, hq, d)
         lse = lse.view(hk, g, lq).permute(2, 0, 1).reshape(lq, hq) * LOG2E
         return o, lse
@@ -113,9 +110,7 @@ def grouped_dense_attention(
     qh = q.view(num_groups, n, hk, g, d).permute(0, 2, 3, 1, 4).reshape(num_groups, hk, g * n, d)
     kh = k.view(num_groups, length, hk, d).permute(0, 2, 1, 3)
     vh = v.view(num_groups, length, hk, d).permute(0, 2, 1, 3)
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qh, kh, vh, 0.0, False, scale=scale
-    )
+    o, lse = torch_private.flash_attention_cpu(qh, kh, vh, False, scale)
     o = o.view(num_groups, hk, g, n, d).permute(0, 3, 1, 2, 4).reshape(rows, hq, d)
     lse = lse.view(num_groups, hk, g, n).permute(0, 3, 1, 2).reshape(rows, hq) * LOG2E
     return o, lse
@@ -165,9 +160,7 @@ def padded_decode_attention(
         mask = torch.zeros(b, 1, 1, length, dtype=q.dtype).masked_fill_(
             pad[:, None, None, :], -math.inf
         )
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qh, kh, vh, 0.0, False, attn_mask=mask, scale=scale
-        )
+        o, lse = torch_private.flash_attention_cpu(qh, kh, vh, False, scale, attn_mask=mask)
         return o.reshape(b, hq, d), lse.reshape(b, hq) * LOG2E
     return _padded_decode_generic(qh, kh, vh, pad, scale)
 

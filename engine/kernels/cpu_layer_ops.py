@@ -56,7 +56,7 @@ def supports(t: torch.Tensor) -> bool:
 
 def _lib() -> ctypes.CDLL:
     lib = _library.load()
-    assert lib is not None, "cpu_layer_ops used where available() is false"
+    cpu_library.require(lib is not None, "cpu_layer_ops used where available() is false")
     return lib
 
 
@@ -64,7 +64,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * RMSNorm(x)`` over the last axis of ``x`` ``[T, H]`` (bf16, rows strided,
     the last axis contiguous); a new ``[T, H]`` tensor."""
     rows, cols = x.shape
-    assert x.stride(1) == 1 and weight.is_contiguous() and weight.shape == (cols,)
+    cpu_library.require(
+        x.stride(1) == 1 and weight.is_contiguous() and weight.shape == (cols,),
+        "x.stride(1) == 1 and weight.is_contiguous() and weight.shape == (cols,)",
+    )
     out = torch.empty(rows, cols, dtype=torch.bfloat16)
     _lib().pc_rms_norm_bf16(
         x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(),
@@ -79,8 +82,14 @@ def fused_add_rms_norm(
     """``residual += x`` (bf16), then ``x = weight * RMSNorm(residual)``, both in place
     (``x`` and ``residual`` ``[T, H]`` contiguous bf16). Returns ``(x, residual)``."""
     rows, cols = x.shape
-    assert x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape
-    assert weight.is_contiguous() and weight.shape == (cols,)
+    cpu_library.require(
+        x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape,
+        "x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape",
+    )
+    cpu_library.require(
+        weight.is_contiguous() and weight.shape == (cols,),
+        "weight.is_contiguous() and weight.shape == (cols,)",
+    )
     _lib().pc_rms_norm_bf16(
         x.data_ptr(), cols, residual.data_ptr(), cols, weight.data_ptr(),
         x.data_ptr(), cols, rows, cols, eps, torch.get_num_threads(),
@@ -101,15 +110,26 @@ def rotary_(
     k first, in the same pass."""
     t, hq, d = q.shape
     hk = k.shape[1]
-    assert q.stride(2) == 1 and k.stride(2) == 1 and k.shape[0] == t and k.shape[2] == d
-    assert cos.shape == sin.shape == (t, 1, d // 2) and cos.stride() == sin.stride()
-    assert cos.stride(2) == 1
+    cpu_library.require(
+        q.stride(2) == 1 and k.stride(2) == 1 and k.shape[0] == t and k.shape[2] == d,
+        "q.stride(2) == 1 and k.stride(2) == 1 and k.shape[0] == t and k.shape[2] == d",
+    )
+    cpu_library.require(
+        cos.shape == sin.shape == (t, 1, d // 2) and cos.stride() == sin.stride(),
+        "cos.shape == sin.shape == (t, 1, d // 2) and cos.stride() == sin.stride()",
+    )
+    cpu_library.require(cos.stride(2) == 1, "cos.stride(2) == 1")
     q_w = k_w = None
     eps = 0.0
     if qk_norm is not None:
         q_weight, k_weight, eps = qk_norm
-        assert q_weight.shape == k_weight.shape == (d,)
-        assert q_weight.is_contiguous() and k_weight.is_contiguous()
+        cpu_library.require(
+            q_weight.shape == k_weight.shape == (d,), "q_weight.shape == k_weight.shape == (d,)"
+        )
+        cpu_library.require(
+            q_weight.is_contiguous() and k_weight.is_contiguous(),
+            "q_weight.is_contiguous() and k_weight.is_contiguous()",
+        )
         q_w, k_w = q_weight.data_ptr(), k_weight.data_ptr()
     rc = _lib().pc_rotary_bf16(
         q.data_ptr(), q.stride(0), q.stride(1), hq,
@@ -126,7 +146,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     last axis contiguous); a new ``[T, I]`` tensor."""
     rows, width = gate_up.shape
     inter = width // 2
-    assert gate_up.stride(1) == 1 and width == 2 * inter
+    cpu_library.require(
+        gate_up.stride(1) == 1 and width == 2 * inter,
+        "gate_up.stride(1) == 1 and width == 2 * inter",
+    )
     out = torch.empty(rows, inter, dtype=torch.bfloat16)
     _lib().pc_silu_and_mul_bf16(
         gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, rows, inter,

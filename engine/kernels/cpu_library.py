@@ -52,6 +52,13 @@ def unavailable_reason(cpuinfo: str | None = None) -> str | None:
     return None
 
 
+def require(ok: bool, what: str) -> None:
+    """A check at a kernel boundary, kept under ``python -O`` (where ``assert`` is gone): a
+    wrong pointer, length or dtype there is memory corruption, not an exception."""
+    if not ok:
+        raise ValueError(f"kernel call refused: {what}")
+
+
 def compiler() -> str | None:
     override = settings.compiler_override()
     return (override and shutil.which(override)) or shutil.which("g++") or shutil.which("c++")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu_gemm, cpu_layer_ops
+from ..kernels import cpu_gemm, cpu_layer_ops, torch_private
 from .model_config import ModelConfig
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -90,17 +90,17 @@ class Gemm:
         if batch_invariant and cpu_gemm.supports(weight):
             self.invariant = cpu_gemm.PackedLinear(weight, bias)
         elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _MKLDNN:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
+            self.packed = torch_private.onednn_pack_weight(weight, _PACK_ROWS_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.invariant is not None:
             return self.invariant(x)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return torch_private.onednn_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
-_MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_MKLDNN = torch_private.onednn_linear_available()
 _PACK_ROWS_HINT = 32  # oneDNN's layout choice; any row count runs on it
 
 
