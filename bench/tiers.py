@@ -12,6 +12,9 @@
    the host tier (the pool forgot it, the tier kept it); the first tokens' logprobs compared.
 3. No hits at all (every prompt unique, the pool always full): TTFT with and without a tier
    (every eviction is a spill), interleaved runs, medians.
+4. Reload throughput: ``KVTier.reload`` timed alone (host tier, and disk tier from the page
+   cache) for ``--reload-blocks`` blocks of the demo model's KV, bytes per second, medians of
+   ``--reload-repeats``; a plain memory copy of the same bytes for scale.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+
+from tier_reload import reload_over_pool_hit, reload_throughput
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
@@ -113,8 +118,10 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=20000, help="tokens of the reload prefix")
     parser.add_argument("--miss-prompts", type=int, default=6)
     parser.add_argument("--miss-tokens", type=int, default=512)
+    parser.add_argument("--reload-blocks", default="63,1250", help="blocks per reload (part 4)")
+    parser.add_argument("--reload-repeats", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
-    parser.add_argument("--parts", default="1,2,3", help="which parts to run")
+    parser.add_argument("--parts", default="1,2,3,4", help="which parts to run")
     parser.add_argument("--plot", default=None, help="write the sweep's plot (PNG) here")
     parser.add_argument("--plot-from", default=None, help="plot the sweep of a saved --json line")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -122,6 +129,7 @@ def main() -> None:
     if args.quick:
         args.docs, args.doc_tokens, args.pool_docs, args.requests = 8, 64, 2, 16
         args.sweep, args.long, args.miss_prompts, args.miss_tokens = "1,4", 512, 2, 128
+        args.reload_blocks, args.reload_repeats = "63", 3
 
     if args.plot_from:
         with open(args.plot_from) as f:
@@ -270,6 +278,18 @@ def main() -> None:
             f"no hits: extra TTFT host {out['no_hits']['extra_host']:+.2%}, "
             f"disk {out['no_hits']['extra_disk']:+.2%}; engine-thread spill time "
             f"host {spill_share['host']:.3%}, disk {spill_share['disk']:.3%} of TTFT"
+        )
+    if 4 in parts:
+        sizes = [int(n) for n in args.reload_blocks.split(",")]
+        out["reload"] = reload_throughput(
+            loaded.kv_cache_spec(BS), sizes, args.reload_repeats, tmp.name
+        )
+        out["reload"]["engine_1008_tokens"] = reload_over_pool_hit(
+            loaded,
+            args.reload_repeats,
+            tmp.name,
+            lambda kind, gib: make_engine(loaded, 256, tier_arg(kind, gib, tmp.name)),
+            first_token,
         )
     tmp.cleanup()
 

@@ -62,7 +62,7 @@ CASES = {
     ),
     "tiers.py": (
         ["--quick"],
-        {"sweep", "hit_rate_vs_unbounded", "spill_policy", "long_prefix", "no_hits"},
+        {"sweep", "hit_rate_vs_unbounded", "spill_policy", "long_prefix", "no_hits", "reload"},
     ),
     "soak.py": (
         ["--minutes", "0.4", "--rss-bound-mib", "400"],

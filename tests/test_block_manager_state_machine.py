@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from prefixcache.engine.memory.block_manager import BlockManager
 from prefixcache.engine.memory.block_types import BlockTable, OutOfBlocksError
-from prefixcache.engine.memory.kv_tier import HostSlots, KVTier, TierEntry
+from prefixcache.engine.memory.kv_tier import HostSlots, KVTier, TierEntry, checksum
 from prefixcache.engine.memory.prefix_tree import root_digest
 
 BS = 4
@@ -398,7 +398,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if digest in self.damaged:
                 continue
             values = self.tier.storage.slots[entry.slot].view(np.int64)
-            assert zlib.crc32(self.tier.storage.slots[entry.slot]) == entry.checksum
+            assert checksum(self.tier.storage.slots[entry.slot]) == entry.checksum
             assert (
                 digest not in self.bm._tree._nodes
                 or values.tolist() == self.kv[self.bm._tree._nodes[digest].block].tolist()

@@ -6,6 +6,7 @@ Each layer holds ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``; ``[:, 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,12 @@ class KVCache:
         self.layers: list[torch.Tensor] = [
             torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)
         ]
+        # On the CPU, each layer's pages as bytes (views of the same memory): the tier's copies
+        self._host: list[np.ndarray] | None = None
+        if self.layers[0].device.type == "cpu":
+            self._host = [
+                layer.view(torch.uint8).numpy().reshape(num_blocks, -1) for layer in self.layers
+            ]
 
     @property
     def block_size(self) -> int:
@@ -66,12 +73,29 @@ class KVCache:
 
     def read_pages(self, pages: list[int]) -> np.ndarray:
         """A host copy of the pages' KV: uint8 ``[len(pages), bytes_per_block]``."""
+        if self._host is not None:  # one copy, on this thread (no torch intra-op workers)
+            out = np.empty((len(pages), self.bytes_per_block), dtype=np.uint8)
+            width = self.bytes_per_block // len(self._host)
+            for i, layer in enumerate(self._host):
+                out[:, i * width : (i + 1) * width] = layer[pages]
+            return out
         index = torch.tensor(pages, dtype=torch.long, device=self.layers[0].device)
         rows = torch.cat([layer.index_select(0, index).flatten(1) for layer in self.layers], 1)
         return rows.view(torch.uint8).cpu().numpy()
 
-    def write_pages(self, pages: list[int], data: np.ndarray) -> None:
-        """Fill pages from ``read_pages``' bytes (one batched copy per layer)."""
+    def write_pages(self, pages: list[int], data: np.ndarray | Sequence[np.ndarray]) -> None:
+        """Fill pages from ``read_pages``' bytes: a uint8 ``[len(pages), bytes_per_block]``
+        array, or one such row per page (views into a tier's slots: no gather copy).
+
+        On the CPU each row goes straight into its page, layer by layer, on this thread: a
+        plain memory copy. torch's ``index_copy_`` over the same bytes ran at 0.3-0.9 GB/s
+        on a shared 2-vCPU box (its intra-op workers wait on each other)."""
+        if self._host is not None:
+            width = self.bytes_per_block // len(self._host)
+            for page, row in zip(pages, data, strict=True):
+                for i, layer in enumerate(self._host):
+                    layer[page] = row[i * width : (i + 1) * width]
+            return
         rows = torch.from_numpy(np.ascontiguousarray(data)).view(self.spec.dtype)
         rows = rows.to(self.layers[0].device, non_blocking=True)
         index = torch.tensor(pages, dtype=torch.long, device=self.layers[0].device)

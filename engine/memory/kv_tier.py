@@ -2,14 +2,14 @@
 
 A tier is a fixed number of block-sized slots (its byte budget) and an index over them::
 
-    entry = digest -> (slot, parent digest, token bytes, crc32 of the slot, written?)
+    entry = digest -> (slot, parent digest, token bytes, checksum of the slot, written?)
 
 The key is the block's chained digest (prefix_tree.py), which already names the model,
 tokenizer, dtype and namespace, and the whole prefix before the block: a tenant can only ever
 find its own entries. A lookup still compares the parent digest and the exact token bytes
 (the same collision guard as the tree). The index has its own LRU: a spill into a full tier
-drops the least recently used entry. A read checks the slot's crc32: a corrupt, missing or
-unwritten slot is a miss (the entry is dropped), never wrong KV.
+drops the least recently used entry. A read checks the slot's checksum (XXH3-64): a corrupt,
+missing or unwritten slot is a miss (the entry is dropped), never wrong KV.
 
 Writes never stall a step: ``spill`` copies the page out (one block) into a staging buffer
 and a writer thread checksums it and stores it in the slot; a spill that finds the writer
@@ -30,17 +30,24 @@ import queue
 import tempfile
 import threading
 import weakref
-import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
+import xxhash
 
 from ..config import TierSpec
+
+
+def checksum(data: np.ndarray) -> int:
+    """A slot's checksum: XXH3-64 of its bytes. It is verified on every reload, on the
+    request's critical path: XXH3 runs at memory speed (≈ 20 GB/s here) where zlib's crc32
+    ran at 2.5-3.4 GB/s and capped a reload below 2 GB/s."""
+    return xxhash.xxh3_64_intdigest(data)
 
 
 class PageIO(Protocol):
@@ -53,7 +60,9 @@ class PageIO(Protocol):
         """A copy of the pages' KV: uint8 ``[len(pages), bytes_per_block]``."""
         ...
 
-    def write_pages(self, pages: list[int], data: np.ndarray) -> None: ...
+    def write_pages(self, pages: list[int], data: np.ndarray | Sequence[np.ndarray]) -> None:
+        """Fill ``pages`` from bytes as ``read_pages`` gives them, or one row per page."""
+        ...
 
 
 class SlotStorage(Protocol):
@@ -113,7 +122,7 @@ class TierEntry:
     slot: int
     parent: bytes  # parent block's digest, or the namespace root digest
     tokens: bytes
-    checksum: int = 0
+    checksum: int = 0  # checksum() of the slot's bytes
     written: bool = False
 
 
@@ -211,7 +220,7 @@ class KVTier:
         return True
 
     def _store(self, entry: TierEntry, data: np.ndarray) -> None:
-        entry.checksum = zlib.crc32(data)
+        entry.checksum = checksum(data)
         self.storage.slots[entry.slot] = data
         entry.written = True
         self._stats.writes += 1
@@ -233,33 +242,30 @@ class KVTier:
     # ---- reads
 
     def reload(self, digests: list[bytes], pages: list[int]) -> int:
-        """Copy the entries' KV into ``pages`` (one batched write); stops at the first entry
-        that is gone or fails its checksum (dropped). Returns how many were copied."""
+        """Copy the entries' KV into ``pages``; stops at the first entry that is gone or fails
+        its checksum (dropped). Returns how many were copied. Each slot is verified in place
+        and handed to ``write_pages`` as a view: one memory copy per byte, slot to page."""
         if any(
             (e := self._entries.get(d)) is not None and not e.written for d in digests
         ):  # a spill still on its way: wait for it rather than recompute
             self.drain()
-        entries: list[TierEntry] = []
+        slots = self.storage.slots
+        rows: list[np.ndarray] = []  # views of the verified slots: no gather copy
         for digest in digests:
             entry = self._entries.get(digest)
             if entry is None:
                 break
-            entries.append(entry)
-        if not entries:
-            return 0
-        rows = self.storage.slots[[e.slot for e in entries]]  # one gather: a copy
-        count = len(entries)
-        for i, (digest, entry) in enumerate(zip(digests, entries, strict=False)):
-            if not entry.written or zlib.crc32(rows[i]) != entry.checksum:
+            row = slots[entry.slot]
+            if not entry.written or checksum(row) != entry.checksum:
                 self._stats.corrupt += 1
                 self._drop(digest, count=False)
-                count = i
                 break
             self._entries.move_to_end(digest)
-        if count:
-            self.pages.write_pages(pages[:count], rows[:count])
-            self._stats.reloads += count
-        return count
+            rows.append(row)
+        if rows:
+            self.pages.write_pages(pages[: len(rows)], rows)
+            self._stats.reloads += len(rows)
+        return len(rows)
 
     # ---- upkeep
 
