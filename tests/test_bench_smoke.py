@@ -83,6 +83,10 @@ CASES = {
         + ["--seqs", "2", "--prompt", "40", "--max-tokens", "30", "--rounds", "1", "--steps", "2"],
         {"available", "cpu"},
     ),
+    "grammar.py": (
+        ["--schemas", "12", "--batch", "8", "--steps", "4"],
+        {"compile_total_s", "mask_median_ms", "refused"},
+    ),
     "sidecar_overhead.py": (
         ["--requests", "3", "--warmup", "1", "--streams", "4", "--stream-tokens", "2"],
         {"http_added_outside_engine_p50_ms", "http_added_p50_ms", "stream_errors"},

@@ -23,7 +23,7 @@ from prefixcache.engine.serving.process_engine import ProcessEngine
 from prefixcache.engine.text.tokenizer import _compile_template
 from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
-pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
 
 LOOKUP = {
     "type": "function",

@@ -1,13 +1,19 @@
 """Constrained decoding: a request's ``GrammarSpec`` masks its logits row at every step.
 
-xgrammar compiles a grammar (JSON, or JSON valid against a schema) against the vocabulary
-once; ``StructuredOutput`` keeps compiled grammars by digest (LRU) and one matcher per
-constrained request. Each step the engine asks it to ``mask`` the rows of constrained
-requests (unconstrained rows are untouched, so they sample what they would alone) and then
-``accept`` the sampled tokens. The grammar's end allows only the stop tokens, so a finished
-value ends the request with "stop"; ``max_tokens`` may still cut it ("length").
+llguidance (Rust, no torch or GPU compiler) turns a grammar (JSON, or JSON valid against a
+schema) into a grammar string once; ``StructuredOutput`` keeps those by digest (LRU) and one
+matcher per constrained request. Each step the engine asks it to ``mask`` the rows of
+constrained requests (unconstrained rows are untouched, so they sample what they would
+alone) and then ``accept`` the sampled tokens. The grammar's end allows only the stop
+tokens, so a finished value ends the request with "stop"; ``max_tokens`` may still cut it
+("length").
 
-xgrammar is imported on the first constrained request (it is slow to import).
+Objects allow only the properties their schema names unless it says otherwise
+(``additionalProperties`` defaults to false, as xgrammar's strict mode and OpenAI's strict
+structured outputs do); ``json`` mode (any object) allows any. No free whitespace: a model
+that likes spaces could otherwise never finish.
+
+llguidance is imported on the first constrained request.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ..request import GrammarSpec
@@ -26,41 +33,74 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("prefixcache.engine")
 
+JSON_OPTIONS = {"whitespace_flexible": False}
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
+# Keys whose value is one schema, a list of schemas, or a map of name -> schema.
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+_MANY = ("anyOf", "allOf", "oneOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not
+    say (a copy; boolean schemas and schemas that already say are kept)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    for key in _MANY:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed_objects(out["additionalProperties"])
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
 
 class StructuredOutput:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (the model's, >= the tokenizer's)
         self.cache_size = cache_size
-        self._compiler: Any = None
-        self._grammars: OrderedDict[str, Any] = OrderedDict()  # digest -> CompiledGrammar
-        self._matchers: dict[str, Any] = {}  # request id -> GrammarMatcher
-        self._bitmask: torch.Tensor | None = None
+        self._lltok: Any = None
+        self._executor: Any = None
+        self._grammars: OrderedDict[str, str] = OrderedDict()  # digest -> grammar (checked)
+        self._matchers: dict[str, Any] = {}  # request id -> LLMatcher
+        self._ended: set[str] = set()  # requests whose matcher took its stop token
+        self._stop_ids = frozenset(tokenizer.eos_token_ids)
+        self._bitmask: np.ndarray | None = None
         self.num_compiled = 0  # grammars compiled (not taken from the cache), for tests
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
 
-    def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar of ``spec``, from the cache if seen; ValueError if invalid."""
+    def compile(self, spec: GrammarSpec) -> str:
+        """The checked grammar of ``spec``, from the cache if seen; ValueError if invalid."""
         grammar = self._grammars.get(spec.digest)
         if grammar is not None:
             self._grammars.move_to_end(spec.digest)
             return grammar
-        compiler = self._grammar_compiler()
+        import llguidance as llg
+
+        tokenizer = self._tokenizer()
         try:
-            # No free whitespace: a model that likes spaces could otherwise never finish.
             if spec.kind == "json":  # OpenAI's json_object: any JSON object
-                grammar = compiler.compile_json_schema(
-                    {"type": "object"}, any_whitespace=False, strict_mode=False
-                )
+                schema: Any = {"type": "object"}
             else:
-                schema = json.loads(spec.schema)
-                grammar = compiler.compile_json_schema(schema, any_whitespace=False)
+                schema = closed_objects(json.loads(spec.schema))
+            grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise ValueError(
-                f"the JSON schema cannot be used for constrained output: {exc}"
-            ) from None
+            error = str(exc)
+        if error:
+            raise ValueError(f"the JSON schema cannot be used for constrained output: {error}")
         self.num_compiled += 1
         self._grammars[spec.digest] = grammar
         if len(self._grammars) > self.cache_size:
@@ -68,67 +108,101 @@ class StructuredOutput:
         return grammar
 
     def add(self, request_id: str, spec: GrammarSpec) -> None:
-        import xgrammar as xgr
+        import llguidance as llg
 
-        self._matchers[request_id] = xgr.GrammarMatcher(self.compile(spec))
+        matcher = llg.LLMatcher(self._tokenizer(), self.compile(spec), log_level=0)
+        if matcher.is_error():
+            raise ValueError(
+                f"the JSON schema cannot be used for constrained output: {matcher.get_error()}"
+            )
+        self._matchers[request_id] = matcher
 
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._ended.discard(request_id)
 
     def mask(self, logits: torch.Tensor, request_ids: list[str]) -> None:
         """Set to -inf, in place, every token the grammar forbids in the constrained rows."""
-        matchers = self._matchers
-        # A terminated matcher (its stop token sampled, yet the request goes on, e.g. with
-        # ignore_eos) has nothing left to allow: its row is left as it is.
-        rows = [
-            i
-            for i, rid in enumerate(request_ids)
-            if rid in matchers and not matchers[rid].is_terminated()
-        ]
+        matchers, ended = self._matchers, self._ended
+        # A matcher whose value is complete allows only the stop tokens; once one is taken
+        # (yet the request goes on, e.g. with ignore_eos) nothing is left: its row is left as
+        # it is.
+        rows = [i for i, rid in enumerate(request_ids) if rid in matchers and rid not in ended]
         if not rows:
             return
-        import xgrammar as xgr
-
-        bitmask = self._bitmask_for(len(request_ids))
-        for row in rows:
-            self._matchers[request_ids[row]].fill_next_token_bitmask(bitmask, row)
-        xgr.apply_token_bitmask_inplace(
-            logits, bitmask[: len(request_ids)].to(logits.device), indices=rows
+        bitmask = self._bitmask_for(len(rows))
+        # every row's mask at once, across llguidance's threads, without the GIL
+        self._executor.unsafe_compute_mask_ptr(
+            [(matchers[request_ids[row]], k) for k, row in enumerate(rows)],
+            bitmask.ctypes.data,
+            bitmask.shape[1] * 4,
+            bitmask.shape[0],
         )
+        bits = np.unpackbits(bitmask[: len(rows)].view(np.uint8), axis=1, bitorder="little")
+        forbidden = bits[:, : logits.shape[1]] == 0
+        if logits.device.type == "cpu" and logits.dtype in _NUMPY_FLOATS:
+            # numpy on this thread: torch's masked_fill_ over a 49K-token row fans out to its
+            # intra-op workers, which stalled 250 ms at a time on a loaded 2-vCPU box
+            values = logits.detach().numpy()
+            for k, row in enumerate(rows):
+                np.copyto(values[row], -np.inf, where=forbidden[k])
+            return
+        mask = torch.from_numpy(forbidden).to(logits.device)
+        with torch.inference_mode():  # the model's logits are inference tensors
+            for k, row in enumerate(rows):
+                logits[row].masked_fill_(mask[k], float("-inf"))
 
     def accept(self, request_ids: list[str], tokens: list[int]) -> None:
         for rid, token in zip(request_ids, tokens, strict=True):
             matcher = self._matchers.get(rid)
-            if matcher is None or matcher.is_terminated():
+            if matcher is None or rid in self._ended:
                 continue
-            if not matcher.accept_token(token):  # masked, so only a bug gets here
+            if not matcher.consume_token(token):  # masked, so only a bug gets here
                 log.error("grammar rejected token %d of request %s", token, rid)
+                self._ended.add(rid)  # an error state is for good: unconstrained from here
+            elif token in self._stop_ids and matcher.is_stopped():
+                self._ended.add(rid)
 
-    def _bitmask_for(self, num_rows: int) -> torch.Tensor:
-        import xgrammar as xgr
-
+    def _bitmask_for(self, num_rows: int) -> np.ndarray:
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:
-            self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.vocab_size)
+            words = (self.vocab_size + 31) // 32  # one bit a token, little-endian words
+            self._bitmask = np.zeros((max(num_rows, 8), words), dtype=np.int32)
         return self._bitmask
 
-    def _grammar_compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar as xgr
+    def _tokenizer(self) -> Any:
+        """llguidance's view of the vocabulary (built once: the token trie)."""
+        if self._lltok is None:
+            import llguidance as llg
 
             tok = self.tokenizer
             special = tok.special_token_ids
             # An empty entry keeps a token out of every value: control tokens are never text,
-            # and JSON without free whitespace never holds a raw control character (xgrammar's
-            # strings would let some through, which JSON parsers refuse).
-            vocab = []
+            # and JSON without free whitespace never holds a raw control character.
+            pieces = []
             for i in range(tok.vocab_size):
                 piece = b"" if i in special else tok.token_bytes(i)
-                vocab.append(b"" if any(byte < 0x20 for byte in piece) else piece)
-            info = xgr.TokenizerInfo(
-                vocab,
-                xgr.VocabType.RAW,
-                vocab_size=self.vocab_size,
-                stop_token_ids=list(tok.eos_token_ids),
+                pieces.append(b"" if any(byte < 0x20 for byte in piece) else piece)
+            pieces += [b""] * (self.vocab_size - len(pieces))  # the model's extra rows
+            wrapper = llg.TokenizerWrapper(_Vocabulary(tok, pieces))
+            self._lltok = llg.LLTokenizer(
+                wrapper, n_vocab=self.vocab_size, eos_token=list(tok.eos_token_ids)
             )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        return self._compiler
+            self._executor = llg.LLExecutor()
+        return self._lltok
+
+
+class _Vocabulary:
+    """What ``llguidance.TokenizerWrapper`` reads: the pieces, the stop and special ids, and
+    an encoder (llguidance tokenizes grammar literals with it)."""
+
+    def __init__(self, tokenizer: Tokenizer, pieces: list[bytes]) -> None:
+        self._tokenizer = tokenizer
+        self.tokens = pieces
+        self.eos_token_id = tokenizer.eos_token_ids[0]
+        self.bos_token_id: int | None = None
+        self.special_token_ids = sorted(tokenizer.special_token_ids)
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode(text)
