@@ -24,7 +24,8 @@ def create_backend(
 ) -> AttentionBackend:
     """``auto`` picks FlashInfer on CUDA when it is installed; on CPU the engine's kernel
     (``cpu``: batch-invariant, see ``cpu_backend``) unless ``batch_invariant`` is off; else
-    the torch reference."""
+    the torch reference. FlashInfer takes ``batch_invariant`` too (a fixed split size, and
+    cascade groups decoded plainly; see ``flashinfer_backend``)."""
     device = torch.device(device)
     on_cuda = device.type == "cuda" and torch.cuda.is_available()
     if name == "cpu" or (name == "auto" and device.type == "cpu" and batch_invariant):
@@ -43,13 +44,13 @@ def create_backend(
             )
         from .flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(device)
+        return FlashInferBackend(device, batch_invariant=batch_invariant)
     if name == "auto":
         if on_cuda:
             try:
                 from .flashinfer_backend import FlashInferBackend
 
-                return FlashInferBackend(device)
+                return FlashInferBackend(device, batch_invariant=batch_invariant)
             except ImportError:
                 pass
         from .torch_backend import TorchBackend
