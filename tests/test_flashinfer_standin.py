@@ -93,7 +93,7 @@ def run(
         starts.append(starts[-1] + s.num_new)
     rows = torch.tensor([r for i in order for r in range(starts[i], starts[i + 1])])
     d = case.q.shape[2]
-    backend.plan(meta, AttentionShape(hq, hk, d, torch.float32))
+    backend.plan(meta, AttentionShape(hq, hk, d, case.q.dtype))
     layer = case.kv_layer.clone()
     out = backend.forward(case.q[rows], case.k[rows], case.v[rows], layer)
     result = torch.empty_like(out)
