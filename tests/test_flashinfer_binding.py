@@ -116,9 +116,7 @@ def _recorded_calls() -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
     for kwargs in ({"batch_invariant": True}, {"batch_invariant": False}, {"window_left": 31}):
         for spec, shared in ((MIXED, 0), (GROUPED + MIXED, 64)):
             for dtype in (torch.float32, torch.bfloat16):
-                case = make_case(spec, 8, 2, shared=shared, seed=1)
-                case.q, case.k, case.v = (t.to(dtype) for t in (case.q, case.k, case.v))
-                case.kv_layer = case.kv_layer.to(dtype)
+                case = make_case(spec, 8, 2, shared=shared, seed=1, dtype=dtype)
                 run(standin_backend(**kwargs), case, 8, 2, cascade=True)
     return list(flashinfer_standin.calls)
 

@@ -49,7 +49,14 @@ class Case:
 
 
 def make_case(
-    spec: list[tuple[int, int]], hq: int, hk: int, d: int = 32, shared: int = 0, seed: int = 0
+    spec: list[tuple[int, int]],
+    hq: int,
+    hk: int,
+    d: int = 32,
+    shared: int = 0,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> Case:
     """``spec``: (start_pos, num_new) per sequence; the first ``shared`` tokens (whole blocks)
     are the same blocks for every sequence that starts after them; pages are shuffled. A sequence's data depends only
@@ -79,19 +86,25 @@ def make_case(
         qs.append(torch.randn(n, hq, d, generator=own_gen))
         ks.append(kv[start:, 0])
         vs.append(kv[start:, 1])
-    return Case(seqs, kv_layer, torch.cat(qs), torch.cat(ks), torch.cat(vs), fk, fv)
+
+    def put(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype)
+
+    q, k, v = (put(torch.cat(x)) for x in (qs, ks, vs))
+    return Case(seqs, put(kv_layer), q, k, v, fk, fv)
 
 
 def run(
     backend: Any, case: Case, hq: int, hk: int, cascade: bool
 ) -> tuple[list[torch.Tensor], AttentionMetadata]:
     """Per-sequence outputs (caller order) of one step through ``backend``."""
+    dev = case.kv_layer.device
     order, groups = plan_step_order(case.seqs, BS, cascade)
-    meta = AttentionMetadata.build([case.seqs[i] for i in order], BS, "cpu", groups)
+    meta = AttentionMetadata.build([case.seqs[i] for i in order], BS, dev, groups)
     starts = [0]
     for s in case.seqs:
         starts.append(starts[-1] + s.num_new)
-    rows = torch.tensor([r for i in order for r in range(starts[i], starts[i + 1])])
+    rows = torch.tensor([r for i in order for r in range(starts[i], starts[i + 1])], device=dev)
     d = case.q.shape[2]
     backend.plan(meta, AttentionShape(hq, hk, d, case.q.dtype))
     layer = case.kv_layer.clone()
