@@ -1,8 +1,8 @@
 """A CPU stand-in for the part of flashinfer-python the engine calls. Tests only.
 
-It computes what FlashInfer's wrappers are *documented* to compute (docs/models.md, "GPU
-path"; the FlashInfer reference in the project's shared notes, sections 1-3 and 7), in plain
-torch, one request at a time. It is not FlashInfer's kernels: it checks our page tables,
+It computes what FlashInfer's wrappers are *documented* to compute (FlashInfer's docstrings
+and tutorials: the paged KV layout, the wrappers, cascade, the attention math; summarised in
+docs/models.md, "Attention backends"), in plain torch, one request at a time. It is not FlashInfer's kernels: it checks our page tables,
 cascade levels and call order against the documented contract, nothing about speed or the
 kernels' own numerics.
 
