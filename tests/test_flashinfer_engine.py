@@ -3,7 +3,8 @@ the stand-in for FlashInfer's documented semantics (tests/flashinfer_standin.py;
 FlashInfer's kernels). In fp32, logits and greedy tokens equal the torch backend's: cold, warm
 (after cached blocks), chunked, batched (prefills next to decodes) and with cascade groups
 (decodes over a shared prefix), with batch invariance on (groups decoded plainly, fixed
-split) and off (the cascade wrapper)."""
+split) and off (the cascade wrapper); first through the model runner, then through the whole
+engine (scheduler, prefix cache, chunked prefill)."""
 
 from __future__ import annotations
 
@@ -118,8 +119,61 @@ def test_model_through_flashinfer_backend_equals_torch_backend(
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist(), f"step {i}"
     assert any(m.cascade_groups for m in fi.plans) and any(m.prefill_groups for m in fi.plans)
     names = {c[0] for c in flashinfer_standin.calls}
+    assert "BatchDecodeWithPagedKVCacheWrapper.run" in names  # the stand-in backend served it
     assert ("MultiLevelCascadeAttentionWrapper.run" in names) == (not invariant)
     assert {
         "BatchPrefillWithPagedKVCacheWrapper.run",
         "BatchDecodeWithPagedKVCacheWrapper.run",
     } <= names
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_engine_generates_through_flashinfer_backend(
+    loaded: LoadedModel, invariant: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole engine (scheduler, prefix cache, chunked prefill, cascade grouping) over the
+    stand-in backend: greedy tokens equal the torch backend's, cold, warm, chunked, batched."""
+    import random
+
+    from prefixcache.engine import engine as engine_module
+    from prefixcache.engine.config import EngineConfig
+    from prefixcache.engine.engine import LLMEngine
+    from prefixcache.engine.request import SamplingParams
+
+    rng = random.Random(9)
+    vocab = loaded.config.vocab_size
+    prefix = [rng.randrange(3, vocab) for _ in range(150)]
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in (9, 33, 17)]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def engine(backend: str, **overrides: object) -> LLMEngine:
+        config = EngineConfig(model="demo", dtype="float32", device="cpu", num_blocks=256,
+                              batch_invariant=invariant, attention_backend=backend)  # fmt: skip
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        return LLMEngine(config, loaded)
+
+    want = [out.token_ids for out in engine("torch").generate(prompts, greedy)]
+    flashinfer_standin.calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(
+            engine_module,
+            "create_backend",
+            lambda *_, **kw: FlashInferBackend(
+                "cpu", module=flashinfer_standin, workspace_bytes=16, **kw
+            ),
+        )
+        cold = [
+            engine("torch", enable_prefix_caching=False).generate([p], greedy)[0] for p in prompts
+        ]
+        warm_engine = engine("torch")
+        warm_engine.generate([prefix], SamplingParams(max_tokens=1))
+        warm = [warm_engine.generate([p], greedy)[0] for p in prompts]
+        chunked = engine("torch", max_num_batched_tokens=40).generate(prompts, greedy)
+        batched = engine("torch").generate(prompts, greedy)
+    assert all(out.usage.cached_tokens >= 144 for out in warm), "the prefix must be cached"
+    for name, outs in (("cold", cold), ("warm", warm), ("chunked", chunked), ("batched", batched)):
+        assert [out.token_ids for out in outs] == want, name
+    names = {c[0] for c in flashinfer_standin.calls}
+    assert "BatchDecodeWithPagedKVCacheWrapper.run" in names  # the stand-in backend served it
+    assert ("MultiLevelCascadeAttentionWrapper.run" in names) == (not invariant)
