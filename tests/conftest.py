@@ -194,3 +194,24 @@ def wait_for_idle_blocks(root: str, timeout: float = 10, headers: dict | None = 
         if stats["blocks"]["in_use"] == 0 or time.monotonic() > deadline:
             return stats
         time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def tools_sidecar(server_loop: ServerLoop, demo_loaded: Any) -> Iterator[Server]:
+    """The demo model with a Llama-3.1-style tools template (on the engine thread), answering
+    to "demo" and "claude-test": for the Messages and Responses API tests."""
+    import copy
+    import dataclasses
+
+    from tool_templates import LLAMA31_STYLE
+
+    from prefixcache.engine.text.tokenizer import _compile_template
+
+    tokenizer = copy.copy(demo_loaded.tokenizer)
+    tokenizer.chat_template = LLAMA31_STYLE
+    tokenizer._template = _compile_template(LLAMA31_STYLE)
+    engine = demo_engine(dataclasses.replace(demo_loaded, tokenizer=tokenizer))
+    settings = SidecarSettings(model_aliases=("demo", "claude-test"))
+    server = serve(server_loop, create_app(engine, settings))
+    yield server
+    server.stop()

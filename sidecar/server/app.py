@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from prefixcache.engine.api import EngineAPI
 
+from ..anthropic.routes import MessagesRoutes
 from ..http.base_app import build_app, health_reply, metrics_reply, openai_routes
 from ..wire import reply_types as rt
 from .admission import Admission
@@ -51,6 +52,7 @@ class Sidecar:
         self.gate = RequestGate(engine, settings)
         self.admission = Admission(engine, settings.max_waiting, settings.retry_after_s)
         self.generation = GenerationRoutes(engine, self.gate, self.admission, settings)
+        self.anthropic = MessagesRoutes(self.generation)
         self.cache = CacheRoutes(engine, self.gate, settings.cache_dir, settings.secret)
         self.dashboard = DashboardRoutes(engine, self.gate)
         self.metrics_registry = CollectorRegistry()  # the HTTP series
@@ -70,7 +72,17 @@ class Sidecar:
             models=self.models,
             model=self.model,
         )
-        return [*serving, *self.cache.routes(), *self.dashboard.routes()]
+        other_apis = [
+            Route("/v1/messages", self.anthropic.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.anthropic.count_tokens, methods=["POST"]),
+        ]
+        return [
+            *serving[:2],
+            *other_apis,
+            *serving[2:],
+            *self.cache.routes(),
+            *self.dashboard.routes(),
+        ]
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
