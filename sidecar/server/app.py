@@ -24,6 +24,7 @@ from prefixcache.engine.api import EngineAPI
 
 from ..anthropic.routes import MessagesRoutes
 from ..http.base_app import build_app, health_reply, metrics_reply, openai_routes
+from ..responses_api.routes import ResponsesRoutes
 from ..wire import reply_types as rt
 from .admission import Admission
 from .cache_routes import CacheRoutes
@@ -53,6 +54,7 @@ class Sidecar:
         self.admission = Admission(engine, settings.max_waiting, settings.retry_after_s)
         self.generation = GenerationRoutes(engine, self.gate, self.admission, settings)
         self.anthropic = MessagesRoutes(self.generation)
+        self.responses = ResponsesRoutes(self.generation)
         self.cache = CacheRoutes(engine, self.gate, settings.cache_dir, settings.secret)
         self.dashboard = DashboardRoutes(engine, self.gate)
         self.metrics_registry = CollectorRegistry()  # the HTTP series
@@ -75,6 +77,7 @@ class Sidecar:
         other_apis = [
             Route("/v1/messages", self.anthropic.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", self.anthropic.count_tokens, methods=["POST"]),
+            Route("/v1/responses", self.responses.create, methods=["POST"]),
         ]
         return [
             *serving[:2],
