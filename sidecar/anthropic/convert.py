@@ -132,7 +132,7 @@ def _user(blocks: list[w.Block], out: Conversation, tool_use_ids: set[str], inde
         elif isinstance(block, w.ToolResultBlock):
             if block.tool_use_id not in tool_use_ids:
                 raise p.Error(
-                    f"messages.{index}: tool_result {block.tool_use_id!r} has no tool_use "
+                    f"messages.{index}: tool_result {block.tool_use_id[:64]!r} has no tool_use "
                     "block before it",
                     "messages",
                 )
@@ -161,7 +161,7 @@ def check_unsupported(req: w.CountTokensRequest) -> None:
         raise p.Error("'container' is not supported by this server", "container")
     for tool in req.tools or ():
         if tool.type not in (None, "custom"):
-            raise p.Error(f"server tool type {tool.type!r} is not supported", "tools")
+            raise p.Error(f"server tool type {tool.type[:40]!r} is not supported", "tools")
     names = [t.name for t in req.tools or ()]
     if len(set(names)) != len(names):
         raise p.Error("tool names must be unique", "tools")

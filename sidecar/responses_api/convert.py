@@ -37,7 +37,8 @@ def check_unsupported(req: w.ResponsesRequest) -> None:
         raise p.Error(f"'{name}' is not supported by this server", name)
     for tool in req.tools or ():
         if tool.type != "function":
-            raise p.Error(f"tool type {tool.type!r} is not supported: only 'function'", "tools")
+            shown = repr(tool.type)[:40]
+            raise p.Error(f"tool type {shown} is not supported: only 'function'", "tools")
         if tool.name is None:
             raise p.Error("a function tool needs 'name'", "tools")
     fmt = req.text.format if req.text is not None else None
@@ -69,7 +70,8 @@ def input_messages(req: w.ResponsesRequest) -> list[p.Message]:
                 text = _text(result.output, index)
                 messages.append(p.Message("tool", text, tool_call_id=result.call_id))
             else:
-                raise p.Error(f"input[{index}]: items of type {kind!r} are not supported", "input")
+                shown = repr(kind)[:40] if isinstance(kind, str) else "a non-string"
+                raise p.Error(f"input[{index}]: items of type {shown} are not supported", "input")
         except msgspec.ValidationError as exc:
             raise p.Error(f"input[{index}]: {_without_values(str(exc))}", "input") from None
     if not messages:
@@ -87,7 +89,8 @@ def _text(content: str | list[w.ContentPart], index: int) -> str:
         elif part.type == "refusal":
             texts.append(part.refusal or "")
         else:
-            raise p.Error(f"input[{index}]: {part.type!r} content is not supported", "input")
+            shown = repr(part.type)[:40]
+            raise p.Error(f"input[{index}]: {shown} content is not supported", "input")
     return "".join(texts)
 
 
