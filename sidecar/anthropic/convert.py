@@ -15,7 +15,9 @@ it shares with the prompt are the prefix to keep: a retention hint (a TTL pin on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import msgspec
 
@@ -44,6 +46,14 @@ from . import wire as w
 # A user turn that shares nothing with any prompt's content: where it starts, a tools-only
 # prefix ends.
 _PROBE = [p.Message("user", "\u2063probe\u2063")]
+
+
+# Anthropic's tool_choice types as the chat path's modes ("tool" names one: NamedToolChoice).
+_TOOL_MODES: dict[str, Literal["auto", "required", "none"]] = {
+    "auto": "auto",
+    "any": "required",
+    "none": "none",
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -215,7 +225,7 @@ def chat_request(req: w.MessagesRequest, chat: Conversation) -> p.ChatCompletion
             assert choice.name is not None
             tool_choice = NamedToolChoice("function", ChosenFunction(choice.name))
         else:
-            tool_choice = {"auto": "auto", "any": "required", "none": "none"}[choice.type]  # type: ignore[assignment]
+            tool_choice = _TOOL_MODES[choice.type]
     disable_parallel = choice is not None and bool(choice.disable_parallel_tool_use)
     tools = [
         ToolDef("function", FunctionDef(t.name, t.description, t.input_schema))
@@ -244,13 +254,17 @@ def chat_request(req: w.MessagesRequest, chat: Conversation) -> p.ChatCompletion
     )
 
 
-def retention(chat: Conversation):
+# (renderer, the rendered prompt, template kwargs) -> its hints: a server.generation.Retention
+Retention = Callable[[PromptRenderer, RenderedPrompt, dict[str, Any]], list[RetentionHint]]
+
+
+def retention(chat: Conversation) -> Retention:
     """The retention hints of ``chat``'s breakpoints, measured on the rendered prompt."""
 
     def hints(
-        renderer: PromptRenderer, prompt: RenderedPrompt, template_kwargs: dict
+        renderer: PromptRenderer, prompt: RenderedPrompt, template_kwargs: dict[str, Any]
     ) -> list[RetentionHint]:
-        out = []
+        out: list[RetentionHint] = []
         for point in chat.breakpoints:
             cut = _PROBE if point.cut is None else point.cut
             head = renderer.render_chat(
