@@ -14,7 +14,10 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from conftest import Server
+from conftest import KEYS, Server
+from sidecar_fake_engine import FakeEngine
+
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 pytest.importorskip("xgrammar")
 
@@ -383,3 +386,42 @@ def test_keys_come_as_x_api_key_or_bearer(tenant_server: Server) -> None:
     )
     with pytest.raises(anthropic.AuthenticationError):
         client.messages.count_tokens(model="demo", messages=QUESTION)
+
+
+def test_tenants_never_read_each_others_breakpoints(tenant_server: Server) -> None:
+    def create(key: str, system: list[dict[str, Any]]) -> dict:
+        body = {"model": "demo", "max_tokens": 2, "system": system, "messages": QUESTION}
+        headers = {"x-api-key": KEYS[key]["key"]}
+        url = f"{tenant_server.root}/v1/messages"
+        response = httpx.post(url, json=body, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]
+
+    system = unique_system()
+    first = create("a", system)
+    prefix = first["cache_creation_input_tokens"] + first["cache_read_input_tokens"]
+    assert create("a", system)["cache_read_input_tokens"] == prefix  # a's own prefix
+    other = create("b", system)  # the same text, another tenant: another namespace
+    assert other["cache_read_input_tokens"] < 32 and other["cache_creation_input_tokens"] > 100
+
+
+async def test_queue_full_and_not_ready_in_anthropics_shape() -> None:
+    engine = FakeEngine()
+    app = create_app(engine, SidecarSettings(manage_engine=False, max_waiting=0))
+    transport = httpx.ASGITransport(app=app)
+    body = {"max_tokens": 1, "messages": QUESTION}
+    async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as client:
+        loading = await client.post("/v1/messages", json=body)
+        assert loading.status_code == 503 and loading.headers["retry-after"]
+        assert loading.json()["error"]["type"] == "overloaded_error"
+        await engine.start()
+        full = await client.post("/v1/messages", json=body)
+        assert full.status_code == 429 and full.headers["retry-after"]
+        assert full.json() == {
+            "type": "error",
+            "error": {"type": "rate_limit_error", "message": full.json()["error"]["message"]},
+        }
+        responses = await client.post("/v1/responses", json={"input": "x"})
+        assert responses.status_code == 429
+        assert responses.json()["error"]["type"] == "rate_limit_error"
+        assert engine.received == []
