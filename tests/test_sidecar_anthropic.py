@@ -425,3 +425,26 @@ async def test_queue_full_and_not_ready_in_anthropics_shape() -> None:
         assert responses.status_code == 429
         assert responses.json()["error"]["type"] == "rate_limit_error"
         assert engine.received == []
+
+
+def test_a_named_tool_streams_its_input_as_it_is_generated(client: anthropic.Anthropic) -> None:
+    with client.messages.stream(
+        model="demo",
+        max_tokens=64,
+        messages=QUESTION,
+        tools=[LOOKUP],
+        tool_choice={"type": "tool", "name": "lookup"},
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    pieces = [
+        e.delta.partial_json
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
+    assert len(pieces) > 2  # token by token, not one delta at the end
+    (call,) = final.content
+    assert call.type == "tool_use" and call.name == "lookup"
+    assert json.loads("".join(pieces)) == call.input
+    jsonschema.validate(call.input, LOOKUP["input_schema"])
+    assert final.stop_reason == "tool_use"

@@ -221,3 +221,22 @@ def test_the_store_is_bounded_per_tenant_and_in_all() -> None:
     assert len(store) <= 6
     store.put("c", "huge", [Message("user", "x" * 5000)])  # larger than a tenant's share
     assert store.get("c", "huge") is None
+
+
+def test_a_named_function_streams_its_arguments_as_generated(client: openai.OpenAI) -> None:
+    with client.responses.stream(
+        model="demo",
+        input="Look it up.",
+        tools=[LOOKUP],
+        tool_choice={"type": "function", "name": "lookup"},
+        max_output_tokens=64,
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 2  # token by token
+    (call,) = final.output
+    assert call.type == "function_call" and call.name == "lookup"
+    assert json.loads("".join(pieces)) == json.loads(call.arguments)
+    jsonschema.validate(json.loads(call.arguments), LOOKUP["parameters"])
+    assert [e.type for e in events][-2:] == ["response.output_item.done", "response.completed"]

@@ -18,6 +18,7 @@ usage (Anthropic's ``message_delta`` usage is cumulative).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -28,7 +29,7 @@ import msgspec
 from prefixcache.engine.api import TokenizerAPI
 from prefixcache.engine.request import RetentionHint, Usage
 
-from ..chat.tool_calls import ToolCall, ToolCallStream
+from ..chat.tool_calls import ForcedParser, ToolCall, ToolCallStream, new_call_id
 from ..http.errors import APIError
 from ..server.responses import Job, cache_report, fallback_usage, raise_engine_error
 from ..wire import reply_types as rt
@@ -178,64 +179,106 @@ async def stream_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[byte
     )
     yield event("message_start", message=start)
     yield event("ping")
-    calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
-    index = 0
-    text_open = False
-    released: list[str] = []
-    token_ids: list[int] = []
+    parser = job.tool_parser
+    forced = parser.function if isinstance(parser, ForcedParser) else None
+    body = _forced_call_events(job, forced) if forced else _content_events(job, tokenizer)
     try:
-        async for out in job.stream:
-            raise_engine_error(out.error, out.finish_reason)
-            token_ids.extend(out.new_token_ids)
-            text = out.text_delta if calls is None else calls.push(out.text_delta)
-            if text:
-                if not text_open:
-                    yield _block_start(index, TextContent(""))
-                    text_open = True
-                released.append(text)
-                yield event("content_block_delta", index=index, delta=_text_delta(text))
-            if not out.finished:
-                continue
-            usage = out.usage or fallback_usage(job, len(token_ids))
-            tool_calls: list[ToolCall] = []
-            if calls is not None:
-                rest = calls.finish()
-                if rest.content:
-                    if not text_open:
-                        yield _block_start(index, TextContent(""))
-                        text_open = True
-                    released.append(rest.content)
-                    yield event("content_block_delta", index=index, delta=_text_delta(rest.content))
-                tool_calls = rest.tool_calls
-            if text_open:
-                yield event("content_block_stop", index=index)
-                index += 1
-            for call in tool_calls:
-                head = ToolUseContent(tool_use_id(call), call.name, {})
-                yield _block_start(index, head)
-                delta = {"type": "input_json_delta", "partial_json": call.arguments}
-                yield event("content_block_delta", index=index, delta=delta)
-                yield event("content_block_stop", index=index)
-                index += 1
-            finish = out.finish_reason or "stop"
-            stops = job.stream.request.sampling.stop
-            matched = matched_stop(tokenizer, token_ids, "".join(released), stops, finish)
-            reason, sequence = stop_reason(finish, bool(tool_calls), matched)
-            final = message_usage(usage, job.retain, len(token_ids))
-            yield event(
-                "message_delta",
-                delta={"stop_reason": reason, "stop_sequence": sequence},
-                usage=final,
-                prefixcache=cache_report(usage, job.spans),
-            )
-            yield event("message_stop")
-            return
+        async with contextlib.aclosing(body) as frames:
+            async for frame in frames:
+                yield frame
     except APIError as exc:
         yield event("error", error=error_body(exc)["error"])
     except Exception as exc:
         log.exception("stream %s failed", job.id)
         message = f"generation failed: {type(exc).__name__}"
         yield event("error", error={"type": "api_error", "message": message})
+
+
+async def _content_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[bytes]:
+    """Text as it comes (less what could start a tool call), then any parsed tool calls."""
+    calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
+    index = 0
+    text_open = False
+    released: list[str] = []
+    token_ids: list[int] = []
+    async for out in job.stream:
+        raise_engine_error(out.error, out.finish_reason)
+        token_ids.extend(out.new_token_ids)
+        text = out.text_delta if calls is None else calls.push(out.text_delta)
+        if text:
+            if not text_open:
+                yield _block_start(index, TextContent(""))
+                text_open = True
+            released.append(text)
+            yield event("content_block_delta", index=index, delta=_text_delta(text))
+        if not out.finished:
+            continue
+        tool_calls: list[ToolCall] = []
+        if calls is not None:
+            rest = calls.finish()
+            if rest.content:
+                if not text_open:
+                    yield _block_start(index, TextContent(""))
+                    text_open = True
+                released.append(rest.content)
+                yield event("content_block_delta", index=index, delta=_text_delta(rest.content))
+            tool_calls = rest.tool_calls
+        if text_open:
+            yield event("content_block_stop", index=index)
+            index += 1
+        for call in tool_calls:
+            head = ToolUseContent(tool_use_id(call), call.name, {})
+            yield _block_start(index, head)
+            delta = {"type": "input_json_delta", "partial_json": call.arguments}
+            yield event("content_block_delta", index=index, delta=delta)
+            yield event("content_block_stop", index=index)
+            index += 1
+        finish = out.finish_reason or "stop"
+        stops = job.stream.request.sampling.stop
+        matched = matched_stop(tokenizer, token_ids, "".join(released), stops, finish)
+        reason, sequence = stop_reason(finish, bool(tool_calls), matched)
+        usage = out.usage or fallback_usage(job, len(token_ids))
+        yield _message_end(job, usage, reason, sequence, len(token_ids))
+        return
+
+
+async def _forced_call_events(job: Job, name: str) -> AsyncIterator[bytes]:
+    """``tool_choice`` naming a tool: the grammar makes the whole output the call's input
+    JSON, so it streams as ``input_json_delta``s while it is generated."""
+    head = ToolUseContent(tool_use_id(ToolCall(new_call_id(), name, "{}")), name, {})
+    yield _block_start(0, head)
+    parts: list[str] = []
+    num_tokens = 0
+    async for out in job.stream:
+        raise_engine_error(out.error, out.finish_reason)
+        num_tokens += len(out.new_token_ids)
+        if out.text_delta:
+            parts.append(out.text_delta)
+            delta = {"type": "input_json_delta", "partial_json": out.text_delta}
+            yield event("content_block_delta", index=0, delta=delta)
+        if out.finished:
+            yield event("content_block_stop", index=0)
+            assert job.tool_parser is not None
+            called = bool(job.tool_parser.parse("".join(parts)).tool_calls)
+            reason = (
+                "tool_use" if called else _STOP_REASONS.get(out.finish_reason or "", "end_turn")
+            )
+            usage = out.usage or fallback_usage(job, num_tokens)
+            yield _message_end(job, usage, reason, None, num_tokens)
+            return
+
+
+def _message_end(
+    job: Job, usage: Usage, reason: str, sequence: str | None, output_tokens: int
+) -> bytes:
+    """``message_delta`` (the stop reason and the whole usage) and ``message_stop``."""
+    delta = event(
+        "message_delta",
+        delta={"stop_reason": reason, "stop_sequence": sequence},
+        usage=message_usage(usage, job.retain, output_tokens),
+        prefixcache=cache_report(usage, job.spans),
+    )
+    return delta + event("message_stop")
 
 
 def _block_start(index: int, block: TextContent | ToolUseContent) -> bytes:

@@ -19,7 +19,7 @@ import msgspec
 
 from prefixcache.engine.request import Usage
 
-from ..chat.tool_calls import ToolCall, ToolCallStream
+from ..chat.tool_calls import ForcedParser, ToolCall, ToolCallStream, new_call_id
 from ..http.errors import APIError
 from ..server.responses import Job, cache_report, fallback_usage, raise_engine_error
 from . import wire as w
@@ -70,6 +70,23 @@ def output_items(job: Job, text: str) -> list[w.OutputItem]:
     return items
 
 
+def _arguments_delta(
+    event: _Events, item: w.OutputFunctionCall, delta: str, finished: bool
+) -> list[bytes]:
+    """A forced call's arguments so far; once finished, its ``.done`` events."""
+    frames: list[bytes] = []
+    ids = {"item_id": item.id, "output_index": 0}
+    if delta:
+        item.arguments += delta
+        frames.append(event("response.function_call_arguments.delta", **ids, delta=delta))
+    if finished:
+        item.status = "completed"
+        done = "response.function_call_arguments.done"
+        frames.append(event(done, **ids, name=item.name, arguments=item.arguments))
+        frames.append(event("response.output_item.done", output_index=0, item=item))
+    return frames
+
+
 class _Events:
     """Numbers and frames the events of one stream."""
 
@@ -118,13 +135,29 @@ async def stream_events(
         frames.append(event("response.output_text.delta", **ids, delta=text, logprobs=[]))
         return frames
 
+    parser = job.tool_parser
+    forced: w.OutputFunctionCall | None = None
+    if isinstance(parser, ForcedParser) and parser.function is not None:
+        # A named function: the grammar makes the whole output its arguments, streamed as
+        # they are generated.
+        calls = None
+        forced = w.OutputFunctionCall(
+            new_id("fc"), new_call_id(), parser.function, "", "in_progress"
+        )
+        response.output.append(forced)
+        yield event("response.output_item.added", output_index=0, item=forced)
+
     try:
         async for out in job.stream:
             raise_engine_error(out.error, out.finish_reason)
             num_tokens += len(out.new_token_ids)
-            text = out.text_delta if calls is None else calls.push(out.text_delta)
-            for frame in text_delta(text) if text else ():
-                yield frame
+            if forced is not None:
+                for frame in _arguments_delta(event, forced, out.text_delta, out.finished):
+                    yield frame
+            else:
+                text = out.text_delta if calls is None else calls.push(out.text_delta)
+                for frame in text_delta(text) if text else ():
+                    yield frame
             if not out.finished:
                 continue
             tool_calls: list[ToolCall] = []
