@@ -5,7 +5,8 @@ event stream (``response.created``, ``response.in_progress``, ``response.output_
 ``response.completed`` or ``response.incomplete``), each event with its ``sequence_number``.
 
 A message item opens at the first released text; tool calls, parsed once generation ends,
-follow as ``function_call`` items, their arguments in one delta.
+follow as ``function_call`` items, their arguments in one delta. A named function's call
+(``tool_choice`` naming it) is the whole output, so its arguments stream token by token.
 """
 
 from __future__ import annotations
