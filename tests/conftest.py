@@ -215,3 +215,26 @@ def tools_sidecar(server_loop: ServerLoop, demo_loaded: Any) -> Iterator[Server]
     server = serve(server_loop, create_app(engine, settings))
     yield server
     server.stop()
+
+
+API_KEYS = {
+    "x": {"key": "sk-test-tenant-x-01", "tenant": "tenant-x", "admin": False},
+    "y": {"key": "sk-test-tenant-y-01", "tenant": "tenant-y", "admin": False},
+}
+
+
+@pytest.fixture(scope="session")
+def api_tenant_server(
+    server_loop: ServerLoop, tools_sidecar: Server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """A second app over ``tools_sidecar``'s engine with two tenants of its own (so that the
+    Messages and Responses tests' requests never warm another test's tenants)."""
+    path = tmp_path_factory.mktemp("api-keys") / "keys.json"
+    path.write_text(json.dumps({"keys": list(API_KEYS.values())}))
+    engine = tools_sidecar.app.state.sidecar.engine
+    settings = SidecarSettings(
+        keys=KeyStore.from_file(path), manage_engine=False, model_aliases=("claude-test",)
+    )
+    server = serve(server_loop, create_app(engine, settings))
+    yield server
+    server.stop()

@@ -77,10 +77,9 @@ def conversation(req: w.CountTokensRequest) -> Conversation:
     """The chat messages and breakpoints of ``req``; ``p.Error`` for what cannot be served."""
     check_unsupported(req)
     out = Conversation()
-    if req.tools:
-        out.breakpoints.extend(
-            Breakpoint(None, t.cache_control.ttl) for t in req.tools if _marked(t)
-        )
+    for tool in req.tools or ():
+        if tool.cache_control is not None:
+            out.breakpoints.append(Breakpoint(None, tool.cache_control.ttl))
     if req.system:
         blocks = [w.TextBlock(req.system)] if isinstance(req.system, str) else req.system
         parts: list[TextPart] = []
@@ -106,10 +105,6 @@ def conversation(req: w.CountTokensRequest) -> Conversation:
     return out
 
 
-def _marked(tool: w.Tool) -> bool:
-    return tool.cache_control is not None
-
-
 def _assistant(blocks: list[w.Block], out: Conversation, tool_use_ids: set[str]) -> None:
     parts: list[TextPart] = []
     calls: list[ToolCallItem] = []
@@ -126,9 +121,8 @@ def _assistant(blocks: list[w.Block], out: Conversation, tool_use_ids: set[str])
             tool_use_ids.add(block.id)
         else:
             raise p.Error("tool_result blocks belong in user messages", "messages")
-        control = getattr(block, "cache_control", None)
-        if control is not None:
-            out.breakpoints.append(Breakpoint([*out.messages, turn()], control.ttl))
+        if block.cache_control is not None:
+            out.breakpoints.append(Breakpoint([*out.messages, turn()], block.cache_control.ttl))
     out.messages.append(turn())
 
 
