@@ -452,3 +452,20 @@ def test_a_named_tool_streams_its_input_as_it_is_generated(client: anthropic.Ant
     assert json.loads("".join(pieces)) == call.input
     jsonschema.validate(call.input, LOOKUP["input_schema"])
     assert final.stop_reason == "tool_use"
+
+
+def test_output_config_format_constrains_the_reply(client: anthropic.Anthropic) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    message = client.messages.create(
+        model="demo",
+        max_tokens=48,
+        messages=QUESTION,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
+    jsonschema.validate(json.loads(message.content[0].text), schema)
+    assert message.stop_reason == "end_turn"
