@@ -6,6 +6,7 @@ Anthropic's shape with its status codes."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -469,3 +470,31 @@ def test_output_config_format_constrains_the_reply(client: anthropic.Anthropic) 
     )
     jsonschema.validate(json.loads(message.content[0].text), schema)
     assert message.stop_reason == "end_turn"
+
+
+def pinned_blocks(root: str) -> int:
+    return httpx.get(f"{root}/v1/cache/stats", timeout=10).json()["blocks"]["pinned"]
+
+
+def wait_for_more_pinned(root: str, before: int) -> int:
+    for _ in range(100):  # stats are the engine's snapshot after its next step
+        if (now := pinned_blocks(root)) > before:
+            return now
+        time.sleep(0.05)
+    return pinned_blocks(root)
+
+
+def test_a_breakpoint_becomes_a_ttl_pin(tools_sidecar: Server, api_tenant_server: Server) -> None:
+    # Tenant y's own namespace: the hint pins of one namespace are capped (a quarter of the
+    # pool), and this file's other tests fill the default tenant's share.
+    client = anthropic.Anthropic(
+        base_url=api_tenant_server.root, api_key=API_KEYS["y"]["key"], max_retries=0
+    )
+    root = tools_sidecar.root  # the same engine; its stats need no key
+    before = pinned_blocks(root)
+    client.messages.create(
+        model="demo", max_tokens=1, system=unique_system(False), messages=QUESTION
+    )
+    assert pinned_blocks(root) <= before  # no breakpoint, no pin (an old one may lapse)
+    client.messages.create(model="demo", max_tokens=1, system=unique_system(), messages=QUESTION)
+    assert wait_for_more_pinned(root, before) > before

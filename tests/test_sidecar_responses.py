@@ -5,6 +5,7 @@ the demo model (a tools template installed): plain, streamed, function tools, js
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -243,3 +244,35 @@ def test_a_named_function_streams_its_arguments_as_generated(client: openai.Open
     assert json.loads("".join(pieces)) == json.loads(call.arguments)
     jsonschema.validate(json.loads(call.arguments), LOOKUP["parameters"])
     assert [e.type for e in events][-2:] == ["response.output_item.done", "response.completed"]
+
+
+def test_extended_retention_pins_the_input(
+    tools_sidecar: Server, api_tenant_server: Server
+) -> None:
+    # Tenant x's own namespace: the hint pins of one namespace are capped, and the Messages
+    # tests fill the default tenant's share.
+    client = openai.OpenAI(
+        base_url=api_tenant_server.url, api_key=API_KEYS["x"]["key"], max_retries=0
+    )
+
+    def pinned() -> int:  # the same engine's stats, on the app without keys
+        stats = httpx.get(f"{tools_sidecar.root}/v1/cache/stats", timeout=10).json()
+        return stats["blocks"]["pinned"]
+
+    before = pinned()
+    client.responses.create(
+        model="demo", instructions=instructions(), input="x", max_output_tokens=1
+    )
+    assert pinned() <= before  # (an earlier test's 5m pin may lapse meanwhile)
+    client.responses.create(
+        model="demo",
+        instructions=instructions(),
+        input="x",
+        max_output_tokens=1,
+        prompt_cache_retention="24h",
+    )
+    for _ in range(100):  # stats are the engine's snapshot after its next step
+        if pinned() > before:
+            break
+        time.sleep(0.05)
+    assert pinned() > before

@@ -4,19 +4,24 @@ OpenAI's shape, as the other OpenAI routes.
 
 ``previous_response_id`` continues a stored conversation (store.py) of the same tenant;
 ``store: false`` keeps nothing. ``prompt_cache_key`` is echoed: on one engine every request
-of a tenant already shares its cache, so it changes nothing here.
+of a tenant already shares its cache, so it changes nothing here. ``prompt_cache_retention:
+"24h"`` keeps the input's prefix as a TTL pin.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from prefixcache.engine.request import RetentionHint
+
+from ..chat.rendering import PromptRenderer, RenderedPrompt, common_prefix
 from ..http.errors import APIError, bad_request
 from ..http.streaming import SSEResponse, run_until_disconnect
-from ..server.generation import GenerationRoutes
+from ..server.generation import GenerationRoutes, Retention
 from ..server.responses import collect, json_response
 from ..wire import protocol as p
 from ..wire.prompt_parts import FunctionCall, ToolCallItem
@@ -24,6 +29,8 @@ from . import convert
 from . import wire as w
 from .replies import finish, new_id, output_items, stream_events
 from .store import ResponseStore
+
+EXTENDED_RETENTION_S = 24 * 3600.0
 
 
 class ResponsesRoutes:
@@ -56,9 +63,12 @@ class ResponsesRoutes:
         gate.check(p.check_chat, chat_req)
         gate.check_model(req.model)
         response_id = new_id("resp")
-        job = await self.generation.chat_job(tenant, chat_req, response_id)
-        response = self._response(req, response_id, job.model)
         assert chat_req.messages is not None
+        retention = None
+        if req.prompt_cache_retention == "24h":
+            retention = extended_retention(chat_req.messages)
+        job = await self.generation.chat_job(tenant, chat_req, response_id, retention)
+        response = self._response(req, response_id, job.model)
         conversation = chat_req.messages[1:] if req.instructions else chat_req.messages
 
         def keep(done: w.Response) -> None:
@@ -111,6 +121,22 @@ class ResponsesRoutes:
             prompt_cache_key=req.prompt_cache_key,
             user=req.user,
         )
+
+
+def extended_retention(messages: list[p.Message]) -> Retention:
+    """``prompt_cache_retention: "24h"``: the whole input (all but the generation prompt) kept
+    cached for 24 h, a retention hint like a Messages breakpoint's (the TTL is capped by
+    ``--max-pin-ttl``)."""
+
+    def hints(
+        renderer: PromptRenderer, prompt: RenderedPrompt, template_kwargs: dict[str, Any]
+    ) -> list[RetentionHint]:
+        head = renderer.render_chat(
+            messages, None, False, template_kwargs, False, prompt.namespace
+        ).token_ids
+        return [RetentionHint(common_prefix(head, prompt.token_ids), EXTENDED_RETENTION_S)]
+
+    return hints
 
 
 def _as_messages(output: list[w.OutputItem]) -> list[p.Message]:
