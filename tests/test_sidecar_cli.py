@@ -242,9 +242,13 @@ def test_route_routes_to_another_server(fake_server: Server, command: str) -> No
         assert f"{series} 1.0" in metrics
 
 
+@pytest.mark.parametrize("engine", ["process", "thread"])
 @pytest.mark.parametrize("broken", ["missing", "bad-config"])
-def test_a_model_that_cannot_load_ends_the_process(tmp_path: Path, broken: str) -> None:
-    """No zombie server answering 503 forever: exit non-zero with the error on stderr."""
+def test_a_model_that_cannot_load_ends_the_process(
+    tmp_path: Path, broken: str, engine: str
+) -> None:
+    """No zombie server answering 503 forever: exit 1 with the error in one clear line on
+    stderr (in process mode it read twice, with two tracebacks, the core's and the server's)."""
     model = tmp_path / "typo"
     if broken == "bad-config":
         model.mkdir()
@@ -254,12 +258,18 @@ def test_a_model_that_cannot_load_ends_the_process(tmp_path: Path, broken: str) 
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", "serve", "--port", str(port)]
     proc = subprocess.run(
-        [*cmd, "--model", str(model), "--log-level", "warning"],
+        [*cmd, "--model", str(model), "--engine", engine, "--log-level", "warning"],
         capture_output=True,
         text=True,
         timeout=60,  # the old code never exited: TimeoutExpired
     )
-    assert proc.returncode != 0
-    assert "prefixcache serve: the engine failed to start" in proc.stderr
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    line = lines[0]
+    assert line.startswith("prefixcache serve: the engine failed to start: "), line
+    assert line.count("failed to start") == 1 and "Error:" not in line, line
     if broken == "missing":
-        assert model.name in proc.stderr
+        assert f"model {str(model)!r} not found" in line
+    else:
+        assert f"{model / 'config.json'}: invalid JSON" in line

@@ -28,9 +28,21 @@ from ..step.engine_hooks import EngineHooks
 from . import engine_wire as wire
 from .engine_client import EngineClient
 from .engine_core import THREAD_CALLS, EngineCore
-from .errors import EngineDeadError, EngineError, EngineNotReadyError
+from .errors import (
+    EngineDeadError,
+    EngineError,
+    EngineNotReadyError,
+    EngineStartError,
+    start_failure,
+)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineError", "EngineNotReadyError"]
+__all__ = [
+    "AsyncEngine",
+    "EngineDeadError",
+    "EngineError",
+    "EngineNotReadyError",
+    "EngineStartError",
+]
 log = logging.getLogger("prefixcache.engine")
 T = TypeVar("T")
 
@@ -137,8 +149,8 @@ class AsyncEngine(EngineClient):
     ) -> None:
         try:
             engine = LLMEngine(self.config, self._loaded, self._hooks)
-        except BaseException as exc:  # start() raises it
-            started.set_exception(exc)
+        except BaseException as exc:  # start() raises it (one line's worth, where it can)
+            started.set_exception(start_failure(exc) or exc)
             return
         core = EngineCore(engine, _LoopOutput(self, loop), THREAD_CALLS)
         self._engine, self._core = engine, core
