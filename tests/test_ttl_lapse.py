@@ -9,6 +9,7 @@ serving loop has to wake for it.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -25,21 +26,21 @@ from prefixcache.sidecar import SidecarSettings, create_app
 BS = 16
 
 
+@dataclass(slots=True)
 class Clock:
     """Monotonic seconds that move only when the test says."""
 
-    def __init__(self) -> None:
-        self.now = 1000.0
+    now: float = 1000.0
 
     def __call__(self) -> float:
         return self.now
 
 
+@dataclass(slots=True)
 class Causes:
     """A block listener that keeps each eviction's cause."""
 
-    def __init__(self) -> None:
-        self.removed: list[str] = []
+    removed: list[str] = field(default_factory=list)
 
     def block_stored(self, node: Node, root: bytes) -> None:
         pass
