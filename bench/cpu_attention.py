@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from prefixcache.engine.attention import cpu_kernels
-from prefixcache.engine.attention.torch_backend import merge_states, padded_decode_attention
+from prefixcache.engine.attention.torch_ops import merge_states, padded_decode_attention
 from prefixcache.engine.kernels.cpu_features import cpu_flags, cpu_model_name
 from prefixcache.engine.model.progress import progress_iter
 

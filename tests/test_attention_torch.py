@@ -15,8 +15,8 @@ from prefixcache.engine.attention import (
     create_backend,
     plan_step_order,
 )
-from prefixcache.engine.attention.torch_backend import (
-    TorchBackend,
+from prefixcache.engine.attention.torch_backend import TorchBackend
+from prefixcache.engine.attention.torch_ops import (
     dense_attention,
     merge_states,
     padded_decode_attention,
@@ -184,7 +184,7 @@ def test_merge_states_matches_joint_attention_and_handles_empty() -> None:
 
 
 def test_generic_path_matches_cpu_kernel_path() -> None:
-    from prefixcache.engine.attention.torch_backend import _dense_attention_generic
+    from prefixcache.engine.attention.torch_ops import _dense_attention_generic
 
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(40, 8, 16, generator=gen)
@@ -198,7 +198,7 @@ def test_generic_path_matches_cpu_kernel_path() -> None:
 
 
 def test_generic_padded_decode_matches_cpu_kernel_path() -> None:
-    from prefixcache.engine.attention.torch_backend import _padded_decode_generic
+    from prefixcache.engine.attention.torch_ops import _padded_decode_generic
 
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(3, 8, 16, generator=gen)

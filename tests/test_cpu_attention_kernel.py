@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prefixcache.engine.attention import cpu_kernels
-from prefixcache.engine.attention.torch_backend import dense_attention
+from prefixcache.engine.attention.torch_ops import dense_attention
 
 REASON = cpu_kernels.unavailable_reason()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"CPU kernel: {REASON}")
@@ -289,7 +289,7 @@ def test_paged_attention_reads_the_pages_of_a_block_table(
 def test_merge_states_kernel_matches_torchs_merge(monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-pass merge against torch's ops: the same bf16 outputs (exp2/log2 may differ in
     the last fp32 bit, so a rare output may round the other way), empty states included."""
-    from prefixcache.engine.attention import torch_backend
+    from prefixcache.engine.attention import torch_ops
 
     gen = torch.Generator().manual_seed(3)
     n, h, d = 37, 8, 64
@@ -299,7 +299,7 @@ def test_merge_states_kernel_matches_torchs_merge(monkeypatch: pytest.MonkeyPatc
     lse_a[2], lse_b[2] = -math.inf, -math.inf  # both empty: 0 and -inf
     out, lse = cpu_kernels.merge_states(o_a, lse_a, o_b, lse_b)
     monkeypatch.setattr(cpu_kernels, "merges", lambda *a: False)
-    ref, ref_lse = torch_backend.merge_states(o_a, lse_a, o_b, lse_b)
+    ref, ref_lse = torch_ops.merge_states(o_a, lse_a, o_b, lse_b)
     assert (out == ref).float().mean() > 0.999
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
