@@ -79,13 +79,24 @@ template <int D, typename T>
 void pack_block(const T* kv, const int32_t* table, int64_t bs, int64_t row_elems, int64_t h,
                 int64_t k0, int64_t kv_end, int64_t v_offset, uint32_t* kbuf, uint32_t* vbuf) {
   constexpr int KW = D * static_cast<int>(sizeof(T)) / 4;
+  // Each key's K row, walking the pages (one table lookup per page, no division per key).
   const T* krow[BK];
+  int64_t page = k0 / bs, slot = k0 % bs;
+  const T* row = kv + (static_cast<int64_t>(table[page]) * 2 * bs + slot) * row_elems + h * D;
   for (int64_t j = 0; j < BK; ++j) {
-    const int64_t key = k0 + j;
-    krow[j] = key < kv_end ? kv + (static_cast<int64_t>(table[key / bs]) * 2 * bs + key % bs) *
-                                      row_elems +
-                                 h * D
-                           : nullptr;
+    if (k0 + j >= kv_end) {
+      krow[j] = nullptr;
+      continue;
+    }
+    krow[j] = row;
+    if (++slot == bs) {
+      slot = 0;
+      ++page;
+      if (k0 + j + 1 < kv_end)
+        row = kv + static_cast<int64_t>(table[page]) * 2 * bs * row_elems + h * D;
+    } else {
+      row += row_elems;
+    }
   }
   for (int64_t j0 = 0; j0 < BK; j0 += 16) {
     const uint32_t* rows[16];
@@ -116,6 +127,26 @@ void pack_block(const T* kv, const int32_t* table, int64_t bs, int64_t row_elems
         _mm512_storeu_si512(dst + c + 16, _mm512_permutex2var_epi16(va, hi_idx, vb));
       }
     }
+  }
+}
+
+// Asks for keys [k0, k0 + BK) of one sequence (K and V rows of kv head h, those < kv_end)
+// into L2 while the block before them is computed: the pages are scattered, so the hardware
+// prefetcher stops at each one.
+template <int D, typename T>
+void prefetch_block(const T* kv, const int32_t* table, int64_t bs, int64_t row_elems, int64_t h,
+                    int64_t k0, int64_t kv_end, int64_t v_offset) {
+  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(T));  // elements per cache line
+  const int64_t end = std::min(kv_end, k0 + BK);
+  for (int64_t key = k0; key < end;) {
+    const int64_t page = key / bs, slot = key % bs, n = std::min(bs - slot, end - key);
+    const T* row = kv + (static_cast<int64_t>(table[page]) * 2 * bs + slot) * row_elems + h * D;
+    for (int64_t j = 0; j < n; ++j, row += row_elems)
+      for (int64_t c = 0; c < D; c += kLine) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + c), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(row + v_offset + c), _MM_HINT_T1);
+      }
+    key += n;
   }
 }
 
@@ -320,8 +351,10 @@ void run_row_task(const RowBatch<T>& rb, const Prepacked& pre, const Segment* se
           kb_words = pre.k.data() + pre.offset[sg.s] + (h * nkb_s + kb) * WORDS;
           vb_words = pre.v.data() + pre.offset[sg.s] + (h * nkb_s + kb) * WORDS;
         } else {
-          pack_block<D>(rb.kv, rb.tables + sg.s * rb.table_stride, rb.bs, row_elems, h, k0,
-                        seg_max, v_offset, kbuf, vbuf);
+          const int32_t* table = rb.tables + sg.s * rb.table_stride;
+          if (k0 + BK < seg_max)
+            prefetch_block<D>(rb.kv, table, rb.bs, row_elems, h, k0 + BK, seg_max, v_offset);
+          pack_block<D>(rb.kv, table, rb.bs, row_elems, h, k0, seg_max, v_offset, kbuf, vbuf);
         }
         attend_packed<D, R, T>(kb_words, vb_words, k0, ra, ra + seg_rows, qw.data(), limit.data(),
                             m.data(), l.data(), obuf.data(), pbuf.data(), rb.scale2);
