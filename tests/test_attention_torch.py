@@ -216,7 +216,8 @@ def test_generic_padded_decode_matches_cpu_kernel_path() -> None:
 def test_create_backend() -> None:
     assert create_backend("torch", "cpu").name == "torch"
     assert create_backend("auto", "cpu").name == "cpu"  # the batch-invariant kernel backend
-    assert create_backend("auto", "cpu", batch_invariant=False).name == "torch"
+    assert create_backend("auto", "cpu", batch_invariant=False).name == "cpu-split"
+    assert create_backend("torch", "cpu").name == "torch"  # the reference, by name
     with pytest.raises(ValueError, match="CUDA"):
         create_backend("flashinfer", "cpu")
     with pytest.raises(ValueError, match="unknown attention backend"):

@@ -1,5 +1,5 @@
-"""Paged attention in plain torch: the reference backend (and, with batch invariance off, the
-CPU backend, on the split bf16 kernels where they load; the GPU fallback).
+"""Paged attention in plain torch: the reference backend (any dtype and device; the GPU
+fallback, and the CPU one where the engine's kernels do not load).
 
 Same math as FlashInfer (bottom-right causal alignment, base-2 LSE), organised so that no
 ``[Lq, Lk]`` mask is ever built and no Python loop runs per token:
@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_kernels
-from .backend import AttentionBackend, AttentionShape
+from .backend import AttentionBackend, AttentionShape, write_rows
 from .metadata import AttentionMetadata, CascadeGroup
 from .torch_ops import (
     dense_attention,
@@ -43,7 +42,6 @@ class _PrefillPlan:
     num_cached: int  # cached tokens this sequence attends to on its own (after any group prefix)
     cached_blocks: torch.Tensor  # int64: K page rows (2 * block) of the blocks holding them
     group: int | None = None  # index of its prefill group, whose shared prefix comes first
-    cached_ids: torch.Tensor | None = None  # int32 block ids, where the CPU kernel reads pages
 
 
 @dataclass(slots=True)
@@ -51,7 +49,6 @@ class _PrefillGroupPlan:
     q_begin: int
     q_end: int
     shared_blocks: torch.Tensor  # int64 [S]: K page rows of the prefix every member shares
-    shared_ids: torch.Tensor | None = None  # int32 block ids, where the CPU kernel reads pages
 
 
 @dataclass(slots=True)
@@ -125,18 +122,9 @@ class TorchBackend(AttentionBackend):
         self._decodes: list[_DecodePlan] = []
         self._cascades: list[_CascadePlan] = []
         self._num_decode_rows = 0
-        # CPU bf16 with the engine's kernel: every decode reads its pages in place, one call.
-        self._paged_tables: torch.Tensor | None = None  # int32 [decodes, max blocks]
-        self._paged_lens = torch.empty(0, dtype=torch.int64)
-        self._paged_groups = torch.empty(0, 3, dtype=torch.int64)  # cascade groups (kernel form)
         # Gather buffers, reused across layers and steps: fresh multi-MB allocations on CPU
         # cost more in page faults than the copy itself.
         self._scratch: dict[str, torch.Tensor] = {}
-
-    def prepare(self, shape: AttentionShape, device: torch.device) -> None:
-        bf16_cpu = device.type == "cpu" and shape.dtype == torch.bfloat16
-        if bf16_cpu and shape.head_dim in cpu_kernels.HEAD_DIMS:
-            cpu_kernels.load()  # compiled on first use, about 2 s: not during a request
 
     def plan(self, meta: AttentionMetadata, shape: AttentionShape) -> None:
         bs = meta.block_size
@@ -144,19 +132,13 @@ class TorchBackend(AttentionBackend):
         tables = [list(s.block_table) for s in meta.seqs]
         qo = meta.qo_indptr.tolist()
 
-        # Slot of every new token: page kv_indices[kv_indptr[b] + pos // bs], offset pos % bs.
-        pos = meta.positions
-        page_of = meta.kv_indptr.long()[meta.batch_indices.long()] + pos // bs
-        self._write_rows = meta.kv_indices.long()[page_of] * (2 * bs) + pos % bs
-
-        in_place = self._reads_pages_in_place(shape, dev)
+        self._write_rows = write_rows(meta)
         self._prefill_groups = []
         group_of: dict[int, tuple[int, int]] = {}  # prefill index -> (group, shared blocks)
         for gi, g in enumerate(meta.prefill_groups):
             shared = torch.as_tensor(tables[g.begin][: g.num_shared_blocks], dtype=torch.int64)
-            ids = shared.to(torch.int32) if in_place else None
             self._prefill_groups.append(
-                _PrefillGroupPlan(qo[g.begin], qo[g.end], (shared * 2).to(dev), ids)
+                _PrefillGroupPlan(qo[g.begin], qo[g.end], (shared * 2).to(dev))
             )
             group_of.update({i: (gi, g.num_shared_blocks) for i in range(g.begin, g.end)})
         self._prefills = []
@@ -165,32 +147,14 @@ class TorchBackend(AttentionBackend):
             group, n_shared = group_of.get(i, (None, 0))
             own = tables[i][n_shared : -(-start // bs)]
             blocks = (torch.as_tensor(own, dtype=torch.int64) * 2).to(dev)
-            plan = _PrefillPlan(qo[i], qo[i + 1], start - n_shared * bs, blocks, group)
-            if in_place:
-                plan.cached_ids = torch.as_tensor(own, dtype=torch.int32)
-            self._prefills.append(plan)
+            self._prefills.append(
+                _PrefillPlan(qo[i], qo[i + 1], start - n_shared * bs, blocks, group)
+            )
 
         lo = meta.decode_begin
-        self._paged_tables = None
         self._decodes, self._cascades = [], []
         self._num_decode_rows = qo[-1] - qo[lo]
         self._meta, self._shape = meta, shape
-        if self._num_decode_rows and in_place:
-            # One kernel call per layer: every decode reads its pages in place, and each
-            # cascade group's shared prefix is read once for all its members' queries.
-            decodes = meta.seqs[lo:]
-            width = max(-(-sq.kv_len // bs) for sq in decodes)
-            table = torch.zeros(len(decodes), width, dtype=torch.int32)
-            for i, sq in enumerate(decodes):
-                own = sq.block_table[: -(-sq.kv_len // bs)]
-                table[i, : len(own)] = torch.as_tensor(own, dtype=torch.int32)
-            self._paged_tables = table
-            self._paged_lens = torch.tensor([sq.kv_len for sq in decodes], dtype=torch.int64)
-            self._paged_groups = torch.tensor(
-                [[g.begin - lo, g.end - lo, g.num_shared_blocks * bs] for g in meta.cascade_groups],
-                dtype=torch.int64,
-            ).view(-1, 3)
-            return
         # Own pages of every decode (plain ones: all of them; cascade members: after the
         # group's shared blocks), then the groups' shared prefixes, batched where alike.
         shared_of = [0] * (meta.num_seqs - lo)
@@ -233,15 +197,6 @@ class TorchBackend(AttentionBackend):
             self._cascades.append(plan)
             i = j
 
-    @staticmethod
-    def _reads_pages_in_place(shape: AttentionShape, device: torch.device) -> bool:
-        return (
-            device.type == "cpu"
-            and shape.dtype == torch.bfloat16
-            and shape.head_dim in cpu_kernels.HEAD_DIMS
-            and cpu_kernels.load() is not None
-        )
-
     def _gather(
         self, kv_layer: torch.Tensor, blocks: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,25 +229,10 @@ class TorchBackend(AttentionBackend):
         kv_rows = kv_layer.view(num_blocks * 2 * bs, hk, d)
         kv_rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
         kv_rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
-        decoded = None  # every decode in one kernel call, reading its pages in place
-        if self._paged_tables is not None:
-            d0 = q.shape[0] - self._num_decode_rows
-            decoded = cpu_kernels.paged_decode(
-                q[d0:], kv_layer, self._paged_tables, self._paged_lens, scale, self._paged_groups
-            )[0]
-            if d0 == 0:  # a decode-only step: the kernel's output as is
-                return decoded
-
         out = torch.empty_like(q)
         group_states = []
         for gp in self._prefill_groups:  # the shared prefix is read once
             qg = q[gp.q_begin : gp.q_end]
-            if gp.shared_ids is not None:
-                n = gp.shared_ids.numel() * bs
-                group_states.append(
-                    cpu_kernels.paged_attention(qg, kv_layer, gp.shared_ids, n, scale)
-                )
-                continue
             sk, sv = self._gather(kv_layer, gp.shared_blocks)
             group_states.append(dense_attention(qg, sk, sv, scale, False))
         for p in self._prefills:
@@ -300,12 +240,7 @@ class TorchBackend(AttentionBackend):
             o, lse = dense_attention(
                 qs, k[p.q_begin : p.q_end], v[p.q_begin : p.q_end], scale, causal=True
             )
-            if p.num_cached and p.cached_ids is not None:
-                o_c, lse_c = cpu_kernels.paged_attention(
-                    qs, kv_layer, p.cached_ids, p.num_cached, scale
-                )
-                o, lse = merge_states(o_c, lse_c, o, lse)
-            elif p.num_cached:
+            if p.num_cached:
                 ck, cv = self._gather(kv_layer, p.cached_blocks)
                 o_c, lse_c = dense_attention(
                     qs, ck[: p.num_cached], cv[: p.num_cached], scale, causal=False
@@ -317,9 +252,6 @@ class TorchBackend(AttentionBackend):
                 rows = slice(first, first + p.q_end - p.q_begin)
                 o, lse = merge_states(o_g[rows], lse_g[rows], o, lse)
             out[p.q_begin : p.q_end] = o
-        if decoded is not None:
-            out[q.shape[0] - decoded.shape[0] :] = decoded
-            return out
         if not self._decodes:
             return out
         d0 = self._decodes[0].q_begin

@@ -1,7 +1,7 @@
 """Attention math in torch, over contiguous operands: dense (causal or not), grouped, padded
 decode, and the log-sum-exp merge of two partial states. The reference backend
 (``torch_backend``) gathers pages into these; on CPU they call torch's flash attention (for
-its LSE) or, for bf16 where it loads, the engine's split kernels (``cpu_kernels``).
+its LSE). torch only: the engine's kernels are the other backends'.
 
 Same math as FlashInfer: bottom-right causal alignment, base-2 LSE.
 """
@@ -13,7 +13,6 @@ import math
 import torch
 
 from ..kernels import torch_private
-from . import cpu_kernels
 
 LOG2E = 1.0 / math.log(2.0)
 _QUERY_CHUNK = 1024  # query rows per product in the generic (non-CPU) path
@@ -26,8 +25,6 @@ def merge_states(
 
     ``o_*`` ``[N, H, D]``, ``lse_*`` float32 ``[N, H]``. Two empty states (-inf) merge to 0.
     """
-    if cpu_kernels.merges(o_a, o_b):
-        return cpu_kernels.merge_states(o_a, lse_a, o_b, lse_b)
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     w_a = torch.exp2(lse_a - m)
@@ -52,8 +49,6 @@ def dense_attention(
     if lk == 0:
         return q.new_zeros(q.shape), q.new_full((lq, hq), -math.inf, dtype=torch.float32)
     if q.device.type == "cpu":
-        if cpu_kernels.supports(q, k, v):
-            return cpu_kernels.attention(q, k, v, scale, causal)
         if causal:
             assert lq == lk
             if g > 1:
