@@ -21,6 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from prefixcache.engine.api import EngineAPI
+from prefixcache.engine.serving.errors import EngineStartError
 
 from ..anthropic.routes import MessagesRoutes
 from ..http.base_app import build_app, health_reply, metrics_reply, openai_routes
@@ -113,8 +114,13 @@ class Sidecar:
             await self.engine.start()
             await self.cache.load_files(self.settings.load_on_start)
         except Exception as exc:
-            self.start_error = f"{type(exc).__name__}: {exc}"
-            log.exception("engine failed to start")
+            if isinstance(exc, EngineStartError):  # its message says it all: one line, once
+                self.start_error = str(exc)
+                if self.on_start_failure is None:  # else the caller reports it
+                    log.error("engine failed to start: %s", exc)
+            else:
+                self.start_error = f"{type(exc).__name__}: {exc}"
+                log.exception("engine failed to start")
             if self.on_start_failure is not None:
                 self.on_start_failure()
         finally:
