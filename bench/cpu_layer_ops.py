@@ -28,7 +28,7 @@ from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.kernels import cpu_layer_ops
 from prefixcache.engine.kernels.cpu_features import cpu_model_name
-from prefixcache.engine.model import llama
+from prefixcache.engine.model import layer_ops
 from prefixcache.engine.model.progress import progress_iter
 from prefixcache.engine.request import EngineRequest, SamplingParams
 
@@ -83,7 +83,7 @@ def op_cases(
         ),
         "rotary_q_k": (
             lambda: cpu_layer_ops.rotary_(q, k, cos, sin),
-            lambda: (llama._rotate(q, cos, sin), llama._rotate(k, cos, sin)),
+            lambda: (layer_ops._rotate(q, cos, sin), layer_ops._rotate(k, cos, sin)),
         ),
         "silu_and_mul": (
             lambda: cpu_layer_ops.silu_and_mul(gate_up),
@@ -94,7 +94,7 @@ def op_cases(
 
 def decode_step_ms(engine: LLMEngine, args: argparse.Namespace) -> dict[str, float]:
     model = engine.runner.model
-    assert model.model.norm.fused, "prepare() did not switch the fused ops on"
+    assert model.fused_ops, "prepare() did not switch the fused ops on"
     rng = random.Random(0)
     vocab = engine.loaded.config.vocab_size
     sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)

@@ -42,7 +42,7 @@ class EngineConfig:
     # "auto" (or None): bf16 on CUDA and on CPUs with native bf16, else fp32 | "float32" | ...
     dtype: str | None = "auto"
     device: str | None = None  # None: cuda if available, else cpu
-    attention_backend: str = "auto"  # auto | cpu | torch | flashinfer
+    attention_backend: str = "auto"  # auto | cpu | cpu-split | torch | flashinfer
     # A position's logits depend only on the tokens up to it, bit for bit, whatever was
     # cached, wherever chunked prefill cut and whoever shares the step (docs/architecture.md,
     # "Fidelity"). Off: oneDNN's GEMMs and the split attention paths, a little faster.

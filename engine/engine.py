@@ -78,6 +78,7 @@ class LLMEngine:
             enable_caching=config.enable_prefix_caching,
             tier=self.tier,
             spill_policy=config.kv_spill_policy,
+            clock=hooks.clock,
             listener=self._listeners,
         )
         self.max_hint_pinned_blocks = config.max_hint_pinned_blocks or max(1, num_blocks // 4)

@@ -1,10 +1,12 @@
-"""Many questions over the same documents: the documents' prefill is paid once.
+"""Many questions over the same document: the document's prefill is paid once.
 
-The documents are real: the Declaration of Independence and the Gettysburg Address (public
-domain; examples/documents/declaration_of_independence.txt, about 2,200 tokens), cut into
-sections. Each section is a shared segment, ordered by tag so that retrieval order never
-changes the bytes; each question is a dynamic segment at the end. Prints every question with
-its answer, time to first token (TTFT) and cached tokens, then TTFT cold vs warm.
+The document is real and can be checked: the Apache License 2.0
+(examples/documents/apache-license-2.0.txt, about 2,200 tokens), byte for byte the copy that
+prometheus_client, a dependency of ``prefixcache[serve]``, installs (see ``DOCUMENT_SOURCE``;
+tests/test_example_documents.py checks it still matches), cut into sections. Each section is
+a shared segment, ordered by tag so that retrieval order never changes the bytes; each
+question is a dynamic segment at the end. Prints every question with its answer, time to
+first token (TTFT) and cached tokens, then TTFT cold vs warm.
 
     prefixcache serve --model smollm2         # in another terminal
     python examples/rag_pipeline.py [--base-url URL] [--questions 8]
@@ -23,29 +25,35 @@ import anyio
 from prefixcache.sdk import AsyncClient, PermissionDeniedError, Prompt
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
-DOCUMENT = Path(__file__).resolve().parent / "documents" / "declaration_of_independence.txt"
+# Source: prometheus_client's <site-packages>/prometheus_client-*.dist-info/licenses/LICENSE
+# (safetensors ships the same bytes), sha256
+# c71d239df91726fc519c6eb72d318ec65820627232b2f796219e87dcf35d0ab4.
+DOCUMENT = Path(__file__).resolve().parent / "documents" / "apache-license-2.0.txt"
+DOCUMENT_SOURCE = ("prometheus_client", "licenses/LICENSE")  # (distribution, file in dist-info)
+DOCUMENT_SHA256 = "c71d239df91726fc519c6eb72d318ec65820627232b2f796219e87dcf35d0ab4"
 
 QUESTIONS = [
-    "On what date was the Declaration adopted?",
-    "Which unalienable rights does the Declaration name?",
-    "Who delivered the Gettysburg Address?",
-    "What does the Declaration say about taxes?",
-    "Where was the Gettysburg Address delivered?",
-    "What do the signers pledge to each other?",
-    "How does the Gettysburg Address begin?",
-    "What did the King do to the colonial legislatures?",
+    "What does the License mean by a Derivative Work?",
+    "Which rights does the copyright license of Section 2 grant?",
+    "When does the patent license end for someone who sues over a patent?",
+    "What must you give recipients when you redistribute the Work?",
+    "What must a file you modified carry?",
+    "Does the License let you use the Licensor's trademarks?",
+    "Is the Work provided with any warranty?",
+    "How do you apply the License to your own work?",
 ]
 # Section tag -> the heading (or first words) where the section starts in the file.
 SECTIONS = {
-    "doc:1-preamble": "THE DECLARATION OF INDEPENDENCE",
-    "doc:2-grievances": "He has refused his Assent",
-    "doc:3-conclusion": "In every stage of these Oppressions",
-    "doc:4-gettysburg": "THE GETTYSBURG ADDRESS",
+    "doc:1-definitions": "Apache License",
+    "doc:2-grants": "2. Grant of Copyright License.",
+    "doc:3-redistribution": "4. Redistribution.",
+    "doc:4-warranty-liability": "7. Disclaimer of Warranty.",
+    "doc:5-appendix": "APPENDIX: How to apply",
 }
 
 
 def documents() -> dict[str, str]:
-    """The file's sections (its licence header left out), keyed by a stable document id."""
+    """The file's sections, keyed by a stable document id."""
     text = DOCUMENT.read_text(encoding="utf-8")
     starts = [(text.index(marker), tag) for tag, marker in SECTIONS.items()]
     starts.sort()
@@ -55,7 +63,8 @@ def documents() -> dict[str, str]:
 
 def build_prompt(docs: dict[str, str], question: str) -> Prompt:
     b = Prompt.builder().static(
-        "You are a history tutor. Answer in one sentence, only from the documents below.",
+        "You answer questions about a software licence. Answer in one sentence, only from the "
+        "documents below.",
         tag="instructions",
     )
     # the retriever returns documents in score order; order_shared_by_tag() makes the bytes

@@ -4,13 +4,16 @@ Anthropic counts prompt tokens in three parts: ``input_tokens`` (after the last 
 breakpoint: neither read from nor written to the cache), ``cache_creation_input_tokens``
 (written to the cache) and ``cache_read_input_tokens`` (read from it). In the SDK's shape the
 prompt is all three, ``cached_tokens`` the reads and ``cache_write_tokens`` the writes.
+
+A prefixcache sidecar's ``/v1/messages`` adds its cache report as ``prefixcache`` (on the
+message, and on the stream's ``message_delta``): it becomes the result's ``cache``.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from .types import Completion, Delta, PromptTokensDetails, Usage
+from .types import CacheReport, Completion, Delta, PromptTokensDetails, Usage
 
 ANTHROPIC_VERSION = "2023-06-01"
 _FINISH_REASONS = {
@@ -42,6 +45,7 @@ class AnthropicMessage(msgspec.Struct):
     content: list[_Block] = msgspec.field(default_factory=list)
     stop_reason: str | None = None
     usage: AnthropicUsage | None = None
+    prefixcache: CacheReport | None = None  # a prefixcache sidecar's report
 
 
 class _EventDelta(msgspec.Struct):
@@ -57,6 +61,7 @@ class AnthropicEvent(msgspec.Struct):
     message: AnthropicMessage | None = None
     delta: _EventDelta | None = None
     usage: AnthropicUsage | None = None
+    prefixcache: CacheReport | None = None  # message_delta from a prefixcache sidecar
 
 
 def to_usage(raw: AnthropicUsage) -> Usage:
@@ -84,7 +89,7 @@ def to_completion(message: AnthropicMessage) -> Completion:
         text="".join(b.text or "" for b in message.content if b.type == "text"),
         finish_reason=finish_reason(message.stop_reason),
         usage=to_usage(message.usage or AnthropicUsage()),
-        cache=None,
+        cache=message.prefixcache,
         id=message.id,
         model=message.model,
     )
@@ -114,7 +119,11 @@ class AnthropicStream:
             if event.usage is not None:
                 self._merge(event.usage)
             stop = event.delta.stop_reason if event.delta is not None else None
-            return Delta(finish_reason=finish_reason(stop), usage=to_usage(self._usage))
+            return Delta(
+                finish_reason=finish_reason(stop),
+                usage=to_usage(self._usage),
+                cache=event.prefixcache,
+            )
         return None  # ping, content_block_start/stop, message_stop
 
     def _merge(self, update: AnthropicUsage) -> None:

@@ -37,6 +37,7 @@ from .types import (
 )
 
 Backend = Literal["sidecar", "openai", "anthropic"]
+Wire = Literal["chat", "messages"]  # what a sidecar is spoken to in: Chat Completions or Messages
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 _BACKEND_DEFAULTS: dict[str, tuple[str, str, str]] = {  # base URL env, base URL, key env
     "sidecar": ("PREFIXCACHE_BASE_URL", DEFAULT_BASE_URL, "PREFIXCACHE_API_KEY"),
@@ -54,7 +55,10 @@ class AsyncClient:
     - ``"sidecar"`` (default): a prefixcache sidecar; a ``Prompt`` goes as ``segments``.
       ``base_url`` defaults to $PREFIXCACHE_BASE_URL, then http://127.0.0.1:8000/v1;
       ``api_key`` to $PREFIXCACHE_API_KEY. ``send_segments=False`` sends the OpenAI rendering
-      instead (as ``backend="openai"`` does).
+      instead (as ``backend="openai"`` does). ``wire="messages"`` speaks the sidecar's
+      ``/v1/messages`` instead: the same Anthropic rendering (breakpoints and all) and usage
+      as ``backend="anthropic"``, plus the sidecar's cache report, so one prompt has one
+      rendering locally and hosted.
     - ``"openai"``: OpenAI or an OpenAI-compatible server (vLLM, SGLang, llama.cpp):
       ``messages`` + ``tools`` + ``prompt_cache_key`` (unless ``prompt_cache_key=False``).
       Defaults: $OPENAI_BASE_URL, then https://api.openai.com/v1; $OPENAI_API_KEY.
@@ -81,9 +85,14 @@ class AsyncClient:
         transport: httpx.AsyncBaseTransport | None = None,
         backend: Backend = "sidecar",
         family_through: str = "static",
+        wire: Wire = "chat",
     ) -> None:
         if backend not in get_args(Backend):
             raise ValueError(f"backend must be one of {get_args(Backend)}, got {backend!r}")
+        if wire not in get_args(Wire) or (wire == "messages" and backend != "sidecar"):
+            raise ValueError(f"wire={wire!r} needs backend='sidecar' (and is 'chat' or 'messages')")
+        # Anthropic's Messages wire: the Anthropic API, or a sidecar's /v1/messages
+        self.speaks_messages = backend == "anthropic" or wire == "messages"
         url_env, default_url, key_env = _BACKEND_DEFAULTS[backend]
         self.backend: Backend = backend
         self.base_url = base_url or os.environ.get(url_env) or default_url
@@ -96,8 +105,9 @@ class AsyncClient:
         self._ledger = SessionLedger(family_through)
         api_key = api_key or os.environ.get(key_env)
         all_headers = {"User-Agent": "prefixcache-sdk/0.1"}
-        if backend == "anthropic":
+        if self.speaks_messages:
             all_headers["anthropic-version"] = anthropic_wire.ANTHROPIC_VERSION
+        if backend == "anthropic":
             if api_key:
                 all_headers["x-api-key"] = api_key
         elif api_key:
@@ -132,7 +142,7 @@ class AsyncClient:
         body = self._chat_body(prompt, stream=False, params=params)
         deadline = deadline_in(timeouts.total)
         response = await self._send("POST", self._chat_path, body, deadline, stream=False)
-        if self.backend == "anthropic":
+        if self.speaks_messages:
             out = anthropic_wire.to_completion(_decode(response, anthropic_wire.AnthropicMessage))
         else:
             out = to_completion(_decode(response, ChatCompletion))
@@ -143,7 +153,7 @@ class AsyncClient:
         """Stream an answer: ``async for delta in client.stream(p)``, or ``async with`` to
         close it early. Same ``params`` as ``complete``."""
         timeouts = params.pop("timeouts", None) or self.timeouts
-        if self.backend != "anthropic":  # Anthropic always streams usage
+        if not self.speaks_messages:  # the Messages API always streams usage
             params.setdefault("stream_options", {"include_usage": True})
         body = self._chat_body(prompt, stream=True, params=params)
         return CompletionStream(
@@ -151,7 +161,7 @@ class AsyncClient:
             self._chat_path,
             body,
             timeouts,
-            anthropic=self.backend == "anthropic",
+            anthropic=self.speaks_messages,
             on_finished=lambda usage, cache, model: self._record(prompt, usage, cache, model),
         )
 
@@ -218,7 +228,7 @@ class AsyncClient:
 
     @property
     def _chat_path(self) -> str:
-        return "messages" if self.backend == "anthropic" else "chat/completions"
+        return "messages" if self.speaks_messages else "chat/completions"
 
     def _require_sidecar(self, operation: str) -> None:
         if self.backend != "sidecar":
@@ -242,7 +252,7 @@ class AsyncClient:
     def _chat_body(
         self, prompt: PromptLike, *, stream: bool, params: dict[str, Any]
     ) -> dict[str, Any]:
-        if self.backend == "anthropic":
+        if self.speaks_messages:
             return self._anthropic_body(prompt, stream=stream, params=params)
         body: dict[str, Any] = {}
         model = params.pop("model", None) or self.model

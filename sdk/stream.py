@@ -155,8 +155,12 @@ class CompletionStream:
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.cache = delta.cache or self.cache
         self._raw_usage = delta.usage or self._raw_usage
-        # the sidecar's report and the usage come in different chunks: combine them
-        self.usage = usage_with_report(self._raw_usage, self.cache)
+        # the sidecar's report and the usage come in different chunks: combine them (Anthropic
+        # usage says what was written itself, and stays as it is)
+        if self._anthropic is not None:
+            self.usage = self._raw_usage
+        else:
+            self.usage = usage_with_report(self._raw_usage, self.cache)
         if delta.usage is not None:
             delta = msgspec.structs.replace(delta, usage=self.usage)
         return delta

@@ -194,3 +194,47 @@ def wait_for_idle_blocks(root: str, timeout: float = 10, headers: dict | None = 
         if stats["blocks"]["in_use"] == 0 or time.monotonic() > deadline:
             return stats
         time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def tools_sidecar(server_loop: ServerLoop, demo_loaded: Any) -> Iterator[Server]:
+    """The demo model with a Llama-3.1-style tools template (on the engine thread), answering
+    to "demo" and "claude-test": for the Messages and Responses API tests."""
+    import copy
+    import dataclasses
+
+    from tool_templates import LLAMA31_STYLE
+
+    from prefixcache.engine.text.tokenizer import _compile_template
+
+    tokenizer = copy.copy(demo_loaded.tokenizer)
+    tokenizer.chat_template = LLAMA31_STYLE
+    tokenizer._template = _compile_template(LLAMA31_STYLE)
+    engine = demo_engine(dataclasses.replace(demo_loaded, tokenizer=tokenizer))
+    settings = SidecarSettings(model_aliases=("demo", "claude-test"))
+    server = serve(server_loop, create_app(engine, settings))
+    yield server
+    server.stop()
+
+
+API_KEYS = {
+    "x": {"key": "sk-test-tenant-x-01", "tenant": "tenant-x", "admin": False},
+    "y": {"key": "sk-test-tenant-y-01", "tenant": "tenant-y", "admin": False},
+}
+
+
+@pytest.fixture(scope="session")
+def api_tenant_server(
+    server_loop: ServerLoop, tools_sidecar: Server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """A second app over ``tools_sidecar``'s engine with two tenants of its own (so that the
+    Messages and Responses tests' requests never warm another test's tenants)."""
+    path = tmp_path_factory.mktemp("api-keys") / "keys.json"
+    path.write_text(json.dumps({"keys": list(API_KEYS.values())}))
+    engine = tools_sidecar.app.state.sidecar.engine
+    settings = SidecarSettings(
+        keys=KeyStore.from_file(path), manage_engine=False, model_aliases=("claude-test",)
+    )
+    server = serve(server_loop, create_app(engine, settings))
+    yield server
+    server.stop()

@@ -15,8 +15,8 @@ from prefixcache.engine.attention import (
     create_backend,
     plan_step_order,
 )
-from prefixcache.engine.attention.torch_backend import (
-    TorchBackend,
+from prefixcache.engine.attention.torch_backend import TorchBackend
+from prefixcache.engine.attention.torch_ops import (
     dense_attention,
     merge_states,
     padded_decode_attention,
@@ -184,7 +184,7 @@ def test_merge_states_matches_joint_attention_and_handles_empty() -> None:
 
 
 def test_generic_path_matches_cpu_kernel_path() -> None:
-    from prefixcache.engine.attention.torch_backend import _dense_attention_generic
+    from prefixcache.engine.attention.torch_ops import _dense_attention_generic
 
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(40, 8, 16, generator=gen)
@@ -198,7 +198,7 @@ def test_generic_path_matches_cpu_kernel_path() -> None:
 
 
 def test_generic_padded_decode_matches_cpu_kernel_path() -> None:
-    from prefixcache.engine.attention.torch_backend import _padded_decode_generic
+    from prefixcache.engine.attention.torch_ops import _padded_decode_generic
 
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(3, 8, 16, generator=gen)
@@ -216,7 +216,8 @@ def test_generic_padded_decode_matches_cpu_kernel_path() -> None:
 def test_create_backend() -> None:
     assert create_backend("torch", "cpu").name == "torch"
     assert create_backend("auto", "cpu").name == "cpu"  # the batch-invariant kernel backend
-    assert create_backend("auto", "cpu", batch_invariant=False).name == "torch"
+    assert create_backend("auto", "cpu", batch_invariant=False).name == "cpu-split"
+    assert create_backend("torch", "cpu").name == "torch"  # the reference, by name
     with pytest.raises(ValueError, match="CUDA"):
         create_backend("flashinfer", "cpu")
     with pytest.raises(ValueError, match="unknown attention backend"):

@@ -256,3 +256,48 @@ def test_gemm_rows_do_not_depend_on_their_batch(dtype: torch.dtype, k: int, n: i
     ref = x.float() @ w.float().T + bias.float()
     tol = 0.05 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(gemm(x).float(), ref, atol=tol, rtol=tol)
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(seed=st.integers(0, 2**31), length=st.integers(20, 300), chunk=st.integers(16, 96))
+def test_engine_logprobs_are_bitwise_equal_cold_reloaded_chunked_and_batched(
+    demo_bf16: LoadedModel, seed: int, length: int, chunk: int
+) -> None:
+    """Through the engine at the default dtype: the greedy tokens and their logprobs of a
+    request are the same bits cold, after its prefix was spilled to the host tier and
+    reloaded, with chunked prefill, and sent together with other requests."""
+    from prefixcache.engine.config import EngineConfig
+    from prefixcache.engine.engine import LLMEngine
+    from prefixcache.engine.request import EngineRequest, SamplingParams
+
+    rng = random.Random(seed)
+    vocab = demo_bf16.config.vocab_size
+    prompt = tokens(rng, length, vocab)
+    others = [tokens(rng, rng.randint(5, 120), vocab) for _ in range(3)]
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1)
+
+    def engine(**overrides: object) -> LLMEngine:
+        config = EngineConfig(model="demo", device="cpu", num_blocks=96, kv_offload="host:0.05")
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        return LLMEngine(config, demo_bf16)
+
+    def answer(eng: LLMEngine, rid: str, batch: list[list[int]] = ()) -> tuple:  # type: ignore[assignment]
+        reqs = [EngineRequest(rid, list(prompt), sampling)]
+        reqs += [EngineRequest(f"{rid}-{i}", p, sampling) for i, p in enumerate(batch)]
+        result = eng.generate(reqs)[0]
+        return result.token_ids, [lp.logprob for lp in result.logprobs], result.usage
+
+    cold_tokens, cold_lps, _ = answer(engine(enable_prefix_caching=False), "cold")
+    tiered = engine()
+    answer(tiered, "first")
+    tiered.evict_all(keep_tier=True)
+    tokens_r, lps_r, usage = answer(tiered, "reloaded")
+    assert usage.cached_tokens_by_tier is not None and usage.cached_tokens_by_tier["host"] > 0
+    assert (tokens_r, lps_r) == (cold_tokens, cold_lps), "reloaded from the tier != cold"
+    chunked = engine(max_num_batched_tokens=chunk, enable_prefix_caching=False)
+    assert answer(chunked, "chunked")[:2] == (cold_tokens, cold_lps), "chunked != cold"
+    assert answer(engine(), "batched", others)[:2] == (cold_tokens, cold_lps), "batched != cold"
+    tiered.close()

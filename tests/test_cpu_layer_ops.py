@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache.engine.kernels import cpu_layer_ops
-from prefixcache.engine.model import llama
+from prefixcache.engine.model import layer_ops, llama
 from prefixcache.engine.model.model_config import ModelConfig
 
 REASON = cpu_layer_ops.unavailable_reason()
@@ -109,7 +109,7 @@ def test_rotary_in_place_is_rotate_half_bit_for_bit(
     want_q, want_k = q, k
     if norms is not None:
         want_q, want_k = torch_rms_norm(q, norms[0], 1e-6), torch_rms_norm(k, norms[1], 1e-6)
-    want_q, want_k = llama._rotate(want_q, cos, sin), llama._rotate(want_k, cos, sin)
+    want_q, want_k = layer_ops._rotate(want_q, cos, sin), layer_ops._rotate(want_k, cos, sin)
     cpu_layer_ops.rotary_(q, k, cos, sin, norms)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "v untouched"
@@ -209,10 +209,10 @@ def test_torch_path_of_the_fused_residual_layout_is_unchanged(
 def test_prepare_fuses_only_bf16_cpu_models() -> None:
     fp32 = random_model(tiny_config(), torch.float32)
     fp32.prepare()
-    assert not fp32.model.norm.fused and not fp32.model.layers[0].mlp.fused_act
+    assert not fp32.fused_ops
     bf16 = random_model(tiny_config(), torch.bfloat16)
     bf16.prepare()
-    assert bf16.model.layers[0].self_attn.fused_rotary == cpu_layer_ops.available()
+    assert bf16.fused_ops == cpu_layer_ops.available()
 
 
 @needs_kernel
@@ -226,7 +226,7 @@ def test_bf16_model_on_the_fused_ops_equals_torch_ops(kind: str) -> None:
     model = random_model(tiny_config(**overrides), torch.bfloat16)
     with torch.inference_mode():
         model.prepare()
-        assert model.model.norm.fused
+        assert model.fused_ops
         assert (model.model.layers[0].self_attn.q_norm is not None) == (kind == "qwen3")
         for n in (77, 1, 32):
             ids = torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n))

@@ -281,16 +281,25 @@ def test_ttl_pins_and_the_tier_reach_stats_tree_and_stream(tier_sidecar: Server)
     assert json.loads(line[6:])["tier"] == tier
 
 
-@pytest.mark.parametrize("path", ["/dashboard", "/v1/cache/tree", "/v1/cache/live"])
-def test_dashboard_routes_need_an_admin_key(tenant_server: Server, path: str) -> None:
+@pytest.mark.parametrize("path", ["/v1/cache/tree", "/v1/cache/live"])
+def test_dashboard_data_needs_an_admin_key_as_a_header(tenant_server: Server, path: str) -> None:
     url = tenant_server.root + path
     assert httpx.get(url, timeout=10).status_code == 401
     tenant = {"Authorization": f"Bearer {KEYS['a']['key']}"}
     assert httpx.get(url, headers=tenant, timeout=10).status_code == 403
-    assert httpx.get(url, params={"key": KEYS["a"]["key"]}, timeout=10).status_code == 403
+    # never in a URL: an admin key as ?key= is no key at all
+    assert httpx.get(url, params={"key": KEYS["admin"]["key"]}, timeout=10).status_code == 401
     if path != "/v1/cache/live":
-        ok = httpx.get(url, params={"key": KEYS["admin"]["key"]}, timeout=30)
-        assert ok.status_code == 200
+        admin = {"Authorization": f"Bearer {KEYS['admin']['key']}"}
+        assert httpx.get(url, headers=admin, timeout=30).status_code == 200
+
+
+def test_the_page_holds_no_data_and_asks_for_the_key(tenant_server: Server) -> None:
+    page = httpx.get(f"{tenant_server.root}/dashboard", timeout=10)
+    assert page.status_code == 200 and page.headers["referrer-policy"] == "no-referrer"
+    html = page.text
+    assert 'id="key-input" type="password"' in html and "Authorization" in html
+    assert 'location.search).get("key")' not in html  # the old page read ?key=
 
 
 def test_bad_parameters_are_400(sidecar_server: Server) -> None:
@@ -369,3 +378,21 @@ def test_another_salt_of_the_same_tenant_is_a_namespace_miss(sidecar_server: Ser
     ask("salt-one")
     rules = ask("salt-two")
     assert rules["cached_tokens"] == 0 and rules["miss"]["reason"] == "namespace"
+
+
+@pytest.mark.parametrize(
+    ("line", "logged"),
+    [
+        ("GET /dashboard?key=sk-ops-1 HTTP/1.1", "GET /dashboard?key=[redacted] HTTP/1.1"),
+        ("/x?a=1&API_KEY=s3&max_tokens=5", "/x?a=1&API_KEY=[redacted]&max_tokens=5"),
+        ("/t?access_token=abc#top", "/t?access_token=[redacted]#top"),
+        ("prefill tokens=5 key=3", "prefill tokens=5 key=3"),  # not a query: left alone
+    ],
+)
+def test_the_logs_redact_secret_looking_query_values(line: str, logged: str) -> None:
+    import logging
+
+    from prefixcache.sidecar.http.redaction import RedactSecrets
+
+    record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, "%s", (line,), None)
+    assert RedactSecrets().filter(record) and record.getMessage() == logged

@@ -118,6 +118,7 @@ def test_sidecar_imports_only_the_seam_from_the_engine() -> None:
     """Only cli/serve_command.py (which builds the AsyncEngine) may import more of the engine."""
     allowed = {"prefixcache.engine.api", "prefixcache.engine.request"}
     allowed.add("prefixcache.engine.text.tokenizer")  # ChatTemplateError, raised by the tokenizer
+    allowed.add("prefixcache.engine.serving.errors")  # the engines' one error hierarchy
     for path in sorted(SIDECAR.rglob("*.py")):
         if path.relative_to(SIDECAR).as_posix() == "cli/serve_command.py":
             continue
@@ -136,7 +137,8 @@ def test_sidecar_imports_only_the_seam_from_the_engine() -> None:
 
 def test_the_seam_modules_are_torch_free() -> None:
     code = (
-        "import sys, prefixcache.engine.api, prefixcache.sdk.cache_stats; "
+        "import sys, prefixcache.engine.api, prefixcache.engine.serving.errors, "
+        "prefixcache.sdk.cache_stats; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

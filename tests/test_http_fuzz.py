@@ -1,16 +1,17 @@
 """Fuzz of the HTTP surface (issue 18): hypothesis bodies over the request schemas, with
-wrong types, extreme numbers, odd unicode and deep nesting. Never a 5xx, every error in
-OpenAI's shape, in-band stream errors too; the server is healthy afterwards with no block in
+wrong types, extreme numbers, odd unicode and deep nesting. Never a 5xx, every error in its
+endpoint's shape (Anthropic's for /v1/messages, OpenAI's elsewhere), in-band stream errors too; the server is healthy afterwards with no block in
 use. Runs against the app over the fake engine (many examples) and the real demo engine."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from conftest import Server, wait_for_idle_blocks
+from conftest import Server, ServerLoop, demo_engine, serve, wait_for_idle_blocks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -140,7 +141,145 @@ cache_body = st.fixed_dictionaries(
         "chat_template_kwargs": any_value,
     },
 )
+# The Messages API (Anthropic's shapes) and the Responses API (OpenAI's).
+cache_control = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["ephemeral", "persistent"])},
+        optional={"ttl": st.sampled_from(["5m", "1h", "2h"])},
+    ),
+    junk,
+)
+block = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.just("text"), "text": st.text(max_size=20)},
+        optional={"cache_control": cache_control},
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_use"),
+            "id": st.sampled_from(["toolu_1", ""]),
+            "name": st.sampled_from(["lookup", "a b", ""]),
+            "input": st.one_of(st.just({"key": "x"}), any_value),
+        },
+        optional={"cache_control": cache_control},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_result"), "tool_use_id": st.sampled_from(["toolu_1", "x"])},
+        optional={"content": content, "is_error": junk, "cache_control": cache_control},
+    ),
+    st.fixed_dictionaries({"type": st.sampled_from(["image", "document", "thinking", "x"])}),
+    junk,
+)
+anthropic_message = st.fixed_dictionaries(
+    {
+        "role": st.one_of(st.sampled_from(["user", "assistant", "system"]), junk),
+        "content": st.one_of(st.text(max_size=30), st.lists(block, max_size=3), junk),
+    }
+)
+anthropic_tools = st.one_of(
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "name": st.sampled_from(["lookup", "a b", ""]),
+                "input_schema": st.one_of(st.just({"type": "object"}), any_value),
+            },
+            optional={"cache_control": cache_control, "type": st.sampled_from(["custom", "bash"])},
+        ),
+        max_size=2,
+    ),
+    junk,
+)
+anthropic_tool_choice = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+        optional={"name": st.sampled_from(["lookup", "x"]), "disable_parallel_tool_use": junk},
+    ),
+    junk,
+)
+messages_body = st.fixed_dictionaries(
+    {
+        "max_tokens": small_max_tokens,
+        "messages": st.one_of(st.lists(anthropic_message, max_size=3), junk),
+    },
+    optional={
+        "model": SAMPLING["model"],
+        "system": st.one_of(st.text(max_size=20), st.lists(block, max_size=2), junk),
+        "tools": anthropic_tools,
+        "tool_choice": anthropic_tool_choice,
+        "temperature": numbers,
+        "top_p": numbers,
+        "top_k": numbers,
+        "stop_sequences": st.one_of(st.lists(st.text(max_size=4), max_size=3), junk),
+        "stream": st.one_of(st.booleans(), junk),
+        "cache_control": cache_control,
+        "metadata": any_value,
+        "thinking": any_value,
+        "output_config": any_value,
+    },
+)
+response_item = st.one_of(
+    message,
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["function_call", "function_call_output", "message", "x"])},
+        optional={
+            "call_id": st.one_of(st.sampled_from(["call_1", ""]), junk),
+            "name": st.one_of(st.sampled_from(["lookup", "a b"]), junk),
+            "arguments": st.one_of(st.sampled_from(["{}", "[1]", "{"]), junk),
+            "output": content,
+            "role": st.one_of(st.sampled_from(ROLES), junk),
+            "content": content,
+        },
+    ),
+    junk,
+)
+function_tools = st.one_of(
+    st.lists(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["function", "web_search"])},
+            optional={"name": st.sampled_from(["lookup", "a b"]), "parameters": any_value},
+        ),
+        max_size=2,
+    ),
+    junk,
+)
+responses_body = st.fixed_dictionaries(
+    {"input": st.one_of(content, st.lists(response_item, max_size=3), junk)},
+    optional={
+        "model": SAMPLING["model"],
+        "instructions": st.one_of(st.text(max_size=20), junk),
+        "max_output_tokens": small_max_tokens,
+        "temperature": numbers,
+        "top_p": numbers,
+        "tools": function_tools,
+        "tool_choice": st.one_of(
+            st.sampled_from(["auto", "required", "none", "x"]),
+            st.fixed_dictionaries({"type": st.just("function"), "name": st.just("lookup")}),
+            junk,
+        ),
+        "text": st.one_of(
+            st.fixed_dictionaries(
+                {
+                    "format": st.fixed_dictionaries(
+                        {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+                        optional={"name": st.just("a"), "schema": any_value},
+                    )
+                }
+            ),
+            junk,
+        ),
+        "prompt_cache_key": any_value,
+        "previous_response_id": st.one_of(st.sampled_from(["resp_x", ""]), junk),
+        "stream": st.one_of(st.booleans(), junk),
+        "store": st.one_of(st.booleans(), junk),
+        "reasoning": any_value,
+        "metadata": any_value,
+    },
+)
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 ROUTES = [
+    ("/v1/messages", messages_body),
+    ("/v1/messages/count_tokens", messages_body),
+    ("/v1/responses", responses_body),
     ("/v1/chat/completions", chat_body),
     ("/v1/chat/completions", segments_body),
     ("/v1/completions", completion_body),
@@ -161,9 +300,13 @@ def encode(body: Any) -> bytes:
         return b"[" * 3000 + b"]" * 3000
 
 
-def check(response: httpx.Response) -> None:
+def check(response: httpx.Response, path: str = "") -> None:
     assert response.status_code < 500, (response.status_code, response.text[:500])
-    if response.status_code >= 400:
+    if path in ANTHROPIC_PATHS:
+        check_anthropic(response)
+    elif path == "/v1/responses" and response.status_code < 400 and _is_stream(response):
+        check_responses_stream(response)
+    elif response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, error
         assert isinstance(error["message"], str) and error["message"]
@@ -177,6 +320,42 @@ def check(response: httpx.Response) -> None:
                 assert payload["error"]["type"] != "server_error", payload
 
 
+def _is_stream(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").startswith("text/event-stream")
+
+
+def _events(response: httpx.Response) -> list[dict]:
+    return [
+        json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")
+    ]
+
+
+def check_anthropic(response: httpx.Response) -> None:
+    """Anthropic's shapes: ``{"type": "error", "error": {"type", "message"}}``, in-band too."""
+    if response.status_code >= 400:
+        body = response.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        assert body["error"]["type"] != "api_error" and body["error"]["message"]
+    elif _is_stream(response):
+        events = _events(response)
+        assert events[0]["type"] == "message_start", events[:1]
+        for event in events:
+            if event["type"] == "error":
+                assert event["error"]["type"] != "api_error", event
+        assert events[-1]["type"] in ("message_stop", "error"), events[-1]
+
+
+def check_responses_stream(response: httpx.Response) -> None:
+    events = _events(response)
+    assert events[0]["type"] == "response.created", events[:1]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    for event in events:
+        if event["type"] == "error":
+            assert event["code"] != "server_error", event
+    final = ("response.completed", "response.incomplete", "response.failed")
+    assert events[-1]["type"] in final, events[-1]
+
+
 def fuzz(server: Server, path: str, body: Any) -> None:
     response = httpx.post(
         f"{server.root}{path}",
@@ -184,7 +363,19 @@ def fuzz(server: Server, path: str, body: Any) -> None:
         headers={"content-type": "application/json"},
         timeout=60,
     )
-    check(response)
+    check(response, path)
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(server_loop: ServerLoop, demo_loaded: Any) -> Iterator[Server]:
+    """A real engine of the fuzz's own: the Messages and Responses bodies it draws carry
+    cache_control and retention marks, whose TTL pins must not outlive it into the shared
+    sidecar's tests (they survive an evict, by design)."""
+    from prefixcache.sidecar.server.app import SidecarSettings, create_app
+
+    server = serve(server_loop, create_app(demo_engine(demo_loaded), SidecarSettings()))
+    yield server
+    server.stop()
 
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
@@ -200,18 +391,17 @@ def test_fuzz_the_app_over_the_fake_engine(fake_server: Server, case: tuple[str,
 @pytest.mark.timeout(240)
 @REAL
 @given(request)
-def test_fuzz_the_real_engine(sidecar_server: Server, case: tuple[str, Any]) -> None:
-    fuzz(sidecar_server, *case)
+def test_fuzz_the_real_engine(fuzz_server: Server, case: tuple[str, Any]) -> None:
+    fuzz(fuzz_server, *case)
 
 
 @pytest.mark.timeout(120)
-def test_servers_are_healthy_after_the_fuzz(fake_server: Server, sidecar_server: Server) -> None:
-    for server in (fake_server, sidecar_server):
+def test_servers_are_healthy_after_the_fuzz(fake_server: Server, fuzz_server: Server) -> None:
+    for server in (fake_server, fuzz_server):
         assert httpx.get(f"{server.root}/health", timeout=10).json() == {"status": "ok"}
-    stats = wait_for_idle_blocks(sidecar_server.root, timeout=60)
+    stats = wait_for_idle_blocks(fuzz_server.root, timeout=60)
     assert stats["blocks"]["in_use"] == 0
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     assert (
-        httpx.post(f"{sidecar_server.url}/chat/completions", json=body, timeout=60).status_code
-        == 200
+        httpx.post(f"{fuzz_server.url}/chat/completions", json=body, timeout=60).status_code == 200
     )

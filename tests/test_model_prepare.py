@@ -22,7 +22,7 @@ def causal_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 def test_prepared_model_computes_the_same_bits(dtype: str) -> None:
     loaded = load_model("demo", dtype=dtype, device="cpu")
     model = loaded.model
-    assert model.head is None  # the loader hands out an unprepared model
+    assert not model.prepared  # the loader hands out an unprepared model
     ids = torch.randint(
         0, loaded.config.vocab_size, (37,), generator=torch.Generator().manual_seed(1)
     )

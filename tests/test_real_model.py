@@ -1,7 +1,7 @@
 """Real-model fidelity: SmolLM2-135M-Instruct from its GGUF (the named model ``smollm2``), in
 float32, against transformers reading the same GGUF file.
 
-A dozen chat prompts (a long public-domain document as the system prompt with several
+A dozen chat prompts (a long document, the Apache License 2.0, as the system prompt with several
 questions, multi-turn conversations, no system prompt): the engine's prompt token ids equal
 transformers' ``apply_chat_template``, and its greedy answers equal transformers' greedy
 ``generate``, cold (no prefix cache), warm (the document cached) and all at once (batched).
@@ -27,25 +27,26 @@ from prefixcache.engine.request import EngineRequest, SamplingParams  # noqa: E4
 pytestmark = pytest.mark.slow
 
 FULL_TEXT = (
-    Path(__file__).resolve().parent.parent / "examples/documents/declaration_of_independence.txt"
+    Path(__file__).resolve().parent.parent / "examples/documents/apache-license-2.0.txt"
 ).read_text(encoding="utf-8")
-# About 900 tokens of it (the Declaration's opening and the Gettysburg Address): long enough
-# to span many blocks, short enough that a dozen uncached prefills fit this test's budget.
+# About 900 tokens of it (the title and Sections 2 to 6: the grants, redistribution,
+# contributions, trademarks): long enough to span many blocks, short enough that a dozen
+# uncached prefills fit this test's budget.
 DOCUMENT = (
-    FULL_TEXT[FULL_TEXT.index("THE DECLARATION") : FULL_TEXT.index("He has refused his Assent")]
-    + FULL_TEXT[FULL_TEXT.index("THE GETTYSBURG ADDRESS") :]
+    FULL_TEXT[: FULL_TEXT.index("TERMS AND CONDITIONS")]
+    + FULL_TEXT[FULL_TEXT.index("2. Grant of Copyright") : FULL_TEXT.index("7. Disclaimer")]
 )
 SYSTEM = "Answer questions about the document below in one short sentence.\n\n" + DOCUMENT
 MAX_NEW_TOKENS = 16
 BLOCK_SIZE = 16
 
 DOCUMENT_QUESTIONS = [
-    "When was the Declaration adopted?",
-    "Which rights are called unalienable?",
-    "Who delivered the Gettysburg Address?",
-    "Why are Governments instituted, according to the Declaration?",
-    "Where was the Gettysburg Address given?",
-    "What did the Colonies declare themselves to be?",
+    "Which version of the Apache License is this?",
+    "Which rights does the copyright license grant?",
+    "When does the patent license terminate?",
+    "What must you give recipients of the Work?",
+    "What must modified files carry?",
+    "Does the License grant permission to use trademarks?",
 ]
 CONVERSATIONS: list[list[dict[str, str]]] = [
     *(
@@ -54,15 +55,15 @@ CONVERSATIONS: list[list[dict[str, str]]] = [
     ),
     [  # multi-turn over the document
         {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "Who is the document addressed against?"},
-        {"role": "assistant", "content": "The King of Great Britain."},
-        {"role": "user", "content": "Name one of his abuses."},
+        {"role": "user", "content": "Which section covers redistribution?"},
+        {"role": "assistant", "content": "Section 4, Redistribution."},
+        {"role": "user", "content": "Name one of its conditions."},
     ],
     [
         {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "How does the Gettysburg Address begin?"},
-        {"role": "assistant", "content": "Four score and seven years ago."},
-        {"role": "user", "content": "And how does it end?"},
+        {"role": "user", "content": "Under which terms is a Contribution submitted?"},
+        {"role": "assistant", "content": "Under the terms and conditions of this License."},
+        {"role": "user", "content": "Can a separate agreement override that?"},
     ],
     [  # multi-turn, no system prompt
         {"role": "user", "content": "What is the capital of France?"},

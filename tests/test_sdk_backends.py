@@ -417,3 +417,38 @@ def test_sync_client_still_takes_the_event_loop_as_backend() -> None:
 
     with Client("http://x.test/v1", backend="trio", transport=httpx.MockTransport(handle)) as c:
         assert c.complete([{"role": "user", "content": "hi"}]).text == "Blue."
+
+
+def test_the_sidecar_messages_wire_sends_the_anthropic_rendering() -> None:
+    seen: list[httpx.Request] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        body = {
+            "id": "msg_1",
+            "model": "demo",
+            "content": [{"type": "text", "text": "ok"}],
+            "stop_reason": "end_turn",
+            "usage": {"input_tokens": 3, "output_tokens": 1, "cache_creation_input_tokens": 20},
+            "prefixcache": {
+                "cached_tokens": 0,
+                "prompt_tokens": 23,
+                "computed_tokens": 23,
+                "segments": [],
+            },
+        }
+        return httpx.Response(200, json=body)
+
+    transport = httpx.MockTransport(handle)
+    with Client("http://sidecar/v1", "sk-x", wire="messages", transport=transport) as client:
+        out = client.complete(PROMPT, max_tokens=16, ttl="1h")
+    (request,) = seen
+    assert str(request.url) == "http://sidecar/v1/messages"
+    assert request.headers["authorization"] == "Bearer sk-x"
+    assert request.headers["anthropic-version"] == "2023-06-01"
+    expected = PROMPT.to_anthropic(max_tokens=16, ttl="1h")
+    assert json.loads(request.content) == {**expected, "stream": False}
+    assert out.usage.prompt_tokens == 23 and out.usage.cache_write_tokens == 20
+    assert out.cache is not None and out.cache.computed_tokens == 23
+    with pytest.raises(ValueError, match="wire"):
+        Client(backend="openai", wire="messages")

@@ -171,3 +171,26 @@ def test_warm_with_a_ttl_pins_until_unpinned(sidecar_url: str) -> None:
         assert (await client.cache_stats()).blocks.pinned == before
 
     _run(check, sidecar_url)
+
+
+def test_the_messages_wire_gives_the_hosted_accounting(sidecar_url: str) -> None:
+    """``wire="messages"``: the Anthropic rendering to the sidecar's /v1/messages; usage as
+    Anthropic reports it (writes at the breakpoints, then reads), plus the cache report."""
+
+    async def main() -> None:
+        async with AsyncClient(sidecar_url, wire="messages") as client:
+            first = await client.complete(_prompt("messages"), max_tokens=3, ttl="5m")
+            assert first.usage.cache_write_tokens > 100
+            assert first.usage.cached_tokens < 32  # only the template's head
+            assert (
+                first.cache is not None and first.cache.prompt_tokens == first.usage.prompt_tokens
+            )
+            prefix = first.usage.cache_write_tokens + first.usage.cached_tokens
+            again = client.stream(_prompt("messages", "Where is poetry?"), max_tokens=3, ttl="5m")
+            deltas = [d async for d in again]
+            assert again.text == "".join(d.text for d in deltas)
+            assert again.usage is not None and again.usage.cached_tokens == prefix
+            assert again.usage.cache_write_tokens == 0  # the question sits after the last mark
+            assert again.cache is not None and again.cache.cached_tokens >= prefix
+
+    anyio.run(main)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
@@ -120,15 +122,16 @@ def test_environment_variables_are_read_in_one_place() -> None:
 
 
 def launch(
-    *options: str, timeout: float = 120, command: str = "serve"
+    *options: str, timeout: float = 120, command: str = "serve", log: IO[bytes] | None = None
 ) -> tuple[subprocess.Popen, str]:
     """`prefixcache COMMAND OPTIONS` as a subprocess on a free port, and its root URL, once
-    healthy."""
+    healthy; ``log`` takes its stdout and stderr."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", command, "--port", str(port)]
-    proc = subprocess.Popen([*cmd, *options], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([*cmd, *options], env=env, stdout=log, stderr=log)
     root = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while True:
@@ -198,6 +201,37 @@ def test_serve_subprocess_answers_and_stops_on_sigint() -> None:
         assert response.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_no_admin_key_in_the_log_after_a_dashboard_session(tmp_path: Path) -> None:
+    """The server's own log (uvicorn's access log on) after what the cache page does, and an
+    old bookmark of /dashboard?key=...: the admin key appears nowhere."""
+    admin = "sk-ops-dashboard-0123456789"
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"key": admin, "tenant": "ops", "admin": True}]}))
+    log_path = tmp_path / "server.log"
+    options = ("--model", "demo", "--engine", "thread", "--num-blocks", "64")
+    with log_path.open("wb") as log:
+        proc, root = launch(*options, "--api-keys-file", str(keys), "--log-level", "info", log=log)
+        try:
+            header = {"Authorization": f"Bearer {admin}"}
+            assert httpx.get(f"{root}/dashboard").status_code == 200  # the page asks for it
+            assert httpx.get(f"{root}/v1/cache/tree", headers=header).status_code == 200
+            with httpx.stream("GET", f"{root}/v1/cache/live?interval=0.2", headers=header) as res:
+                assert res.status_code == 200
+                assert any(line.startswith("data: ") for line in res.iter_lines())
+            old = httpx.get(f"{root}/dashboard", params={"key": admin})  # an old bookmark
+            assert old.status_code == 200
+            refused = httpx.get(f"{root}/v1/cache/tree", params={"key": admin, "x": "1"})
+            assert refused.status_code == 401  # a key in a URL is no key
+        finally:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
+    text = log_path.read_text(encoding="utf-8", errors="replace")
+    assert '"GET /dashboard HTTP/1.1" 200' in text  # the access log was on
+    assert '"GET /dashboard?key=[redacted] HTTP/1.1" 200' in text
+    assert '"GET /v1/cache/tree?key=[redacted]&x=1 HTTP/1.1" 401' in text
+    assert admin not in text
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
 @pytest.mark.parametrize("end", ["SIGTERM", "SIGKILL"])
 def test_the_engine_core_is_a_child_that_ends_with_the_server(end: str) -> None:
@@ -242,9 +276,13 @@ def test_route_routes_to_another_server(fake_server: Server, command: str) -> No
         assert f"{series} 1.0" in metrics
 
 
+@pytest.mark.parametrize("engine", ["process", "thread"])
 @pytest.mark.parametrize("broken", ["missing", "bad-config"])
-def test_a_model_that_cannot_load_ends_the_process(tmp_path: Path, broken: str) -> None:
-    """No zombie server answering 503 forever: exit non-zero with the error on stderr."""
+def test_a_model_that_cannot_load_ends_the_process(
+    tmp_path: Path, broken: str, engine: str
+) -> None:
+    """No zombie server answering 503 forever: exit 1 with the error in one clear line on
+    stderr (in process mode it read twice, with two tracebacks, the core's and the server's)."""
     model = tmp_path / "typo"
     if broken == "bad-config":
         model.mkdir()
@@ -254,12 +292,18 @@ def test_a_model_that_cannot_load_ends_the_process(tmp_path: Path, broken: str) 
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", "serve", "--port", str(port)]
     proc = subprocess.run(
-        [*cmd, "--model", str(model), "--log-level", "warning"],
+        [*cmd, "--model", str(model), "--engine", engine, "--log-level", "warning"],
         capture_output=True,
         text=True,
         timeout=60,  # the old code never exited: TimeoutExpired
     )
-    assert proc.returncode != 0
-    assert "prefixcache serve: the engine failed to start" in proc.stderr
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    line = lines[0]
+    assert line.startswith("prefixcache serve: the engine failed to start: "), line
+    assert line.count("failed to start") == 1 and "Error:" not in line, line
     if broken == "missing":
-        assert model.name in proc.stderr
+        assert f"model {str(model)!r} not found" in line
+    else:
+        assert f"{model / 'config.json'}: invalid JSON" in line

@@ -22,15 +22,21 @@ from .metadata import (
 def create_backend(
     name: str = "auto", device: torch.device | str = "cpu", *, batch_invariant: bool = True
 ) -> AttentionBackend:
-    """``auto`` picks FlashInfer on CUDA when it is installed; on CPU the engine's kernel
-    (``cpu``: batch-invariant, see ``cpu_backend``) unless ``batch_invariant`` is off; else
-    the torch reference."""
+    """``auto`` picks FlashInfer on CUDA when it is installed; on CPU the engine's kernels:
+    ``cpu`` (batch-invariant, ``cpu_backend``) or, with ``batch_invariant`` off, ``cpu-split``
+    (``split_backend``); each falls back to ``torch``, the reference, for shapes it lacks.
+    FlashInfer takes ``batch_invariant`` too (a fixed split size, and cascade groups decoded
+    plainly; see ``flashinfer_backend``)."""
     device = torch.device(device)
     on_cuda = device.type == "cuda" and torch.cuda.is_available()
     if name == "cpu" or (name == "auto" and device.type == "cpu" and batch_invariant):
         from .cpu_backend import CpuKernelBackend
 
         return CpuKernelBackend()
+    if name == "cpu-split" or (name == "auto" and device.type == "cpu"):
+        from .split_backend import SplitKernelBackend
+
+        return SplitKernelBackend()
     if name == "torch":
         from .torch_backend import TorchBackend
 
@@ -43,19 +49,21 @@ def create_backend(
             )
         from .flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(device)
+        return FlashInferBackend(device, batch_invariant=batch_invariant)
     if name == "auto":
         if on_cuda:
             try:
                 from .flashinfer_backend import FlashInferBackend
 
-                return FlashInferBackend(device)
+                return FlashInferBackend(device, batch_invariant=batch_invariant)
             except ImportError:
                 pass
         from .torch_backend import TorchBackend
 
         return TorchBackend()
-    raise ValueError(f"unknown attention backend {name!r}: expected auto, cpu, torch or flashinfer")
+    raise ValueError(
+        f"unknown attention backend {name!r}: expected auto, cpu, cpu-split, torch or flashinfer"
+    )
 
 
 __all__ = [

@@ -40,3 +40,13 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Write k/v ``[T, Hk, D]`` into ``kv_layer`` ``[num_blocks, 2, block_size, Hk, D]``,
         then return attention output ``[T, Hq, D]`` for queries ``q`` ``[T, Hq, D]``."""
+
+
+def write_rows(meta: AttentionMetadata) -> torch.Tensor:
+    """Where each of the step's new tokens goes, as a row of the layer viewed as ``[num_blocks
+    * 2 * block_size, Hk, D]``: K of (block b, slot s) is row ``b * 2 * bs + s``, its V ``bs``
+    rows further. The token at position p is on page ``kv_indices[kv_indptr[b] + p // bs]``."""
+    bs = meta.block_size
+    pos = meta.positions
+    page_of = meta.kv_indptr.long()[meta.batch_indices.long()] + pos // bs
+    return meta.kv_indices.long()[page_of] * (2 * bs) + pos % bs

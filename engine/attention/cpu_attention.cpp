@@ -18,14 +18,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_flash_block.h"
 #include "cpu_simd.h"
 
 namespace {
 
 using namespace pc;
 
-constexpr int BK = 128;       // keys per block (8 vectors of 16)
-constexpr int NV = BK / 16;
+constexpr int BK = static_cast<int>(kKeyBlock);  // keys per block (8 vectors of 16)
 constexpr int ROWS_BLOCK = 64;  // query rows (tokens x folded heads) per task, about
 
 struct Problem {
@@ -41,7 +41,7 @@ struct Problem {
 // One task: kv head h, query tokens [t0, t1). Kp/Vp: that head's packed K/V.
 template <int D, int R>
 void attend_block(const Problem& pb, int64_t h, int64_t t0, int64_t t1, const uint32_t* kp,
-                  const uint32_t* vp, float* obuf, uint16_t* pbuf, float* m, float* l) {
+                  const uint32_t* vp, float* obuf, float* pbuf, float* m, float* l) {
   constexpr int ND = D / 16;  // output vectors per row
   constexpr int NP = D / 2;   // dot-product pairs
   const int64_t g = pb.hq / pb.hk;
@@ -60,103 +60,9 @@ void attend_block(const Problem& pb, int64_t h, int64_t t0, int64_t t1, const ui
     l[r] = 0.0f;
   }
   std::memset(obuf, 0, sizeof(float) * rows * D);
-  const __m512 scale2 = _mm512_set1_ps(pb.scale2);
-  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
-
-  for (int64_t kb = 0; kb < nkb; ++kb) {
-    const int64_t k0 = kb * BK;
-    const uint32_t* kblk = kp + kb * NP * BK;
-    const uint32_t* vblk = vp + kb * (BK / 2) * D;
-    for (int64_t r0 = 0; r0 < rows; r0 += R) {
-      const int nr = static_cast<int>(std::min<int64_t>(R, rows - r0));
-      bool any = false;
-      for (int i = 0; i < nr; ++i) any |= limit[r0 + i] > k0;
-      if (!any) continue;
-      int64_t tile_keys = 0;  // keys of this block any row of the tile sees
-      for (int i = 0; i < nr; ++i)
-        tile_keys = std::max(tile_keys, std::min<int64_t>(limit[r0 + i] - k0, BK));
-      // S = Q K^T for R rows x BK keys, 64 keys (16 accumulators) at a time.
-      alignas(64) float sbuf[R][BK];
-      for (int64_t half = 0; half * 64 < tile_keys; ++half) {
-        __m512 s[R][4];
-        for (int i = 0; i < R; ++i)
-          for (int c = 0; c < 4; ++c) s[i][c] = _mm512_setzero_ps();
-        const uint32_t* kh = kblk + half * 64;
-        for (int p = 0; p < NP; ++p) {
-          __m512bh kv[4];
-          for (int c = 0; c < 4; ++c)
-            kv[c] = (__m512bh)_mm512_loadu_si512(kh + p * BK + c * 16);
-          for (int i = 0; i < R; ++i) {
-            const __m512bh qb =
-                (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[(r0 + (i < nr ? i : 0)) * NP + p]));
-            for (int c = 0; c < 4; ++c) s[i][c] = _mm512_dpbf16_ps(s[i][c], qb, kv[c]);
-          }
-        }
-        for (int i = 0; i < R; ++i)
-          for (int c = 0; c < 4; ++c)
-            _mm512_store_ps(&sbuf[i][half * 64 + c * 16], _mm512_mul_ps(s[i][c], scale2));
-      }
-      // Online softmax per row; P goes to pbuf as bf16.
-      float corr[R];
-      const int64_t nvec = (tile_keys + 15) / 16;
-      for (int i = 0; i < nr; ++i) {
-        const int64_t row = r0 + i;
-        const int64_t valid = limit[row] - k0;
-        uint16_t* prow = pbuf + i * BK;
-        if (valid <= 0) {
-          corr[i] = 1.0f;
-          std::memset(prow, 0, sizeof(uint16_t) * BK);
-          continue;
-        }
-        __m512 vmax = neg_inf;
-        for (int64_t c = 0; c < nvec; ++c) {
-          const __m512 x = _mm512_mask_mov_ps(neg_inf, prefix_mask(valid - c * 16),
-                                              _mm512_load_ps(&sbuf[i][c * 16]));
-          vmax = _mm512_max_ps(vmax, x);
-        }
-        const float m_new = std::max(m[row], _mm512_reduce_max_ps(vmax));
-        const __m512 mv = _mm512_set1_ps(m_new);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t c = 0; c < nvec; ++c) {
-          const __m512 e = _mm512_maskz_mov_ps(
-              prefix_mask(valid - c * 16), exp2_ps(_mm512_sub_ps(_mm512_load_ps(&sbuf[i][c * 16]), mv)));
-          sum = _mm512_add_ps(sum, e);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + c * 16),
-                              (__m256i)_mm512_cvtneps_pbh(e));
-        }
-        corr[i] = std::exp2(m[row] - m_new);  // m[row] = -inf at first: 0
-        l[row] = l[row] * corr[i] + _mm512_reduce_add_ps(sum);
-        m[row] = m_new;
-      }
-      const int64_t span = tile_keys;
-      // O = O * corr + P V. Rows past nr go to a scratch row, so that every index below is
-      // a constant and the accumulators stay in registers.
-      alignas(64) float spare[D];
-      float* orow[R];
-      const uint16_t* prow[R];
-      __m512 o[R][ND];
-      for (int i = 0; i < R; ++i) {
-        orow[i] = i < nr ? obuf + (r0 + i) * D : spare;
-        prow[i] = pbuf + (i < nr ? i : 0) * BK;
-        const __m512 cv = _mm512_set1_ps(i < nr ? corr[i] : 0.0f);
-        for (int c = 0; c < ND; ++c)
-          o[i][c] = i < nr ? _mm512_mul_ps(_mm512_loadu_ps(orow[i] + c * 16), cv)
-                           : _mm512_setzero_ps();
-      }
-      const int64_t pairs = (span + 1) / 2;
-      for (int64_t jp = 0; jp < pairs; ++jp) {
-        __m512bh vv[ND];
-        for (int c = 0; c < ND; ++c)
-          vv[c] = (__m512bh)_mm512_loadu_si512(vblk + jp * D + c * 16);
-        for (int i = 0; i < R; ++i) {
-          const __m512bh pw = (__m512bh)_mm512_set1_epi32(static_cast<int>(load_pair(prow[i] + 2 * jp)));
-          for (int c = 0; c < ND; ++c) o[i][c] = _mm512_dpbf16_ps(o[i][c], pw, vv[c]);
-        }
-      }
-      for (int i = 0; i < R; ++i)
-        for (int c = 0; c < ND; ++c) _mm512_storeu_ps(orow[i] + c * 16, o[i][c]);
-    }
-  }
+  for (int64_t kb = 0; kb < nkb; ++kb)
+    attend_packed<D, R, uint16_t>(kp + kb * NP * BK, vp + kb * (BK / 2) * D, kb * BK, 0, rows,
+                                  qw.data(), limit.data(), m, l, obuf, pbuf, pb.scale2);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = t0 + r / g, head = h * g + r % g;
     uint16_t* dst = pb.out + (t * pb.hq + head) * D;
@@ -230,7 +136,7 @@ void run(const Problem& pb, const Src& src, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
   {
     std::vector<float> obuf(max_rows * D), m(max_rows), l(max_rows);
-    std::vector<uint16_t> pbuf(R * BK);
+    std::vector<float> pbuf(R * BK);
     // Causal tasks late in the sequence cost the most: hand them out first.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < pb.hk * nqb; ++task) {

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_kernels
-from .backend import AttentionBackend, AttentionShape
+from .backend import AttentionBackend, AttentionShape, write_rows
 from .metadata import AttentionMetadata
 from .torch_backend import TorchBackend
 
@@ -58,9 +58,7 @@ class CpuKernelBackend(AttentionBackend):
             self._reference.plan(meta, shape)
             return
         bs = meta.block_size
-        pos = meta.positions
-        page_of = meta.kv_indptr.long()[meta.batch_indices.long()] + pos // bs
-        self._write_rows = meta.kv_indices.long()[page_of] * (2 * bs) + pos % bs
+        self._write_rows = write_rows(meta)
         pages = (meta.kv_indptr[1:] - meta.kv_indptr[:-1]).tolist()
         tables = torch.zeros(meta.num_seqs, max(pages, default=1), dtype=torch.int32)
         start = 0

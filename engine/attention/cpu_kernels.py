@@ -19,7 +19,7 @@ from ..kernels import cpu_library
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 ROW_SOURCE = Path(__file__).with_name("cpu_row_attention.cpp")
-HEADERS = (Path(__file__).with_name("cpu_simd.h"),)
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_simd.h", "cpu_flash_block.h"))
 HEAD_DIMS = frozenset({32, 64, 128})
 ROW_DTYPES = (torch.bfloat16, torch.float32)  # what row_attention takes
 REQUIRED_FLAGS = cpu_library.REQUIRED_FLAGS
@@ -262,21 +262,10 @@ def row_attention(
     return out
 
 
-def merges(o_a: torch.Tensor, o_b: torch.Tensor) -> bool:
-    """Whether ``merge_states`` takes these outputs (CPU bf16, contiguous, kernel loaded)."""
-    return (
-        o_a.device.type == "cpu"
-        and o_a.dtype == o_b.dtype == torch.bfloat16
-        and o_a.is_contiguous()
-        and o_b.is_contiguous()
-        and load() is not None
-    )
-
-
 def merge_states(
     o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch_backend.merge_states`` in one pass (``merges`` true): ``o_*`` ``[N, H, D]``
+    """``torch_ops.merge_states`` in one pass (the kernel loaded): ``o_*`` ``[N, H, D]``
     bf16, ``lse_*`` float32 ``[N, H]`` (base 2)."""
     lib = load()
     cpu_library.require(

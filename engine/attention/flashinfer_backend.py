@@ -1,6 +1,6 @@
-"""FlashInfer backend (CUDA only): paged prefill, decode and two-level cascade wrappers.
+"""FlashInfer backend (CUDA): paged prefill, decode and two-level cascade wrappers.
 
-Written to the flashinfer-python 0.7 API (see docs/models.md). The runner orders a step as
+Written to the flashinfer-python 0.7 API (docs/models.md). The runner orders a step as
 prefills | plain decodes | cascade groups, so each wrapper gets one contiguous slice of q:
 
 - prefills  -> BatchPrefillWithPagedKVCacheWrapper (causal, bottom-right aligned)
@@ -8,148 +8,191 @@ prefills | plain decodes | cascade groups, so each wrapper gets one contiguous s
 - groups    -> MultiLevelCascadeAttentionWrapper(2): level 0 = each group's shared blocks
                (non-causal), level 1 = each member's own pages after the shared ones.
 
-RoPE is applied by the model before K is written (pos_encoding_mode NONE), and q/kv dtypes are
-passed explicitly (FlashInfer defaults to float16 otherwise).
+``plan`` runs once per step (``flashinfer_plan.build_tables``: host arrays from the step's
+sequences, page ids gathered on the device, no device tensor read back) and every layer's
+``forward`` reuses it. RoPE is applied by the model before K is written (pos_encoding_mode
+NONE), and q/kv dtypes are passed explicitly (FlashInfer defaults to float16 otherwise).
+
+Batch invariance (docs/architecture.md, "Fidelity"): by default the prefill and decode plans
+get one fixed split size (``fixed_split_size``, in pages), so a row's split-KV reduction does
+not depend on who shares the step, and cascade groups are decoded by the decode wrapper like
+lone decodes (the cascade wrapper's plan takes no split size, and its level boundary is not
+one a lone decode uses). With ``batch_invariant=False`` FlashInfer picks its splits and
+cascade groups take the cascade wrapper. A sliding window (``window_left >= 0``) also decodes
+groups plainly: a window is not the same mask on a level's own page list.
+
+Tests inject a CPU stand-in for the module (``module=``, tests/flashinfer_standin.py): it
+computes what the wrappers are documented to compute, so the engine runs through this code
+on CPU; it is not FlashInfer's kernels.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from .backend import AttentionBackend, AttentionShape
+from .flashinfer_plan import PageTable, PlanBuffers, StepTables, build_tables
 from .metadata import AttentionMetadata
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
-
-
-def _i32(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
+FIXED_SPLIT_PAGES = 64  # 1024 tokens at block size 16: one split size for prefill and decode
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_PAGES = 16384
 
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
 
-    def __init__(self, device: torch.device | str = "cuda") -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cuda",
+        *,
+        batch_invariant: bool = True,
+        window_left: int = -1,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_num_pages: int = DEFAULT_MAX_NUM_PAGES,
+        fixed_split_pages: int = FIXED_SPLIT_PAGES,
+        workspace_bytes: int = WORKSPACE_BYTES,
+        module: ModuleType | None = None,
+    ) -> None:
+        """``module`` replaces ``import flashinfer`` (the tests' CPU stand-in); without it the
+        device must be CUDA."""
         device = torch.device(device)
-        if device.type != "cuda" or not torch.cuda.is_available():
-            raise ValueError("the flashinfer backend needs a CUDA device")
-        import flashinfer  # lazy: importing works on CPU, but nothing in it runs there
+        if module is None:
+            if device.type != "cuda" or not torch.cuda.is_available():
+                raise ValueError("the flashinfer backend needs a CUDA device")
+            import flashinfer  # lazy: importing works on CPU, but nothing in it runs there
 
-        self._fi: Any = flashinfer
+            module = flashinfer
+        fi: Any = module
+        self._fi = fi
         self.device = device
-        ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        cascade_ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            ws, kv_layout="NHD", use_tensor_cores=True
+        self.batch_invariant = batch_invariant
+        self.window_left = window_left
+        self.fixed_split_pages = fixed_split_pages
+        self._bufs = PlanBuffers(device, max_num_seqs, max_num_pages)
+        ws = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
+        cascade_ws = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
+        self._prefill = fi.BatchPrefillWithPagedKVCacheWrapper(ws, kv_layout="NHD")
+        # The decode wrapper owns device index buffers sized by max_num_seqs/pages, so that
+        # capturing decode in a CUDA graph later needs only use_cuda_graph=True.
+        self._decode = fi.BatchDecodeWithPagedKVCacheWrapper(
+            ws,
+            kv_layout="NHD",
+            use_cuda_graph=False,
+            use_tensor_cores=True,
+            paged_kv_indptr_buffer=torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device),
+            paged_kv_indices_buffer=torch.zeros(max_num_pages, dtype=torch.int32, device=device),
+            paged_kv_last_page_len_buffer=torch.zeros(
+                max_num_seqs, dtype=torch.int32, device=device
+            ),
         )
-        self._cascade = flashinfer.MultiLevelCascadeAttentionWrapper(2, cascade_ws, kv_layout="NHD")
+        self._cascade = fi.MultiLevelCascadeAttentionWrapper(2, cascade_ws, kv_layout="NHD")
         self._meta: AttentionMetadata | None = None
-        self._rows: tuple[int, int, int] = (0, 0, 0)  # prefill end, decode end, total rows
+        self._tables: StepTables | None = None
+        self._positions = torch.empty(0, dtype=torch.int32, device=device)
+
+    @property
+    def uses_cascade(self) -> bool:
+        """Whether cascade groups take the cascade wrapper (else the decode wrapper)."""
+        return not self.batch_invariant and self.window_left < 0
+
+    def _split_kwargs(self) -> dict[str, Any]:
+        if self.batch_invariant:
+            return {"fixed_split_size": self.fixed_split_pages, "disable_split_kv": False}
+        return {"fixed_split_size": None, "disable_split_kv": False}
 
     def plan(self, meta: AttentionMetadata, shape: AttentionShape) -> None:
-        dev = self.device
+        tables = build_tables(meta, self._bufs, self.uses_cascade)
         bs = meta.block_size
-        qo = meta.qo_indptr.tolist()
-        kv_indptr = meta.kv_indptr.tolist()
-        indices = meta.kv_indices.tolist()
-        last = meta.kv_last_page_len.tolist()
-        common = dict(
-            num_qo_heads=shape.num_heads,
-            num_kv_heads=shape.num_kv_heads,
-            page_size=bs,
-            q_data_type=shape.dtype,
-            kv_data_type=shape.dtype,
-        )
-
-        def sub(lo: int, hi: int) -> tuple[list[int], list[int], list[int], list[int]]:
-            """CSR page table of sequences [lo, hi), re-based to start at 0."""
-            q = [x - qo[lo] for x in qo[lo : hi + 1]]
-            kp = [x - kv_indptr[lo] for x in kv_indptr[lo : hi + 1]]
-            return q, kp, indices[kv_indptr[lo] : kv_indptr[hi]], last[lo:hi]
-
-        p_end, d_end = meta.num_prefills, meta.cascade_begin
-        if p_end:
-            q, kp, ki, kl = sub(0, p_end)
+        common: dict[str, Any] = {
+            "num_qo_heads": shape.num_heads,
+            "num_kv_heads": shape.num_kv_heads,
+            "page_size": bs,
+            "pos_encoding_mode": "NONE",
+            "window_left": self.window_left,
+            "sm_scale": shape.scale,
+            "q_data_type": shape.dtype,
+            "kv_data_type": shape.dtype,
+        }
+        if tables.prefill is not None:
+            t = tables.prefill
             self._prefill.plan(
-                _i32(q, dev),
-                _i32(kp, dev),
-                _i32(ki, dev),
-                _i32(kl, dev),
+                t.qo_indptr,
+                t.kv_indptr,
+                t.kv_indices,
+                t.last_page_len,
                 head_dim_qk=shape.head_dim,
                 causal=True,
-                pos_encoding_mode="NONE",
+                o_data_type=shape.dtype,
+                non_blocking=True,
                 **common,
+                **self._split_kwargs(),
             )
-        if d_end > p_end:
-            _, kp, ki, kl = sub(p_end, d_end)
+        if tables.decode is not None:
+            t = tables.decode
             self._decode.plan(
-                _i32(kp, dev),
-                _i32(ki, dev),
-                _i32(kl, dev),
+                t.kv_indptr,
+                t.kv_indices,
+                t.last_page_len,
                 head_dim=shape.head_dim,
-                pos_encoding_mode="NONE",
+                o_data_type=shape.dtype,
+                non_blocking=True,
                 **common,
+                **self._split_kwargs(),
             )
-        if meta.cascade_groups:
-            self._plan_cascade(meta, shape, common)
-        self._meta = meta
-        self._rows = (qo[p_end], qo[d_end], qo[-1])
+        if tables.cascade is not None:
+            self._plan_cascade(tables.cascade, shape, common)
+        # The write positions of the step's new K/V, in the dtype the kernel takes: once.
+        n = meta.num_tokens
+        if self._positions.numel() < n:
+            self._positions = torch.empty(max(n, 2 * self._positions.numel()), **_i32(self))
+        self._positions[:n].copy_(meta.positions)
+        self._meta, self._tables = meta, tables
 
     def _plan_cascade(
-        self, meta: AttentionMetadata, shape: AttentionShape, common: dict[str, Any]
+        self, levels: tuple[PageTable, PageTable], shape: AttentionShape, common: dict[str, Any]
     ) -> None:
-        dev, bs = self.device, meta.block_size
-        base = meta.cascade_begin
-        top_qo, top_kv, top_idx, top_last = [0], [0], [], []
-        low_kv, low_idx, low_last = [0], [], []
-        for g in meta.cascade_groups:
-            shared = list(meta.seqs[g.begin].block_table[: g.num_shared_blocks])
-            top_idx.extend(shared)
-            top_kv.append(len(top_idx))
-            top_last.append(bs)  # the shared part is whole blocks
-            top_qo.append(g.end - base)
-            for s in meta.seqs[g.begin : g.end]:
-                num_pages = -(-s.kv_len // bs)
-                low_idx.extend(s.block_table[g.num_shared_blocks : num_pages])
-                low_kv.append(len(low_idx))
-                low_last.append(s.kv_len - (num_pages - 1) * bs)
-        n = meta.num_seqs - base
         self._cascade.plan(
-            [_i32(top_qo, dev), _i32(list(range(n + 1)), dev)],
-            [_i32(top_kv, dev), _i32(low_kv, dev)],
-            [_i32(top_idx, dev), _i32(low_idx, dev)],
-            [_i32(top_last, dev), _i32(low_last, dev)],
+            [t.qo_indptr for t in levels],
+            [t.kv_indptr for t in levels],
+            [t.kv_indices for t in levels],
+            [t.last_page_len for t in levels],
             head_dim=shape.head_dim,
             causal=True,  # applied to the last level only; a decode sees its whole suffix
-            pos_encoding_mode="NONE",
             **common,
         )
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
     ) -> torch.Tensor:
-        meta = self._meta
-        assert meta is not None, "plan() first"
+        meta, tables = self._meta, self._tables
+        if meta is None or tables is None:
+            raise RuntimeError("FlashInferBackend.forward before plan()")
         self._fi.append_paged_kv_cache(
             k.to(kv_layer.dtype),
             v.to(kv_layer.dtype),
             meta.batch_indices,
-            meta.positions.to(torch.int32),
+            self._positions[: meta.num_tokens],
             kv_layer,
             meta.kv_indices,
             meta.kv_indptr,
             meta.kv_last_page_len,
             kv_layout="NHD",
         )
-        p_end, d_end, total = self._rows
+        p_end, d_end, total = tables.rows
         out = torch.empty_like(q)
         if p_end:
-            out[:p_end] = self._prefill.run(q[:p_end], kv_layer)
+            self._prefill.run(q[:p_end], kv_layer, out=out[:p_end])
         if d_end > p_end:
-            out[p_end:d_end] = self._decode.run(q[p_end:d_end], kv_layer)
+            self._decode.run(q[p_end:d_end], kv_layer, out=out[p_end:d_end])
         if total > d_end:
             out[d_end:total] = self._cascade.run(q[d_end:total], kv_layer)
         return out
+
+
+def _i32(backend: FlashInferBackend) -> dict[str, Any]:
+    return {"dtype": torch.int32, "device": backend.device}

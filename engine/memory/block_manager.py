@@ -286,6 +286,7 @@ class BlockManager(BlockPins):
     def evict_all(self, include_pinned: bool = False, keep_tier: bool = False) -> int:
         """Evict every idle cached block, pinned ones too if asked; returns how many. The KV
         tier is emptied too, unless ``keep_tier`` (then the blocks spill into it)."""
+        self._ttl.expire()  # a lapsed pin holds nothing, whether or not a step ran since
         if include_pinned:
             self.unpin_all()
         count = 0
@@ -297,6 +298,7 @@ class BlockManager(BlockPins):
         return count
 
     def stats(self) -> ManagerStats:
+        self._ttl.expire()
         s = self._stats
         return ManagerStats(
             query_tokens=s.query_tokens,
@@ -370,6 +372,7 @@ class BlockManager(BlockPins):
         """A fresh block with ref count 1: a free one first, else evict the LRU idle leaf."""
         block = self._pool.take_free()
         if block is None:
+            self._ttl.expire()  # a lapsed pin's blocks go before pinned ones
             victim = self._pool.oldest_idle()
             if victim is None:
                 raise OutOfBlocksError("no free or evictable block")

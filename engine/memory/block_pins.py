@@ -2,6 +2,10 @@
 (counted per node, each covering its path up to the root), TTL pins (``ttl_pins.py``), and
 ``cache_block``, which caches a saved block again (``pinned_blocks.py`` restoring a file).
 
+TTL pins lapse on time: every method here that reads or changes pins expires the lapsed ones
+first (so do the manager's stats, evict and page taking), and ``next_pin_lapse`` tells an idle
+serving loop when to look again.
+
 A pin goes on deepest first and comes off the same way, which keeps children before parents in
 the pool's LRU (block_manager.py's eviction order).
 """
@@ -46,6 +50,7 @@ class BlockPins:
         ``ttl_s``: the pin lapses after that long unless renewed (a hit on the prefix, or
         pinning it again, which adds no second pin). ``max_blocks``: a cap on the blocks this
         namespace's TTL pins cover together; the pin is cut short to fit (0: nothing left)."""
+        self._ttl.expire()  # a lapsed pin is gone: pinning again makes a new one
         nodes = self._walk(token_ids, namespace)
         if ttl_s is None:
             if nodes:
@@ -55,6 +60,7 @@ class BlockPins:
 
     def unpin(self, token_ids: Sequence[int], namespace: str) -> int:
         """Undo the deepest pin along this prefix; returns how many blocks it covered."""
+        self._ttl.expire()
         nodes = self._walk(token_ids, namespace)
         depth = next((i + 1 for i in range(len(nodes) - 1, -1, -1) if nodes[i].own_pins), 0)
         if depth:
@@ -76,14 +82,20 @@ class BlockPins:
         """Lift the TTL pins whose deadline passed; returns how many."""
         return self._ttl.expire()
 
+    def next_pin_lapse(self) -> float | None:
+        """Seconds until the earliest TTL pin may lapse (0.0: due now); None: no TTL pins."""
+        return self._ttl.next_lapse()
+
     def ttl_pin_of(self, token_ids: Sequence[int], namespace: str) -> TTLPin | None:
         """The TTL pin ending where this prefix's cached full blocks end, if any."""
+        self._ttl.expire()
         nodes = self._walk(token_ids, namespace)
         return self._ttl.get(nodes[-1]) if nodes else None
 
     def ttl_time_left(self) -> list[tuple[Node, float]]:
         """The nodes where a TTL pin ends, each with the seconds before it lapses (the cache
-        view; read-only)."""
+        view)."""
+        self._ttl.expire()
         return self._ttl.time_left() if self._ttl else []
 
     def pin_path(self, node: Node, count: int) -> None:
@@ -98,6 +110,7 @@ class BlockPins:
 
     def pinned_nodes(self) -> list[Node]:
         """The nodes where a pinned prefix ends."""
+        self._ttl.expire()
         return [node for node in self._tree.nodes() if node.own_pins]
 
     def cache_block(

@@ -2,7 +2,10 @@
 
 A TTL pin is one of its node's ``own_pins`` with a deadline. A hit on its prefix, or pinning it
 again (no second pin), renews it; ``expire`` lifts the pins whose deadline passed, leaving
-ordinary LRU entries. A pinned leaf evicted under pressure passes its pin to its parent
+ordinary LRU entries. A pin lapses on time, not on traffic: the manager expires them before
+every read or change of the pins (stats, the cache view, evict, taking a page under pressure),
+and the serving loop, idle, wakes at ``next_lapse`` to expire them and report the new stats.
+``expire`` costs one clock read until the earliest deadline passes. A pinned leaf evicted under pressure passes its pin to its parent
 (``tree.remove`` moves the pin count); ``pass_on`` moves the deadline along. Pins per
 namespace may be capped (``max_blocks``: blocks covered by that namespace's TTL pins together).
 A node whose pin lapsed stays marked until it is evicted (``lapsed_at_eviction``: the miss
@@ -12,6 +15,7 @@ The manager owns the pool's pin counts: this class changes them only through ``p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -33,13 +37,14 @@ class TTLPin:
 class TTLPins:
     """The TTL pins, by the node where each pinned prefix ends."""
 
-    __slots__ = ("_by_node", "_clock", "_lapsed", "_pin_path")
+    __slots__ = ("_by_node", "_clock", "_lapsed", "_next", "_pin_path")
 
     def __init__(self, pin_path: PinPath, clock: Callable[[], float]) -> None:
         self._by_node: dict[Node, TTLPin] = {}
         self._lapsed: set[Node] = set()  # where lapsed pins end (moved up at evictions)
         self._pin_path = pin_path
         self._clock = clock
+        self._next = math.inf  # no pin lapses before this (a lower bound: renewals only defer)
 
     def __len__(self) -> int:
         return len(self._by_node)
@@ -76,6 +81,7 @@ class TTLPins:
         if not nodes:
             return 0
         node, expires = nodes[-1], self._clock() + ttl_s
+        self._next = min(self._next, expires)
         pin = self._by_node.get(node)
         if pin is not None:
             pin.expires = max(pin.expires, expires)
@@ -91,17 +97,28 @@ class TTLPins:
 
     def clear(self) -> None:
         self._by_node.clear()
+        self._next = math.inf
+
+    def next_lapse(self) -> float | None:
+        """Seconds until the earliest pin may lapse (0.0: one is due); None without TTL pins."""
+        if not self._by_node:
+            return None
+        return max(0.0, self._next - self._clock())
 
     def expire(self) -> int:
         """Lift the pins whose deadline passed; returns how many."""
         if not self._by_node:
+            self._next = math.inf
             return 0
         now = self._clock()
+        if now < self._next:
+            return 0
         lapsed = [node for node, pin in self._by_node.items() if pin.expires <= now]
         for node in lapsed:
             del self._by_node[node]
             self._pin_path(node, -1)
             self._lapsed.add(node)
+        self._next = min((pin.expires for pin in self._by_node.values()), default=math.inf)
         return len(lapsed)
 
     def lapsed_at_eviction(self, node: Node, pinned: bool) -> bool:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_gemm, cpu_layer_ops, torch_private
+from .layer_ops import FUSED_OPS, TORCH_OPS, TorchLayerOps
 from .model_config import ModelConfig
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -65,12 +66,6 @@ class RotaryEmbedding(nn.Module):
 Rotation = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) from RotaryEmbedding
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class Gemm:
     """``x @ weight.T + bias`` for a weight fixed at load.
 
@@ -109,27 +104,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.fused = False  # set_fused_ops(): one cpu_layer_ops call instead of eight ops
+        self.ops: TorchLayerOps = TORCH_OPS  # LlamaForCausalLM.set_fused_ops() chooses
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return cpu_layer_ops.rms_norm(x, self.weight, self.eps)
-        return self._torch_norm(x)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(residual + x), residual + x)``: the residual add fused into the norm (the
-        fused kernel reuses ``x``'s and ``residual``'s memory for the two results)."""
-        if self.fused:
-            return cpu_layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        residual = residual + x
-        return self._torch_norm(residual), residual
-
-    def _torch_norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        """``(norm(residual + x), residual + x)``: the residual add fused into the norm."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -147,9 +131,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=o_bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
-        self.qkv: Gemm | None = None  # set by prepare()
-        self.out: Gemm | None = None
-        self.fused_rotary = False  # set by LlamaForCausalLM.set_fused_ops()
+        # The projections: the checkpoint's linears until prepare() fuses and packs them.
+        self.qkv: Projection = _Concat(self.q_proj, self.k_proj, self.v_proj)
+        self.out: Projection = _Concat(self.o_proj)
+        self.ops: TorchLayerOps = TORCH_OPS  # LlamaForCausalLM.set_fused_ops() chooses
 
     def prepare(self, batch_invariant: bool = True) -> None:
         """One [q; k; v] GEMM; q/k/v_proj.weight become views of its weight (same names)."""
@@ -173,28 +158,18 @@ class Attention(nn.Module):
         written to the cache)."""
         t = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv is not None:
-            qkv = self.qkv(x)
-            q = qkv[:, : hq * d].view(t, hq, d)
-            k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
-            v = qkv[:, (hq + hk) * d :].view(t, hk, d)
-        else:
-            q = self.q_proj(x).view(t, hq, d)
-            k = self.k_proj(x).view(t, hk, d)
-            v = self.v_proj(x).view(t, hk, d)
+        qkv = self.qkv(x)
+        q = qkv[:, : hq * d].view(t, hq, d)
+        k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+        v = qkv[:, (hq + hk) * d :].view(t, hk, d)
         cos, sin = rotation  # applied before K is written to the cache
-        if self.fused_rotary:  # in place on the qkv GEMM's output, q/k norms in the same pass
-            cpu_layer_ops.rotary_(q, k, cos, sin, self._qk_norms())
-        else:
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = self.ops.rotary(q, k, cos, sin, self._qk_norms())
         o = attend(self.layer_idx, q, k, v).reshape(t, hq * d)
         if rows is not None:
             if rows.numel() == 0:
                 return x.new_empty((0, x.shape[1]))
             o = o.index_select(0, rows)
-        return self.out(o) if self.out is not None else self.o_proj(o)
+        return self.out(o)
 
 
 class MLP(nn.Module):
@@ -205,9 +180,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
         self.intermediate_size = i
-        self.gate_up: Gemm | None = None  # set by prepare()
-        self.down: Gemm | None = None
-        self.fused_act = False  # set by LlamaForCausalLM.set_fused_ops()
+        self.gate_up: Projection = _Concat(self.gate_proj, self.up_proj)  # until prepare()
+        self.down: Projection = _Concat(self.down_proj)
+        self.ops: TorchLayerOps = TORCH_OPS  # LlamaForCausalLM.set_fused_ops() chooses
 
     def prepare(self, batch_invariant: bool = True) -> None:
         weight, bias = _fuse_linears(self.gate_proj, self.up_proj)
@@ -215,13 +190,26 @@ class MLP(nn.Module):
         self.down = Gemm(self.down_proj.weight, self.down_proj.bias, batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is None or self.down is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = self.gate_up(x)
-        if self.fused_act:
-            return self.down(cpu_layer_ops.silu_and_mul(gate_up))
-        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return self.down(F.silu(gate).mul_(up))
+        return self.down(self.ops.silu_and_mul(self.gate_up(x), self.intermediate_size))
+
+
+Projection = Callable[[torch.Tensor], torch.Tensor]  # an nn.Linear, a _Concat or a Gemm
+
+
+class _Concat:
+    """Linears applied to the same input, outputs side by side: the checkpoint's q/k/v (or
+    gate/up) projections before ``prepare()`` fuses them into one GEMM (same bits). A plain
+    object, not a module, so that the state dict keeps the checkpoint's names only."""
+
+    __slots__ = ("linears",)
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        self.linears = linears
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.linears) == 1:
+            return self.linears[0](x)
+        return torch.cat([lin(x) for lin in self.linears], dim=-1)
 
 
 def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -311,7 +299,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.head: Gemm | None = None  # set by prepare()
+        self.head: Projection = _Concat(self.lm_head)  # a Gemm once prepare()d
+        self.prepared = False
 
     def forward(
         self,
@@ -331,8 +320,9 @@ class LlamaForCausalLM(nn.Module):
         matmuls per layer), weights pre-packed (see ``Gemm``; ``batch_invariant``: on the
         kernel whose rows do not depend on their batch), and for bf16 on CPU the norms,
         rotary and SiLU-and-mul in ``cpu_layer_ops`` where it loads. Idempotent."""
-        if self.head is not None:
+        if self.prepared:
             return
+        self.prepared = True
         for layer in self.model.layers:
             layer.self_attn.prepare(batch_invariant)
             layer.mlp.prepare(batch_invariant)
@@ -344,13 +334,22 @@ class LlamaForCausalLM(nn.Module):
 
     def set_fused_ops(self, fused: bool) -> None:
         """Norms, rotary and SiLU-and-mul on ``cpu_layer_ops`` (bf16 CPU models, where it
-        loads) or on torch's ops. ``prepare()`` chooses; benches switch to compare."""
-        assert not fused or self.head is not None, "fused ops run on prepare()d layers"
-        self.model.norm.fused = fused
+        loads) or on torch's ops, for every layer at once. ``prepare()`` chooses; benches and
+        tests switch to compare."""
+        if fused and not self.prepared:
+            raise ValueError("the fused ops run on prepare()d layers (the rotary is in place)")
+        ops = FUSED_OPS if fused else TORCH_OPS
+        modules = [self.model.norm]
         for layer in self.model.layers:
-            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = fused
-            layer.self_attn.fused_rotary = layer.mlp.fused_act = fused
+            modules += [layer.input_layernorm, layer.post_attention_layernorm]
+            modules += [layer.self_attn, layer.mlp]
+        for module in modules:
+            module.ops = ops
+
+    @property
+    def fused_ops(self) -> bool:
+        """Whether the layers run ``cpu_layer_ops`` (see ``set_fused_ops``)."""
+        return self.model.norm.ops.fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.head(hidden) if self.head is not None else self.lm_head(hidden)
-        return logits.float()
+        return self.head(hidden).float()

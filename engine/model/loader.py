@@ -156,7 +156,12 @@ def load_folder(
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{folder}: config.json not found")
-    raw_config = json.loads(config_file.read_text(encoding="utf-8"))
+    try:
+        raw_config = json.loads(config_file.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ModelLoadError(f"{config_file}: invalid JSON: {exc}") from None
+    if not isinstance(raw_config, dict):
+        raise ModelLoadError(f"{config_file}: not a JSON object")
     config = ModelConfig.from_dict(raw_config)
     weight_files = find_weight_files(folder)
 

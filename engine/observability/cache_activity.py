@@ -104,6 +104,7 @@ class CacheActivity(BlockListener):
         """Every cached block, parents first (a parent is inserted before its children and
         cannot leave while it has any, so the tree's insertion order is such an order)."""
         manager = self.manager
+        manager.expire_pins()  # the pins as of now, whether or not a step ran since one lapsed
         nodes = manager.tree.nodes()
         index = {node.block: i for i, node in enumerate(nodes)}
         roots: dict[bytes, int] = {}

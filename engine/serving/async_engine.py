@@ -24,12 +24,25 @@ from ..engine import LLMEngine
 from ..memory import prefix_store
 from ..memory.prefix_store import Snapshot
 from ..model.loader import LoadedModel
+from ..step.engine_hooks import EngineHooks
 from . import engine_wire as wire
 from .engine_client import EngineClient
 from .engine_core import THREAD_CALLS, EngineCore
-from .errors import EngineDeadError, EngineError, EngineNotReadyError
+from .errors import (
+    EngineDeadError,
+    EngineError,
+    EngineNotReadyError,
+    EngineStartError,
+    start_failure,
+)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineError", "EngineNotReadyError"]
+__all__ = [
+    "AsyncEngine",
+    "EngineDeadError",
+    "EngineError",
+    "EngineNotReadyError",
+    "EngineStartError",
+]
 log = logging.getLogger("prefixcache.engine")
 T = TypeVar("T")
 
@@ -54,9 +67,15 @@ class _LoopOutput:
 class AsyncEngine(EngineClient):
     """The in-process ``EngineAPI`` (``--engine thread``)."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        hooks: EngineHooks | None = None,
+    ) -> None:
         super().__init__(config)
         self._loaded = loaded
+        self._hooks = hooks
         self._engine: LLMEngine | None = None
         self._core: EngineCore | None = None
         self._thread: threading.Thread | None = None
@@ -129,9 +148,9 @@ class AsyncEngine(EngineClient):
         self, started: concurrent.futures.Future[wire.Ready], loop: asyncio.AbstractEventLoop
     ) -> None:
         try:
-            engine = LLMEngine(self.config, self._loaded)
-        except BaseException as exc:  # start() raises it
-            started.set_exception(exc)
+            engine = LLMEngine(self.config, self._loaded, self._hooks)
+        except BaseException as exc:  # start() raises it (one line's worth, where it can)
+            started.set_exception(start_failure(exc) or exc)
             return
         core = EngineCore(engine, _LoopOutput(self, loop), THREAD_CALLS)
         self._engine, self._core = engine, core

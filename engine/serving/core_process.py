@@ -22,6 +22,7 @@ from ..config import EngineConfig
 from ..engine import LLMEngine
 from . import engine_wire as wire
 from .engine_core import EngineCore
+from .errors import start_failure
 
 log = logging.getLogger("prefixcache.engine")
 PARENT_POLL_S = 0.5
@@ -106,8 +107,10 @@ def _load_and_serve(
     try:
         engine = LLMEngine(config)
     except Exception as e:
-        log.exception("engine start failed")
-        out.send(wire.Failed(f"{type(e).__name__}: {e}"))
+        known = start_failure(e)
+        if known is None:  # a bug: its traceback, here, once (the API side says one line)
+            log.exception("engine start failed")
+        out.send(wire.Failed(str(known) if known else f"{type(e).__name__}: {e}"))
         ready.set()
         return
     core = EngineCore(engine, out)

@@ -2,7 +2,8 @@
 
 The loop drains the commands that arrived (engine_wire's ``Add``/``Abort``/``Call``/
 ``Shutdown``), runs one step, fails what a step broke, and publishes the step's outputs with
-the stats they leave behind as one ``Step``. ``AsyncEngine`` runs it on a thread of the API
+the stats they leave behind as one ``Step``. Idle, it sleeps until the next TTL pin is due, and
+a pin that lapsed there is published at once as a ``Step`` with fresh stats. ``AsyncEngine`` runs it on a thread of the API
 process (its ``CoreOutput`` hands messages to the event loop); the core process
 (core_process.py) runs it in a child, sending them down a pipe. Commands may be submitted
 from any thread; everything else runs on the loop's own thread.
@@ -117,9 +118,16 @@ class EngineCore:
             elif self.pending or self.refused:
                 self.send_step([])
             else:
-                self.wakeup.wait(timeout=IDLE_WAIT_S)
+                self.wakeup.wait(timeout=self.idle_wait())
+                if engine.block_manager.expire_pins():  # lapsed with no traffic: report it now
+                    self.send_step([], refresh=True)
         for seq in [*engine.scheduler.running, *engine.scheduler.waiting]:
             engine.abort_request(seq.request_id)
+
+    def idle_wait(self) -> float:
+        """How long an idle loop sleeps: until the next TTL pin lapses, at most IDLE_WAIT_S."""
+        left = self.engine.block_manager.next_pin_lapse()
+        return IDLE_WAIT_S if left is None else min(IDLE_WAIT_S, left + 0.001)
 
     def step(self) -> list[RequestOutput]:
         """One engine step; a bug outside the model step (which ``LLMEngine.step`` contains
@@ -177,14 +185,18 @@ class EngineCore:
             return lambda fn: fn(self.engine)
         return getattr(self.engine, name)
 
-    def send_step(self, outputs: list[RequestOutput]) -> None:
+    def send_step(self, outputs: list[RequestOutput], refresh: bool = False) -> None:
         if self.pending:
             outputs = self.pending + outputs
             self.pending = []
         refused, self.refused = self.refused, []
         engine = self.engine
         now = time.monotonic()
-        refresh = any(o.finished for o in outputs) or now - self.metrics_sent_at > METRICS_EVERY_S
+        refresh = (
+            refresh
+            or any(o.finished for o in outputs)
+            or now - self.metrics_sent_at > METRICS_EVERY_S
+        )
         metrics = None
         if refresh:
             metrics = self.metrics()

@@ -28,13 +28,20 @@ from ..config import EngineConfig
 from ..text.tokenizer import Tokenizer
 from . import engine_wire as wire
 from .engine_client import EngineClient
-from .errors import EngineDeadError, EngineError, EngineNotReadyError, EngineProcessError
+from .errors import (
+    EngineDeadError,
+    EngineError,
+    EngineNotReadyError,
+    EngineProcessError,
+    EngineStartError,
+)
 
 __all__ = [
     "EngineDeadError",
     "EngineError",
     "EngineNotReadyError",
     "EngineProcessError",
+    "EngineStartError",
     "ProcessEngine",
 ]
 log = logging.getLogger("prefixcache.engine")
@@ -100,7 +107,7 @@ class ProcessEngine(EngineClient):
         first = await asyncio.to_thread(self._recv_first, parent)
         if isinstance(first, wire.Failed):
             await asyncio.to_thread(self._process.join, 10)
-            raise EngineDeadError(f"the engine failed to start: {first.message}")
+            raise EngineStartError(first.message)  # what the core said, once
         tokenizer = await asyncio.to_thread(self._load_tokenizer, first)
         self._on_ready(first, tokenizer)
         self._loop.add_reader(parent.fileno(), self._on_readable)

@@ -3,6 +3,7 @@ benchmarks, tools), instead of patching its parts afterwards."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,3 +23,5 @@ class EngineHooks:
     on_schedule: Callable[[SchedulerOutput, int], None] | None = None
     # extra logits processors, after the penalties, one row at a time
     logits_processors: tuple[RowProcessor, ...] = ()
+    # the clock TTL pins run on (monotonic seconds; tests inject one they can move)
+    clock: Callable[[], float] = time.monotonic

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Sequence
 from datetime import datetime
@@ -27,6 +28,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from .piece_encoder import PieceEncoder
 
+log = logging.getLogger("prefixcache.engine")
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback tokens
 
@@ -69,6 +71,7 @@ class Tokenizer:
         # tokenizer.json says about truncation or padding must not cut or pad our prompts.
         tokenizer.no_truncation()
         tokenizer.no_padding()
+        _no_word_cache(tokenizer)
         self._tok = tokenizer
         self.chat_template = chat_template
         self.bos_token = bos_token
@@ -242,6 +245,18 @@ class Tokenizer:
             )
         except TemplateError as exc:
             raise ChatTemplateError(str(exc) or type(exc).__name__) from exc
+
+
+def _no_word_cache(tok: HFTokenizer) -> None:
+    """Turn off the model's own word cache (BPE and Unigram remember the words they split):
+    one cache per tokenizer, shared by every namespace, so a word another tenant sent would
+    encode faster. The piece memo, keyed by namespace, is the cache that pays; without the
+    word cache a memo miss costs ~20 % more (docs/security.md)."""
+    resize = getattr(tok.model, "_resize_cache", None)  # BPE, Unigram in recent tokenizers
+    if resize is not None:
+        resize(0)
+    elif type(tok.model).__name__ in ("BPE", "Unigram"):
+        log.warning("this tokenizers version cannot turn off its shared word cache: upgrade it")
 
 
 def _post_processor_wrap(tok: HFTokenizer) -> tuple[list[int], list[int]] | None:

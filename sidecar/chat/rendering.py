@@ -238,7 +238,7 @@ class PromptRenderer:
                     _dicts(cut), False, template_kwargs, namespace=namespace
                 ).token_ids
                 hints.append(
-                    RetentionHint(_common_prefix(head, token_ids), part.cache_control.ttl_s)
+                    RetentionHint(common_prefix(head, token_ids), part.cache_control.ttl_s)
                 )
         return hints
 
@@ -307,7 +307,7 @@ def _cut_at_continue_tag(text: str, final: str) -> str:
     return text[:at].rstrip()
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

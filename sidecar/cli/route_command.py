@@ -7,6 +7,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from ..environment import SidecarEnvironment
+from ..http.redaction import redacted_log_config
 from ..http.uvicorn_protocol import HalfCloseHTTPProtocol
 from .shared_options import MIB, configure_logging
 
@@ -85,4 +86,5 @@ def route(
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         http=HalfCloseHTTPProtocol,
+        log_config=redacted_log_config(),  # the access log never shows a key
     )

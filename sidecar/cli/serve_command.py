@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..environment import SidecarEnvironment
+from ..http.redaction import redacted_log_config
 from ..http.uvicorn_protocol import HalfCloseHTTPProtocol
 from .shared_options import MIB, configure_logging
 
@@ -95,6 +96,7 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
             log_level=args.log_level,
             timeout_graceful_shutdown=5,
             http=HalfCloseHTTPProtocol,
+            log_config=redacted_log_config(),  # the access log never shows a key
         )
     )
     sidecar = app.state.sidecar

@@ -97,9 +97,11 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--attention-backend",
-        choices=["auto", "torch", "flashinfer"],
+        choices=["auto", "cpu", "cpu-split", "torch", "flashinfer"],
         default="auto",
-        help="attention kernels: flashinfer needs CUDA; torch runs anywhere; auto picks",
+        help="attention kernels: cpu (the engine's, batch-invariant) and cpu-split (its split "
+        "kernels, with --no-batch-invariance) need AVX512_BF16; flashinfer needs CUDA; torch "
+        "(the reference) runs anywhere; auto picks",
     )
     parser.add_argument(
         "--device", default=None, help="torch device, e.g. cpu or cuda (default: cuda if present)"

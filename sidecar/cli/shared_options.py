@@ -7,6 +7,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from ..http.redaction import redact_root_handlers
+
 MIB = 1024**2
 
 
@@ -38,3 +40,4 @@ def add_shared_options(parser: argparse.ArgumentParser) -> None:
 
 def configure_logging(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    redact_root_handlers()  # no secret-looking query value in any log line

@@ -21,8 +21,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from prefixcache.engine.api import EngineAPI
+from prefixcache.engine.serving.errors import EngineStartError
 
+from ..anthropic.routes import MessagesRoutes
 from ..http.base_app import build_app, health_reply, metrics_reply, openai_routes
+from ..responses_api.routes import ResponsesRoutes
 from ..wire import reply_types as rt
 from .admission import Admission
 from .cache_routes import CacheRoutes
@@ -51,6 +54,8 @@ class Sidecar:
         self.gate = RequestGate(engine, settings)
         self.admission = Admission(engine, settings.max_waiting, settings.retry_after_s)
         self.generation = GenerationRoutes(engine, self.gate, self.admission, settings)
+        self.anthropic = MessagesRoutes(self.generation)
+        self.responses = ResponsesRoutes(self.generation)
         self.cache = CacheRoutes(engine, self.gate, settings.cache_dir, settings.secret)
         self.dashboard = DashboardRoutes(engine, self.gate)
         self.metrics_registry = CollectorRegistry()  # the HTTP series
@@ -70,7 +75,18 @@ class Sidecar:
             models=self.models,
             model=self.model,
         )
-        return [*serving, *self.cache.routes(), *self.dashboard.routes()]
+        other_apis = [
+            Route("/v1/messages", self.anthropic.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.anthropic.count_tokens, methods=["POST"]),
+            Route("/v1/responses", self.responses.create, methods=["POST"]),
+        ]
+        return [
+            *serving[:2],
+            *other_apis,
+            *serving[2:],
+            *self.cache.routes(),
+            *self.dashboard.routes(),
+        ]
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -98,8 +114,13 @@ class Sidecar:
             await self.engine.start()
             await self.cache.load_files(self.settings.load_on_start)
         except Exception as exc:
-            self.start_error = f"{type(exc).__name__}: {exc}"
-            log.exception("engine failed to start")
+            if isinstance(exc, EngineStartError):  # its message says it all: one line, once
+                self.start_error = str(exc)
+                if self.on_start_failure is None:  # else the caller reports it
+                    log.error("engine failed to start: %s", exc)
+            else:
+                self.start_error = f"{type(exc).__name__}: {exc}"
+                log.exception("engine failed to start")
             if self.on_start_failure is not None:
                 self.on_start_failure()
         finally:

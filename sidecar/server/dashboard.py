@@ -7,8 +7,11 @@ The hit rate, TTFT and request rate over the last minutes come from an ``Activit
 that ``watch`` (a task for the app's life) fills from the engine's finished requests each
 second, so they are whole however many requests a page load's backlog can carry.
 
-Every route needs an admin key when keys are configured. A browser cannot put a header on a
-page load, so these three also take the key as ``?key=``; the page sends it on as a header.
+With keys configured the data routes (tree, live) need an admin key, as an ``Authorization``
+header only: a key in a URL would be kept by the access log, the browser's history and any
+proxy between. The page itself holds no data and loads without one; it asks for the key once,
+keeps it in memory and sends it as that header (sidecar/http/redaction.py keeps a ``?key=``
+that still arrives out of the logs).
 """
 
 from __future__ import annotations
@@ -95,9 +98,10 @@ class DashboardRoutes:
         ]
 
     async def page(self, request: Request) -> Response:
-        self._admin(request, ready=False)  # the page loads while the model does
+        """The page: no data and no key (it asks for one); it loads while the model does."""
         html = resources.files(__package__).joinpath("dashboard.html").read_text("utf-8")
-        return HTMLResponse(html, headers={"cache-control": "no-store"})
+        headers = {"cache-control": "no-store", "referrer-policy": "no-referrer"}
+        return HTMLResponse(html, headers=headers)
 
     async def tree(self, request: Request) -> Response:
         self._admin(request)
@@ -145,14 +149,9 @@ class DashboardRoutes:
             if records:
                 cursor = records[-1].seq
 
-    def _admin(self, request: Request, ready: bool = True) -> None:
-        authorization = request.headers.get("authorization")
-        key = request.query_params.get("key")
-        if authorization is None and key:
-            authorization = f"Bearer {key}"
-        self.gate.settings.keys.authenticate_admin(authorization)
-        if ready:
-            self.gate.require_ready()
+    def _admin(self, request: Request) -> None:
+        self.gate.settings.keys.authenticate_admin(request.headers.get("authorization"))
+        self.gate.require_ready()
 
 
 def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:

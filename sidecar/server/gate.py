@@ -45,9 +45,13 @@ class RequestGate:
 
     # -- who is asking, and can we answer --------------------------------------------------
 
-    def caller(self, request: Request) -> Tenant:
-        """The authenticated tenant of a serving route; 401, then 503 while loading."""
-        tenant = self.settings.keys.authenticate(request.headers.get("authorization"))
+    def caller(self, request: Request, accept_x_api_key: bool = False) -> Tenant:
+        """The authenticated tenant of a serving route; 401, then 503 while loading.
+        ``accept_x_api_key``: the key may come as Anthropic's ``x-api-key`` header instead."""
+        authorization = request.headers.get("authorization")
+        if authorization is None and accept_x_api_key and "x-api-key" in request.headers:
+            authorization = f"Bearer {request.headers['x-api-key']}"
+        tenant = self.settings.keys.authenticate(authorization)
         self.require_ready()
         return tenant
 

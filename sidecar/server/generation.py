@@ -6,14 +6,16 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from prefixcache.engine.api import EngineAPI
-from prefixcache.engine.request import EngineRequest, GrammarSpec, SamplingParams
+from prefixcache.engine.request import EngineRequest, GrammarSpec, RetentionHint, SamplingParams
 
-from ..chat.rendering import RenderedPrompt
+from ..chat.rendering import PromptRenderer, RenderedPrompt
 from ..chat.tool_prompt import ToolTemplate, canonical_tools, grammar_for
 from ..http.errors import bad_request
 from ..http.streaming import SSEResponse
@@ -23,6 +25,9 @@ from .admission import Admission
 from .gate import RequestGate, content_size
 from .responses import Job, reply
 from .settings import SidecarSettings
+
+# (renderer, the rendered prompt, template kwargs) -> the prompt's retention hints
+Retention = Callable[[PromptRenderer, RenderedPrompt, dict[str, Any]], list[RetentionHint]]
 
 
 class GenerationRoutes:
@@ -43,8 +48,59 @@ class GenerationRoutes:
         self._tool_template: ToolTemplate | None = None
 
     async def chat_completions(self, request: Request) -> Response | SSEResponse:
-        gate = self.gate
-        tenant, req = await gate.generation_request(request, p.ChatCompletionRequest, p.check_chat)
+        tenant, req = await self.gate.generation_request(
+            request, p.ChatCompletionRequest, p.check_chat
+        )
+        job = await self.chat_job(tenant, req, f"chatcmpl-{uuid.uuid4().hex}")
+        return await reply(job, req.stream, request, self.engine.tokenizer)
+
+    async def chat_job(
+        self,
+        tenant: Tenant,
+        req: p.ChatCompletionRequest,
+        request_id: str,
+        retention: Retention | None = None,
+    ) -> Job:
+        """A checked chat request rendered, admitted and started: what /v1/chat/completions,
+        /v1/messages and /v1/responses all reply from. ``retention`` replaces the retention
+        hints of the ``cache_control`` marks on text parts (it runs where the prompt renders)."""
+        template_kwargs = self.chat_template_kwargs(req)
+        namespace = self.gate.namespace(tenant.name, req.cache_salt)
+
+        def render(renderer: PromptRenderer) -> RenderedPrompt:
+            out = renderer.render_chat(
+                req.messages,
+                req.segments,
+                bool(req.add_generation_prompt),
+                template_kwargs,
+                bool(req.continue_final_message),
+                namespace,
+            )
+            if retention is not None:
+                out.retain = retention(renderer, out, template_kwargs)
+            return out
+
+        prompt = await self.gate.render(render, content_size(req.messages, req.segments))
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        parser = self.tool_template.parser(req)
+        job = self._submit(
+            "chat",
+            request_id,
+            req,
+            tenant,
+            prompt,
+            max_tokens,
+            top,
+            grammar=grammar_for(req),
+            skip_special_tokens=parser is None or not parser.needs_special_tokens,
+        )
+        job.tool_parser = parser
+        job.retain = prompt.retain
+        return job
+
+    def chat_template_kwargs(self, req: p.ChatCompletionRequest) -> dict[str, Any]:
+        """What the chat template sees besides the messages: the request's kwargs and tools."""
         template_kwargs = req.template_kwargs
         if req.tools:
             if not self.tool_template.supports_tools:
@@ -55,34 +111,7 @@ class GenerationRoutes:
                     "tools_not_supported",
                 )
             template_kwargs = {**template_kwargs, "tools": canonical_tools(req.tools)}
-        namespace = gate.namespace(tenant.name, req.cache_salt)
-        prompt = await gate.render(
-            lambda r: r.render_chat(
-                req.messages,
-                req.segments,
-                bool(req.add_generation_prompt),
-                template_kwargs,
-                bool(req.continue_final_message),
-                namespace,
-            ),
-            content_size(req.messages, req.segments),
-        )
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        parser = self.tool_template.parser(req)
-        job = self._submit(
-            "chat",
-            f"chatcmpl-{uuid.uuid4().hex}",
-            req,
-            tenant,
-            prompt,
-            max_tokens,
-            top,
-            grammar=grammar_for(req),
-            skip_special_tokens=parser is None or not parser.needs_special_tokens,
-        )
-        job.tool_parser = parser
-        return await reply(job, req.stream, request, self.engine.tokenizer)
+        return template_kwargs
 
     @property
     def tool_template(self) -> ToolTemplate:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -18,6 +18,7 @@ from starlette.responses import Response
 from prefixcache.engine.api import TokenizerAPI
 from prefixcache.engine.request import (
     RequestTiming,
+    RetentionHint,
     SegmentMiss,
     SegmentSpan,
     TokenLogprob,
@@ -139,6 +140,7 @@ class Job:
     include_usage: bool
     fingerprint: str  # system_fingerprint
     tool_parser: ToolCallParser | None = None  # chat with tools: output → tool_calls
+    retain: list[RetentionHint] = field(default_factory=list)  # the prompt's cache_control marks
 
 
 @dataclass(slots=True)
@@ -148,6 +150,7 @@ class Collected:
     usage: Usage
     logprobs: list[TokenLogprob]
     timing: RequestTiming | None
+    token_ids: list[int] = field(default_factory=list)  # the generated tokens
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -209,16 +212,16 @@ def _tool_call_deltas(calls: list[ToolCall]) -> list[rt.ChatChunkChoice]:
 async def collect(job: Job) -> Collected:
     parts: list[str] = []
     logprobs: list[TokenLogprob] = []
-    num_tokens = 0
+    token_ids: list[int] = []
     async for out in job.stream:
         raise_engine_error(out.error, out.finish_reason)
         parts.append(out.text_delta)
-        num_tokens += len(out.new_token_ids)
+        token_ids.extend(out.new_token_ids)
         logprobs.extend(out.logprobs or ())
         if out.finished:
-            usage = out.usage or _fallback_usage(job, num_tokens)
+            usage = out.usage or fallback_usage(job, len(token_ids))
             reason = out.finish_reason or "stop"
-            return Collected("".join(parts), reason, usage, logprobs, out.timing)
+            return Collected("".join(parts), reason, usage, logprobs, out.timing, token_ids)
     raise server_error("the engine ended the request without a final output")
 
 
@@ -251,7 +254,7 @@ async def stream_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[byte
             if text or logprobs is not None:
                 yield frame([_delta_choice(job, text, None, logprobs)])
             if out.finished:
-                usage = out.usage or _fallback_usage(job, num_tokens)
+                usage = out.usage or fallback_usage(job, num_tokens)
                 reason = out.finish_reason or "stop"
                 if calls is not None:
                     rest = calls.finish()
@@ -298,6 +301,6 @@ def _delta_choice(job: Job, text: str | None, finish: str | None, logprobs: Any)
     return rt.CompletionChoice(0, text or "", finish, logprobs)
 
 
-def _fallback_usage(job: Job, num_tokens: int) -> Usage:
+def fallback_usage(job: Job, num_tokens: int) -> Usage:
     num_prompt = len(job.stream.request.prompt_token_ids)
     return Usage(num_prompt, 0, num_prompt, num_tokens)

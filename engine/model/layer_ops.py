@@ -1,0 +1,84 @@
+"""The decoder layer's elementwise ops, as one object chosen once per model: torch's ops, or
+``kernels/cpu_layer_ops`` (bf16 on AVX512_BF16 CPUs, bit-identical to torch's, one pass
+each). The model's forward calls ``ops.<op>`` and never branches on which it holds."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import cpu_layer_ops
+
+QKNorms = tuple[torch.Tensor, torch.Tensor, float] | None  # (q weight, k weight, eps)
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class TorchLayerOps:
+    """torch's ops: any dtype and device."""
+
+    __slots__ = ()
+    fused = False
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return _torch_rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``."""
+        residual = residual + x
+        return _torch_rms_norm(residual, weight, eps), residual
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norms: QKNorms
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k after the per-head q/k norms (where the model has them) and the rotation."""
+        if norms is not None:
+            q_weight, k_weight, eps = norms
+            q, k = _torch_rms_norm(q, q_weight, eps), _torch_rms_norm(k, k_weight, eps)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def silu_and_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+        return F.silu(gate).mul_(up)
+
+
+class FusedLayerOps(TorchLayerOps):
+    """``cpu_layer_ops``: bf16 CPU tensors only (``cpu_layer_ops.supports``)."""
+
+    __slots__ = ()
+    fused = True
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return cpu_layer_ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same in one pass, reusing ``x``'s and ``residual``'s memory for the results."""
+        return cpu_layer_ops.fused_add_rms_norm(x, residual, weight, eps)
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norms: QKNorms
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place on q and k (views of the QKV GEMM's output), the norms in the same pass."""
+        cpu_layer_ops.rotary_(q, k, cos, sin, norms)
+        return q, k
+
+    def silu_and_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        return cpu_layer_ops.silu_and_mul(gate_up)
+
+
+TORCH_OPS = TorchLayerOps()
+FUSED_OPS = FusedLayerOps()

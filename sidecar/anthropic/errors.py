@@ -1,0 +1,40 @@
+"""Anthropic's error shape, ``{"type": "error", "error": {"type", "message"}}``, for the
+errors the rest of the sidecar raises in OpenAI's; the HTTP status stays."""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.responses import Response
+
+from ..http.errors import APIError
+
+# Anthropic's error types by HTTP status (its API reference's table).
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def error_type(status: int) -> str:
+    if status in _TYPES:
+        return _TYPES[status]
+    return "invalid_request_error" if status < 500 else "api_error"
+
+
+def error_body(exc: APIError) -> dict:
+    return {"type": "error", "error": {"type": error_type(exc.status), "message": exc.message}}
+
+
+def error_response(exc: APIError) -> Response:
+    return Response(
+        msgspec.json.encode(error_body(exc)),
+        status_code=exc.status,
+        headers=exc.headers,
+        media_type="application/json",
+    )

@@ -1,0 +1,289 @@
+"""Anthropic Messages replies from an engine job: the whole ``message``, or its event stream
+(``message_start``, ``ping``, ``content_block_start/delta/stop``, ``message_delta``,
+``message_stop``), with Anthropic's cache accounting.
+
+Usage, as Anthropic defines it, from what the engine reports: with ``B`` the end of the last
+breakpoint (0 without one) and ``C`` the prompt tokens the engine served from its cache,
+
+- ``cache_read_input_tokens`` = min(C, B): the breakpointed prefix that was already cached;
+- ``cache_creation_input_tokens`` = B - min(C, B): the rest of it, written now;
+- ``input_tokens`` = prompt - B: the tokens after the last breakpoint.
+
+So the three add up to the prompt, and a request without a breakpoint reports no cache
+traffic, as the hosted API would; the ``prefixcache`` extension field keeps the engine's own
+report (cached tokens, per segment, by tier). The engine reports usage when a request ends,
+so in a stream ``message_start`` carries ``input_tokens`` and ``message_delta`` the whole
+usage (Anthropic's ``message_delta`` usage is cumulative).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from prefixcache.engine.api import TokenizerAPI
+from prefixcache.engine.request import RetentionHint, Usage
+
+from ..chat.tool_calls import ForcedParser, ToolCall, ToolCallStream, new_call_id
+from ..http.errors import APIError
+from ..server.responses import Job, cache_report, fallback_usage, raise_engine_error
+from ..wire import reply_types as rt
+from .errors import error_body
+
+log = logging.getLogger("prefixcache.sidecar")
+
+_STOP_REASONS = {"length": "max_tokens"}
+
+
+class CacheCreation(msgspec.Struct):
+    ephemeral_5m_input_tokens: int = 0
+    ephemeral_1h_input_tokens: int = 0
+
+
+class MessageUsage(msgspec.Struct):
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+    cache_creation: CacheCreation = msgspec.field(default_factory=CacheCreation)
+
+
+class TextContent(msgspec.Struct, tag_field="type", tag="text"):
+    text: str
+
+
+class ToolUseContent(msgspec.Struct, tag_field="type", tag="tool_use"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class Message(msgspec.Struct, tag_field="type", tag="message"):
+    id: str
+    model: str
+    content: list[TextContent | ToolUseContent]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: MessageUsage
+    role: str = "assistant"
+    prefixcache: rt.CacheReport | None = None  # the engine's cache report (extension)
+
+
+def message_usage(usage: Usage, retain: list[RetentionHint], output_tokens: int) -> MessageUsage:
+    """Anthropic's split of the prompt (see the module docstring)."""
+    prompt = usage.prompt_tokens
+    marks = sorted((min(h.end, prompt), h.ttl_s) for h in retain)
+    written_to = marks[-1][0] if marks else 0
+    read = min(usage.cached_tokens, written_to)
+    creation = CacheCreation()
+    start = read
+    for end, ttl_s in marks:  # the written tokens by the TTL of the breakpoint they fall under
+        if end > start:
+            if ttl_s >= 3600:
+                creation.ephemeral_1h_input_tokens += end - start
+            else:
+                creation.ephemeral_5m_input_tokens += end - start
+            start = end
+    return MessageUsage(
+        input_tokens=prompt - written_to,
+        output_tokens=output_tokens,
+        cache_creation_input_tokens=written_to - read,
+        cache_read_input_tokens=read,
+        cache_creation=creation,
+    )
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def tool_use_id(call: ToolCall) -> str:
+    return "toolu_" + call.id.removeprefix("call_")
+
+
+def tool_use(call: ToolCall) -> ToolUseContent:
+    return ToolUseContent(tool_use_id(call), call.name, msgspec.json.decode(call.arguments))
+
+
+def stop_reason(finish: str, tool_calls: bool, matched: str | None) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for an engine finish reason."""
+    if tool_calls:
+        return "tool_use", None
+    if matched is not None:
+        return "stop_sequence", matched
+    return _STOP_REASONS.get(finish, "end_turn"), None
+
+
+def matched_stop(
+    tokenizer: TokenizerAPI, token_ids: list[int], text: str, stops: list[str], finish: str
+) -> str | None:
+    """Which stop sequence ended the output: the engine cuts the text before it, so it is in
+    the decoded tokens past the text."""
+    if finish != "stop" or not stops:
+        return None
+    decoded = tokenizer.decode(token_ids)
+    tail = decoded[len(text) :] if decoded.startswith(text) else decoded
+    found = [(tail.find(s), s) for s in stops if s in tail]
+    return min(found)[1] if found else None
+
+
+def whole_message(
+    job: Job, text: str, finish: str, usage: Usage, token_ids: list[int], tokenizer: TokenizerAPI
+) -> Message:
+    content: list[TextContent | ToolUseContent] = []
+    calls: list[ToolCall] = []
+    stops = job.stream.request.sampling.stop
+    matched = matched_stop(tokenizer, token_ids, text, stops, finish)
+    if job.tool_parser is not None:
+        parsed = job.tool_parser.parse(text)
+        calls = parsed.tool_calls
+        if calls:
+            text = parsed.content or ""
+    if text:
+        content.append(TextContent(text))
+    content.extend(tool_use(call) for call in calls)
+    reason, sequence = stop_reason(finish, bool(calls), matched)
+    return Message(
+        id=job.id,
+        model=job.model,
+        content=content,
+        stop_reason=reason,
+        stop_sequence=sequence,
+        usage=message_usage(usage, job.retain, len(token_ids)),
+        prefixcache=cache_report(usage, job.spans),
+    )
+
+
+def event(kind: str, **fields: Any) -> bytes:
+    """One SSE event: its name, and the same ``type`` in its data (Anthropic's framing)."""
+    data = msgspec.json.encode({"type": kind, **fields})
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+async def stream_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[bytes]:
+    """The SSE events of one streamed message."""
+    prompt_tokens = len(job.stream.request.prompt_token_ids)
+    marks = [min(h.end, prompt_tokens) for h in job.retain]
+    start = Message(
+        id=job.id,
+        model=job.model,
+        content=[],
+        stop_reason=None,
+        stop_sequence=None,
+        usage=MessageUsage(input_tokens=prompt_tokens - max(marks, default=0), output_tokens=0),
+    )
+    yield event("message_start", message=start)
+    yield event("ping")
+    parser = job.tool_parser
+    forced = parser.function if isinstance(parser, ForcedParser) else None
+    body = _forced_call_events(job, forced) if forced else _content_events(job, tokenizer)
+    try:
+        async with contextlib.aclosing(body) as frames:
+            async for frame in frames:
+                yield frame
+    except APIError as exc:
+        yield event("error", error=error_body(exc)["error"])
+    except Exception as exc:
+        log.exception("stream %s failed", job.id)
+        message = f"generation failed: {type(exc).__name__}"
+        yield event("error", error={"type": "api_error", "message": message})
+
+
+async def _content_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[bytes]:
+    """Text as it comes (less what could start a tool call), then any parsed tool calls."""
+    calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
+    index = 0
+    text_open = False
+    released: list[str] = []
+    token_ids: list[int] = []
+    async for out in job.stream:
+        raise_engine_error(out.error, out.finish_reason)
+        token_ids.extend(out.new_token_ids)
+        text = out.text_delta if calls is None else calls.push(out.text_delta)
+        if text:
+            if not text_open:
+                yield _block_start(index, TextContent(""))
+                text_open = True
+            released.append(text)
+            yield event("content_block_delta", index=index, delta=_text_delta(text))
+        if not out.finished:
+            continue
+        tool_calls: list[ToolCall] = []
+        if calls is not None:
+            rest = calls.finish()
+            if rest.content:
+                if not text_open:
+                    yield _block_start(index, TextContent(""))
+                    text_open = True
+                released.append(rest.content)
+                yield event("content_block_delta", index=index, delta=_text_delta(rest.content))
+            tool_calls = rest.tool_calls
+        if text_open:
+            yield event("content_block_stop", index=index)
+            index += 1
+        for call in tool_calls:
+            head = ToolUseContent(tool_use_id(call), call.name, {})
+            yield _block_start(index, head)
+            delta = {"type": "input_json_delta", "partial_json": call.arguments}
+            yield event("content_block_delta", index=index, delta=delta)
+            yield event("content_block_stop", index=index)
+            index += 1
+        finish = out.finish_reason or "stop"
+        stops = job.stream.request.sampling.stop
+        matched = matched_stop(tokenizer, token_ids, "".join(released), stops, finish)
+        reason, sequence = stop_reason(finish, bool(tool_calls), matched)
+        usage = out.usage or fallback_usage(job, len(token_ids))
+        yield _message_end(job, usage, reason, sequence, len(token_ids))
+        return
+
+
+async def _forced_call_events(job: Job, name: str) -> AsyncIterator[bytes]:
+    """``tool_choice`` naming a tool: the grammar makes the whole output the call's input
+    JSON, so it streams as ``input_json_delta``s while it is generated."""
+    head = ToolUseContent(tool_use_id(ToolCall(new_call_id(), name, "{}")), name, {})
+    yield _block_start(0, head)
+    parts: list[str] = []
+    num_tokens = 0
+    async for out in job.stream:
+        raise_engine_error(out.error, out.finish_reason)
+        num_tokens += len(out.new_token_ids)
+        if out.text_delta:
+            parts.append(out.text_delta)
+            delta = {"type": "input_json_delta", "partial_json": out.text_delta}
+            yield event("content_block_delta", index=0, delta=delta)
+        if out.finished:
+            yield event("content_block_stop", index=0)
+            assert job.tool_parser is not None
+            called = bool(job.tool_parser.parse("".join(parts)).tool_calls)
+            reason = (
+                "tool_use" if called else _STOP_REASONS.get(out.finish_reason or "", "end_turn")
+            )
+            usage = out.usage or fallback_usage(job, num_tokens)
+            yield _message_end(job, usage, reason, None, num_tokens)
+            return
+
+
+def _message_end(
+    job: Job, usage: Usage, reason: str, sequence: str | None, output_tokens: int
+) -> bytes:
+    """``message_delta`` (the stop reason and the whole usage) and ``message_stop``."""
+    delta = event(
+        "message_delta",
+        delta={"stop_reason": reason, "stop_sequence": sequence},
+        usage=message_usage(usage, job.retain, output_tokens),
+        prefixcache=cache_report(usage, job.spans),
+    )
+    return delta + event("message_stop")
+
+
+def _block_start(index: int, block: TextContent | ToolUseContent) -> bytes:
+    return event("content_block_start", index=index, content_block=block)
+
+
+def _text_delta(text: str) -> dict[str, str]:
+    return {"type": "text_delta", "text": text}

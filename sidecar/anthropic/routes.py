@@ -1,0 +1,113 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: Anthropic bodies checked,
+turned into chat requests (convert.py) and served by the engine path's own rendering,
+admission and tenancy; every error in Anthropic's shape.
+
+The API key may come as ``x-api-key`` (the ``anthropic`` client's header) or as a bearer
+token; ``anthropic-version`` and ``anthropic-beta`` are accepted and not required.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..http.errors import APIError, bad_request, server_error
+from ..http.streaming import ClientGone, SSEResponse, run_until_disconnect
+from ..server.gate import content_size
+from ..server.generation import GenerationRoutes
+from ..server.responses import collect, json_response
+from ..wire import protocol as p
+from . import convert
+from . import wire as w
+from .errors import error_response
+from .replies import new_message_id, stream_events, whole_message
+
+log = logging.getLogger("prefixcache.sidecar")
+
+Endpoint = Callable[[Request], Awaitable[Response | SSEResponse]]
+
+
+def anthropic_errors(endpoint: Endpoint) -> Endpoint:
+    """``endpoint`` with every error answered in Anthropic's shape (never a bare 500)."""
+
+    async def guarded(request: Request) -> Response | SSEResponse:
+        try:
+            return await endpoint(request)
+        except APIError as exc:
+            return error_response(exc)
+        except ClientGone:
+            raise
+        except Exception:
+            log.exception("%s failed", request.url.path)
+            return error_response(server_error("internal server error"))
+
+    return guarded
+
+
+class MessagesRoutes:
+    def __init__(self, generation: GenerationRoutes) -> None:
+        self.generation = generation
+        self.gate = generation.gate
+        self.messages = anthropic_errors(self._messages)
+        self.count_tokens = anthropic_errors(self._count_tokens)
+
+    async def _messages(self, request: Request) -> Response | SSEResponse:
+        gate = self.gate
+        tenant = gate.caller(request, accept_x_api_key=True)
+        req = await gate.read(request, w.MessagesRequest)
+        chat = self._chat_request(req)
+        job = await self.generation.chat_job(
+            tenant, chat[0], new_message_id(), convert.retention(chat[1])
+        )
+        tokenizer = self.generation.engine.tokenizer
+        if req.stream:
+            return SSEResponse(stream_events(job, tokenizer), on_close=job.stream.aclose)
+        try:
+            result = await run_until_disconnect(collect(job), request.receive)
+        finally:
+            await job.stream.aclose()
+        message = whole_message(
+            job, result.text, result.finish_reason, result.usage, result.token_ids, tokenizer
+        )
+        return json_response(message)
+
+    async def _count_tokens(self, request: Request) -> Response:
+        """``{"input_tokens": n}``: the whole prompt as /v1/messages would render it."""
+        gate = self.gate
+        tenant = gate.caller(request, accept_x_api_key=True)
+        body = await gate.read(request, w.CountTokensRequest)
+        fields = {name: getattr(body, name) for name in w.CountTokensRequest.__struct_fields__}
+        req = w.MessagesRequest(**fields, max_tokens=1)
+        chat_req, _ = self._chat_request(req)
+        template_kwargs = self.generation.chat_template_kwargs(chat_req)
+        namespace = gate.namespace(tenant.name, None)
+        prompt = await gate.render(
+            lambda r: r.render_chat(
+                chat_req.messages,
+                None,
+                bool(chat_req.add_generation_prompt),
+                template_kwargs,
+                bool(chat_req.continue_final_message),
+                namespace,
+            ),
+            content_size(chat_req.messages, None),
+        )
+        gate.forget(prompt)  # counted, not served: keep nothing of it
+        return json_response({"input_tokens": len(prompt.token_ids)})
+
+    def _chat_request(
+        self, req: w.MessagesRequest
+    ) -> tuple[p.ChatCompletionRequest, convert.Conversation]:
+        """The checked chat request of ``req``; a 400 for what cannot be served."""
+        gate = self.gate
+        try:
+            chat = convert.conversation(req)
+        except p.Error as exc:
+            raise bad_request(str(exc), exc.param) from None
+        chat_req = convert.chat_request(req, chat)
+        gate.check(p.check_chat, chat_req)
+        gate.check_model(req.model)
+        return chat_req, chat

@@ -1,0 +1,212 @@
+"""Responses API replies from an engine job: the whole ``response`` object, or its semantic
+event stream (``response.created``, ``response.in_progress``, ``response.output_item.added``,
+``response.content_part.added``, ``response.output_text.delta``/``.done``,
+``response.function_call_arguments.delta``/``.done``, ``response.output_item.done``, then
+``response.completed`` or ``response.incomplete``), each event with its ``sequence_number``.
+
+A message item opens at the first released text; tool calls, parsed once generation ends,
+follow as ``function_call`` items, their arguments in one delta. A named function's call
+(``tool_choice`` naming it) is the whole output, so its arguments stream token by token.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+from prefixcache.engine.request import Usage
+
+from ..chat.tool_calls import ForcedParser, ToolCall, ToolCallStream, new_call_id
+from ..http.errors import APIError
+from ..server.responses import Job, cache_report, fallback_usage, raise_engine_error
+from . import wire as w
+
+log = logging.getLogger("prefixcache.sidecar")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def response_usage(usage: Usage) -> w.ResponseUsage:
+    return w.ResponseUsage(
+        input_tokens=usage.prompt_tokens,
+        input_tokens_details=w.InputTokensDetails(usage.cached_tokens),
+        output_tokens=usage.completion_tokens,
+        output_tokens_details=w.OutputTokensDetails(),
+        total_tokens=usage.prompt_tokens + usage.completion_tokens,
+    )
+
+
+def function_call(call: ToolCall) -> w.OutputFunctionCall:
+    return w.OutputFunctionCall(new_id("fc"), call.id, call.name, call.arguments)
+
+
+def finish(response: w.Response, finish_reason: str, usage: Usage, job: Job) -> w.Response:
+    """``response`` at its end: status, usage and the cache report."""
+    if finish_reason == "length":
+        response.status = "incomplete"
+        response.incomplete_details = w.IncompleteDetails("max_output_tokens")
+    else:
+        response.status = "completed"
+    response.usage = response_usage(usage)
+    response.prefixcache = cache_report(usage, job.spans)
+    return response
+
+
+def output_items(job: Job, text: str) -> list[w.OutputItem]:
+    calls: list[ToolCall] = []
+    if job.tool_parser is not None:
+        parsed = job.tool_parser.parse(text)
+        if parsed.tool_calls:
+            calls, text = parsed.tool_calls, parsed.content or ""
+    items: list[w.OutputItem] = []
+    if text:
+        items.append(w.OutputMessage(new_id("msg"), "completed", [w.OutputText(text)]))
+    items.extend(function_call(call) for call in calls)
+    return items
+
+
+def _arguments_delta(
+    event: _Events, item: w.OutputFunctionCall, delta: str, finished: bool
+) -> list[bytes]:
+    """A forced call's arguments so far; once finished, its ``.done`` events."""
+    frames: list[bytes] = []
+    ids = {"item_id": item.id, "output_index": 0}
+    if delta:
+        item.arguments += delta
+        frames.append(event("response.function_call_arguments.delta", **ids, delta=delta))
+    if finished:
+        item.status = "completed"
+        done = "response.function_call_arguments.done"
+        frames.append(event(done, **ids, name=item.name, arguments=item.arguments))
+        frames.append(event("response.output_item.done", output_index=0, item=item))
+    return frames
+
+
+class _Events:
+    """Numbers and frames the events of one stream."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+
+    def __call__(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+
+
+async def stream_events(
+    job: Job, response: w.Response, on_done: Callable[[w.Response], None]
+) -> AsyncIterator[bytes]:
+    """The SSE events of one streamed response; ``on_done`` gets the finished response."""
+    event = _Events()
+    yield event("response.created", response=response)
+    yield event("response.in_progress", response=response)
+    calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
+    message: w.OutputMessage | None = None
+    texts: list[str] = []
+    num_tokens = 0
+
+    def open_message() -> list[bytes]:
+        nonlocal message
+        message = w.OutputMessage(new_id("msg"), "in_progress", [])
+        response.output.append(message)
+        part = w.OutputText("")
+        return [
+            event("response.output_item.added", output_index=0, item=message),
+            event(
+                "response.content_part.added",
+                item_id=message.id,
+                output_index=0,
+                content_index=0,
+                part=part,
+            ),
+        ]
+
+    def text_delta(text: str) -> list[bytes]:
+        frames = open_message() if message is None else []
+        assert message is not None
+        texts.append(text)
+        ids = {"item_id": message.id, "output_index": 0, "content_index": 0}
+        frames.append(event("response.output_text.delta", **ids, delta=text, logprobs=[]))
+        return frames
+
+    parser = job.tool_parser
+    forced: w.OutputFunctionCall | None = None
+    if isinstance(parser, ForcedParser) and parser.function is not None:
+        # A named function: the grammar makes the whole output its arguments, streamed as
+        # they are generated.
+        calls = None
+        forced = w.OutputFunctionCall(
+            new_id("fc"), new_call_id(), parser.function, "", "in_progress"
+        )
+        response.output.append(forced)
+        yield event("response.output_item.added", output_index=0, item=forced)
+
+    try:
+        async for out in job.stream:
+            raise_engine_error(out.error, out.finish_reason)
+            num_tokens += len(out.new_token_ids)
+            if forced is not None:
+                for frame in _arguments_delta(event, forced, out.text_delta, out.finished):
+                    yield frame
+            else:
+                text = out.text_delta if calls is None else calls.push(out.text_delta)
+                for frame in text_delta(text) if text else ():
+                    yield frame
+            if not out.finished:
+                continue
+            tool_calls: list[ToolCall] = []
+            if calls is not None:
+                rest = calls.finish()
+                for frame in text_delta(rest.content) if rest.content else ():
+                    yield frame
+                tool_calls = rest.tool_calls
+            if message is not None:
+                whole = w.OutputText("".join(texts))
+                message.content = [whole]
+                message.status = "completed"
+                ids = {"item_id": message.id, "output_index": 0, "content_index": 0}
+                yield event("response.output_text.done", **ids, text=whole.text, logprobs=[])
+                yield event("response.content_part.done", **ids, part=whole)
+                yield event("response.output_item.done", output_index=0, item=message)
+            for call in tool_calls:
+                item = function_call(call)
+                index = len(response.output)
+                added = msgspec.structs.replace(item, arguments="", status="in_progress")
+                yield event("response.output_item.added", output_index=index, item=added)
+                ids = {"item_id": item.id, "output_index": index}
+                yield event("response.function_call_arguments.delta", **ids, delta=item.arguments)
+                yield event(
+                    "response.function_call_arguments.done",
+                    **ids,
+                    name=item.name,
+                    arguments=item.arguments,
+                )
+                yield event("response.output_item.done", output_index=index, item=item)
+                response.output.append(item)
+            usage = out.usage or fallback_usage(job, num_tokens)
+            finish(response, out.finish_reason or "stop", usage, job)
+            on_done(response)
+            kind = (
+                "response.incomplete" if response.status == "incomplete" else "response.completed"
+            )
+            yield event(kind, response=response)
+            return
+    except APIError as exc:
+        response.status = "failed"
+        response.error = w.ResponseError(exc.code or "server_error", exc.message)
+        yield event("error", code=exc.code, message=exc.message, param=exc.param)
+        yield event("response.failed", response=response)
+    except Exception as exc:
+        log.exception("stream %s failed", job.id)
+        message_text = f"generation failed: {type(exc).__name__}"
+        response.status = "failed"
+        response.error = w.ResponseError("server_error", message_text)
+        yield event("error", code="server_error", message=message_text, param=None)
+        yield event("response.failed", response=response)

@@ -1,0 +1,93 @@
+"""On CUDA with flashinfer installed: FlashInferBackend (FlashInfer's real kernels) against the
+torch backend and a dense reference, in bf16. Skipped elsewhere (every CPU run, CI); run by
+bench/gpu_check.py on a lent GPU (docs/models.md, "GPU check").
+
+Prefill (fresh, after cached pages, partial pages) next to decodes; decodes over a shared
+prefix with the cascade wrapper and without; a sliding window; a sequence's output bitwise
+the same alone and in a batch with the fixed split; the demo model end to end.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from test_flashinfer_standin import GROUPED, MIXED, make_case, reference, run
+
+from prefixcache.engine.attention.flashinfer_backend import FlashInferBackend
+from prefixcache.engine.attention.torch_backend import TorchBackend
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer-python"
+    ),
+]
+BF16_ATOL = 2e-2
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+@pytest.mark.parametrize(("hq", "hk", "d"), [(8, 4, 64), (32, 8, 128)])
+def test_flashinfer_equals_torch_backend(invariant: bool, hq: int, hk: int, d: int) -> None:
+    for spec, shared in ((MIXED, 0), (GROUPED, 64), (GROUPED + MIXED, 64)):
+        case = make_case(spec, hq, hk, d, shared, seed=d, device="cuda", dtype=torch.bfloat16)
+        got, meta = run(FlashInferBackend("cuda", batch_invariant=invariant), case, hq, hk, True)
+        want, _ = run(TorchBackend(), case, hq, hk, True)
+        row = 0
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            torch.testing.assert_close(a.float(), b.float(), atol=BF16_ATOL, rtol=2e-2)
+            n = case.seqs[i].num_new
+            ref = reference(case.q[row : row + n].cpu(), case.full_k[i], case.full_v[i])
+            torch.testing.assert_close(a.cpu().double(), ref, atol=BF16_ATOL, rtol=2e-2)
+            row += n
+        assert not shared or meta.cascade_groups
+
+
+@pytest.mark.parametrize("window", [0, 21, 100])
+def test_flashinfer_sliding_window(window: int) -> None:
+    hq, hk, d = 8, 4, 64  # the demo model's shape: kernels the other tests compile too
+    for spec, shared in ((MIXED, 0), (GROUPED, 64)):
+        case = make_case(spec, hq, hk, d, shared, seed=3, device="cuda", dtype=torch.bfloat16)
+        backend = FlashInferBackend("cuda", batch_invariant=False, window_left=window)
+        got, _ = run(backend, case, hq, hk, True)
+        row = 0
+        for i, out in enumerate(got):
+            n = case.seqs[i].num_new
+            ref = reference(case.q[row : row + n].cpu(), case.full_k[i], case.full_v[i], window)
+            torch.testing.assert_close(out.cpu().double(), ref, atol=BF16_ATOL, rtol=2e-2)
+            row += n
+
+
+def test_flashinfer_fixed_split_is_batch_invariant() -> None:
+    """The same sequence alone and among others: bitwise equal with the fixed split."""
+    hq, hk, d = 8, 4, 64
+    mine = (3000, 1)
+    results = []
+    for spec in ([mine], [(300, 1), (0, 40), mine], [mine, (5000, 1), (90, 1), (700, 33)]):
+        case = make_case(spec, hq, hk, d, seed=11, device="cuda", dtype=torch.bfloat16)
+        got, _ = run(FlashInferBackend("cuda", batch_invariant=True), case, hq, hk, True)
+        results.append(got[spec.index(mine)])
+    for r in results[1:]:
+        assert torch.equal(results[0], r)
+
+
+def test_demo_model_flashinfer_vs_torch() -> None:
+    from prefixcache.engine.memory.kv_cache import KVCache
+    from prefixcache.engine.model.loader import load_model
+    from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
+
+    loaded = load_model("demo", dtype="bfloat16", device="cuda")
+    gen = torch.Generator().manual_seed(3)
+    vocab = loaded.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (300, 77, 1)]
+    tables = [list(range(0, 20)), list(range(20, 26)), [30]]
+    logits = {}
+    for name, be in (("flashinfer", FlashInferBackend("cuda")), ("torch", TorchBackend())):
+        runner = ModelRunner(loaded, KVCache(loaded.kv_cache_spec(16), 64), be)
+        first = runner.execute([BatchEntry(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+        nxt = first.argmax(-1).tolist()
+        batch = [BatchEntry([n], len(p), t) for n, p, t in zip(nxt, prompts, tables, strict=True)]
+        logits[name] = torch.cat([first, runner.execute(batch)])
+    torch.testing.assert_close(logits["flashinfer"], logits["torch"], atol=0.15, rtol=0.05)
