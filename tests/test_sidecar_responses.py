@@ -72,7 +72,7 @@ def test_create_reports_cached_tokens(client: openai.OpenAI) -> None:
 def test_stream_has_the_semantic_events(client: openai.OpenAI) -> None:
     events = list(
         client.responses.create(
-            model="demo", input="Say something.", max_output_tokens=6, stream=True
+            model="demo", input="Say something.", max_output_tokens=6, stream=True, temperature=0
         )
     )
     kinds = [e.type for e in events]
