@@ -178,6 +178,8 @@ def test_the_messages_wire_gives_the_hosted_accounting(sidecar_url: str) -> None
     Anthropic reports it (writes at the breakpoints, then reads), plus the cache report."""
 
     async def main() -> None:
+        async with AsyncClient(sidecar_url) as admin:
+            before = (await admin.cache_stats()).blocks.pinned
         async with AsyncClient(sidecar_url, wire="messages") as client:
             first = await client.complete(_prompt("messages"), max_tokens=3, ttl="5m")
             assert first.usage.cache_write_tokens > 100
@@ -192,5 +194,11 @@ def test_the_messages_wire_gives_the_hosted_accounting(sidecar_url: str) -> None
             assert again.usage is not None and again.usage.cached_tokens == prefix
             assert again.usage.cache_write_tokens == 0  # the question sits after the last mark
             assert again.cache is not None and again.cache.cached_tokens >= prefix
+        # The marks' TTL pins would outlive this test (an evict keeps them): drop them, so
+        # later tests on this shared server start from what they left.
+        async with AsyncClient(sidecar_url) as admin:
+            await admin.unpin(_prompt("messages"))
+            await admin.unpin(_prompt("messages").without("doc"))
+            assert (await admin.cache_stats()).blocks.pinned == before
 
     anyio.run(main)
