@@ -20,7 +20,7 @@ from sidecar_fake_engine import FakeEngine
 
 from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
-pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
 
 LOOKUP = {
     "name": "lookup",

@@ -18,7 +18,7 @@ from conftest import API_KEYS, Server
 from prefixcache.sidecar.responses_api.store import ResponseStore
 from prefixcache.sidecar.wire.protocol import Message
 
-pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
 
 LOOKUP = {
     "type": "function",
