@@ -50,3 +50,11 @@ def write_rows(meta: AttentionMetadata) -> torch.Tensor:
     pos = meta.positions
     page_of = meta.kv_indptr.long()[meta.batch_indices.long()] + pos // bs
     return meta.kv_indices.long()[page_of] * (2 * bs) + pos % bs
+
+
+def write_kv(kv_layer: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write the step's new K/V ``[T, Hk, D]`` into the layer's pages at ``write_rows()``."""
+    num_blocks, _, bs, hk, d = kv_layer.shape
+    kv_rows = kv_layer.view(num_blocks * 2 * bs, hk, d)
+    kv_rows.index_copy_(0, rows, k.to(kv_layer.dtype))
+    kv_rows.index_copy_(0, rows + bs, v.to(kv_layer.dtype))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_kernels
-from .backend import AttentionBackend, AttentionShape, write_rows
+from .backend import AttentionBackend, AttentionShape, write_kv, write_rows
 from .metadata import AttentionMetadata
 from .torch_backend import TorchBackend
 
@@ -82,10 +82,7 @@ class CpuKernelBackend(AttentionBackend):
     ) -> torch.Tensor:
         if self._reference is not None:
             return self._reference.forward(q, k, v, kv_layer)
-        num_blocks, _, bs, hk, d = kv_layer.shape
-        kv_rows = kv_layer.view(num_blocks * 2 * bs, hk, d)
-        kv_rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
-        kv_rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
+        write_kv(kv_layer, self._write_rows, k, v)
         return cpu_kernels.row_attention(
             q, kv_layer, self._tables, self._qo, self._kv_lens, self._scale, self._groups
         )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_kernels
-from .backend import AttentionBackend, AttentionShape, write_rows
+from .backend import AttentionBackend, AttentionShape, write_kv, write_rows
 from .metadata import AttentionMetadata
 from .torch_backend import TorchBackend
 
@@ -108,10 +108,8 @@ class SplitKernelBackend(AttentionBackend):
     ) -> torch.Tensor:
         if self._reference is not None:
             return self._reference.forward(q, k, v, kv_layer)
-        num_blocks, _, bs, hk, d = kv_layer.shape
-        kv_rows = kv_layer.view(num_blocks * 2 * bs, hk, d)
-        kv_rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
-        kv_rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
+        bs = kv_layer.shape[2]
+        write_kv(kv_layer, self._write_rows, k, v)
         scale, d0 = self._scale, q.shape[0] - self._num_decode_rows
         decoded = None
         if self._num_decode_rows:

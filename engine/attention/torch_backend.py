@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import AttentionBackend, AttentionShape, write_rows
+from .backend import AttentionBackend, AttentionShape, write_kv, write_rows
 from .metadata import AttentionMetadata, CascadeGroup
 from .torch_ops import (
     dense_attention,
@@ -225,10 +225,8 @@ class TorchBackend(AttentionBackend):
         assert self._meta is not None and self._shape is not None, "plan() first"
         bs = self._meta.block_size
         scale = self._shape.scale
-        num_blocks, _, _, hk, d = kv_layer.shape
-        kv_rows = kv_layer.view(num_blocks * 2 * bs, hk, d)
-        kv_rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
-        kv_rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
+        hk, d = kv_layer.shape[3:]
+        write_kv(kv_layer, self._write_rows, k, v)
         out = torch.empty_like(q)
         group_states = []
         for gp in self._prefill_groups:  # the shared prefix is read once
