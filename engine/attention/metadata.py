@@ -10,6 +10,11 @@ so each kind of work is a contiguous slice of the flattened query rows. For sequ
     pages      = kv_indices[kv_indptr[b] : kv_indptr[b + 1]]
     last page  = kv_len[b] - (num_pages - 1) * page_size   (1 .. page_size)
 
+``window`` (0: none) is a sliding window: the query at position p attends keys k with
+``p - window < k <= p`` only. One metadata serves one layer group; the sliding layers get
+their own (their block tables map pages that slid out of every window to a null page, and
+they are built without cascade or prefill groups).
+
 A cascade group is a run of decodes whose tables start with the same ``shared_blocks`` full
 blocks; attention reads that prefix once for the whole group, then each member's own suffix.
 Prefills that start after the same cached blocks (a burst of requests over one system prompt)
@@ -60,6 +65,7 @@ class AttentionMetadata:
     num_plain_decodes: int  # then this many decodes outside any cascade group
     cascade_groups: list[CascadeGroup] = field(default_factory=list)
     prefill_groups: list[CascadeGroup] = field(default_factory=list)  # within the prefills
+    window: int = 0  # sliding window in keys; 0 = full causal attention
 
     @property
     def num_seqs(self) -> int:
@@ -89,6 +95,7 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         cascade_groups: Sequence[CascadeGroup] = (),
         prefill_groups: Sequence[CascadeGroup] = (),
+        window: int = 0,
     ) -> AttentionMetadata:
         """Build from sequences already in runner order (prefills, plain decodes, groups)."""
         seqs = list(seqs)
@@ -103,6 +110,7 @@ class AttentionMetadata:
             assert g.begin == (groups[i - 1].end if i else cascade_begin)
         assert not groups or groups[-1].end == len(seqs)
         assert all(g.end <= num_prefills for g in prefill_groups), "prefill groups hold prefills"
+        assert window >= 0 and not (window and (groups or prefill_groups)), "no groups in a window"
 
         qo_indptr, kv_indptr, kv_indices, last_lens = [0], [0], [], []
         positions: list[int] = []
@@ -139,6 +147,7 @@ class AttentionMetadata:
             num_plain_decodes=cascade_begin - num_prefills,
             cascade_groups=groups,
             prefill_groups=list(prefill_groups),
+            window=window,
         )
 
 

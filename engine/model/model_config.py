@@ -48,6 +48,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None  # read, not applied (full attention); see docs/models.md
+    # Per layer: 0 = global (full causal) attention, w > 0 = sliding window of w keys (the
+    # query at position p sees keys k with p - w < k <= p, as transformers' sliding mask).
+    # Empty = every layer global. Gemma 3 fills it from its local:global layer pattern.
+    layer_windows: tuple[int, ...] = ()
+
+    def window_of(self, layer: int) -> int:
+        """The layer's sliding window (0: global attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers slide and some are global: the KV cache keeps two layer groups."""
+        return any(w > 0 for w in self.layer_windows)
 
     @property
     def qk_norm(self) -> bool:
