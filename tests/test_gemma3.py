@@ -1,0 +1,253 @@
+"""Gemma 3: our decoder equals transformers' Gemma3ForCausalLM (a tiny random one from
+safetensors, and the real 270M GGUF), and the GGUF tokenizer's ids equal transformers'.
+
+The sliding window is the attention backend's job; here a dense reference ``attend`` applies
+it (query p sees keys p - w < k <= p), chunk by chunk, so prefills after cached tokens are
+covered too.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from prefixcache.engine.model.demo_model import ASSETS  # noqa: E402
+from prefixcache.engine.model.gemma3 import Gemma3ForCausalLM  # noqa: E402
+from prefixcache.engine.model.loader import load_model  # noqa: E402
+from prefixcache.engine.model.model_config import ModelConfig  # noqa: E402
+
+GGUF = Path("/tmp/g3/gemma-3-270m-q4_k_m.gguf")
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    query_pre_attn_scalar=24,  # != head_dim: the scale is not head_dim ** -0.5
+    rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    },
+    final_logit_softcapping=0.5,  # small: the logits here are small
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+class WindowedAttend:
+    """Dense reference attention over a flat batch of sequences, each with its own K/V so
+    far; ``step(lengths)`` names how many new tokens each sequence has in the next call."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lengths: list[int] = []
+
+    def step(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        cfg = self.config
+        w = cfg.window_of(layer)
+        out, row = [], 0
+        for seq, n in enumerate(self.lengths):
+            qs, ks, vs = q[row : row + n], k[row : row + n], v[row : row + n]
+            row += n
+            if (seq, layer) in self.kv:
+                pk, pv = self.kv[seq, layer]
+                ks, vs = torch.cat([pk, ks]), torch.cat([pv, vs])
+            self.kv[seq, layer] = (ks, vs)
+            total = ks.shape[0]
+            qpos = torch.arange(total - n, total)[:, None]
+            kpos = torch.arange(total)[None, :]
+            mask = kpos <= qpos
+            if w:
+                mask &= kpos > qpos - w
+            g = cfg.num_queries_per_kv
+            kh = ks.repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, L, D]
+            vh = vs.repeat_interleave(g, dim=1).transpose(0, 1)
+            s = qs.transpose(0, 1).float() @ kh.float().transpose(1, 2) * cfg.head_dim**-0.5
+            s = s.masked_fill(~mask, float("-inf")).softmax(-1)
+            out.append((s @ vh.float()).to(q.dtype).transpose(0, 1))
+        return torch.cat(out)
+
+
+def run_chunks(model: Gemma3ForCausalLM, prompts: list[list[int]], chunk: int) -> torch.Tensor:
+    """Every prompt prefilled ``chunk`` tokens per step (all prompts in one flat batch);
+    the logits of every token, per prompt, concatenated."""
+    attend = WindowedAttend(model.config)
+    done = [0] * len(prompts)
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
+        ids, pos, lengths = [], [], []
+        for i, p in enumerate(prompts):
+            part = p[done[i] : done[i] + chunk]
+            ids += part
+            pos += range(done[i], done[i] + len(part))
+            lengths.append(len(part))
+        attend.step(lengths)
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.tensor(pos), attend)
+            out = model.compute_logits(hidden)
+        row = 0
+        for i, n in enumerate(lengths):
+            logits[i].append(out[row : row + n])
+            row += n
+            done[i] += n
+    return torch.cat([torch.cat(x) for x in logits])
+
+
+def reference_logits(hf: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.cat([hf(torch.tensor([p])).logits[0].float() for p in prompts])
+
+
+def make_tiny_hf(seed: int = 0, **overrides: object) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.Gemma3TextConfig(**{**TINY, **overrides})
+    model = transformers.Gemma3ForCausalLM(cfg)
+    with torch.no_grad():  # the init leaves the norms at 0 (1 + w = 1): perturb them
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model.eval()
+
+
+def save_tiny(hf: torch.nn.Module, folder: Path) -> Path:
+    hf.save_pretrained(folder)
+    shutil.copy(ASSETS / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    return folder
+
+
+def test_config_from_hf_gemma3(tmp_path: Path) -> None:
+    hf = make_tiny_hf()
+    raw = json.loads((save_tiny(hf, tmp_path) / "config.json").read_text())
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.model_type == "gemma3" and cfg.architecture == "Gemma3ForCausalLM"
+    assert cfg.layer_windows == (8, 0, 8, 0) and cfg.is_hybrid
+    assert cfg.rope_theta == 50000.0 and cfg.rope_local_base_freq == 100.0
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert cfg.attention_scale == 24**-0.5 and cfg.final_logit_softcapping == 0.5
+    assert cfg.hidden_activation == "gelu_pytorch_tanh" and cfg.tie_word_embeddings
+    # nested under text_config (a multimodal checkpoint's layout), older flat rope keys, and
+    # the default 5:1 pattern
+    nested = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "text_config": {
+            **{k: v for k, v in TINY.items() if k not in ("layer_types", "rope_parameters")},
+            "num_hidden_layers": 7,
+            "rope_theta": 1e6,
+            "rope_local_base_freq": 1e4,
+            "model_type": "gemma3_text",
+        },
+    }
+    cfg = ModelConfig.from_dict(nested)
+    assert cfg.layer_windows == (8, 8, 8, 8, 8, 0, 8)
+    assert (cfg.rope_theta, cfg.rope_local_base_freq, cfg.rope_scaling) == (1e6, 1e4, None)
+
+
+def test_tiny_gemma3_equals_transformers(tmp_path: Path) -> None:
+    hf = make_tiny_hf()
+    loaded = load_model(str(save_tiny(hf, tmp_path)), dtype="float32", device="cpu")
+    model = loaded.model
+    assert isinstance(model, Gemma3ForCausalLM)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (1, 13, 40)]
+    ref = reference_logits(hf, prompts)
+    whole = run_chunks(model, prompts, chunk=64)
+    torch.testing.assert_close(whole, ref, atol=2e-5, rtol=2e-5)
+    # prefill in chunks after cached tokens, and one token at a time (decode)
+    torch.testing.assert_close(run_chunks(model, prompts, chunk=5), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(run_chunks(model, prompts, chunk=1), ref, atol=2e-5, rtol=2e-5)
+    # prepare(): fused QKV / gate-up GEMMs, packed head
+    model.prepare()
+    torch.testing.assert_close(run_chunks(model, prompts, chunk=9), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_the_window_and_softcap_matter(tmp_path: Path) -> None:
+    """The test above can fail: without the window (or the softcap) logits differ."""
+    hf = make_tiny_hf()
+    model = load_model(str(save_tiny(hf, tmp_path)), dtype="float32", device="cpu").model
+    prompts = [list(range(3, 40))]
+    ref = reference_logits(hf, prompts)
+    model.config.layer_windows = (0, 0, 0, 0)
+    assert not torch.allclose(run_chunks(model, prompts, 64), ref, atol=1e-3)
+    model.config.layer_windows = (8, 0, 8, 0)
+    model.config.final_logit_softcapping = None
+    assert not torch.allclose(run_chunks(model, prompts, 64), ref, atol=1e-3)
+
+
+def test_out_rows_and_bf16_fused_rotary(tmp_path: Path) -> None:
+    hf = make_tiny_hf(seed=1)
+    folder = save_tiny(hf, tmp_path)
+    model = load_model(str(folder), dtype="float32", device="cpu").model
+    prompt = list(range(3, 30))
+    attend = WindowedAttend(model.config)
+    attend.step([len(prompt)])
+    ids, pos = torch.tensor(prompt), torch.arange(len(prompt))
+    with torch.inference_mode():
+        every = model.compute_logits(model(ids, pos, attend))
+        attend = WindowedAttend(model.config)
+        attend.step([len(prompt)])
+        last = model.compute_logits(model(ids, pos, attend, torch.tensor([len(prompt) - 1])))
+    torch.testing.assert_close(last[0], every[-1], atol=1e-5, rtol=1e-5)
+
+    bf16 = load_model(str(folder), dtype="bfloat16", device="cpu").model
+    bf16.prepare()
+    fused = run_chunks(bf16, [prompt], 64)
+    bf16.set_fused_ops(False)
+    assert not bf16.fused_ops
+    torch.testing.assert_close(run_chunks(bf16, [prompt], 64), fused, atol=0, rtol=0)
+
+
+needs_gguf = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} not present")
+
+
+@pytest.fixture(scope="module")
+def real_gguf():
+    loaded = load_model(str(GGUF), dtype="float32", device="cpu")
+    return loaded
+
+
+@needs_gguf
+def test_gguf_config_from_metadata(real_gguf) -> None:
+    cfg = real_gguf.config
+    assert cfg.model_type == "gemma3" and cfg.num_layers == 18 and cfg.hidden_size == 640
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 1, 256)
+    assert cfg.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(18))
+    assert (cfg.rope_theta, cfg.rope_local_base_freq) == (1e6, 1e4)
+    assert cfg.vocab_size == 262144 and cfg.tie_word_embeddings
+    assert real_gguf.tokenizer.chat_template is None  # the file has none
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_gguf_logits_equal_transformers(real_gguf) -> None:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32
+    ).eval()
+    tok = real_gguf.tokenizer
+    long_text = " ".join(
+        f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(60)
+    )
+    texts = ["The capital of France is", "def fib(n):\n    return", long_text]
+    prompts = [tok.encode(t, add_special_tokens=True) for t in texts]
+    assert len(prompts[2]) > 600
+    ref = reference_logits(hf, prompts)
+    ours = run_chunks(real_gguf.model, prompts, chunk=256)
+    torch.testing.assert_close(ours, ref, atol=2e-3, rtol=1e-3)
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    assert torch.equal(ours[ends].argmax(-1), ref[ends].argmax(-1))
