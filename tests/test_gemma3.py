@@ -229,6 +229,7 @@ def real_gguf():
 
 
 @needs_gguf
+@pytest.mark.slow  # the module's fixture loads the file (about 30 s)
 def test_gguf_config_from_metadata(real_gguf) -> None:
     cfg = real_gguf.config
     assert cfg.model_type == "gemma3" and cfg.num_layers == 18 and cfg.hidden_size == 640
