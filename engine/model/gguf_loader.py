@@ -7,7 +7,9 @@ model once plus one float32 tensor, never two copies of the weights. Config come
 
 llama.cpp's converter permutes the rows of q and k for llama and mistral (its RoPE rotates
 interleaved pairs, Hugging Face's rotates halves); that permutation is undone here. qwen2 and
-qwen3 files are written unpermuted.
+qwen3 files are written unpermuted. llama.cpp's converter adds 1 to every Gemma norm weight
+(llama.cpp scales by the weight, Gemma by 1 + weight); as transformers does, 1 is taken off
+again (float32) for gemma3.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..text.tokenizer import Tokenizer
 from .llama import LlamaForCausalLM, rope_inv_freq
 from .model_config import ModelConfig, UnsupportedModelError
 from .progress import progress_bar
+from .registry import causal_lm_class
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -36,6 +39,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 _PERMUTED_QK = ("llama", "mistral")  # written with interleaved-pair RoPE rows
 # Tensor types dequantized at load (names as gguf.GGMLQuantizationType spells them).
@@ -67,6 +71,15 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's four norms per layer (gguf's tensor map for MODEL_ARCH.GEMMA3).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GEMMA_NORM_OFFSET = ("gemma3",)  # architectures whose norms llama.cpp wrote as 1 + weight
+GEMMA3_SLIDING_PATTERN = 6  # transformers' Gemma3TextConfig default: 5 sliding, 1 global
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-pair frequency divisors
 
@@ -155,6 +168,8 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "hidden_act": "silu",
     }
+    if arch == "gemma3":
+        raw.update(_gemma3_config(meta, raw))
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
         factor = float(get("rope.scaling.factor") or 1.0)
@@ -162,7 +177,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
             raw["rope_scaling"] = {"rope_type": scaling, "factor": factor}
         elif factor != 1.0:
             raw["rope_scaling"] = {"rope_type": "linear", "factor": factor}
-    if (window := get("attention.sliding_window")) is not None:
+    if arch != "gemma3" and (window := get("attention.sliding_window")) is not None:
         raw["sliding_window"] = int(window)
         raw["use_sliding_window"] = True
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
@@ -171,11 +186,45 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
     return raw
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def _gemma3_config(meta: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's fields. Where the file is silent (the 270M file names no layer pattern, local
+    rope base nor attention scale), transformers' Gemma3TextConfig defaults, which are also
+    llama.cpp's: every 6th layer global, local base 10000, scale head_dim ** -0.5 (llama.cpp's
+    rule, hidden / heads for the 62-layer 27B, is kept). ``rope.scaling.*`` (read after this)
+    applies to the global layers only, in llama.cpp as in transformers."""
+    a = "gemma3"
+    layers = raw["num_hidden_layers"]
+    pattern = meta.get(f"{a}.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+    if isinstance(pattern, list):  # newer llama.cpp: one flag per layer, true = sliding
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(layers)]
+    if len(sliding) != layers:
+        raise GGUFLoadError(f"{a}.attention.sliding_window_pattern has {len(sliding)} layers")
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "sliding_window": int(meta.get(f"{a}.attention.sliding_window", 4096)),
+        "rope_local_base_freq": float(meta.get(f"{a}.rope.freq_base_swa", 10000.0)),
+    }
+    if (scale := meta.get(f"{a}.attention.scale")) is not None:
+        out["query_pre_attn_scalar"] = float(scale) ** -2
+    elif layers == 62:
+        out["query_pre_attn_scalar"] = raw["hidden_size"] // raw["num_attention_heads"]
+    else:
+        out["query_pre_attn_scalar"] = raw["head_dim"]
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if (cap := meta.get(f"{a}.{key}")) is not None:
+            out[key] = float(cap)
+    return out
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    if (m := _LAYER_TENSOR.fullmatch(gguf_name)) and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    if (m := _LAYER_TENSOR.fullmatch(gguf_name)) and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
@@ -213,25 +262,26 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> GGUFModel
     check_tensor_types(reader, path)
     tokenizer = Tokenizer.from_gguf(meta, extra_eos_ids=config.eos_token_ids)
 
+    arch = raw_config["model_type"]
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = causal_lm_class(config)(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    unknown = [n for n in tensors if n != ROPE_FREQS and hf_tensor_name(n) is None]
-    unexpected = [n for n in tensors if (hf := hf_tensor_name(n)) and hf not in expected]
+    unknown = [n for n in tensors if n != ROPE_FREQS and hf_tensor_name(n, arch) is None]
+    unexpected = [n for n in tensors if (hf := hf_tensor_name(n, arch)) and hf not in expected]
     if unknown or unexpected:
         raise GGUFLoadError(f"{path.name}: tensors the engine cannot place: {unknown + unexpected}")
-    missing = sorted(set(expected) - {hf_tensor_name(n) for n in tensors})
+    missing = sorted(set(expected) - {hf_tensor_name(n, arch) for n in tensors})
     if missing:
         raise GGUFLoadError(f"{path.name}: missing tensors: {missing[:6]}")
 
-    permute = raw_config["model_type"] in _PERMUTED_QK
+    permute = arch in _PERMUTED_QK
     state: dict[str, torch.Tensor] = {}
-    placed = [t for n, t in tensors.items() if hf_tensor_name(n) is not None]
+    placed = [t for n, t in tensors.items() if hf_tensor_name(n, arch) is not None]
     with progress_bar("dequantize", sum(int(t.n_bytes) for t in placed), unit="B") as bar:
         for gguf_name, t in tensors.items():
-            hf = hf_tensor_name(gguf_name)
+            hf = hf_tensor_name(gguf_name, arch)
             if hf is None:
                 continue
             if tuple(int(d) for d in reversed(t.shape.tolist())) != expected[hf]:
@@ -244,6 +294,8 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> GGUFModel
                 w = unpermute_rope_rows(w, config.num_heads)
             elif permute and ".attn_k." in gguf_name:
                 w = unpermute_rope_rows(w, config.num_kv_heads)
+            elif arch in _GEMMA_NORM_OFFSET and gguf_name.endswith("norm.weight"):
+                w = w - np.float32(1.0)
             state[hf] = torch.from_numpy(w).to(device=device, dtype=dtype)
             del w  # one float32 tensor at a time
             bar.update(int(t.n_bytes))

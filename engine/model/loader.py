@@ -28,6 +28,7 @@ from ..text.tokenizer import Tokenizer
 from .llama import LlamaForCausalLM
 from .model_config import ModelConfig, UnsupportedModelError
 from .progress import progress_bar
+from .registry import causal_lm_class
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -238,7 +239,7 @@ def build_model(
     config: ModelConfig, weight_files: list[Path], dtype: torch.dtype, device: torch.device
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = causal_lm_class(config)(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
@@ -266,7 +267,7 @@ def build_model(
         config.tie_word_embeddings = True
         expected.pop("lm_head.weight")
         with torch.device("meta"):
-            model = LlamaForCausalLM(config)
+            model = causal_lm_class(config)(config)
 
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

@@ -18,7 +18,22 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
+# model_type spellings that name a supported architecture (Gemma 3's text model saves
+# "gemma3_text").
+_MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}
+GEMMA3_DEFAULTS: dict[str, Any] = {  # transformers' Gemma3TextConfig defaults
+    "query_pre_attn_scalar": 256,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+    "head_dim": 256,
+}
+GEGLU_ACTIVATIONS = ("gelu_pytorch_tanh",)  # GELU, tanh approximation
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -52,6 +67,11 @@ class ModelConfig:
     # query at position p sees keys k with p - w < k <= p, as transformers' sliding mask).
     # Empty = every layer global. Gemma 3 fills it from its local:global layer pattern.
     layer_windows: tuple[int, ...] = ()
+    hidden_activation: str = "silu"  # Gemma 3: gelu_pytorch_tanh (GeGLU MLP)
+    query_pre_attn_scalar: float | None = None  # Gemma 3: attention scale = this ** -0.5
+    rope_local_base_freq: float | None = None  # Gemma 3: the sliding layers' rope base
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def window_of(self, layer: int) -> int:
         """The layer's sliding window (0: global attention)."""
@@ -66,6 +86,11 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         """Qwen3: an RMSNorm over each head of q and k, before RoPE."""
         return self.model_type == "qwen3"
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -87,20 +112,33 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        if isinstance(raw.get("text_config"), dict):  # a text model's fields nested
+            raw = {**{k: v for k, v in raw.items() if k != "text_config"}, **raw["text_config"]}
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-            arch = by_type.get(raw.get("model_type", "")) if not archs else None
+            model_type = str(raw.get("model_type", ""))
+            arch = (
+                by_type.get(_MODEL_TYPE_ALIASES.get(model_type, model_type)) if not archs else None
+            )
         if arch is None:
             supported = ", ".join(SUPPORTED_ARCHITECTURES)
             got = archs or raw.get("model_type")
             raise UnsupportedModelError(
                 f"unsupported architecture {got!r}: prefixcache supports {supported}"
             )
-        act = raw.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise UnsupportedModelError(f"unsupported hidden_act {act!r} (only silu)")
+        model_type = SUPPORTED_ARCHITECTURES[arch]
+        if model_type == "gemma3":
+            raw = {**GEMMA3_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
+            act = raw.get("hidden_activation") or raw.get("hidden_act")
+            if act not in GEGLU_ACTIVATIONS:
+                raise UnsupportedModelError(f"unsupported Gemma 3 hidden_activation {act!r}")
+        else:
+            act = raw.get("hidden_act", "silu")
+            if act not in ("silu", "swish"):
+                raise UnsupportedModelError(f"unsupported hidden_act {act!r} (only silu)")
+            act = "silu"
 
         hidden = int(raw["hidden_size"])
         num_heads = int(raw["num_attention_heads"])
@@ -119,14 +157,17 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_scaling is None:
                 rope_scaling = rope_params
+        gemma: dict[str, Any] = {}
+        if model_type == "gemma3":
+            gemma = _gemma3_fields(raw)
+            rope_theta, rope_scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
         scaling = _normalise_rope_scaling(rope_scaling)
 
-        model_type = SUPPORTED_ARCHITECTURES[arch]
         window = raw.get("sliding_window")
         if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
             window = None
         max_pos = int(raw.get("max_position_embeddings") or 4096)
-        if window is not None and int(window) < max_pos:
+        if window is not None and int(window) < max_pos and model_type != "gemma3":
             warnings.warn(
                 f"sliding_window={window} is not applied: attention is full, so outputs for "
                 f"sequences longer than {window} tokens differ from the reference model",
@@ -161,7 +202,55 @@ class ModelConfig:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             sliding_window=None if window is None else int(window),
+            hidden_activation=act,
+            **gemma,
         )
+
+
+def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's own fields: the sliding/full layer pattern as ``layer_windows``, the two
+    rope bases (rope scaling on the full layers only), the attention scale and softcaps.
+    ``raw`` already carries Gemma3TextConfig's defaults."""
+    num_layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = int(raw["sliding_window_pattern"])
+        types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"unsupported Gemma 3 layer_types {types!r}")
+    if raw.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("Gemma 3 with use_bidirectional_attention is not supported")
+    window = int(raw["sliding_window"])
+    params = raw.get("rope_parameters")
+    full: dict[str, Any] = {}
+    local_theta = raw.get("rope_local_base_freq")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        full = dict(params["full_attention"])  # transformers >= 5: one dict per layer type
+        sliding = params.get("sliding_attention") or {}
+        if (sliding.get("rope_type") or "default") != "default":
+            raise UnsupportedModelError("Gemma 3: rope scaling on the sliding layers")
+        local_theta = sliding.get("rope_theta", local_theta)
+    elif isinstance(params, dict):
+        full = dict(params)
+    elif isinstance(raw.get("rope_scaling"), dict):
+        full = dict(raw["rope_scaling"])
+    theta = full.get("rope_theta", raw.get("rope_theta"))
+    return {
+        "layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types),
+        "rope_theta": float(theta),
+        "rope_scaling": full,
+        "rope_local_base_freq": float(local_theta),
+        "query_pre_attn_scalar": float(raw["query_pre_attn_scalar"]),
+        "attn_logit_softcapping": _opt_float(raw.get("attn_logit_softcapping")),
+        "final_logit_softcapping": _opt_float(raw.get("final_logit_softcapping")),
+    }
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _normalise_rope_scaling(scaling: Any) -> dict[str, Any] | None:

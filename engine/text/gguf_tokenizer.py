@@ -7,6 +7,10 @@ types and special token ids as metadata. Two kinds are rebuilt here:
   file's ``tokenizer.ggml.pre`` names (GPT-2's own for names not listed, as transformers does).
 - ``llama``: SentencePiece-style BPE (Metaspace, byte fallback) whose merges are derived from
   the vocabulary and its scores: every way to cut a token in two known halves, best score first.
+- ``llama`` in a Gemma file (``general.architecture`` gemma, gemma2, gemma3): as transformers'
+  GGUF converter builds it, ``GemmaTokenizer``'s pipeline (spaces normalized to U+2581, no
+  prefix space), whitespace-only tokens respelled with U+2581, and merges ranked by the
+  tokens' order in the file, not their scores (Gemma's scores do not follow its merge order).
 
 Control tokens (type 3) become special added tokens, user-defined ones (type 4) plain added
 tokens, so both are matched whole in text. ``add_bos_token`` / ``add_eos_token`` become the
@@ -18,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (1 normal, 2 unknown, 6 byte)
@@ -48,6 +52,7 @@ PRE_TOKENIZER_SPLITS: dict[str, str] = {
     "tekken": _TEKKEN_SPLIT,
 }
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 
 class GGUFTokenizerError(ValueError):
@@ -89,6 +94,9 @@ def build_gguf_tokenizer(meta: dict[str, Any]) -> GGUFTokenizerParts:
         tok = _byte_level_bpe(tokens, list(meta.get("tokenizer.ggml.merges") or []))
         tok.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
         add_bos_default = False
+    elif meta.get("general.architecture") in GEMMA_ARCHITECTURES:
+        tok = _gemma_bpe(tokens, token_of("unknown_token_id"))
+        add_bos_default = True
     else:
         scores = meta.get("tokenizer.ggml.scores")
         if scores is None or len(scores) != len(tokens):
@@ -107,12 +115,14 @@ def build_gguf_tokenizer(meta: dict[str, Any]) -> GGUFTokenizerParts:
         for t, kind_ in zip(tokens, types, strict=True)
         if kind_ == CONTROL and (kind != "gpt2" or set(t) <= byte_alphabet)
     ]
+    tok.add_special_tokens(control)
+    # As transformers: only those the vocabulary holds as spelled (a Gemma file's user-defined
+    # runs of spaces are in it as U+2581 runs, and stay plain tokens).
     user = [
         AddedToken(t, normalized=False, special=False)
         for t, kind_ in zip(tokens, types, strict=True)
-        if kind_ == USER_DEFINED
+        if kind_ == USER_DEFINED and tok.token_to_id(t) is not None
     ]
-    tok.add_special_tokens(control)
     tok.add_tokens(user)
     if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
         raise GGUFTokenizerError(
@@ -201,6 +211,45 @@ def _sentencepiece_bpe(
         steps.append(decoders.Strip(content=" ", left=1))
     tok.decoder = decoders.Sequence(steps)
     return tok
+
+
+def _gemma_bpe(tokens: list[str], unk: str | None) -> HFTokenizer:
+    respelled = [SPM_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(respelled)}
+    tok = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=ordered_merges(respelled),
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    tok.normalizer = normalizers.Replace(" ", SPM_SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return tok
+
+
+def ordered_merges(tokens: list[str]) -> list[tuple[str, str]]:
+    """Merges ranked by the merged token's place in the vocabulary (earlier first), then the
+    longer left half, then the longer right half; a token's own splits by their halves' ids
+    (transformers' ``generate_merges`` with each token scored by minus its index)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    rank = {t: -i for i, t in enumerate(tokens)}
+    merges: list[tuple[str, str, int]] = []
+    for token, score in rank.items():
+        local = [
+            (token[:cut], token[cut:], score)
+            for cut in range(1, len(token))
+            if token[:cut] in vocab and token[cut:] in vocab
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
 
 
 def sentencepiece_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:

@@ -1,0 +1,433 @@
+"""Gemma 3: our decoder equals transformers' Gemma3ForCausalLM (a tiny random one from
+safetensors, and the real 270M GGUF), and the GGUF tokenizer's ids equal transformers'.
+
+The sliding window is the attention backend's job; here a dense reference ``attend`` applies
+it (query p sees keys p - w < k <= p), chunk by chunk, so prefills after cached tokens are
+covered too.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+transformers = pytest.importorskip("transformers")
+
+from prefixcache.engine.model.demo_model import ASSETS  # noqa: E402
+from prefixcache.engine.model.gemma3 import Gemma3ForCausalLM  # noqa: E402
+from prefixcache.engine.model.loader import load_model  # noqa: E402
+from prefixcache.engine.model.model_config import ModelConfig  # noqa: E402
+from prefixcache.engine.text.tokenizer import ChatTemplateError  # noqa: E402
+
+GGUF = Path("/tmp/g3/gemma-3-270m-q4_k_m.gguf")
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    query_pre_attn_scalar=24,  # != head_dim: the scale is not head_dim ** -0.5
+    rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    },
+    final_logit_softcapping=0.5,  # small: the logits here are small
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+class WindowedAttend:
+    """Dense reference attention over a flat batch of sequences, each with its own K/V so
+    far; ``step(lengths)`` names how many new tokens each sequence has in the next call."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lengths: list[int] = []
+
+    def step(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        cfg = self.config
+        w = cfg.window_of(layer)
+        out, row = [], 0
+        for seq, n in enumerate(self.lengths):
+            qs, ks, vs = q[row : row + n], k[row : row + n], v[row : row + n]
+            row += n
+            if (seq, layer) in self.kv:
+                pk, pv = self.kv[seq, layer]
+                ks, vs = torch.cat([pk, ks]), torch.cat([pv, vs])
+            self.kv[seq, layer] = (ks, vs)
+            total = ks.shape[0]
+            qpos = torch.arange(total - n, total)[:, None]
+            kpos = torch.arange(total)[None, :]
+            mask = kpos <= qpos
+            if w:
+                mask &= kpos > qpos - w
+            g = cfg.num_queries_per_kv
+            kh = ks.repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, L, D]
+            vh = vs.repeat_interleave(g, dim=1).transpose(0, 1)
+            s = qs.transpose(0, 1).float() @ kh.float().transpose(1, 2) * cfg.head_dim**-0.5
+            s = s.masked_fill(~mask, float("-inf")).softmax(-1)
+            out.append((s @ vh.float()).to(q.dtype).transpose(0, 1))
+        return torch.cat(out)
+
+
+def run_chunks(
+    model: Gemma3ForCausalLM, prompts: list[list[int]], chunk: int, hidden_only: bool = False
+) -> torch.Tensor:
+    """Every prompt prefilled ``chunk`` tokens per step (all prompts in one flat batch);
+    the logits (or final hidden states) of every token, per prompt, concatenated."""
+    attend = WindowedAttend(model.config)
+    done = [0] * len(prompts)
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
+        ids, pos, lengths = [], [], []
+        for i, p in enumerate(prompts):
+            part = p[done[i] : done[i] + chunk]
+            ids += part
+            pos += range(done[i], done[i] + len(part))
+            lengths.append(len(part))
+        attend.step(lengths)
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.tensor(pos), attend)
+            out = hidden if hidden_only else model.compute_logits(hidden)
+        row = 0
+        for i, n in enumerate(lengths):
+            logits[i].append(out[row : row + n])
+            row += n
+            done[i] += n
+    return torch.cat([torch.cat(x) for x in logits])
+
+
+def reference_logits(hf: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.cat([hf(torch.tensor([p])).logits[0].float() for p in prompts])
+
+
+def make_tiny_hf(seed: int = 0, **overrides: object) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.Gemma3TextConfig(**{**TINY, **overrides})
+    model = transformers.Gemma3ForCausalLM(cfg)
+    with torch.no_grad():  # the init leaves the norms at 0 (1 + w = 1): perturb them
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model.eval()
+
+
+def save_tiny(hf: torch.nn.Module, folder: Path) -> Path:
+    hf.save_pretrained(folder)
+    shutil.copy(ASSETS / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    return folder
+
+
+def test_config_from_hf_gemma3(tmp_path: Path) -> None:
+    hf = make_tiny_hf()
+    raw = json.loads((save_tiny(hf, tmp_path) / "config.json").read_text())
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.model_type == "gemma3" and cfg.architecture == "Gemma3ForCausalLM"
+    assert cfg.layer_windows == (8, 0, 8, 0) and cfg.is_hybrid
+    assert cfg.rope_theta == 50000.0 and cfg.rope_local_base_freq == 100.0
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert cfg.attention_scale == 24**-0.5 and cfg.final_logit_softcapping == 0.5
+    assert cfg.hidden_activation == "gelu_pytorch_tanh" and cfg.tie_word_embeddings
+    # nested under text_config (a multimodal checkpoint's layout), older flat rope keys, and
+    # the default 5:1 pattern
+    nested = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "text_config": {
+            **{k: v for k, v in TINY.items() if k not in ("layer_types", "rope_parameters")},
+            "num_hidden_layers": 7,
+            "rope_theta": 1e6,
+            "rope_local_base_freq": 1e4,
+            "model_type": "gemma3_text",
+        },
+    }
+    cfg = ModelConfig.from_dict(nested)
+    assert cfg.layer_windows == (8, 8, 8, 8, 8, 0, 8)
+    assert (cfg.rope_theta, cfg.rope_local_base_freq, cfg.rope_scaling) == (1e6, 1e4, None)
+
+
+def test_tiny_gemma3_equals_transformers(tmp_path: Path) -> None:
+    hf = make_tiny_hf()
+    loaded = load_model(str(save_tiny(hf, tmp_path)), dtype="float32", device="cpu")
+    model = loaded.model
+    assert isinstance(model, Gemma3ForCausalLM)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (1, 13, 40)]
+    ref = reference_logits(hf, prompts)
+    whole = run_chunks(model, prompts, chunk=64)
+    torch.testing.assert_close(whole, ref, atol=2e-5, rtol=2e-5)
+    # prefill in chunks after cached tokens, and one token at a time (decode)
+    torch.testing.assert_close(run_chunks(model, prompts, chunk=5), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(run_chunks(model, prompts, chunk=1), ref, atol=2e-5, rtol=2e-5)
+    # prepare(): fused QKV / gate-up GEMMs, packed head
+    model.prepare()
+    torch.testing.assert_close(run_chunks(model, prompts, chunk=9), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_the_window_and_softcap_matter(tmp_path: Path) -> None:
+    """The test above can fail: without the window (or the softcap) logits differ."""
+    hf = make_tiny_hf()
+    model = load_model(str(save_tiny(hf, tmp_path)), dtype="float32", device="cpu").model
+    prompts = [list(range(3, 40))]
+    ref = reference_logits(hf, prompts)
+    model.config.layer_windows = (0, 0, 0, 0)
+    assert not torch.allclose(run_chunks(model, prompts, 64), ref, atol=1e-3)
+    model.config.layer_windows = (8, 0, 8, 0)
+    model.config.final_logit_softcapping = None
+    assert not torch.allclose(run_chunks(model, prompts, 64), ref, atol=1e-3)
+
+
+def test_out_rows_and_bf16_fused_rotary(tmp_path: Path) -> None:
+    hf = make_tiny_hf(seed=1)
+    folder = save_tiny(hf, tmp_path)
+    model = load_model(str(folder), dtype="float32", device="cpu").model
+    prompt = list(range(3, 30))
+    attend = WindowedAttend(model.config)
+    attend.step([len(prompt)])
+    ids, pos = torch.tensor(prompt), torch.arange(len(prompt))
+    with torch.inference_mode():
+        every = model.compute_logits(model(ids, pos, attend))
+        attend = WindowedAttend(model.config)
+        attend.step([len(prompt)])
+        last = model.compute_logits(model(ids, pos, attend, torch.tensor([len(prompt) - 1])))
+    torch.testing.assert_close(last[0], every[-1], atol=1e-5, rtol=1e-5)
+
+    bf16 = load_model(str(folder), dtype="bfloat16", device="cpu").model
+    bf16.prepare()
+    fused = run_chunks(bf16, [prompt], 64)
+    bf16.set_fused_ops(False)
+    assert not bf16.fused_ops
+    torch.testing.assert_close(run_chunks(bf16, [prompt], 64), fused, atol=0, rtol=0)
+
+
+needs_gguf = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} not present")
+
+
+@pytest.fixture(scope="module")
+def real_gguf():
+    loaded = load_model(str(GGUF), dtype="float32", device="cpu")
+    return loaded
+
+
+@needs_gguf
+@pytest.mark.slow  # the module's fixture loads the file (about 30 s)
+def test_gguf_config_from_metadata(real_gguf) -> None:
+    cfg = real_gguf.config
+    assert cfg.model_type == "gemma3" and cfg.num_layers == 18 and cfg.hidden_size == 640
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 1, 256)
+    assert cfg.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(18))
+    assert (cfg.rope_theta, cfg.rope_local_base_freq) == (1e6, 1e4)
+    assert cfg.vocab_size == 262144 and cfg.tie_word_embeddings
+    assert real_gguf.tokenizer.chat_template is None  # the file has none: chat is refused
+    with pytest.raises(ChatTemplateError):
+        real_gguf.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_gguf_logits_equal_transformers(real_gguf) -> None:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32
+    ).eval()
+    tok = real_gguf.tokenizer
+    long_text = " ".join(
+        f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(60)
+    )
+    texts = ["The capital of France is", "def fib(n):\n    return", long_text]
+    prompts = [tok.encode(t, add_special_tokens=True) for t in texts]
+    assert len(prompts[2]) > 600
+    # logits of every 7th token and each prompt's last (the full [T, 262144] is large)
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    rows = torch.cat([torch.arange(0, int(ends[-1]), 7), ends]).unique()
+    with torch.inference_mode():
+        hidden = torch.cat([hf.model(torch.tensor([p])).last_hidden_state[0] for p in prompts])
+        ref = hf.lm_head(hidden[rows]).float()
+        ours_hidden = run_chunks(real_gguf.model, prompts, chunk=256, hidden_only=True)
+        ours = real_gguf.model.compute_logits(ours_hidden[rows])
+    print("max |logit diff|", float((ours - ref).abs().max()), "of", float(ref.abs().max()))
+    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-4)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+
+
+TEXTS = [
+    "",
+    " ",
+    "   leading and trailing   ",
+    "Hello, world!",
+    "a\tb\t\tc\n\nd\r\ne\n\n\n\nf",
+    "x" * 40 + " " * 17 + "y",
+    "1234567890 3.14159 -42 1e-9 0x1F",
+    "def f(x):\n    return {'a': [1, 2, 3]}  # comment\n",
+    "<bos>hello<eos> <start_of_turn>user\nhi<end_of_turn>",
+    "[multimodal] <unused5> <pad><mask>",
+    "naïve café façade — “quotes” ‘single’ …",
+    "日本語のテキスト、中文文本，한국어 텍스트",
+    "emoji 😀👍🏽👨‍👩‍👧‍👦 🇫🇷 ✨",
+    "Ελληνικά русский עברית العربية हिन्दी",
+    "e\u0301 a\u0308 \u200b zero\u200dwidth \ufeff bom",
+    "\x00\x01\x7f control bytes",
+]
+_ALPHABET = st.sampled_from(
+    list("abcXYZ019 \t\n\r.,;:!?'\"()[]{}<>/\\_-=+*&^%$#@~`|")
+    + ["é", "ß", "中", "文", "😀", "👍🏽", "\u0301", "\u200d", "  ", "    ", "\n\n", "<eos>"]
+)
+_TEXT = st.one_of(
+    st.text(max_size=60),
+    st.lists(_ALPHABET, max_size=40).map("".join),
+    st.text(alphabet=st.characters(codec="utf-8"), max_size=30),
+)
+
+
+def _check_ids(ours, hf, text: str) -> None:
+    for special in (True, False):
+        ids = ours.encode(text, add_special_tokens=special)
+        assert ids == hf(text, add_special_tokens=special).input_ids, (text, special)
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+    if "\u2581" not in text and not any(t in text for t in ("<", "[multimodal]")):
+        assert ours.decode(ids) == text
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_gguf_tokenizer_equals_transformers(real_gguf, hf_tokenizer) -> None:
+    ours = real_gguf.tokenizer
+    assert ours.vocab_size == len(hf_tokenizer) == 262144
+    assert ours.encode("hi", add_special_tokens=True)[0] == 2  # BOS, as the metadata says
+    for text in TEXTS:
+        _check_ids(ours, hf_tokenizer, text)
+
+    @settings(max_examples=400, deadline=None, database=None)
+    @given(_TEXT)
+    def check(text: str) -> None:
+        _check_ids(ours, hf_tokenizer, text)
+
+    check()
+
+
+def _gguf_name(hf_name: str) -> str:
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+    }
+    if hf_name in names:
+        return names[hf_name]
+    layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+    part = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }[rest]
+    return f"blk.{layer}.{part}"
+
+
+def test_a_written_gemma3_gguf_equals_transformers(tmp_path: Path) -> None:
+    """A gemma3 GGUF as llama.cpp writes one (norms as 1 + weight, Gemma 3's defaults left
+    out of the metadata), from a tiny random model: our loader's logits equal it."""
+    gguf = pytest.importorskip("gguf")
+    layers = 6  # the default pattern: 5 sliding, then 1 global
+    hf = make_tiny_hf(
+        seed=3,
+        num_hidden_layers=layers,
+        layer_types=None,
+        query_pre_attn_scalar=TINY["head_dim"],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        final_logit_softcapping=None,
+    )
+    path = tmp_path / "tiny-gemma3.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(TINY["max_position_embeddings"])
+    w.add_embedding_length(TINY["hidden_size"])
+    w.add_block_count(layers)
+    w.add_feed_forward_length(TINY["intermediate_size"])
+    w.add_head_count(TINY["num_attention_heads"])
+    w.add_head_count_kv(TINY["num_key_value_heads"])
+    w.add_key_length(TINY["head_dim"])
+    w.add_value_length(TINY["head_dim"])
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6)
+    w.add_sliding_window(TINY["sliding_window"])
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256))]
+    tokens += [f"tok{i}" for i in range(TINY["vocab_size"] - len(tokens))]
+    tokens = tokens[: TINY["vocab_size"]]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types([3, 3, 3, 3] + [6] * (len(tokens) - 4))
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_add_space_prefix(False)
+    for name, p in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        a = p.detach().float().numpy()
+        w.add_tensor(_gguf_name(name), a + np.float32(1.0) if "norm" in name else a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    cfg = loaded.config
+    assert cfg.model_type == "gemma3" and cfg.layer_windows == (8, 8, 8, 8, 8, 0)
+    assert (cfg.rope_theta, cfg.rope_local_base_freq, cfg.attention_scale) == (1e6, 1e4, 0.25)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 256, (n,), generator=gen).tolist() for n in (3, 30)]
+    ref = reference_logits(hf, prompts)
+    torch.testing.assert_close(run_chunks(loaded.model, prompts, 7), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_through_the_model_runner_within_the_window(tmp_path: Path) -> None:
+    """Loader -> ModelRunner -> torch backend (paged cache, prepare()d model): equal to
+    transformers while no prompt is longer than the window (windows are the backends' job)."""
+    from prefixcache.engine.attention import create_backend
+    from prefixcache.engine.memory.kv_cache import KVCache
+    from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
+
+    hf = make_tiny_hf(seed=4, sliding_window=64)
+    loaded = load_model(str(save_tiny(hf, tmp_path)), dtype="float32", device="cpu")
+    runner = ModelRunner(loaded, KVCache(loaded.kv_cache_spec(16), 32), create_backend("torch"))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (1, 20, 50)]
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    logits = runner.execute([BatchEntry(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    with torch.inference_mode():
+        ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
