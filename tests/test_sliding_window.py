@@ -31,7 +31,9 @@ from prefixcache.engine.attention import (
     SeqSpec,
     cpu_kernels,
 )
+from prefixcache.engine.attention.cpu_backend import CpuKernelBackend
 from prefixcache.engine.attention.flashinfer_backend import FlashInferBackend
+from prefixcache.engine.attention.split_backend import SplitKernelBackend
 from prefixcache.engine.attention.torch_backend import TorchBackend
 
 BS = 16
@@ -45,6 +47,12 @@ def _flashinfer() -> AttentionBackend:
 # name -> (factory, dtypes it runs, kernel available here)
 BACKENDS: dict[str, tuple[Callable[[], AttentionBackend], tuple[torch.dtype, ...], bool]] = {
     "torch": (TorchBackend, (torch.bfloat16, torch.float32), True),
+    "cpu-rows": (
+        CpuKernelBackend,
+        (torch.bfloat16, torch.float32),
+        cpu_kernels.load_rows() is not None,
+    ),
+    "cpu-split": (SplitKernelBackend, (torch.bfloat16,), cpu_kernels.load() is not None),
 }
 
 
@@ -216,3 +224,31 @@ def test_the_reference_tells_windows_apart() -> None:
         case.window = wrong
         with pytest.raises(AssertionError):
             check_against_reference(out, case)
+
+
+@pytest.mark.skipif(not BACKENDS["cpu-rows"][2], reason="no batch-invariant CPU kernel here")
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mine=st.tuples(st.integers(0, 500), st.sampled_from([1, 2, 70, 200])),
+    others=st.lists(st.tuples(st.integers(0, 600), st.integers(1, 90)), min_size=1, max_size=4),
+    window=st.integers(1, 700),
+    dtype=dtypes,
+    hh=heads,
+)
+def test_row_kernel_windows_are_batch_invariant(
+    mine: tuple[int, int],
+    others: list[tuple[int, int]],
+    window: int,
+    dtype: torch.dtype,
+    hh: tuple[int, int],
+) -> None:
+    """A sequence's rows are bitwise the same alone and among other prefills and decodes."""
+    hq, hk = hh
+    alone = make_case([mine], window, hq, hk, 64, dtype, 5)
+    want = run_step(CpuKernelBackend(), alone, hq, hk)
+    spec = sorted([mine, *others], key=lambda s: s[1] == 1)  # prefills first
+    where = spec.index(mine)
+    batch = make_case(spec, window, hq, hk, 64, dtype, 5)  # `mine` has the same data
+    out = run_step(CpuKernelBackend(), batch, hq, hk, math.nan)
+    first = sum(n for _, n in spec[:where])
+    assert torch.equal(out[first : first + mine[1]], want)
