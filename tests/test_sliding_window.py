@@ -53,6 +53,7 @@ BACKENDS: dict[str, tuple[Callable[[], AttentionBackend], tuple[torch.dtype, ...
         cpu_kernels.load_rows() is not None,
     ),
     "cpu-split": (SplitKernelBackend, (torch.bfloat16,), cpu_kernels.load() is not None),
+    "flashinfer-standin": (_flashinfer, (torch.bfloat16, torch.float32), True),
 }
 
 
@@ -252,3 +253,18 @@ def test_row_kernel_windows_are_batch_invariant(
     out = run_step(CpuKernelBackend(), batch, hq, hk, math.nan)
     first = sum(n for _, n in spec[:where])
     assert torch.equal(out[first : first + mine[1]], want)
+
+
+def test_flashinfer_gets_window_left_one_less_than_the_window() -> None:
+    """FlashInfer's ``window_left`` is inclusive (keys k >= p - window_left): w keys is
+    ``w - 1``, given to the prefill and decode wrappers' plan and run; no cascade wrapper."""
+    hq, hk, window = 4, 2, 37
+    case = make_case([(100, 20), (300, 1), (5, 1)], window, hq, hk, 32, torch.float32, 1)
+    flashinfer_standin.calls.clear()
+    out = run_step(_flashinfer(), case, hq, hk, math.nan)
+    check_against_reference(out, case)
+    used = [c for c in flashinfer_standin.calls if c[0].endswith((".plan", ".run"))]
+    assert {c[0] for c in used} == {
+        f"BatchPrefillWithPagedKVCacheWrapper.{m}" for m in ("plan", "run")
+    } | {f"BatchDecodeWithPagedKVCacheWrapper.{m}" for m in ("plan", "run")}
+    assert all(c[2]["window_left"] == window - 1 for c in used)
