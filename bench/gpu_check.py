@@ -8,7 +8,13 @@ no network): FlashInfer installed from the carried kit, the GPU tests, then timi
    in bf16: prefill, decode, cascade, sliding window, fixed-split invariance, the demo model).
    FlashInfer JIT-compiles each kernel on first use (nvcc; minutes, cached in
    $FLASHINFER_WORKSPACE_BASE for the timings after it).
-3. Timings at batch 32 over an 8K shared prefix, demo model shape (8 query / 4 KV heads of 64):
+3. The sliding window (``window_check``): a windowed step (a 256-token prefill chunk and
+   decodes at a 4K context, window 512: FlashInfer's ``window_left`` = 511) against a dense
+   masked reference per sequence, with the pages before every window mapped to a null page
+   full of the largest finite bf16 (then full of NaN: ``reads_null_pages`` says whether
+   FlashInfer's kernels read them at all, which the contract allows); and decode at 4K,
+   window vs full.
+4. Timings at batch 32 over an 8K shared prefix, demo model shape (8 query / 4 KV heads of 64):
    decode attention per layer (fixed split, FlashInfer's own split, cascade), the model's
    decode step plain vs cascade, and cold vs warm TTFT of an 8K+64-token prompt (model steps
    in 2048-token chunks, as the scheduler's default budget cuts them; no HTTP, no scheduler).
@@ -170,6 +176,77 @@ def attention_timings(
     return result
 
 
+def window_check(
+    make: Callable[..., Any], dev: torch.device, context: int, window: int, timer: Timer
+) -> dict[str, Any]:
+    """FlashInfer SWA vs a dense masked reference (see the module docstring, step 3)."""
+    import math
+
+    from prefixcache.engine.attention import AttentionMetadata, AttentionShape, SeqSpec
+
+    gen = torch.Generator().manual_seed(2)
+    spec = [(context - 256, 256), (context, 1), (context - 37, 1), (window // 2, 1)]
+    pages = -(-(context + 1) // BS)
+    layer = torch.zeros(1 + len(spec) * pages, 2, BS, HK, D, dtype=torch.bfloat16)
+    seqs, full, qs, new = [], [], [], []
+    nxt = 1  # page 0: the null page
+    for start, n in spec:
+        kv = torch.randn(start + n, 2, HK, D, generator=gen).bfloat16()
+        skip = max(0, start - window + 1) // BS  # pages wholly before the first window
+        own = -(-(start + n) // BS) - skip
+        table = [0] * skip + list(range(nxt, nxt + own))
+        nxt += own
+        for pos in range(skip * BS, start):
+            layer[table[pos // BS], :, pos % BS] = kv[pos]
+        seqs.append(SeqSpec(start, n, table))
+        full.append(kv)
+        qs.append(torch.randn(n, HQ, D, generator=gen).bfloat16())
+        new.append(kv[start:])
+    meta = AttentionMetadata.build(seqs, BS, dev, window=window)
+    shape = AttentionShape(HQ, HK, D, torch.bfloat16)
+    q = torch.cat(qs).to(dev)
+    k, v = (torch.cat([x[:, i] for x in new]).to(dev) for i in (0, 1))
+
+    def run(fill: float) -> torch.Tensor:
+        backend = make()
+        backend.plan(meta, shape)
+        pool = layer.to(dev, copy=True)
+        pool[0] = fill
+        return backend.forward(q, k, v, pool).float().cpu()
+
+    out = run(torch.finfo(torch.bfloat16).max)
+    err, row = 0.0, 0
+    for (start, n), kv, qq in zip(spec, full, qs, strict=True):
+        kf = kv[:, 0].double().repeat_interleave(HQ // HK, dim=1)
+        vf = kv[:, 1].double().repeat_interleave(HQ // HK, dim=1)
+        sc = torch.einsum("qhd,khd->hqk", qq.double(), kf) / math.sqrt(D)
+        pos = torch.arange(start, start + n)[:, None]
+        key = torch.arange(start + n)[None, :]
+        sc = sc.masked_fill((key > pos) | (key <= pos - window), -math.inf)
+        ref = torch.einsum("hqk,khd->qhd", sc.softmax(-1), vf)
+        err = max(err, float((out[row : row + n].double() - ref).abs().max()))
+        row += n
+    nan_out = run(math.nan)
+    result: dict[str, Any] = {"context": context, "window": window, "max_abs_err": err}
+    result["reads_null_pages"] = not torch.equal(nan_out, out)
+    result["ok"] = err < 3e-2
+
+    def decode_us(w: int) -> float:
+        dseqs = [SeqSpec(context, 1, list(range(1 + i * pages, 1 + (i + 1) * pages))) for i in
+                 range(len(spec))]  # fmt: skip
+        dmeta = AttentionMetadata.build(dseqs, BS, dev, window=w)
+        backend = make()
+        backend.plan(dmeta, shape)
+        pool = layer.to(dev, copy=True)
+        dq, dk = q[: len(dseqs)], k[: len(dseqs)]
+        return timer(lambda: backend.forward(dq, dk, dk, pool)) * 1e6
+
+    result["decode_full_us"] = decode_us(0)
+    result["decode_window_us"] = decode_us(window)
+    result["window_over_full"] = result["decode_window_us"] / result["decode_full_us"]
+    return result
+
+
 def model_timings(
     make: Callable[..., Any], dev: torch.device, batch: int, prefix: int, timer: Timer
 ) -> dict[str, Any]:
@@ -231,6 +308,7 @@ def main() -> int:
 
         dev, timer = torch.device("cpu"), Timer(torch.device("cpu"), 1)
         report["attention"] = attention_timings(make_cpu, dev, 4, 256, timer)
+        report["window"] = window_check(make_cpu, dev, 400, 64, timer)
         report["model"] = model_timings(make_cpu, dev, 4, 256, timer)
         report.update(ok=True, standin=True, elapsed_s=elapsed())
         print(json.dumps(report))
@@ -268,17 +346,23 @@ def main() -> int:
     def make(**kw: Any) -> Any:
         return FlashInferBackend("cuda", **kw)
 
-    for name, fn in (("attention", attention_timings), ("model", model_timings)):
+    phases: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("window", lambda: window_check(make, dev, 4096, 512, timer)),
+        ("attention", lambda: attention_timings(make, dev, args.batch, args.prefix, timer)),
+        ("model", lambda: model_timings(make, dev, args.batch, args.prefix, timer)),
+    ]
+    for name, fn in phases:
         if elapsed() > args.deadline - 45:
             report[name] = {"skipped": f"past the deadline ({elapsed():.0f} s)"}
             continue
         try:
-            report[name] = fn(make, dev, args.batch, args.prefix, timer)
+            report[name] = fn()
         except Exception as e:  # report it and go on: the JSON line must come out
             report[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         log(f"{name}: {report[name]}")
     timed = all("error" not in report.get(n, {}) for n in ("attention", "model"))
-    report["ok"] = bool(report.get("tests", {"ok": True})["ok"]) and timed
+    window_ok = report["window"].get("ok", "skipped" in report["window"])
+    report["ok"] = bool(report.get("tests", {"ok": True})["ok"]) and timed and window_ok
     report["elapsed_s"] = elapsed()
     print(json.dumps(report))
     return 0 if report["ok"] else 1

@@ -8,7 +8,9 @@ kernels' own numerics.
 
 - NHD paged layout ``[pages, 2, page_size, Hk, D]``; ``kv_len = (pages - 1) * page_size + last``.
 - Causal masks are bottom-right aligned: row i of Lq sees key j iff ``j <= i + Lk - Lq``;
-  ``window_left = W >= 0`` also needs ``j >= i + Lk - Lq - W``.
+  ``window_left = W >= 0`` (inclusive: W + 1 keys) also needs ``j >= i + Lk - Lq - W``, and
+  the keys before the first row's window are not read at all (a sliding layer's null page
+  may hold them; the split chunks stay aligned to absolute positions).
 - LSEs are base 2; a row that sees no key gives o = 0, lse = -inf; merges as in cascade.cuh.
 - Split-KV: keys are reduced in chunks of ``fixed_split_size`` pages merged in order; with no
   fixed size the chunk comes from the batch size (as FlashInfer's heuristic does), so outputs
@@ -189,13 +191,18 @@ class _PagedAttention:
         for b in range(len(qo) - 1):
             pages = torch.tensor(idx[kv[b] : kv[b + 1]], dtype=torch.int64)
             kv_len = (len(pages) - 1) * ps + last[b] if len(pages) else 0
-            k = kv_cache[pages, 0].reshape(-1, hk, d)[:kv_len]
-            v = kv_cache[pages, 1].reshape(-1, hk, d)[:kv_len]
             qb = q[qo[b] : qo[b + 1]]
+            first = max(0, kv_len - len(qb) - window) if window >= 0 else 0
+            base = first // ps * ps  # keys from the page holding the first one seen
+            k = kv_cache[pages[base // ps :], 0].reshape(-1, hk, d)[: kv_len - base]
+            v = kv_cache[pages[base // ps :], 1].reshape(-1, hk, d)[: kv_len - base]
             o, lse = _attend(qb, k[:0], v[:0], scale, False, -1, 0, kv_len)
             for a in range(0, kv_len, chunk):  # split-KV: partial states merged in order
+                lo, hi = max(a, first) - base, min(a + chunk, kv_len) - base
+                if lo >= hi:
+                    continue
                 part = _attend(
-                    qb, k[a : a + chunk], v[a : a + chunk], scale, p["causal"], window, a, kv_len
+                    qb, k[lo:hi], v[lo:hi], scale, p["causal"], window, lo + base, kv_len
                 )
                 merge_state_in_place(o, lse, *part)
             o_all[qo[b] : qo[b + 1]], lse_all[qo[b] : qo[b + 1]] = o, lse

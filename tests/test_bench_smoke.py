@@ -83,6 +83,7 @@ CASES = {
         + ["--seqs", "2", "--prompt", "40", "--max-tokens", "30", "--rounds", "1", "--steps", "2"],
         {"available", "cpu"},
     ),
+    "window_decode.py": (["--batch", "1"], {"cpu", "threads", "rows"}),
     "grammar.py": (
         ["--schemas", "12", "--batch", "8", "--steps", "4"],
         {"compile_total_s", "mask_median_ms", "refused"},

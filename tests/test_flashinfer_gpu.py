@@ -60,6 +60,27 @@ def test_flashinfer_sliding_window(window: int) -> None:
             row += n
 
 
+@pytest.mark.parametrize("window", [1, 64, 513])
+def test_flashinfer_metadata_window_over_null_pages(window: int) -> None:
+    """A windowed metadata (window_left = window - 1), the pages before every window mapped
+    to a null page full of the largest finite bf16: the dense masked reference still."""
+    import test_sliding_window as sw
+
+    hq, hk, d = 8, 4, 64
+    spec = [(900, 200), (3000, 1), (700, 1), (40, 1)]
+    case = sw.make_case(spec, window, hq, hk, d, torch.bfloat16, seed=4)
+    case.kv_layer, case.q = case.kv_layer.cuda(), case.q.cuda()
+    case.k, case.v = case.k.cuda(), case.v.cuda()
+    meta = sw.AttentionMetadata.build(case.seqs, sw.BS, "cuda", window=window)
+    backend = FlashInferBackend("cuda")
+    backend.plan(meta, sw.AttentionShape(hq, hk, d, torch.bfloat16))
+    layer = case.kv_layer.clone()
+    layer[sw.NULL_PAGE] = torch.finfo(torch.bfloat16).max
+    out = backend.forward(case.q, case.k, case.v, layer).cpu()
+    case.q = case.q.cpu()
+    sw.check_against_reference(out, case)
+
+
 def test_flashinfer_fixed_split_is_batch_invariant() -> None:
     """The same sequence alone and among others: bitwise equal with the fixed split."""
     hq, hk, d = 8, 4, 64

@@ -35,5 +35,8 @@ def test_gpu_check_timing_code_runs_over_the_standin() -> None:
     assert attention["max_diff_vs_fixed_split"] < 2e-2  # bf16: cascade and splits agree
     for key in ("fixed_split_us", "flashinfer_split_us", "cascade_us", "plan_cascade_ms"):
         assert attention[key] > 0
+    window = report["window"]
+    assert isinstance(window, dict) and window["ok"] is True and window["max_abs_err"] < 3e-2
+    assert window["reads_null_pages"] is False  # the stand-in reads no page before a window
     for key in ("decode_step_plain_ms", "decode_step_cascade_ms", "ttft_cold_ms", "ttft_warm_ms"):
         assert model[key] > 0

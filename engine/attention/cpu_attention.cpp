@@ -7,7 +7,9 @@
 //   K: [key block][D/2][BK keys] words of (K[j][2p], K[j][2p+1])
 //   V: [key block][BK/2][D]      words of (V[2i][d], V[2i+1][d])
 // Scores are kept in base 2 (scale * log2 e folded in), so the LSE it returns is base 2.
-// Causal masking is bottom-right aligned: query i sees keys j <= i + (Lk - Lq).
+// Causal masking is bottom-right aligned: query i sees keys j <= i + (Lk - Lq); a sliding
+// window w > 0 (causal only) also drops keys j <= i + (Lk - Lq) - w, and keys before the first
+// query's window are never read (a sliding layer's null page may hold them).
 
 #include <immintrin.h>
 #include <omp.h>
@@ -36,6 +38,11 @@ struct Problem {
   int64_t lq, lk, hq, hk;
   float scale2;  // scale * log2(e)
   bool causal;
+  int64_t window;  // 0: none (causal only)
+
+  int64_t first_key() const {  // the first key any query sees
+    return window > 0 ? std::max<int64_t>(0, lk - lq + 1 - window) : 0;
+  }
 };
 
 // One task: kv head h, query tokens [t0, t1). Kp/Vp: that head's packed K/V.
@@ -51,18 +58,20 @@ void attend_block(const Problem& pb, int64_t h, int64_t t0, int64_t t1, const ui
   const int64_t nkb = (key_end + BK - 1) / BK;
 
   std::vector<uint32_t> qw(rows * NP);  // the block's query rows as bf16 pairs
-  std::vector<int64_t> limit(rows);
+  std::vector<int64_t> limit(rows), begin(rows);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = t0 + r / g, head = h * g + r % g;
     std::memcpy(&qw[r * NP], pb.q + t * pb.q_tok + head * pb.q_head, sizeof(uint16_t) * D);
     limit[r] = pb.causal ? std::min(pb.lk, t + offset + 1) : pb.lk;
+    begin[r] = pb.window > 0 ? std::max<int64_t>(0, t + offset + 1 - pb.window) : 0;
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
   std::memset(obuf, 0, sizeof(float) * rows * D);
-  for (int64_t kb = 0; kb < nkb; ++kb)
+  for (int64_t kb = begin[0] / BK; kb < nkb; ++kb)  // row 0 has the earliest window
     attend_packed<D, R, uint16_t>(kp + kb * NP * BK, vp + kb * (BK / 2) * D, kb * BK, 0, rows,
-                                  qw.data(), limit.data(), m, l, obuf, pbuf, pb.scale2);
+                                  qw.data(), limit.data(), pb.window > 0 ? begin.data() : nullptr,
+                                  m, l, obuf, pbuf, pb.scale2);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = t0 + r / g, head = h * g + r % g;
     uint16_t* dst = pb.out + (t * pb.hq + head) * D;
@@ -96,21 +105,22 @@ struct PagedKV {
   const uint16_t* value(int64_t h, int64_t j) const { return key(h, j) + bs * row_words; }
 };
 
+// Keys [first, lk) of key block kb, kv head h, packed (the others zero, unread).
 template <typename Src>
-void pack_head(const Src& src, int64_t h, int64_t lk, int64_t d, int64_t kb, uint32_t* kp,
-               uint32_t* vp) {
+void pack_head(const Src& src, int64_t h, int64_t first, int64_t lk, int64_t d, int64_t kb,
+               uint32_t* kp, uint32_t* vp) {
   const int64_t np = d / 2, k0 = kb * BK;
   uint32_t* kdst = kp + kb * np * BK;
   for (int64_t j = 0; j < BK; ++j) {
     const int64_t key = k0 + j;
-    const uint16_t* row = key < lk ? src.key(h, key) : nullptr;
+    const uint16_t* row = key >= first && key < lk ? src.key(h, key) : nullptr;
     for (int64_t p = 0; p < np; ++p) kdst[p * BK + j] = row ? load_pair(row + 2 * p) : 0u;
   }
   uint32_t* vdst = vp + kb * (BK / 2) * d;
   for (int64_t i = 0; i < BK / 2; ++i) {
     const int64_t a = k0 + 2 * i, b = a + 1;
-    const uint16_t* ra = a < lk ? src.value(h, a) : nullptr;
-    const uint16_t* rb = b < lk ? src.value(h, b) : nullptr;
+    const uint16_t* ra = a >= first && a < lk ? src.value(h, a) : nullptr;
+    const uint16_t* rb = b >= first && b < lk ? src.value(h, b) : nullptr;
     for (int64_t c = 0; c < d; ++c) {
       const uint32_t lo = ra ? ra[c] : 0u;
       const uint32_t hi = rb ? rb[c] : 0u;
@@ -124,10 +134,12 @@ void run(const Problem& pb, const Src& src, int nthreads) {
   const int64_t nkb = (pb.lk + BK - 1) / BK;
   const int64_t head_words = nkb * BK * (D / 2);  // K and V alike
   std::vector<uint32_t> kp(pb.hk * head_words), vp(pb.hk * head_words);
+  const int64_t first = pb.first_key(), kb0 = first / BK;  // blocks before kb0: not packed
 #pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t task = 0; task < pb.hk * nkb; ++task) {
-    const int64_t h = task / nkb, kb = task % nkb;
-    pack_head(src, h, pb.lk, D, kb, kp.data() + h * head_words, vp.data() + h * head_words);
+  for (int64_t task = 0; task < pb.hk * (nkb - kb0); ++task) {
+    const int64_t h = task / (nkb - kb0), kb = kb0 + task % (nkb - kb0);
+    pack_head(src, h, first, pb.lk, D, kb, kp.data() + h * head_words,
+              vp.data() + h * head_words);
   }
   const int64_t g = pb.hq / pb.hk;
   const int64_t tokens_per_task = std::max<int64_t>(1, ROWS_BLOCK / g);
@@ -322,6 +334,7 @@ struct DecodeBatch {
   float* lse;
   float scale2;
   int64_t d;  // head dim
+  int64_t window;  // 0: none; else each decode sees its last `window` keys (no groups)
 };
 
 // K rows of keys [from, to) of sequence s, kv head h, into keys.
@@ -362,8 +375,9 @@ void decode_chunk(const DecodeBatch& db, int64_t s0, int64_t s1, int64_t shared,
     }
   }
   for (int64_t s = s0; s < s1; ++s) {
-    key_rows(db, s, h, shared, db.lens[s], scratch.keys);
-    const int64_t own = db.lens[s] - shared;
+    const int64_t from = db.window > 0 ? std::max(shared, db.lens[s] - db.window) : shared;
+    key_rows(db, s, h, from, db.lens[s], scratch.keys);
+    const int64_t own = db.lens[s] - from;
     for (int64_t r0 = 0; r0 < g; r0 += 4) {
       const int nr = static_cast<int>(std::min<int64_t>(4, g - r0));
       const uint16_t* qrow[4];
@@ -453,32 +467,38 @@ int pc_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const ui
                       int64_t k_tok, int64_t k_head, const uint16_t* v, int64_t v_tok,
                       int64_t v_head, uint16_t* out, float* lse, int64_t lq, int64_t lk,
                       int64_t hq, int64_t hk, int64_t d, float scale, int causal, int nthreads) {
-  const Problem pb{q, q_tok, q_head, out, lse, lq, lk, hq, hk, scale * 1.44269504089f, causal != 0};
+  const Problem pb{q,  q_tok, q_head, out, lse, lq, lk, hq, hk, scale * 1.44269504089f,
+                   causal != 0, 0};
   const DenseKV src{k, v, k_tok, k_head, v_tok, v_head};
   return with_head_dim(d, [&](auto dim) { run<dim(), kTileRows<dim()>>(pb, src, nthreads); });
 }
 
 // The same over lk keys held in KV pages: kv_layer [num_blocks, 2, bs, hk, d], table int32
-// [ceil(lk / bs)] block ids. Read in place, no gather.
+// [ceil(lk / bs)] block ids. Read in place, no gather. window > 0 (with causal only): the
+// sliding window, in keys (the pages before the first query's window are not read).
 int pc_paged_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* kv,
                             int64_t bs, const int32_t* table, uint16_t* out, float* lse,
                             int64_t lq, int64_t lk, int64_t hq, int64_t hk, int64_t d,
-                            float scale, int causal, int nthreads) {
-  const Problem pb{q, q_tok, q_head, out, lse, lq, lk, hq, hk, scale * 1.44269504089f, causal != 0};
+                            float scale, int causal, int64_t window, int nthreads) {
+  if (window > 0 && causal == 0) return -2;
+  const Problem pb{q,  q_tok, q_head, out, lse, lq, lk, hq, hk, scale * 1.44269504089f,
+                   causal != 0, window};
   const PagedKV src{kv, table, bs, hk * d, d};
   return with_head_dim(d, [&](auto dim) { run<dim(), kTileRows<dim()>>(pb, src, nthreads); });
 }
 
 // q [b, hq, d] (d contiguous); kv_layer as above; tables int32 [b, table_stride]; lens int64
 // [b] (each >= 1); groups int64 [n_groups][3] (first seq, end seq, shared keys: cascade
-// groups, see decode_run); out [b, hq, d] and lse [b, hq] contiguous.
+// groups, see decode_run); out [b, hq, d] and lse [b, hq] contiguous; window: 0, or the
+// sliding window in keys (each decode reads its last `window` keys only; no groups then).
 int pc_paged_decode_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* kv,
                          int64_t bs, const int32_t* tables, int64_t table_stride,
                          const int64_t* lens, const int64_t* groups, int64_t n_groups,
                          uint16_t* out, float* lse, int64_t b, int64_t hq, int64_t hk, int64_t d,
-                         float scale, int nthreads) {
+                         float scale, int64_t window, int nthreads) {
+  if (window > 0 && n_groups > 0) return -2;
   const DecodeBatch db{q,   q_tok, q_head, kv,  bs, hk, hq / hk, tables, table_stride,
-                       lens, out,  lse,    scale * 1.44269504089f, d};
+                       lens, out,  lse,    scale * 1.44269504089f, d, window};
   return with_head_dim(d, [&](auto dim) { decode_run<dim()>(db, b, groups, n_groups, nthreads); });
 }
 

@@ -33,6 +33,7 @@ class CpuKernelBackend(AttentionBackend):
         self._kv_lens = torch.empty(0, dtype=torch.int64)
         self._groups = torch.empty(0, 3, dtype=torch.int64)
         self._scale = 1.0
+        self._window = 0
 
     @staticmethod
     def supports(shape: AttentionShape, device: torch.device) -> bool:
@@ -75,6 +76,7 @@ class CpuKernelBackend(AttentionBackend):
             [[g.begin, g.end, g.num_shared_blocks * bs] for g in groups], dtype=torch.int64
         ).view(-1, 3)
         self._scale = shape.scale
+        self._window = meta.window  # no groups then (AttentionMetadata.build)
 
     @torch.inference_mode()
     def forward(
@@ -84,5 +86,12 @@ class CpuKernelBackend(AttentionBackend):
             return self._reference.forward(q, k, v, kv_layer)
         write_kv(kv_layer, self._write_rows, k, v)
         return cpu_kernels.row_attention(
-            q, kv_layer, self._tables, self._qo, self._kv_lens, self._scale, self._groups
+            q,
+            kv_layer,
+            self._tables,
+            self._qo,
+            self._kv_lens,
+            self._scale,
+            self._groups,
+            self._window,
         )

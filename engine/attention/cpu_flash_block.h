@@ -19,6 +19,12 @@ namespace pc {
 
 constexpr int64_t kKeyBlock = 128;  // keys per block
 
+// Lanes of key vector c (keys 16c .. 16c + 15 of a block) a row sees: those before `valid`
+// and not before `skip`.
+inline __mmask16 seen(int64_t valid, int64_t skip, int64_t c) {
+  return static_cast<__mmask16>(prefix_mask(valid - c * 16) & ~prefix_mask(skip - c * 16));
+}
+
 template <typename T>
 constexpr bool kF32 = std::is_same_v<T, float>;
 
@@ -27,11 +33,13 @@ template <int D, typename T>
 constexpr int64_t kBlockWords = kKeyBlock * D * static_cast<int64_t>(sizeof(T)) / 4;
 
 // One key block [k0, k0 + kKeyBlock) for rows [ra, rb) of a task: scores, the online-softmax
-// update, O = O * corr + P V. qw: each row's query as KW words.
+// update, O = O * corr + P V. qw: each row's query as KW words. Row r sees keys
+// [begin[r], limit[r]) (begin == nullptr: from 0; a sliding window's first key otherwise); the
+// packed words of the keys it does not see may be anything finite.
 template <int D, int R, typename T>
 void attend_packed(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64_t ra,
-                   int64_t rb, const uint32_t* qw, const int64_t* limit, float* m, float* l,
-                   float* obuf, float* pbuf, float scale2f) {
+                   int64_t rb, const uint32_t* qw, const int64_t* limit, const int64_t* begin,
+                   float* m, float* l, float* obuf, float* pbuf, float scale2f) {
   constexpr int ND = D / 16;
   constexpr int KW = D * static_cast<int>(sizeof(T)) / 4;
   const __m512 scale2 = _mm512_set1_ps(scale2f);
@@ -74,7 +82,8 @@ void attend_packed(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64
     for (int i = 0; i < nr; ++i) {
       const int64_t row = r0 + i;
       const int64_t valid = limit[row] - k0;
-      if (valid <= 0) {
+      const int64_t skip = begin ? begin[row] - k0 : 0;  // keys before the row's window
+      if (valid <= 0 || skip >= kKeyBlock) {
         corr[i] = 1.0f;
         if constexpr (kF32<T>)
           std::memset(pbuf + i * kKeyBlock, 0, sizeof(float) * kKeyBlock);
@@ -84,7 +93,7 @@ void attend_packed(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64
       }
       __m512 vmax = neg_inf;
       for (int64_t c = 0; c < nvec; ++c) {
-        const __m512 x = _mm512_mask_mov_ps(neg_inf, prefix_mask(valid - c * 16),
+        const __m512 x = _mm512_mask_mov_ps(neg_inf, seen(valid, skip, c),
                                             _mm512_load_ps(&sbuf[i][c * 16]));
         vmax = _mm512_max_ps(vmax, x);
       }
@@ -93,7 +102,7 @@ void attend_packed(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64
       __m512 sum = _mm512_setzero_ps();
       for (int64_t c = 0; c < nvec; ++c) {
         const __m512 e = _mm512_maskz_mov_ps(
-            prefix_mask(valid - c * 16),
+            seen(valid, skip, c),
             exp2_ps(_mm512_sub_ps(_mm512_load_ps(&sbuf[i][c * 16]), mv)));
         sum = _mm512_add_ps(sum, e);
         if constexpr (kF32<T>)

@@ -62,14 +62,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = ctypes.c_int
     fn = lib.pc_paged_attention_bf16
     fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
-    fn.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes += [ctypes.c_float, ctypes.c_int, i64, ctypes.c_int]
     fn.restype = ctypes.c_int
     fn = lib.pc_merge_states_bf16
     fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64]
     fn.restype = None
     fn = lib.pc_paged_decode_bf16
     fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr]
-    fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.argtypes += [i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
     fn.restype = ctypes.c_int
 
 
@@ -78,7 +78,7 @@ def _declare_rows(lib: ctypes.CDLL) -> None:
     for name in ("pc_row_attention_bf16", "pc_row_attention_f32"):
         fn = getattr(lib, name)
         fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr]
-        fn.argtypes += [i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        fn.argtypes += [i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
 
 
@@ -102,6 +102,8 @@ def _outputs(rows: int, hq: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check(rc: int, d: int) -> None:
+    if rc == -2:
+        raise ValueError("CPU attention kernel: a sliding window needs causal rows and no groups")
     if rc != 0:
         raise ValueError(f"CPU attention kernel refused head dim {d}")
 
@@ -135,9 +137,12 @@ def paged_attention(
     num_keys: int,
     scale: float,
     causal: bool = False,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention`` over the first ``num_keys`` keys held in the pages ``blocks`` (int32 block
-    ids, in order) of ``kv_layer`` ``[num_blocks, 2, bs, Hk, D]``, read in place."""
+    ids, in order) of ``kv_layer`` ``[num_blocks, 2, bs, Hk, D]``, read in place. ``window``
+    (> 0, causal only): query i also drops keys ``<= i + num_keys - Lq - window``; pages before
+    the first query's window are not read."""
     lib = load()
     cpu_library.require(
         lib is not None and kv_layer.is_contiguous(),
@@ -154,7 +159,7 @@ def paged_attention(
     rc = lib.pc_paged_attention_bf16(
         q.data_ptr(), q.stride(0), q.stride(1),
         kv_layer.data_ptr(), bs, blocks.data_ptr(), out.data_ptr(), lse.data_ptr(),
-        lq, num_keys, hq, hk, d, scale, int(causal), torch.get_num_threads(),
+        lq, num_keys, hq, hk, d, scale, int(causal), window, torch.get_num_threads(),
     )  # fmt: skip
     _check(rc, d)
     return out, lse
@@ -167,8 +172,10 @@ def paged_decode(
     lens: torch.Tensor,
     scale: float,
     groups: torch.Tensor | None = None,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per sequence over its KV pages, read in place.
+    """One query per sequence over its KV pages, read in place (with ``window`` > 0, and no
+    groups, over its last ``window`` keys only: the pages before them are not read).
 
     ``q`` ``[B, Hq, D]`` bf16; ``kv_layer`` ``[num_blocks, 2, bs, Hk, D]`` bf16 (contiguous);
     ``tables`` int32 ``[B, W]`` (block ids, row-major); ``lens`` int64 ``[B]`` (each >= 1, at
@@ -198,7 +205,7 @@ def paged_decode(
         q.data_ptr(), q.stride(0), q.stride(1),
         kv_layer.data_ptr(), bs, tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         groups.data_ptr(), groups.shape[0], out.data_ptr(), lse.data_ptr(),
-        b, hq, hk, d, scale, torch.get_num_threads(),
+        b, hq, hk, d, scale, window, torch.get_num_threads(),
     )  # fmt: skip
     _check(rc, d)
     return out, lse
@@ -215,9 +222,11 @@ def row_attention(
     kv_lens: torch.Tensor,
     scale: float,
     groups: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """The batch-invariant attention: every query row over its sequence's keys in the pages,
-    one arithmetic whatever the step holds (see ``cpu_row_attention.cpp``).
+    one arithmetic whatever the step holds (see ``cpu_row_attention.cpp``); with ``window`` > 0
+    (no groups), the row at position p over keys ``max(0, p - window + 1) .. p`` only.
 
     ``q`` ``[T, Hq, D]`` bf16 or fp32 (``kv_layer`` alike), rows of sequence s at ``qo_indptr[s]:qo_indptr[s+1]``, its
     last query seeing ``kv_lens[s]`` keys (bottom-right causal); ``kv_layer`` ``[num_blocks,
@@ -256,7 +265,7 @@ def row_attention(
         kv_layer.data_ptr(), bs, tables.data_ptr(), tables.stride(0),
         qo_indptr.data_ptr(), kv_lens.data_ptr(), nseq,
         groups.data_ptr(), groups.shape[0], out.data_ptr(),
-        hq, hk, d, scale, torch.get_num_threads(),
+        hq, hk, d, scale, window, torch.get_num_threads(),
     )  # fmt: skip
     _check(rc, d)
     return out

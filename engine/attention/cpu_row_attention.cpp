@@ -10,6 +10,11 @@
 // cached, where chunked prefill cut, or which rows share the call. Rows that share pages (a
 // group) take each fully shared key block packed once.
 //
+// A sliding window (window > 0; never with groups): the row at position p sees keys
+// [max(0, p - window + 1), p], in the same absolute blocks from the one holding its first key.
+// Keys before the first query's window of a sequence are never read (their pages may be a
+// sliding layer's null page): a block that starts before it is packed with zeros there.
+//
 // Two element types, one structure. bf16 (T = uint16_t): K packed as [D/2][BK] pairs along
 // D and V as [BK/2][D] pairs of keys, the layout VDPBF16PS consumes; P rounded to bf16.
 // fp32 (T = float): K packed as [D][BK], V as [BK][D]; P kept in fp32; fused multiply-adds.
@@ -66,12 +71,14 @@ inline void transpose16(const uint32_t* const* rows, int64_t col, uint32_t* dst,
   }
 }
 
-// Keys [k0, k0 + BK) of one sequence (those < kv_end; the rest zero), kv head h, packed:
+// Keys [k0, k0 + BK) of one sequence (those in [kv_begin, kv_end); the rest zero, unread),
+// kv head h, packed:
 // kbuf [KW][BK] (KW = D words of K per key: pairs for bf16, elements for fp32), vbuf
 // (bf16: [BK/2][D] pairs of keys; fp32: [BK][D]).
 template <int D, typename T>
 void pack_block(const T* kv, const int32_t* table, int64_t bs, int64_t row_elems, int64_t h,
-                int64_t k0, int64_t kv_end, int64_t v_offset, uint32_t* kbuf, uint32_t* vbuf) {
+                int64_t k0, int64_t kv_begin, int64_t kv_end, int64_t v_offset, uint32_t* kbuf,
+                uint32_t* vbuf) {
   constexpr int KW = D * static_cast<int>(sizeof(T)) / 4;
   // Each key's K row, walking the pages (one table lookup per page, no division per key).
   const T* krow[BK];
@@ -82,7 +89,7 @@ void pack_block(const T* kv, const int32_t* table, int64_t bs, int64_t row_elems
       krow[j] = nullptr;
       continue;
     }
-    krow[j] = row;
+    krow[j] = k0 + j >= kv_begin ? row : nullptr;
     if (++slot == bs) {
       slot = 0;
       ++page;
@@ -156,13 +163,20 @@ struct RowBatch {
   const int64_t* kv_lens;  // [nseq] keys its last query sees
   T* out;                  // [tokens, hq, D]
   float scale2;
+  int64_t window;  // 0: none
+
+  // The first key any query of sequence s sees (its first query's window start).
+  int64_t first_key(int64_t s) const {
+    return window > 0 ? std::max<int64_t>(0, kv_lens[s] - (qo[s + 1] - qo[s]) + 1 - window) : 0;
+  }
 };
 
 // Sequences whose rows span several tasks have their keys packed once per call (the same
 // words pack_block would produce per task), so long prefills do not repack them per task.
 struct Prepacked {
   std::vector<int64_t> offset;  // [nseq]: first word of sequence s's K (and V) blocks, or -1
-  std::vector<uint32_t> k, v;   // per (s, head): its key blocks back to back
+  std::vector<uint32_t> k, v;   // per (s, head): its key blocks back to back, from the one
+                                // holding its first key (first_key)
 };
 
 // A task's rows come from segments: tokens [t0, t1) of sequence s (absolute query rows).
@@ -178,7 +192,7 @@ constexpr int64_t kTaskRows = 64;  // rows (tokens x folded heads) per task, abo
 template <int D, int R, typename T>
 void run_row_task(const RowBatch<T>& rb, const Prepacked& pre, const Segment* segs,
                   const RowTask& task, int64_t h,
-                  std::vector<uint32_t>& qw, std::vector<int64_t>& limit,
+                  std::vector<uint32_t>& qw, std::vector<int64_t>& limit, std::vector<int64_t>& begin,
                   std::vector<float>& m, std::vector<float>& l, std::vector<float>& obuf,
                   std::vector<float>& pbuf, uint32_t* kbuf, uint32_t* vbuf) {
   constexpr int KW = D * static_cast<int>(sizeof(T)) / 4;  // words per query / key row
@@ -188,10 +202,11 @@ void run_row_task(const RowBatch<T>& rb, const Prepacked& pre, const Segment* se
   for (int64_t si = task.seg_begin; si < task.seg_end; ++si) rows += (segs[si].t1 - segs[si].t0) * g;
   qw.resize(static_cast<size_t>(rows * KW));
   limit.resize(static_cast<size_t>(rows));
+  begin.resize(static_cast<size_t>(rows));
   m.assign(static_cast<size_t>(rows), -INFINITY);
   l.assign(static_cast<size_t>(rows), 0.0f);
   obuf.assign(static_cast<size_t>(rows * D), 0.0f);
-  int64_t r = 0, max_limit = 0;
+  int64_t r = 0, max_limit = 0, min_begin = INT64_MAX;
   for (int64_t si = task.seg_begin; si < task.seg_end; ++si) {
     const Segment& sg = segs[si];
     const int64_t n = rb.qo[sg.s + 1] - rb.qo[sg.s], first = rb.kv_lens[sg.s] - n;
@@ -200,39 +215,45 @@ void run_row_task(const RowBatch<T>& rb, const Prepacked& pre, const Segment* se
         std::memcpy(&qw[r * KW], rb.q + t * rb.q_tok + (h * g + j) * rb.q_head,
                     sizeof(T) * D);
         limit[r] = first + (t - rb.qo[sg.s]) + 1;
+        begin[r] = rb.window > 0 ? std::max<int64_t>(0, limit[r] - rb.window) : 0;
         max_limit = std::max(max_limit, limit[r]);
+        min_begin = std::min(min_begin, begin[r]);
       }
   }
   const int64_t nkb = (max_limit + BK - 1) / BK;
-  for (int64_t kb = 0; kb < nkb; ++kb) {
+  const int64_t* row_begin = rb.window > 0 ? begin.data() : nullptr;
+  for (int64_t kb = min_begin / BK; kb < nkb; ++kb) {
     const int64_t k0 = kb * BK;
     if (k0 + BK <= task.shared) {  // every segment's sequence holds these keys in the same pages
       const int64_t s = segs[task.seg_begin].s;
-      pack_block<D>(rb.kv, rb.tables + s * rb.table_stride, rb.bs, row_elems, h, k0,
+      pack_block<D>(rb.kv, rb.tables + s * rb.table_stride, rb.bs, row_elems, h, k0, 0,
                     rb.kv_lens[s], v_offset, kbuf, vbuf);
-      attend_packed<D, R, T>(kbuf, vbuf, k0, 0, rows, qw.data(), limit.data(), m.data(), l.data(),
-                          obuf.data(), pbuf.data(), rb.scale2);
+      attend_packed<D, R, T>(kbuf, vbuf, k0, 0, rows, qw.data(), limit.data(), nullptr, m.data(),
+                             l.data(), obuf.data(), pbuf.data(), rb.scale2);
       continue;
     }
     int64_t ra = 0;
     for (int64_t si = task.seg_begin; si < task.seg_end; ++si) {
       const Segment& sg = segs[si];
       const int64_t seg_rows = (sg.t1 - sg.t0) * g;
-      const int64_t seg_max = limit[ra + seg_rows - 1];
-      if (seg_max > k0) {
+      const int64_t seg_max = limit[ra + seg_rows - 1], seg_begin = begin[ra];
+      if (seg_max > k0 && seg_begin < k0 + BK) {
         const uint32_t *kb_words = kbuf, *vb_words = vbuf;
         if (pre.offset[sg.s] >= 0) {
-          const int64_t nkb_s = (rb.kv_lens[sg.s] + BK - 1) / BK;
-          kb_words = pre.k.data() + pre.offset[sg.s] + (h * nkb_s + kb) * WORDS;
-          vb_words = pre.v.data() + pre.offset[sg.s] + (h * nkb_s + kb) * WORDS;
+          const int64_t kb0 = rb.first_key(sg.s) / BK;
+          const int64_t nb = (rb.kv_lens[sg.s] + BK - 1) / BK - kb0;
+          kb_words = pre.k.data() + pre.offset[sg.s] + (h * nb + kb - kb0) * WORDS;
+          vb_words = pre.v.data() + pre.offset[sg.s] + (h * nb + kb - kb0) * WORDS;
         } else {
           const int32_t* table = rb.tables + sg.s * rb.table_stride;
           if (k0 + BK < seg_max)
             prefetch_block<D>(rb.kv, table, rb.bs, row_elems, h, k0 + BK, seg_max, v_offset);
-          pack_block<D>(rb.kv, table, rb.bs, row_elems, h, k0, seg_max, v_offset, kbuf, vbuf);
+          pack_block<D>(rb.kv, table, rb.bs, row_elems, h, k0, seg_begin, seg_max, v_offset,
+                        kbuf, vbuf);
         }
         attend_packed<D, R, T>(kb_words, vb_words, k0, ra, ra + seg_rows, qw.data(), limit.data(),
-                            m.data(), l.data(), obuf.data(), pbuf.data(), rb.scale2);
+                               row_begin, m.data(), l.data(), obuf.data(), pbuf.data(),
+                               rb.scale2);
       }
       ra += seg_rows;
     }
@@ -319,11 +340,11 @@ void row_run(const RowBatch<T>& rb, int64_t nseq, const int64_t* groups, int64_t
   int64_t words = 0;
   for (int64_t s = 0; s < nseq; ++s) {
     if (tasks_of[s] < 2) continue;
-    const int64_t nkb = (rb.kv_lens[s] + BK - 1) / BK;
+    const int64_t kb0 = rb.first_key(s) / BK, nkb = (rb.kv_lens[s] + BK - 1) / BK;
     pre.offset[s] = words;
-    words += rb.hk * nkb * WORDS;
+    words += rb.hk * (nkb - kb0) * WORDS;
     for (int64_t h = 0; h < rb.hk; ++h)
-      for (int64_t kb = 0; kb < nkb; ++kb) jobs.push_back({s, h, kb});
+      for (int64_t kb = kb0; kb < nkb; ++kb) jobs.push_back({s, h, kb});
   }
   if (words > 0) {
     pre.k.resize(static_cast<size_t>(words));
@@ -333,10 +354,11 @@ void row_run(const RowBatch<T>& rb, int64_t nseq, const int64_t* groups, int64_t
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t j = 0; j < njobs; ++j) {
       const PackJob& job = jobs[j];
-      const int64_t nkb = (rb.kv_lens[job.s] + BK - 1) / BK;
-      const int64_t at = pre.offset[job.s] + (job.h * nkb + job.kb) * WORDS;
+      const int64_t first = rb.first_key(job.s), kb0 = first / BK;
+      const int64_t nb = (rb.kv_lens[job.s] + BK - 1) / BK - kb0;
+      const int64_t at = pre.offset[job.s] + (job.h * nb + job.kb - kb0) * WORDS;
       pack_block<D>(rb.kv, rb.tables + job.s * rb.table_stride, rb.bs, row_elems, job.h,
-                    job.kb * BK, rb.kv_lens[job.s], v_offset, pre.k.data() + at,
+                    job.kb * BK, first, rb.kv_lens[job.s], v_offset, pre.k.data() + at,
                     pre.v.data() + at);
     }
   }
@@ -344,7 +366,7 @@ void row_run(const RowBatch<T>& rb, int64_t nseq, const int64_t* groups, int64_t
 #pragma omp parallel num_threads(nthreads)
   {
     std::vector<uint32_t> qw;
-    std::vector<int64_t> limit;
+    std::vector<int64_t> limit, begin;
     std::vector<float> m, l, obuf;
     std::vector<float> pbuf(R * BK);
     std::vector<uint32_t> kbuf(WORDS), vbuf(WORDS);  // a key block packed on the fly
@@ -352,8 +374,8 @@ void row_run(const RowBatch<T>& rb, int64_t nseq, const int64_t* groups, int64_t
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < ntasks; ++i) {
       const int64_t ti = static_cast<int64_t>(tasks.size()) - 1 - i / rb.hk, h = i % rb.hk;
-      run_row_task<D, R, T>(rb, pre, segs.data(), tasks[ti], h, qw, limit, m, l, obuf, pbuf,
-                            kbuf.data(), vbuf.data());
+      run_row_task<D, R, T>(rb, pre, segs.data(), tasks[ti], h, qw, limit, begin, m, l, obuf,
+                            pbuf, kbuf.data(), vbuf.data());
     }
   }
 }
@@ -366,14 +388,17 @@ extern "C" {
 // [num_blocks, 2, bs, hk, d]; tables int32 [nseq, table_stride]; qo int64 [nseq + 1]; kv_lens
 // int64 [nseq] (keys the last query of each sequence sees; query i of sequence s sees
 // kv_lens[s] - (qo[s+1] - qo[s]) + i + 1); groups int64 [n_groups][3] (first seq, end seq,
-// keys they share in the same pages), ascending and disjoint; out [T, hq, d] contiguous.
+// keys they share in the same pages), ascending and disjoint; out [T, hq, d] contiguous;
+// window: 0, or the sliding window in keys (then no groups; see the top of this file).
 int pc_row_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* kv,
                           int64_t bs, const int32_t* tables, int64_t table_stride,
                           const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
                           const int64_t* groups, int64_t n_groups, uint16_t* out, int64_t hq,
-                          int64_t hk, int64_t d, float scale, int nthreads) {
+                          int64_t hk, int64_t d, float scale, int64_t window,
+                          int nthreads) {
+  if (window > 0 && n_groups > 0) return -2;
   const RowBatch<uint16_t> rb{q,  q_tok, q_head, kv, bs, hq, hk, tables, table_stride, qo,
-                              kv_lens, out, scale * 1.44269504089f};
+                              kv_lens, out, scale * 1.44269504089f, window};
   return with_head_dim(d, [&](auto dim) {
     row_run<dim(), kTileRows<dim()>, uint16_t>(rb, nseq, groups, n_groups, nthreads);
   });
@@ -384,9 +409,11 @@ int pc_row_attention_f32(const float* q, int64_t q_tok, int64_t q_head, const fl
                          int64_t bs, const int32_t* tables, int64_t table_stride,
                          const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
                          const int64_t* groups, int64_t n_groups, float* out, int64_t hq,
-                         int64_t hk, int64_t d, float scale, int nthreads) {
+                         int64_t hk, int64_t d, float scale, int64_t window,
+                          int nthreads) {
+  if (window > 0 && n_groups > 0) return -2;
   const RowBatch<float> rb{q,  q_tok, q_head, kv, bs, hq, hk, tables, table_stride, qo,
-                           kv_lens, out, scale * 1.44269504089f};
+                           kv_lens, out, scale * 1.44269504089f, window};
   return with_head_dim(d, [&](auto dim) {
     row_run<dim(), kTileRows<dim()>, float>(rb, nseq, groups, n_groups, nthreads);
   });

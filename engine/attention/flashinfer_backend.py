@@ -18,8 +18,15 @@ get one fixed split size (``fixed_split_size``, in pages), so a row's split-KV r
 not depend on who shares the step, and cascade groups are decoded by the decode wrapper like
 lone decodes (the cascade wrapper's plan takes no split size, and its level boundary is not
 one a lone decode uses). With ``batch_invariant=False`` FlashInfer picks its splits and
-cascade groups take the cascade wrapper. A sliding window (``window_left >= 0``) also decodes
-groups plainly: a window is not the same mask on a level's own page list.
+cascade groups take the cascade wrapper.
+
+Sliding window: a windowed step (``meta.window = w > 0``: the query at p sees keys p - w < k
+<= p) plans and runs the prefill and decode wrappers with ``window_left = w - 1`` (FlashInfer's
+left window is inclusive: it keeps keys k >= p - window_left, so w - 1 gives w keys, itself
+included). Such a metadata comes without groups; pages wholly before every query's window may
+be the null page, which the window masks. The constructor's ``window_left`` applies to
+unwindowed steps (a fixed window for every layer); with it, cascade groups are decoded
+plainly too: a window is not the same mask on a level's own page list.
 
 Tests inject a CPU stand-in for the module (``module=``, tests/flashinfer_standin.py): it
 computes what the wrappers are documented to compute, so the engine runs through this code
@@ -94,11 +101,17 @@ class FlashInferBackend(AttentionBackend):
         self._meta: AttentionMetadata | None = None
         self._tables: StepTables | None = None
         self._positions = torch.empty(0, dtype=torch.int32, device=device)
+        self._window_left = window_left  # the planned step's
 
     @property
     def uses_cascade(self) -> bool:
         """Whether cascade groups take the cascade wrapper (else the decode wrapper)."""
         return not self.batch_invariant and self.window_left < 0
+
+    def step_window_left(self, meta: AttentionMetadata) -> int:
+        """FlashInfer's ``window_left`` for this step: ``meta.window - 1`` for a windowed
+        metadata, else the constructor's (-1: none)."""
+        return meta.window - 1 if meta.window > 0 else self.window_left
 
     def _split_kwargs(self) -> dict[str, Any]:
         if self.batch_invariant:
@@ -106,14 +119,15 @@ class FlashInferBackend(AttentionBackend):
         return {"fixed_split_size": None, "disable_split_kv": False}
 
     def plan(self, meta: AttentionMetadata, shape: AttentionShape) -> None:
-        tables = build_tables(meta, self._bufs, self.uses_cascade)
+        window_left = self.step_window_left(meta)
+        tables = build_tables(meta, self._bufs, self.uses_cascade and window_left < 0)
         bs = meta.block_size
         common: dict[str, Any] = {
             "num_qo_heads": shape.num_heads,
             "num_kv_heads": shape.num_kv_heads,
             "page_size": bs,
             "pos_encoding_mode": "NONE",
-            "window_left": self.window_left,
+            "window_left": window_left,
             "sm_scale": shape.scale,
             "q_data_type": shape.dtype,
             "kv_data_type": shape.dtype,
@@ -151,7 +165,7 @@ class FlashInferBackend(AttentionBackend):
         if self._positions.numel() < n:
             self._positions = torch.empty(max(n, 2 * self._positions.numel()), **_i32(self))
         self._positions[:n].copy_(meta.positions)
-        self._meta, self._tables = meta, tables
+        self._meta, self._tables, self._window_left = meta, tables, window_left
 
     def _plan_cascade(
         self, levels: tuple[PageTable, PageTable], shape: AttentionShape, common: dict[str, Any]
@@ -185,10 +199,11 @@ class FlashInferBackend(AttentionBackend):
         )
         p_end, d_end, total = tables.rows
         out = torch.empty_like(q)
+        wl = self._window_left  # as planned (run's default would be the plan's too)
         if p_end:
-            self._prefill.run(q[:p_end], kv_layer, out=out[:p_end])
+            self._prefill.run(q[:p_end], kv_layer, out=out[:p_end], window_left=wl)
         if d_end > p_end:
-            self._decode.run(q[p_end:d_end], kv_layer, out=out[p_end:d_end])
+            self._decode.run(q[p_end:d_end], kv_layer, out=out[p_end:d_end], window_left=wl)
         if total > d_end:
             out[d_end:total] = self._cascade.run(q[d_end:total], kv_layer)
         return out

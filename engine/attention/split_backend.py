@@ -7,6 +7,10 @@ read once for all its members; every decode goes through one ``paged_decode`` ca
 long decodes, but a row's rounding depends on where its keys were split, so cached, chunked
 and batched answers may differ from cold ones in the last bits (``CpuKernelBackend`` is the
 default). Shapes the split kernels lack go to the torch reference.
+
+With a sliding window (``meta.window``; no groups then) a prefill is one causal, windowed
+``paged_attention`` call over its pages (its new K/V written first), and the decodes'
+``paged_decode`` reads each one's last ``window`` keys: pages before a window are not read.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class SplitKernelBackend(AttentionBackend):
         self._lens = torch.empty(0, dtype=torch.int64)
         self._cascade = torch.empty(0, 3, dtype=torch.int64)  # cascade groups (kernel form)
         self._scale = 1.0
+        self._window = 0
 
     @staticmethod
     def supports(shape: AttentionShape, device: torch.device) -> bool:
@@ -72,6 +77,7 @@ class SplitKernelBackend(AttentionBackend):
         bs = meta.block_size
         self._write_rows = write_rows(meta)
         self._scale = shape.scale
+        self._window = meta.window
         qo = meta.qo_indptr.tolist()
         tables = [list(s.block_table) for s in meta.seqs]
         self._groups = []
@@ -83,6 +89,11 @@ class SplitKernelBackend(AttentionBackend):
         self._prefills = []
         for i in range(meta.num_prefills):
             start = meta.seqs[i].start_pos
+            if self._window:  # all its keys, from the pages: one windowed causal call
+                kv_len = meta.seqs[i].kv_len
+                ids = torch.as_tensor(tables[i][: -(-kv_len // bs)], dtype=torch.int32)
+                self._prefills.append(_Prefill(qo[i], qo[i + 1], kv_len, ids, None))
+                continue
             group, n_shared = group_of.get(i, (None, 0))
             own = torch.as_tensor(tables[i][n_shared : -(-start // bs)], dtype=torch.int32)
             self._prefills.append(_Prefill(qo[i], qo[i + 1], start - n_shared * bs, own, group))
@@ -114,7 +125,7 @@ class SplitKernelBackend(AttentionBackend):
         decoded = None
         if self._num_decode_rows:
             decoded = cpu_kernels.paged_decode(
-                q[d0:], kv_layer, self._tables, self._lens, scale, self._cascade
+                q[d0:], kv_layer, self._tables, self._lens, scale, self._cascade, self._window
             )[0]
             if d0 == 0:  # a decode-only step: the kernel's output as is
                 return decoded
@@ -127,6 +138,11 @@ class SplitKernelBackend(AttentionBackend):
         ]
         for p in self._prefills:
             rows = slice(p.q_begin, p.q_end)
+            if self._window:
+                out[rows] = cpu_kernels.paged_attention(
+                    q[rows], kv_layer, p.cached_ids, p.num_cached, scale, True, self._window
+                )[0]
+                continue
             o, lse = cpu_kernels.attention(q[rows], k[rows], v[rows], scale, True)
             if p.num_cached:
                 o_c, lse_c = cpu_kernels.paged_attention(

@@ -11,7 +11,11 @@ Same math as FlashInfer (bottom-right causal alignment, base-2 LSE), organised s
 - a cascade group = the whole group's queries vs the shared prefix in one call (the prefix
   KV is gathered and read once), merged by LSE with each member's suffix (a padded decode);
 - a prefill group (prefills after the same cached blocks) works the same way: all members'
-  queries vs the shared prefix in one call, merged with each member's own part.
+  queries vs the shared prefix in one call, merged with each member's own part;
+- with a sliding window (``meta.window``, never with groups) a prefill attends to the keys
+  of its window only, gathered from the pages (new ones written first), in query chunks with
+  a band mask, and a decode's padded gather starts at its window's first block: pages before
+  every query's window (maybe the null page) are never read.
 
 New K/V are written through the layer viewed as rows ``[num_blocks * 2 * block_size, Hk, D]``:
 K of (block b, slot s) is row ``b*2*bs + s`` and its V is ``bs`` rows further.
@@ -26,6 +30,7 @@ import torch
 from .backend import AttentionBackend, AttentionShape, write_kv, write_rows
 from .metadata import AttentionMetadata, CascadeGroup
 from .torch_ops import (
+    banded_attention,
     dense_attention,
     grouped_dense_attention,
     merge_states,
@@ -33,6 +38,7 @@ from .torch_ops import (
 )
 
 _GATHER_TOKENS = 1 << 18  # padded decode batch gathers at most this many K (and V) rows
+_WINDOW_QUERY_CHUNK = 256  # windowed prefill: query rows per banded product
 
 
 @dataclass(slots=True)
@@ -42,6 +48,8 @@ class _PrefillPlan:
     num_cached: int  # cached tokens this sequence attends to on its own (after any group prefix)
     cached_blocks: torch.Tensor  # int64: K page rows (2 * block) of the blocks holding them
     group: int | None = None  # index of its prefill group, whose shared prefix comes first
+    window_first: int = 0  # windowed: position of cached_blocks' first key (then it holds
+    # every key of the window, the new ones included: they are written first)
 
 
 @dataclass(slots=True)
@@ -60,6 +68,7 @@ class _DecodePlan:
     q_end: int
     blocks: torch.Tensor  # int64 [n, max blocks]: K page rows of each one's own blocks, 0-padded
     lens: torch.Tensor  # int64 [n]: valid tokens in those blocks
+    starts: torch.Tensor | None = None  # int64 [n]: windowed, first key in its window
 
 
 @dataclass(slots=True)
@@ -104,9 +113,12 @@ def _decode_chunks(kv_lens: list[int], block_size: int) -> list[tuple[int, int]]
 
 
 def _padded(tables: list[list[int]]) -> torch.Tensor:
+    """The tables as one ``[n, longest]`` tensor, each padded with its own last block (its
+    rows are masked; block 0 may be a sliding layer's null page, whose junk could overflow)."""
     out = torch.zeros(len(tables), max(1, max(len(t) for t in tables)), dtype=torch.int64)
     for i, t in enumerate(tables):
         out[i, : len(t)] = torch.as_tensor(t, dtype=torch.int64)
+        out[i, len(t) :] = t[-1] if t else 0
     return out
 
 
@@ -122,6 +134,7 @@ class TorchBackend(AttentionBackend):
         self._decodes: list[_DecodePlan] = []
         self._cascades: list[_CascadePlan] = []
         self._num_decode_rows = 0
+        self._window = 0
         # Gather buffers, reused across layers and steps: fresh multi-MB allocations on CPU
         # cost more in page faults than the copy itself.
         self._scratch: dict[str, torch.Tensor] = {}
@@ -142,8 +155,17 @@ class TorchBackend(AttentionBackend):
             )
             group_of.update({i: (gi, g.num_shared_blocks) for i in range(g.begin, g.end)})
         self._prefills = []
+        window = self._window = meta.window
         for i in range(meta.num_prefills):
             start = meta.seqs[i].start_pos
+            if window:  # blocks from the first query's window on, through the new tokens
+                first = max(0, start - window + 1) // bs
+                own = tables[i][first : -(-meta.seqs[i].kv_len // bs)]
+                blocks = (torch.as_tensor(own, dtype=torch.int64) * 2).to(dev)
+                self._prefills.append(
+                    _PrefillPlan(qo[i], qo[i + 1], start, blocks, None, first * bs)
+                )
+                continue
             group, n_shared = group_of.get(i, (None, 0))
             own = tables[i][n_shared : -(-start // bs)]
             blocks = (torch.as_tensor(own, dtype=torch.int64) * 2).to(dev)
@@ -160,6 +182,8 @@ class TorchBackend(AttentionBackend):
         shared_of = [0] * (meta.num_seqs - lo)
         for g in meta.cascade_groups:
             shared_of[g.begin - lo : g.end - lo] = [g.num_shared_blocks] * (g.end - g.begin)
+        if window:  # a decode's own blocks start at its window's first block
+            shared_of = [max(0, s.kv_len - window) // bs for s in meta.seqs[lo:]]
         own_lens = [s.kv_len - n * bs for s, n in zip(meta.seqs[lo:], shared_of, strict=True)]
         self._decodes = []
         for a, b in _decode_chunks(own_lens, bs):
@@ -168,9 +192,10 @@ class TorchBackend(AttentionBackend):
                 for i in range(a, b)
             ]
             lens = torch.tensor(own_lens[a:b], dtype=torch.int64)
-            self._decodes.append(
-                _DecodePlan(qo[lo + a], qo[lo + b], (_padded(own) * 2).to(dev), lens.to(dev))
-            )
+            plan = _DecodePlan(qo[lo + a], qo[lo + b], (_padded(own) * 2).to(dev), lens.to(dev))
+            if window:
+                plan.starts = (lens - window).clamp_(min=0).to(dev)
+            self._decodes.append(plan)
         self._cascades = []
         groups = meta.cascade_groups
         i = 0
@@ -218,6 +243,21 @@ class TorchBackend(AttentionBackend):
             out.append(view.view(n * bs, hk, d))
         return out[0], out[1]
 
+    def _window_prefill(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, p: _PrefillPlan, scale: float
+    ) -> torch.Tensor:
+        """A prefill's rows over the keys of their windows (``p.cached_blocks``, gathered)."""
+        w, start, first = self._window, p.num_cached, p.window_first
+        keys_k, keys_v = self._gather(kv_layer, p.cached_blocks)
+        out = torch.empty_like(q)
+        for a in range(0, q.shape[0], _WINDOW_QUERY_CHUNK):
+            b = min(q.shape[0], a + _WINDOW_QUERY_CHUNK)
+            lo, hi = max(first, start + a - w + 1) - first, start + b - first
+            out[a:b] = banded_attention(
+                q[a:b], keys_k[lo:hi], keys_v[lo:hi], scale, start + a, first + lo, w
+            )
+        return out
+
     @torch.inference_mode()
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
@@ -235,6 +275,9 @@ class TorchBackend(AttentionBackend):
             group_states.append(dense_attention(qg, sk, sv, scale, False))
         for p in self._prefills:
             qs = q[p.q_begin : p.q_end]
+            if self._window:
+                out[p.q_begin : p.q_end] = self._window_prefill(qs, kv_layer, p, scale)
+                continue
             o, lse = dense_attention(
                 qs, k[p.q_begin : p.q_end], v[p.q_begin : p.q_end], scale, causal=True
             )
@@ -263,6 +306,7 @@ class TorchBackend(AttentionBackend):
                 ov.view(n, width * bs, hk, d),
                 dp.lens,
                 scale,
+                dp.starts,
             )
             out[dp.q_begin : dp.q_end] = o
             own_lse[dp.q_begin - d0 : dp.q_end - d0] = lse

@@ -97,6 +97,40 @@ def grouped_dense_attention(
     return o, lse
 
 
+def banded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    q_first: int,
+    k_first: int,
+    window: int,
+) -> torch.Tensor:
+    """Sliding-window causal attention over contiguous operands: query row i, at position
+    ``q_first + i``, sees key j, at position ``k_first + j``, iff ``q_pos - window < k_pos <=
+    q_pos``. Every row must see at least one key. ``q`` ``[Lq, Hq, D]``, ``k``/``v``
+    ``[Lk, Hk, D]``; returns ``[Lq, Hq, D]`` in q's dtype."""
+    lq, hq, d = q.shape
+    lk, hk, _ = k.shape
+    g = hq // hk
+    q_pos = torch.arange(q_first, q_first + lq, device=q.device)[:, None]
+    k_pos = torch.arange(k_first, k_first + lk, device=q.device)[None, :]
+    drop = (k_pos > q_pos) | (k_pos <= q_pos - window)  # [Lq, Lk]
+    if q.device.type == "cpu":
+        # The g query heads of a kv head folded into the row axis (head-major), as above.
+        mask = torch.zeros(g * lq, lk, dtype=q.dtype).masked_fill_(drop.repeat(g, 1), -math.inf)
+        qh = q.view(lq, hk, g, d).permute(1, 2, 0, 3).reshape(1, hk, g * lq, d)
+        kh, vh = k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)
+        o, _ = torch_private.flash_attention_cpu(
+            qh, kh, vh, False, scale, attn_mask=mask[None, None]
+        )
+        return o.view(hk, g, lq, d).permute(2, 0, 1, 3).reshape(lq, hq, d)
+    s = torch.einsum("qhgd,khd->hgqk", q.float().view(lq, hk, g, d), k.float()) * scale
+    p = s.masked_fill(drop, -math.inf).softmax(-1)
+    o = torch.einsum("hgqk,khd->qhgd", p, v.float())
+    return o.reshape(lq, hq, d).to(q.dtype)
+
+
 def _dense_attention_generic(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,17 +158,26 @@ def _dense_attention_generic(
 
 
 def padded_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per sequence over its own keys, batched with padding.
 
-    ``q`` ``[B, Hq, D]``; ``k``/``v`` ``[B, L, Hk, D]`` (rows past ``lens[b]`` are padding).
-    Returns ``o`` ``[B, Hq, D]`` and the base-2 LSE ``[B, Hq]`` (float32).
+    ``q`` ``[B, Hq, D]``; ``k``/``v`` ``[B, L, Hk, D]`` (rows past ``lens[b]`` are padding, and
+    so are rows before ``starts[b]``: a sliding window's first block). Returns ``o``
+    ``[B, Hq, D]`` and the base-2 LSE ``[B, Hq]`` (float32).
     """
     b, hq, d = q.shape
     length, hk = k.shape[1], k.shape[2]
     g = hq // hk
-    pad = torch.arange(length, device=q.device)[None, :] >= lens[:, None]  # [B, L]
+    cols = torch.arange(length, device=q.device)[None, :]
+    pad = cols >= lens[:, None]  # [B, L]
+    if starts is not None:
+        pad |= cols < starts[:, None]
     qh = q.view(b, hk, g, d)
     kh, vh = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [B, Hk, L, D] views
     if q.device.type == "cpu":
