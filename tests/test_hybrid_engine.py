@@ -165,3 +165,47 @@ def test_a_backend_without_windows_is_refused(
             ),
             hybrid_loaded,
         )
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, Any]:
+    """All at once (batched, chunked, preempted as the pools allow)."""
+    for i, p in enumerate(prompts):
+        sampling = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
+        engine.add_request(EngineRequest(f"b{i}", p, sampling))
+    got: dict[str, Any] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.logprobs is not None
+            got.setdefault(out.request_id, []).extend(
+                (lp.token_id, round(lp.logprob, 4)) for lp in out.logprobs
+            )
+        engine.block_manager.check_invariants()
+    return got
+
+
+def test_a_burst_under_local_pressure_matches_the_uncached_run(hybrid_loaded: LoadedModel) -> None:
+    """Shared prefixes, repeats and divergences at once, with the local pool at its floor:
+    idle local pages are detached, hits shrink, commits dedupe; tokens and logprobs are
+    those of an engine without caching."""
+    base, other, third = (prompt(s, n, hybrid_loaded) for s, n in ((5, 150), (6, 140), (7, 120)))
+    prompts = [base, base[:60] + other[:20], third, other, base[:77] + other[:9], other + base[:30]]
+    small = {"max_num_batched_tokens": 48, "swa_pool_ratio": 0.01}
+    engine = make_engine(hybrid_loaded, **small)
+    manager = engine.block_manager
+    assert isinstance(manager, HybridBlockManager)
+    assert manager.local.num_pages < 40  # the floor: 4 windows + one step
+    first = run_batch(engine, prompts)
+    second = run_batch(engine, prompts[::-1])
+    plain = run_batch(make_engine(hybrid_loaded, enable_prefix_caching=False, **small), prompts)
+    assert first == plain
+    assert [second[f"b{len(prompts) - 1 - i}"] for i in range(len(prompts))] == [
+        plain[f"b{i}"] for i in range(len(prompts))
+    ]
+    assert manager.stats().hit_tokens > 0
+    print(
+        "PROBE",
+        manager.local.num_pages,
+        manager.local.num_detached,
+        manager.shrunk_tokens,
+        manager.stats().hit_tokens,
+    )
