@@ -202,10 +202,4 @@ def test_a_burst_under_local_pressure_matches_the_uncached_run(hybrid_loaded: Lo
         plain[f"b{i}"] for i in range(len(prompts))
     ]
     assert manager.stats().hit_tokens > 0
-    print(
-        "PROBE",
-        manager.local.num_pages,
-        manager.local.num_detached,
-        manager.shrunk_tokens,
-        manager.stats().hit_tokens,
-    )
+    assert manager.local.num_detached > 0 and manager.shrunk_tokens > 0  # pressure did bite
