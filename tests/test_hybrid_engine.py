@@ -203,3 +203,16 @@ def test_a_burst_under_local_pressure_matches_the_uncached_run(hybrid_loaded: Lo
     ]
     assert manager.stats().hit_tokens > 0
     assert manager.local.num_detached > 0 and manager.shrunk_tokens > 0  # pressure did bite
+
+
+def test_local_pool_occupancy_is_exported(hybrid_loaded: LoadedModel) -> None:
+    from prometheus_client import generate_latest
+
+    engine = make_engine(hybrid_loaded)
+    run(engine, [prompt(8, 100, hybrid_loaded)])
+    text = generate_latest(engine.metrics.registry).decode()
+    local = engine.block_manager.stats()
+    assert f'prefixcache:kv_local_pages{{state="idle"}} {float(local.num_local_idle)}' in text
+    assert 'prefixcache:kv_local_pages{state="held"} 0.0' in text
+    plain = LLMEngine(EngineConfig(model="demo", dtype="float32", device="cpu", num_blocks=64))
+    assert "kv_local_pages" not in generate_latest(plain.metrics.registry).decode()
