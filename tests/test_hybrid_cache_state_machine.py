@@ -127,9 +127,17 @@ class HybridMachine(RuleBasedStateMachine):
     def free(self, i: int) -> None:
         self._free(self.seqs[i % len(self.seqs)])
 
-    @rule()
-    def evict_all(self) -> None:
-        self.m.evict_all()
+    @rule(base=st.integers(0, 1), length=st.integers(4, 28), ns=st.sampled_from(NAMESPACES))
+    def pin(self, base: int, length: int, ns: str) -> None:
+        self.m.pin(BASES[base][:length], ns)
+
+    @rule(base=st.integers(0, 1), length=st.integers(4, 28), ns=st.sampled_from(NAMESPACES))
+    def unpin(self, base: int, length: int, ns: str) -> None:
+        self.m.unpin(BASES[base][:length], ns)
+
+    @rule(include_pinned=st.booleans())
+    def evict_all(self, include_pinned: bool) -> None:
+        self.m.evict_all(include_pinned=include_pinned)
 
     # ---- helpers
 
@@ -191,7 +199,7 @@ class HybridMachine(RuleBasedStateMachine):
 
 TestHybridMachine = HybridMachine.TestCase
 TestHybridMachine.settings = settings(
-    max_examples=120,
+    max_examples=300,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -261,6 +269,21 @@ def test_capacity_counts_the_local_pool() -> None:
     assert m.local.num_idle == 1 and m.can_grow(t, 13)
     m.grow(t, 13)  # takes the idle page: block 0 loses its local page (detached)
     assert m.local.num_detached == 1 and m.local.page_of[t.block_ids[0]] == NULL_PAGE
+    m.check_invariants()
+
+
+def test_pinned_blocks_keep_their_local_pages_longest() -> None:
+    m = manager(window=4, num_local=6)  # 5 usable local pages
+    pinned, other = list(range(100, 108)), list(range(200, 208))
+    m.free(fill(m, pinned))
+    m.free(fill(m, other))
+    m.pin(pinned, "")
+    assert m.local.num_idle == 4 and m.local.num_free == 1
+    t = m.allocate(list(range(16)), "", PrefixMatch([], None, 0, BS), 12)  # 3 pages: 1 free
+    assert all(m.local.page_of[b] for b in m.match(pinned, "", 8).blocks)  # 2 detached: other's
+    assert m.match(pinned, "", 7).num_tokens == 7 and m.match(other, "", 7).num_tokens == 0
+    m.grow(t, 16)  # nothing unpinned is left: a pinned block's page goes
+    assert m.match(pinned, "", 7).num_tokens == 4
     m.check_invariants()
 
 

@@ -34,9 +34,20 @@ NULL_PAGE = 0
 
 
 class LocalPages:
-    """Local pages: free, held (by ``holders`` tables) or idle (attached, LRU)."""
+    """Local pages: free, held (by ``holders`` tables) or idle (attached, LRU). Idle pages of
+    pinned blocks (``is_pinned``) wait in a second LRU, taken only when the first is empty."""
 
-    __slots__ = ("_free", "_idle", "block_of", "holders", "num_detached", "num_pages", "page_of")
+    __slots__ = (
+        "_free",
+        "_idle",
+        "_idle_pinned",
+        "block_of",
+        "holders",
+        "is_pinned",
+        "num_detached",
+        "num_pages",
+        "page_of",
+    )
 
     def __init__(self, num_pages: int, num_blocks: int) -> None:
         if num_pages < 2:
@@ -47,6 +58,8 @@ class LocalPages:
         self.holders: list[int] = [0] * num_pages
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # lowest page on top
         self._idle: OrderedDict[int, None] = OrderedDict()
+        self._idle_pinned: OrderedDict[int, None] = OrderedDict()
+        self.is_pinned: Callable[[int], bool] = lambda block: False
         self.num_detached = 0  # idle pages taken from their block under local pressure
 
     @property
@@ -55,11 +68,11 @@ class LocalPages:
 
     @property
     def num_idle(self) -> int:
-        return len(self._idle)
+        return len(self._idle) + len(self._idle_pinned)
 
     @property
     def num_available(self) -> int:
-        return len(self._free) + len(self._idle)
+        return len(self._free) + self.num_idle
 
     @property
     def num_held(self) -> int:
@@ -71,8 +84,8 @@ class LocalPages:
         assert self.page_of[block] == NULL_PAGE, f"block {block} already has a local page"
         if self._free:
             page = self._free.pop()
-        elif self._idle:
-            page, _ = self._idle.popitem(last=False)
+        elif self._idle or self._idle_pinned:
+            page, _ = (self._idle or self._idle_pinned).popitem(last=False)
             self.page_of[self.block_of[page]] = NULL_PAGE
             self.num_detached += 1
         else:
@@ -84,7 +97,7 @@ class LocalPages:
         page = self.page_of[block]
         assert page != NULL_PAGE, f"block {block} has no local page"
         if self.holders[page] == 0:
-            self._idle.pop(page)
+            self._idle_list(block).pop(page)
         self.holders[page] += 1
 
     def release(self, block: int) -> None:
@@ -92,7 +105,17 @@ class LocalPages:
         assert page != NULL_PAGE and self.holders[page] > 0, f"block {block}: no hold to release"
         self.holders[page] -= 1
         if self.holders[page] == 0:
-            self._idle[page] = None
+            self._idle_list(block)[page] = None
+
+    def repin(self, block: int) -> None:
+        """The block's pin state changed: an idle page moves to the matching LRU's tail."""
+        page = self.page_of[block]
+        if page != NULL_PAGE and self.holders[page] == 0:
+            (self._idle if page in self._idle else self._idle_pinned).pop(page)
+            self._idle_list(block)[page] = None
+
+    def _idle_list(self, block: int) -> OrderedDict[int, None]:
+        return self._idle_pinned if self.is_pinned(block) else self._idle
 
     def block_freed(self, block: int) -> int:
         """The block's global page went back to the free list: free its local page. Returns
@@ -103,7 +126,7 @@ class LocalPages:
         self.page_of[block], self.block_of[page] = NULL_PAGE, -1
         if self.holders[page]:
             return page
-        self._idle.pop(page)
+        (self._idle if page in self._idle else self._idle_pinned).pop(page)
         self._free.append(page)
         return NULL_PAGE
 
@@ -119,7 +142,11 @@ class LocalPages:
         self._free.append(page)
 
     def check(self) -> None:
-        free, idle = set(self._free), set(self._idle)
+        free, idle, pinned = set(self._free), set(self._idle), set(self._idle_pinned)
+        assert not (idle & pinned)
+        for page in idle | pinned:
+            assert self.is_pinned(self.block_of[page]) == (page in pinned), f"local page {page}"
+        idle |= pinned
         assert len(free) == len(self._free) and not (free & idle) and NULL_PAGE not in free
         for page in range(1, self.num_pages):
             block = self.block_of[page]
@@ -152,6 +179,14 @@ class _WatchedPool(BlockPool):
     def evict(self, block: int) -> None:
         super().evict(block)
         self._freed(block)
+
+    def pin(self, block: int) -> None:
+        super().pin(block)
+        self.local.repin(block)
+
+    def unpin(self, block: int) -> None:
+        super().unpin(block)
+        self.local.repin(block)
 
     def deref(self, block: int) -> None:
         super().deref(block)
@@ -212,7 +247,8 @@ class HybridBlockManager(BlockManager):
         self.window = window
         self.local = LocalPages(num_local_pages, num_blocks)
         self._orphans: dict[int, int] = {}
-        self._pool = _WatchedPool(num_blocks, self.local, self._orphans)
+        self._pool = pool = _WatchedPool(num_blocks, self.local, self._orphans)
+        self.local.is_pinned = lambda block: pool.pin_count[block] > 0
         self._copy_global, self._copy_local = copy_slots, copy_local_slots
         self._copy_slots = self._copy_both if copy_slots is not None else None
         self.shrunk_tokens = 0  # hit tokens given up because a window was incomplete
@@ -326,8 +362,8 @@ class HybridBlockManager(BlockManager):
 
     def free(self, table: BlockTable) -> None:
         release = self.local.release
-        for block in reversed(table.block_ids[table.num_released_blocks :]):
-            release(block)
+        for block in table.block_ids[table.num_released_blocks :]:  # first first: a prefix's
+            release(block)  # last window is its most useful one, so it is detached last
         table.num_released_blocks = 0
         super().free(table)
         assert not self._orphans
