@@ -216,3 +216,24 @@ def test_local_pool_occupancy_is_exported(hybrid_loaded: LoadedModel) -> None:
     assert 'prefixcache:kv_local_pages{state="held"} 0.0' in text
     plain = LLMEngine(EngineConfig(model="demo", dtype="float32", device="cpu", num_blocks=64))
     assert "kv_local_pages" not in generate_latest(plain.metrics.registry).decode()
+
+
+def test_a_hit_cut_by_its_window_is_explained(hybrid_loaded: LoadedModel) -> None:
+    base = prompt(9, 150, hybrid_loaded)
+    engine = make_engine(hybrid_loaded)
+    run(engine, [base])
+    manager = engine.block_manager
+    assert isinstance(manager, HybridBlockManager)
+    for block in manager.match(base, "", len(base) - 1).blocks[4:]:  # idle: detach them
+        local = manager.local
+        page = local.page_of[block]
+        local._idle.pop(page)
+        local.block_of[page], local.page_of[block] = -1, 0
+        local._free.append(page)
+    match = manager.match(base, "", len(base) - 1)
+    assert match.num_tokens == 4 * 16
+    from prefixcache.engine.step.sequence import Sequence
+
+    seq = Sequence(EngineRequest("x", base), list(base), len(base), 0, 0, 0.0)
+    miss = engine.activity.on_admit(seq, match)
+    assert miss is not None and miss.reason == "window"
