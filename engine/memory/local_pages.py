@@ -343,7 +343,9 @@ class HybridBlockManager(BlockManager):
             for i, old in enumerate(before):
                 new = table.block_ids[start + i]
                 if new != old:
-                    page = self._orphans.pop(old)
+                    page = self._orphans.pop(old, NULL_PAGE)
+                    if page == NULL_PAGE:
+                        continue  # out of the window already: its page was not held
                     if self.local.page_of[new] != NULL_PAGE:
                         self.local.hold(new)
                         self.local.drop(page)
