@@ -70,6 +70,10 @@ class EngineConfig:
     kv_spill_policy: str = "all"  # "all" evicted blocks, or "hit": only blocks hit before
     max_pin_ttl_s: float = 3600.0  # retention hints (cache_control ttl) are capped at this
     max_hint_pinned_blocks: int | None = None  # per namespace; None: a quarter of the pool
+    # Hybrid (sliding-window + global) models: local pages per global page. The KV budget is
+    # split so; never fewer than the running windows plus one step's tokens need
+    # (local_pages.local_pool_size), never more than one per global page.
+    swa_pool_ratio: float = 0.5
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -84,6 +88,8 @@ class EngineConfig:
             raise ValueError("a KV event replay endpoint needs kv_events_endpoint")
         if self.kv_spill_policy not in ("all", "hit"):
             raise ValueError(f"kv_spill_policy must be all or hit, got {self.kv_spill_policy!r}")
+        if not self.swa_pool_ratio > 0:
+            raise ValueError(f"swa_pool_ratio must be > 0, got {self.swa_pool_ratio}")
         if not self.max_pin_ttl_s > 0:
             raise ValueError("max_pin_ttl_s must be > 0")
         if self.kv_offload is not None:

@@ -20,11 +20,9 @@ from prefixcache.sdk.cache_stats import CacheStats, TokenizerPieceStats
 
 from .api import TreeSnapshot
 from .attention import create_backend
-from .config import EngineConfig, TierSpec
+from .config import EngineConfig
 from .memory import prefix_store
-from .memory.block_manager import BlockManager
-from .memory.kv_cache import KVCache
-from .memory.kv_tier import KVTier, TierStats, create_tier
+from .memory.kv_tier import TierStats
 from .memory.prefix_store import LoadResult, SaveResult, Snapshot
 from .model.loader import LoadedModel, load_model
 from .observability import cache_report
@@ -37,6 +35,7 @@ from .request import EngineRequest, RequestOutput, SamplingParams, TokenLogprob
 from .step import output
 from .step.engine_hooks import EngineHooks
 from .step.generate import GenerationResult, run_to_completion
+from .step.kv_setup import build_kv
 from .step.model_runner import ModelRunner, batch_of
 from .step.sampler import Sampler
 from .step.scheduler import Scheduler, SchedulerOutput
@@ -58,33 +57,22 @@ class LLMEngine:
         self.hooks = hooks = hooks or EngineHooks()
         self.loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device)
         self.tokenizer = self.loaded.tokenizer
-        spec = self.loaded.kv_cache_spec(config.block_size)
-        num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_memory_bytes)
-        self.kv_cache = KVCache(spec, num_blocks)
-        self.tier: KVTier | None = None
-        if config.kv_offload and config.enable_prefix_caching:
-            self.tier = create_tier(
-                TierSpec.parse(config.kv_offload),
-                self.kv_cache,
-                str(self.loaded.device),
-                keep_files=config.kv_offload_keep_files,
-            )
         self._listeners = BlockListeners()  # the activity, then the KV event recorder
-        self.block_manager = BlockManager(
-            num_blocks,
-            config.block_size,
-            identity=self.cache_identity(self.loaded),
-            copy_slots=self.kv_cache.copy_slots,
-            enable_caching=config.enable_prefix_caching,
-            tier=self.tier,
-            spill_policy=config.kv_spill_policy,
-            clock=hooks.clock,
-            listener=self._listeners,
-        )
+        kv = build_kv(config, self.loaded, self.cache_identity(self.loaded), hooks.clock)
+        self.kv_cache, self.tier, self.block_manager = kv.cache, kv.tier, kv.manager
+        self.block_manager.listener = self._listeners
+        self.hybrid, self._local_table_of = kv.local_table_of is not None, kv.local_table_of
+        num_blocks = self.block_manager.num_blocks
         self.max_hint_pinned_blocks = config.max_hint_pinned_blocks or max(1, num_blocks // 4)
+
         backend = create_backend(
             config.attention_backend, self.loaded.device, batch_invariant=config.batch_invariant
         )
+        local_backend = None  # a hybrid model's sliding layers plan their own metadata
+        if self.hybrid:
+            local_backend = create_backend(
+                config.attention_backend, self.loaded.device, batch_invariant=config.batch_invariant
+            )
         self.runner = ModelRunner(
             self.loaded,
             self.kv_cache,
@@ -92,6 +80,7 @@ class LLMEngine:
             config.enable_cascade,
             batch_invariant=config.batch_invariant,
             on_plan=hooks.on_plan,
+            local_backend=local_backend,
         )
         self.activity = CacheActivity(self.block_manager)  # miss reasons, the dashboard's data
         self._listeners.add(self.activity)
@@ -230,7 +219,7 @@ class LLMEngine:
         if out.chunks:
             kind = "decode" if all(c.seq.is_decoding for c in out.chunks) else "prefill"
             try:
-                logits = self.runner.execute(batch_of(out))
+                logits = self.runner.execute(batch_of(out, self._local_table_of))
             except Exception as exc:
                 return self._fail_batch(out, exc)
             self.error = None

@@ -97,7 +97,7 @@ class EngineRequest:
 class SegmentMiss:
     """Why a segment's tokens were not served from the cache (engine/memory/miss_reasons.py)."""
 
-    reason: str  # cold | evicted | diverged | partial_block | below_min | namespace
+    reason: str  # cold | evicted | diverged | partial_block | below_min | namespace | window
     segment: str | None = None  # the segment where the cached prefix stopped (diverged: changed)
     evicted_at: float | None = None  # evicted: unix time of the eviction
     evicted_by: str | None = None  # evicted: "pressure" | "admin" | "ttl"

@@ -308,6 +308,12 @@ _MISS_ADVICE: dict[str, tuple[str, str]] = {
         "Nothing to fix for a short tail; a stable part shorter than a block is cached once "
         "more stable text follows it.",
     ),
+    "window": (
+        "the server caches what follows, but the sliding-window layers' KV before it was "
+        "evicted{after} (a hybrid model).",
+        "Pin it (client.warm(prompt, pin=True)), or give the server's sliding layers more "
+        "KV memory (--swa-pool-ratio).",
+    ),
     "below_min": (
         "the prompt is shorter than one KV block; nothing is cached below a block.",
         "Expected for short prompts; put shared text first so longer prompts reuse it.",

@@ -58,6 +58,7 @@ class BlockTable:
     hashes: list[bytes] = field(default_factory=list)  # digests of the committed blocks
     block_size: int = DEFAULT_BLOCK_SIZE
     num_reloaded_tokens: int = 0  # of num_cached_tokens, copied back from the KV tier
+    num_released_blocks: int = 0  # hybrid: leading blocks out of the window (local pages let go)
 
     @property
     def num_slots(self) -> int:
@@ -78,3 +79,6 @@ class ManagerStats:
     num_blocks: int = 0
     block_size: int = DEFAULT_BLOCK_SIZE
     num_ttl_pins: int = 0
+    num_local_pages: int = 0  # hybrid models: the sliding layers' pool (0: not hybrid)
+    num_local_held: int = 0  # held by running sequences' windows
+    num_local_idle: int = 0  # attached to a cached block, held by none (evictable)

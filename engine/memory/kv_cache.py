@@ -1,7 +1,9 @@
 """Paged KV storage: one tensor per layer in FlashInfer's NHD layout.
 
 Each layer holds ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``; ``[:, 0]`` is K and
-``[:, 1]`` is V. A block id indexes the same page in every layer.
+``[:, 1]`` is V. A block id indexes the same page in every layer. A hybrid model's sliding
+layers (``local_layers``) hold ``num_local_pages`` pages instead, indexed by local page
+(``local_pages.py``; page 0 is the null page).
 """
 
 from __future__ import annotations
@@ -32,22 +34,44 @@ class KVCacheSpec:
     def num_blocks_for(self, memory_bytes: int) -> int:
         return max(1, memory_bytes // self.bytes_per_block)
 
+    @property
+    def bytes_per_layer_page(self) -> int:
+        return self.bytes_per_block // self.num_layers
+
 
 class KVCache:
     """The pages themselves. Who owns which page is the block manager's business."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int) -> None:
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        num_local_pages: int = 0,
+        local_layers: Sequence[int] = (),
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if local_layers and num_local_pages < 2:
+            raise ValueError(f"sliding layers need >= 2 local pages, got {num_local_pages}")
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.num_local_pages = num_local_pages if local_layers else 0
+        self.local_layers = tuple(local_layers)
+        local = set(self.local_layers)
+
+        def pages(i: int) -> tuple[int, ...]:
+            n = num_local_pages if i in local else num_blocks
+            return (n, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+
         self.layers: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)
+            torch.zeros(pages(i), dtype=spec.dtype, device=spec.device)
+            for i in range(spec.num_layers)
         ]
+        self._global = [t for i, t in enumerate(self.layers) if i not in local]
+        self._local = [t for i, t in enumerate(self.layers) if i in local]
         # On the CPU, each layer's pages as bytes (views of the same memory): the tier's copies
         self._host: list[np.ndarray] | None = None
-        if self.layers[0].device.type == "cpu":
+        if self.layers[0].device.type == "cpu" and not local:
             self._host = [
                 layer.view(torch.uint8).numpy().reshape(num_blocks, -1) for layer in self.layers
             ]
@@ -59,11 +83,18 @@ class KVCache:
     def copy_slots(self, src_block: int, dst_block: int, num_tokens: int) -> None:
         """Copy the first ``num_tokens`` token slots (K and V, every layer) of one block into another.
 
-        Copy-on-write for a match that ends inside a cached block.
+        Copy-on-write for a match that ends inside a cached block. (Global layers only in a
+        hybrid model: its sliding layers' pages are copied by ``copy_local_slots``.)
         """
         assert 0 < num_tokens <= self.spec.block_size and src_block != dst_block
-        for layer in self.layers:
+        for layer in self._global:
             layer[dst_block, :, :num_tokens].copy_(layer[src_block, :, :num_tokens])
+
+    def copy_local_slots(self, src_page: int, dst_page: int, num_tokens: int) -> None:
+        """``copy_slots`` for the sliding layers' local pages."""
+        assert 0 < num_tokens <= self.spec.block_size and src_page != dst_page
+        for layer in self._local:
+            layer[dst_page, :, :num_tokens].copy_(layer[src_page, :, :num_tokens])
 
     # The KV tier's side (``kv_tier.PageIO``): whole pages as bytes, every layer in order.
 
@@ -73,6 +104,7 @@ class KVCache:
 
     def read_pages(self, pages: list[int]) -> np.ndarray:
         """A host copy of the pages' KV: uint8 ``[len(pages), bytes_per_block]``."""
+        assert not self.local_layers, "the KV tier does not carry a hybrid model's local pages"
         if self._host is not None:  # one copy, on this thread (no torch intra-op workers)
             out = np.empty((len(pages), self.bytes_per_block), dtype=np.uint8)
             width = self.bytes_per_block // len(self._host)
@@ -90,6 +122,7 @@ class KVCache:
         On the CPU each row goes straight into its page, layer by layer, on this thread: a
         plain memory copy. torch's ``index_copy_`` over the same bytes ran at 0.3-0.9 GB/s
         on a shared 2-vCPU box (its intra-op workers wait on each other)."""
+        assert not self.local_layers, "the KV tier does not carry a hybrid model's local pages"
         if self._host is not None:
             width = self.bytes_per_block // len(self._host)
             for page, row in zip(pages, data, strict=True):

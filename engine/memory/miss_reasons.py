@@ -124,6 +124,8 @@ class MissReasons:
         if note is not None:
             return SegmentMiss("evicted", where, evicted_at=note[0], evicted_by=note[1])
         kids = tree.children(parent, root)
+        if kids is not None and block in kids.by_tokens:  # cached: a hybrid model's hit stopped
+            return SegmentMiss("window", where)  # where a sliding window was incomplete
         if hit > 0 and kids is not None and kids.by_tokens:
             return SegmentMiss("diverged", where)
         if self._cached_under_another_salt(token_ids, namespace, tenant, full + 1):

@@ -54,12 +54,18 @@ class Snapshot:
         return sum(1 for b in self.blocks if b.pins)
 
 
+def _refuse_hybrid(cache: KVCache) -> None:
+    if cache.local_layers:
+        raise PrefixStoreError("pinned-prefix files do not carry a hybrid model's local pages yet")
+
+
 def identity_digest(identity: bytes) -> str:
     return hashlib.sha256(identity).hexdigest()
 
 
 def snapshot(manager: BlockManager, cache: KVCache) -> Snapshot:
     """Copy out every pinned prefix (engine thread)."""
+    _refuse_hybrid(cache)
     blocks = saved_blocks(manager)
     pages = torch.tensor([b.page for b in blocks], dtype=torch.long, device=cache.spec.device)
     kv = [layer.index_select(0, pages).cpu() for layer in cache.layers]
@@ -112,6 +118,7 @@ def write(snap: Snapshot, path: str | Path, key: bytes) -> SaveResult:
 def read(path: str | Path, identity: bytes, cache: KVCache, key: bytes) -> Snapshot:
     """A file's snapshot, refused unless it was signed with ``key`` and made by this engine
     identity and layout. Every refusal is a ``PrefixStoreError`` (a ValueError)."""
+    _refuse_hybrid(cache)
     source, path = str(path), Path(path)
     if not path.is_file():
         raise PrefixStoreError(f"{path}: no such file")

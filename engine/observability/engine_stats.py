@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..memory.kv_tier import TierStats
+from ..memory.local_pages import HybridBlockManager
 from .metrics import EngineMetrics, GaugeValues
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class EngineStats:
     def watch_gauges(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
         """The gauges read the queues and the pool whenever they are collected."""
         manager, tier = self._manager, self._tier
+        local = manager.local if isinstance(manager, HybridBlockManager) else None
 
         def values() -> GaugeValues:
             t = tier.stats() if tier is not None else None
@@ -43,9 +45,12 @@ class EngineStats:
                 free=manager.num_free_blocks,
                 tier_used=t.bytes_used if t is not None else 0,
                 tier_free=t.bytes_free if t is not None else 0,
+                local_held=local.num_held if local is not None else 0,
+                local_idle=local.num_idle if local is not None else 0,
+                local_free=local.num_free if local is not None else 0,
             )
 
-        self.metrics.read_gauges_from(values)
+        self.metrics.read_gauges_from(values, local_pages=local is not None)
 
     def model(self, name: str, dtype: str) -> None:
         self.metrics.model_info.labels(name, dtype).set(1)

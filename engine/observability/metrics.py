@@ -19,6 +19,9 @@ class GaugeValues(NamedTuple):
     free: int
     tier_used: int = 0  # bytes of the KV tier (0 without one)
     tier_free: int = 0
+    local_held: int = 0  # a hybrid model's local pages (sliding layers), by state
+    local_idle: int = 0
+    local_free: int = 0
 
 
 class EngineMetrics:
@@ -127,9 +130,23 @@ class EngineMetrics:
             registry=r,
         )
 
-    def read_gauges_from(self, values: Callable[[], GaugeValues]) -> None:
+    def read_gauges_from(
+        self, values: Callable[[], GaugeValues], local_pages: bool = False
+    ) -> None:
         """The gauges read ``values()`` whenever they are collected, so they are never stale
-        (after an abort, an error or a cache command as after a step)."""
+        (after an abort, an error or a cache command as after a step). ``local_pages``: a
+        hybrid model's, exported as ``prefixcache:kv_local_pages`` (no such series else)."""
+        if local_pages:
+            local = Gauge(
+                "prefixcache:kv_local_pages",
+                "A hybrid model's sliding-layer KV pages by state: held (inside a running "
+                "sequence's window), idle (attached to a cached block, evictable), free.",
+                ["state"],
+                registry=self.registry,
+            )
+            local.labels("held").set_function(lambda: values().local_held)
+            local.labels("idle").set_function(lambda: values().local_idle)
+            local.labels("free").set_function(lambda: values().local_free)
         self.requests_running.set_function(lambda: values().running)
         self.requests_waiting.set_function(lambda: values().waiting)
         self.kv_blocks.labels("in_use").set_function(lambda: values().in_use)

@@ -1,7 +1,9 @@
 """ModelRunner: one forward step over a batch of prefill chunks and decodes.
 
 Every token of the step goes through the linear layers as one flat ``[T, hidden]`` tensor;
-attention metadata is built once (in FlashInfer's form) and shared by all layers.
+attention metadata is built once (in FlashInfer's form) and shared by all layers. A hybrid
+model's sliding layers get a second metadata over their local pages (``window`` set, no
+cascade or prefill groups, slid-out pages mapped to the null page) and their own backend.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ..memory.kv_cache import KVCache
 from ..model.loader import LoadedModel
 
 if TYPE_CHECKING:
+    from ..memory.block_types import BlockTable
     from .scheduler import SchedulerOutput
 
 
@@ -27,21 +30,27 @@ class BatchEntry:
     start_pos: int  # tokens already in the KV cache (position of token_ids[0])
     block_table: list[int]  # physical blocks covering start_pos + len(token_ids) tokens
     compute_logits: bool = True  # False for a non-final prefill chunk
+    local_table: list[int] | None = None  # hybrid: local pages per block (0: slid out)
 
 
-def batch_of(out: SchedulerOutput) -> list[BatchEntry]:
+def batch_of(
+    out: SchedulerOutput, local_table_of: Callable[[BlockTable], list[int]] | None = None
+) -> list[BatchEntry]:
     """A scheduled step as the runner's batch: each chunk's tokens, where they start, its
-    table; logits only for a chunk that reaches its sequence's last token."""
+    table (and for a hybrid model its local table); logits only for a chunk that reaches its
+    sequence's last token."""
     batch = []
     for chunk in out.chunks:
         seq, start = chunk.seq, chunk.seq.num_computed_tokens
         end = start + chunk.num_tokens
+        assert seq.table is not None
         batch.append(
             BatchEntry(
                 token_ids=seq.token_ids[start:end],
                 start_pos=start,
                 block_table=seq.table.block_ids,
                 compute_logits=end == seq.num_tokens,
+                local_table=local_table_of(seq.table) if local_table_of is not None else None,
             )
         )
     return batch
@@ -56,8 +65,10 @@ class ModelRunner:
         enable_cascade: bool = True,
         batch_invariant: bool = True,
         on_plan: Callable[[AttentionMetadata], None] | None = None,
+        local_backend: AttentionBackend | None = None,
     ) -> None:
-        """``on_plan`` sees every step's attention metadata once it is planned."""
+        """``on_plan`` sees every step's attention metadata once it is planned (the global
+        one). ``local_backend``: a hybrid model's sliding layers' (it must support windows)."""
         self.loaded = loaded
         self.model = loaded.model
         self.model.prepare(batch_invariant)
@@ -78,6 +89,23 @@ class ModelRunner:
         if spec.dtype != loaded.dtype:
             raise ValueError(f"KV cache dtype {spec.dtype} != model dtype {loaded.dtype}")
         self.on_plan = on_plan
+        self.window = 0
+        self.local_backend = local_backend
+        self._layer_backends = [backend] * cfg.num_layers
+        if kv_cache.local_layers:
+            windows = {cfg.window_of(i) for i in kv_cache.local_layers}
+            if len(windows) != 1 or 0 in windows:
+                raise ValueError(f"the sliding layers need one common window, got {windows}")
+            if local_backend is None or not getattr(local_backend, "supports_window", False):
+                name = local_backend.name if local_backend is not None else None
+                raise ValueError(
+                    f"a hybrid (sliding-window) model needs an attention backend with "
+                    f"sliding-window support for its local layers; {name!r} has none"
+                )
+            self.window = windows.pop()
+            local_backend.prepare(self.shape, torch.device(self.device))
+            for i in kv_cache.local_layers:
+                self._layer_backends[i] = local_backend
 
     @torch.inference_mode()
     def execute(self, batch: list[BatchEntry]) -> torch.Tensor:
@@ -97,16 +125,22 @@ class ModelRunner:
         self.backend.plan(meta, self.shape)
         if self.on_plan is not None:
             self.on_plan(meta)
+        if self.local_backend is not None and self.window:
+            local = [SeqSpec(e.start_pos, len(e.token_ids), e.local_table or []) for e in batch]
+            local_meta = AttentionMetadata.build(
+                [local[i] for i in order], bs, self.device, window=self.window
+            )
+            self.local_backend.plan(local_meta, self.shape)
 
         ids = [t for i in order for t in batch[i].token_ids]
         if min(ids) < 0 or max(ids) >= self.loaded.config.vocab_size:
             raise ValueError(f"token id out of range [0, {self.loaded.config.vocab_size})")
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         layers = self.kv_cache.layers
-        backend = self.backend
+        backends = self._layer_backends
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return backend.forward(q, k, v, layers[layer])
+            return backends[layer].forward(q, k, v, layers[layer])
 
         # Row of each logits entry's last token, listed in batch order: only those rows go on
         # past the last layer's attention.
@@ -139,3 +173,9 @@ class ModelRunner:
                 )
             if min(e.block_table) < 0 or max(e.block_table) >= self.kv_cache.num_blocks:
                 raise ValueError("block table references a block outside the KV cache")
+            if self.window:
+                local = e.local_table
+                if local is None or len(local) < len(e.block_table):
+                    raise ValueError("a hybrid model's batch entry needs its local table")
+                if min(local) < 0 or max(local) >= self.kv_cache.num_local_pages:
+                    raise ValueError("local table references a page outside the local pool")

@@ -67,6 +67,7 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
             kv_offload=args.kv_offload,
             kv_offload_keep_files=args.kv_offload_keep,
             kv_spill_policy=args.kv_spill_policy,
+            swa_pool_ratio=args.swa_pool_ratio,
             max_pin_ttl_s=args.max_pin_ttl,
             max_hint_pinned_blocks=args.max_hint_pinned_blocks,
         )

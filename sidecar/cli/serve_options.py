@@ -60,6 +60,13 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         help="which evicted blocks go to the tier: all, or only blocks hit at least once",
     )
     parser.add_argument(
+        "--swa-pool-ratio",
+        type=float,
+        default=0.5,
+        metavar="RATIO",
+        help="hybrid (sliding-window) models: local pages per global page in the KV budget",
+    )
+    parser.add_argument(
         "--max-pin-ttl",
         type=float,
         default=3600.0,

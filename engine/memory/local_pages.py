@@ -1,0 +1,389 @@
+"""Hybrid models (sliding-window + global layers): the local pages and the manager over them.
+
+Global layers keep the block manager's pages (block id = global page: tree, refcounts,
+eviction, pins, events). Sliding layers get a smaller pool of *local pages* (page 0 is the
+null page). ``LocalPages`` maps block id -> local page (0: none). A block gets a local page
+when its global page is taken; a table *holds* the local pages of its blocks from
+``table.num_released_blocks`` on (those a query at ``num_computed`` can still see); a page no
+table holds is idle: an LRU entry, still attached to its block so later hits can use it, and
+the first thing taken (detached) when the local pool is short. When a block's global page is
+freed or evicted its local page is freed. A hit of length L needs the local pages of the
+blocks covering keys [L - w + 1, L - 1]; ``HybridBlockManager.fit`` shrinks L until they are
+there (docs/architecture.md, "Hybrid models").
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from ..paging import ceil_div
+from .block_manager import BlockManager
+from .block_pool import BlockPool
+from .block_types import (
+    BlockListener,
+    BlockTable,
+    CopySlots,
+    ManagerStats,
+    OutOfBlocksError,
+    PrefixMatch,
+)
+
+NULL_PAGE = 0
+
+
+class LocalPages:
+    """Local pages: free, held (by ``holders`` tables) or idle (attached, LRU). Idle pages of
+    pinned blocks (``is_pinned``) wait in a second LRU, taken only when the first is empty."""
+
+    __slots__ = (
+        "_free",
+        "_idle",
+        "_idle_pinned",
+        "block_of",
+        "holders",
+        "is_pinned",
+        "num_detached",
+        "num_pages",
+        "page_of",
+    )
+
+    def __init__(self, num_pages: int, num_blocks: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"a local pool needs the null page and one more, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_of: list[int] = [NULL_PAGE] * num_blocks
+        self.block_of: list[int] = [-1] * num_pages
+        self.holders: list[int] = [0] * num_pages
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))  # lowest page on top
+        self._idle: OrderedDict[int, None] = OrderedDict()
+        self._idle_pinned: OrderedDict[int, None] = OrderedDict()
+        self.is_pinned: Callable[[int], bool] = lambda block: False
+        self.num_detached = 0  # idle pages taken from their block under local pressure
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle) + len(self._idle_pinned)
+
+    @property
+    def num_available(self) -> int:
+        return len(self._free) + self.num_idle
+
+    @property
+    def num_held(self) -> int:
+        return self.num_pages - 1 - self.num_available
+
+    def attach(self, block: int) -> int:
+        """A page for a freshly taken block, held once (by its taker): a free page, else the
+        LRU idle page, detached from its block."""
+        assert self.page_of[block] == NULL_PAGE, f"block {block} already has a local page"
+        if self._free:
+            page = self._free.pop()
+        elif self._idle or self._idle_pinned:
+            page, _ = (self._idle or self._idle_pinned).popitem(last=False)
+            self.page_of[self.block_of[page]] = NULL_PAGE
+            self.num_detached += 1
+        else:
+            raise OutOfBlocksError("no free or idle local page")
+        self.page_of[block], self.block_of[page], self.holders[page] = page, block, 1
+        return page
+
+    def hold(self, block: int) -> None:
+        page = self.page_of[block]
+        assert page != NULL_PAGE, f"block {block} has no local page"
+        if self.holders[page] == 0:
+            self._idle_list(block).pop(page)
+        self.holders[page] += 1
+
+    def release(self, block: int) -> None:
+        page = self.page_of[block]
+        assert page != NULL_PAGE and self.holders[page] > 0, f"block {block}: no hold to release"
+        self.holders[page] -= 1
+        if self.holders[page] == 0:
+            self._idle_list(block)[page] = None
+
+    def repin(self, block: int) -> None:
+        """The block's pin state changed: an idle page moves to the matching LRU's tail."""
+        page = self.page_of[block]
+        if page != NULL_PAGE and self.holders[page] == 0:
+            (self._idle if page in self._idle else self._idle_pinned).pop(page)
+            self._idle_list(block)[page] = None
+
+    def _idle_list(self, block: int) -> OrderedDict[int, None]:
+        return self._idle_pinned if self.is_pinned(block) else self._idle
+
+    def block_freed(self, block: int) -> int:
+        """The block's global page went back to the free list: free its local page. Returns
+        the page instead when a table still holds it (a commit's dedupe; ``adopt`` it)."""
+        page = self.page_of[block]
+        if page == NULL_PAGE:
+            return NULL_PAGE
+        self.page_of[block], self.block_of[page] = NULL_PAGE, -1
+        if self.holders[page]:
+            return page
+        (self._idle if page in self._idle else self._idle_pinned).pop(page)
+        self._free.append(page)
+        return NULL_PAGE
+
+    def adopt(self, page: int, block: int) -> None:
+        """Attach a held page whose block was freed to ``block`` (same tokens, same KV)."""
+        assert self.page_of[block] == NULL_PAGE and self.block_of[page] == -1
+        self.page_of[block], self.block_of[page] = page, block
+
+    def drop(self, page: int) -> None:
+        """Release a held page whose block was freed (its single holder moved elsewhere)."""
+        assert self.block_of[page] == -1 and self.holders[page] == 1
+        self.holders[page] = 0
+        self._free.append(page)
+
+    def check(self) -> None:
+        free, idle, pinned = set(self._free), set(self._idle), set(self._idle_pinned)
+        assert not (idle & pinned)
+        for page in idle | pinned:
+            assert self.is_pinned(self.block_of[page]) == (page in pinned), f"local page {page}"
+        idle |= pinned
+        assert len(free) == len(self._free) and not (free & idle) and NULL_PAGE not in free
+        for page in range(1, self.num_pages):
+            block = self.block_of[page]
+            if page in free:
+                assert block == -1 and self.holders[page] == 0, f"free local page {page} in use"
+                continue
+            assert block >= 0 and self.page_of[block] == page, f"local page {page} leaked"
+            assert (self.holders[page] == 0) == (page in idle), f"local page {page} hold/LRU"
+        attached = sum(1 for p in self.page_of if p != NULL_PAGE)
+        assert attached == self.num_pages - 1 - len(free), "block -> local page map is off"
+
+
+class _WatchedPool(BlockPool):
+    """The block pool, telling the local pages when a global page is taken or freed."""
+
+    def __init__(self, num_blocks: int, local: LocalPages, orphans: dict[int, int]) -> None:
+        super().__init__(num_blocks)
+        self.local, self.orphans = local, orphans
+
+    def take_free(self) -> int | None:
+        if not self.num_free:
+            return None
+        if not self.local.num_available:
+            raise OutOfBlocksError("no free or idle local page")
+        block = super().take_free()
+        assert block is not None
+        self.local.attach(block)
+        return block
+
+    def evict(self, block: int) -> None:
+        super().evict(block)
+        self._freed(block)
+
+    def pin(self, block: int) -> None:
+        super().pin(block)
+        self.local.repin(block)
+
+    def unpin(self, block: int) -> None:
+        super().unpin(block)
+        self.local.repin(block)
+
+    def deref(self, block: int) -> None:
+        super().deref(block)
+        if self.ref_count[block] == 0 and not self.cached[block]:
+            self._freed(block)
+
+    def _freed(self, block: int) -> None:
+        page = self.local.block_freed(block)
+        if page != NULL_PAGE:
+            self.orphans[block] = page
+
+
+def local_pool_size(
+    num_blocks: int,
+    ratio: float,
+    window: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> int:
+    """Local pages (null page included): ``ratio`` per global page, but never fewer than
+    every running sequence's window plus one full step of new tokens needs (a sequence
+    computing [s, e) holds blocks (s - w + 1) // bs .. (e - 1) // bs), and never more than
+    one per block (more could not be used)."""
+    per_seq = ceil_div(max(window - 1, 0), block_size) + 2
+    floor = max_num_seqs * per_seq + ceil_div(max_num_batched_tokens, block_size) + 1
+    return max(2, min(num_blocks + 1, max(int(ratio * num_blocks) + 1, floor)))
+
+
+class HybridBlockManager(BlockManager):
+    """``BlockManager`` plus the local pages of one sliding window (no KV tier)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        identity: bytes,
+        window: int,
+        num_local_pages: int,
+        copy_slots: CopySlots | None = None,
+        copy_local_slots: CopySlots | None = None,
+        enable_caching: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        listener: BlockListener | None = None,
+    ) -> None:
+        """``copy_local_slots(src, dst, k)`` copies local pages' first k slots."""
+        if window < 1:
+            raise ValueError(f"a hybrid manager needs a sliding window >= 1, got {window}")
+        super().__init__(
+            num_blocks,
+            block_size,
+            identity,
+            copy_slots=copy_slots,
+            enable_caching=enable_caching,
+            clock=clock,
+            listener=listener,
+        )
+        self.window = window
+        self.local = LocalPages(num_local_pages, num_blocks)
+        self._orphans: dict[int, int] = {}
+        self._pool = pool = _WatchedPool(num_blocks, self.local, self._orphans)
+        self.local.is_pinned = lambda block: pool.pin_count[block] > 0
+        self._copy_global, self._copy_local = copy_slots, copy_local_slots
+        self._copy_slots = self._copy_both if copy_slots is not None else None
+        self.shrunk_tokens = 0  # hit tokens given up because a window was incomplete
+
+    def window_start(self, num_tokens: int) -> int:
+        """The first block a query at position ``num_tokens`` still sees a key of."""
+        return max(0, num_tokens - self.window + 1) // self.block_size
+
+    def local_table(self, table: BlockTable) -> list[int]:
+        """The table's local pages: the null page for the blocks that slid out."""
+        page_of, first = self.local.page_of, table.num_released_blocks
+        return [NULL_PAGE] * first + [page_of[b] for b in table.block_ids[first:]]
+
+    # ---- lookup: a hit only as long as its window is complete
+
+    def match(self, token_ids: Sequence[int], namespace: str, max_tokens: int) -> PrefixMatch:
+        return self.fit(super().match(token_ids, namespace, max_tokens))
+
+    def fit(self, match: PrefixMatch) -> PrefixMatch:
+        """The longest prefix of ``match`` whose window blocks all have a local page."""
+        bs, page_of, blocks = self.block_size, self.local.page_of, match.blocks
+        partial = match.partial_block if match.partial_tokens else None
+        n = match.num_tokens
+        while n > 0:
+            missing = -1
+            for j in range((n - 1) // bs, self.window_start(n) - 1, -1):
+                block = blocks[j] if j < len(blocks) else partial
+                assert block is not None
+                if page_of[block] == NULL_PAGE:
+                    missing = j
+                    break
+            if missing < 0:
+                break
+            n = missing * bs  # every shorter hit ending after block `missing` still sees it
+        if n == match.num_tokens:
+            return match
+        self.shrunk_tokens += match.num_tokens - n
+        return PrefixMatch(blocks[: n // bs], None, 0, bs)
+
+    def _window_blocks(self, match: PrefixMatch) -> list[int]:
+        n = match.num_tokens
+        if n == 0:
+            return []
+        blocks = match.blocks + ([match.partial_block] if match.partial_block is not None else [])
+        return blocks[self.window_start(n) : (n - 1) // self.block_size + 1]
+
+    # ---- capacity: every new block takes a local page too
+
+    def can_allocate(self, match: PrefixMatch, num_tokens: int) -> bool:
+        if not super().can_allocate(match, num_tokens):
+            return False
+        holders = self.local.holders
+        page_of = self.local.page_of
+        idle = sum(1 for b in self._window_blocks(match) if holders[page_of[b]] == 0)
+        return self._blocks_needed(match, num_tokens) + idle <= self.local.num_available
+
+    def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
+        need = self._blocks_to_grow(table, num_tokens)
+        return need <= self._pool.num_available and need <= self.local.num_available
+
+    def allocate(
+        self, token_ids: Sequence[int], namespace: str, match: PrefixMatch, num_tokens: int
+    ) -> BlockTable:
+        if not self.can_allocate(match, num_tokens):
+            raise OutOfBlocksError(f"cannot allocate {num_tokens} tokens")
+        window = self._window_blocks(match)
+        assert all(self.local.page_of[b] for b in window), "a hit with an incomplete window"
+        for block in window:  # held before any page is taken: none of them is detached
+            self.local.hold(block)
+        table = super().allocate(token_ids, namespace, match, num_tokens)
+        assert table.num_cached_tokens == match.num_tokens
+        if match.partial_tokens and match.partial_block is not None:
+            self.local.release(match.partial_block)  # the copy source: its copy is held
+        table.num_released_blocks = self.window_start(table.num_cached_tokens)
+        return table
+
+    def _copy_both(self, src: int, dst: int, num_tokens: int) -> None:
+        assert self._copy_global is not None
+        self._copy_global(src, dst, num_tokens)
+        local_src, local_dst = self.local.page_of[src], self.local.page_of[dst]
+        assert local_src != NULL_PAGE and local_dst != NULL_PAGE
+        if self._copy_local is not None:
+            self._copy_local(local_src, local_dst, num_tokens)
+
+    # ---- progress: commit, slide, free
+
+    def commit(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
+        start = table.num_committed_blocks
+        before = table.block_ids[start:]
+        super().commit(table, token_ids, num_computed)
+        if self._orphans:  # dedupe re-pointed blocks: their held local pages follow
+            for i, old in enumerate(before):
+                new = table.block_ids[start + i]
+                if new != old:
+                    page = self._orphans.pop(old, NULL_PAGE)
+                    if page == NULL_PAGE:
+                        continue  # out of the window already: its page was not held
+                    if self.local.page_of[new] != NULL_PAGE:
+                        self.local.hold(new)
+                        self.local.drop(page)
+                    else:
+                        self.local.adopt(page, new)
+            assert not self._orphans
+        self.slide(table, num_computed)
+
+    def slide(self, table: BlockTable, num_computed: int) -> None:
+        """Release the holds on the blocks that slid wholly out of the window."""
+        end = min(self.window_start(num_computed), len(table.block_ids))
+        release = self.local.release
+        for j in range(table.num_released_blocks, end):
+            release(table.block_ids[j])
+        table.num_released_blocks = max(table.num_released_blocks, end)
+
+    def free(self, table: BlockTable) -> None:
+        release = self.local.release
+        for block in table.block_ids[table.num_released_blocks :]:  # first first: a prefix's
+            release(block)  # last window is its most useful one, so it is detached last
+        table.num_released_blocks = 0
+        super().free(table)
+        assert not self._orphans
+
+    # ---- stats and checks
+
+    def stats(self) -> ManagerStats:
+        s = super().stats()
+        s.num_local_pages = self.local.num_pages - 1
+        s.num_local_held = self.local.num_held
+        s.num_local_idle = self.local.num_idle
+        return s
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        self.local.check()
+        assert not self._orphans
+        pool, page_of = self._pool, self.local.page_of
+        for block in range(self.num_blocks):
+            if pool.ref_count[block] == 0 and not pool.cached[block]:
+                assert page_of[block] == NULL_PAGE, f"free block {block} keeps a local page"

@@ -1,0 +1,115 @@
+"""The engine's KV memory: the pages, the block manager over them, and the KV tier. A
+hybrid (sliding-window + global) model gets two layer groups: its KV budget is split between
+the global pages and the sliding layers' local pages (docs/architecture.md, "Hybrid models").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..config import EngineConfig, TierSpec
+from ..memory.block_manager import BlockManager
+from ..memory.block_types import BlockTable
+from ..memory.kv_cache import KVCache, KVCacheSpec
+from ..memory.kv_tier import KVTier, create_tier
+from ..memory.local_pages import HybridBlockManager, local_pool_size
+from ..model.loader import LoadedModel
+
+
+@dataclass(slots=True)
+class KVMemory:
+    cache: KVCache
+    manager: BlockManager
+    tier: KVTier | None = None
+    local_table_of: Callable[[BlockTable], list[int]] | None = None  # hybrid models only
+
+
+def build_kv(
+    config: EngineConfig, loaded: LoadedModel, identity: bytes, clock: Callable[[], float]
+) -> KVMemory:
+    spec = loaded.kv_cache_spec(config.block_size)
+    if loaded.config.is_hybrid:
+        cache, hybrid = build_hybrid(config, spec, loaded.config.layer_windows, identity, clock)
+        return KVMemory(cache, hybrid, None, hybrid.local_table)
+    num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_memory_bytes)
+    cache = KVCache(spec, num_blocks)
+    tier = None
+    if config.kv_offload and config.enable_prefix_caching:
+        tier = create_tier(
+            TierSpec.parse(config.kv_offload),
+            cache,
+            str(loaded.device),
+            keep_files=config.kv_offload_keep_files,
+        )
+    manager = BlockManager(
+        num_blocks,
+        config.block_size,
+        identity=identity,
+        copy_slots=cache.copy_slots,
+        enable_caching=config.enable_prefix_caching,
+        tier=tier,
+        spill_policy=config.kv_spill_policy,
+        clock=clock,
+    )
+    return KVMemory(cache, manager, tier)
+
+
+def build_hybrid(
+    config: EngineConfig,
+    spec: KVCacheSpec,
+    windows: tuple[int, ...],
+    identity: bytes,
+    clock: Callable[[], float],
+) -> tuple[KVCache, HybridBlockManager]:
+    """The two-group cache and its manager; refuses what cannot carry local pages yet."""
+    if config.kv_offload:
+        raise ValueError(
+            "--kv-offload is not supported for hybrid (sliding-window) models yet: the KV "
+            "tier does not carry the sliding layers' local pages"
+        )
+    num_blocks, num_local = hybrid_pool_sizes(config, spec, windows)
+    local_layers = [i for i, w in enumerate(windows) if w > 0]
+    cache = KVCache(spec, num_blocks, num_local, local_layers)
+    manager = HybridBlockManager(
+        num_blocks,
+        config.block_size,
+        identity,
+        window=max(windows),
+        num_local_pages=num_local,
+        copy_slots=cache.copy_slots,
+        copy_local_slots=cache.copy_local_slots,
+        enable_caching=config.enable_prefix_caching,
+        clock=clock,
+    )
+    return cache, manager
+
+
+def hybrid_pool_sizes(
+    config: EngineConfig, spec: KVCacheSpec, windows: tuple[int, ...]
+) -> tuple[int, int]:
+    """(global pages, local pages incl. the null page) for a hybrid model: the KV budget split
+    so that there are ``swa_pool_ratio`` local pages per global page (see
+    ``local_pool_size`` for its floor and cap); ``num_blocks`` fixes the global side."""
+    window, bs = max(windows), config.block_size
+    num_local_layers = sum(1 for w in windows if w > 0)
+    page = spec.bytes_per_layer_page
+    g_bytes, l_bytes = (spec.num_layers - num_local_layers) * page, num_local_layers * page
+
+    def local(n: int) -> int:
+        ratio, seqs, step = (
+            config.swa_pool_ratio,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+        )
+        return local_pool_size(n, ratio, window, bs, seqs, step)
+
+    if config.num_blocks:
+        return config.num_blocks, local(config.num_blocks)
+    budget = config.kv_memory_bytes
+    num_blocks = max(1, int(budget // (g_bytes + config.swa_pool_ratio * l_bytes)))
+    num_local = local(num_blocks)
+    if num_blocks * g_bytes + num_local * l_bytes > budget:  # the floor took more
+        num_blocks = max(1, (budget - num_local * l_bytes) // g_bytes)
+        num_local = local(num_blocks)
+    return num_blocks, num_local

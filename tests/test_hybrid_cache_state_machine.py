@@ -1,0 +1,307 @@
+"""The hybrid block manager (global pages + the sliding layers' local pages) under random
+interleavings of admit (match + allocate, copy-on-write hits), prefill chunks, decodes, commits
+(with dedupe), frees, preemptions and evictions, over random windows and local pool sizes.
+
+Fake KV: one int per token slot in each group. A sequence writes, at position p, a signature of
+(namespace, tokens[: p + 1]) into its global page and its local page. After every step each
+running sequence must read back exactly its own history from its global table, and from its
+local table for every block still inside its window; hold counts must equal the tables' held
+ranges; a hit never claims a block whose window is incomplete (and its window reads back the
+hit's own history). Plus unit tests for hit shrinking and for the pool accounting.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prefixcache.engine.config import EngineConfig
+from prefixcache.engine.memory.block_types import BlockTable, OutOfBlocksError, PrefixMatch
+from prefixcache.engine.memory.kv_cache import KVCacheSpec
+from prefixcache.engine.memory.local_pages import NULL_PAGE, HybridBlockManager, local_pool_size
+from prefixcache.engine.step.kv_setup import hybrid_pool_sizes
+
+BS = 4
+NUM_BLOCKS = 24
+MAX_SEQS = 4
+NAMESPACES = ("a", "b")
+_rng = random.Random(11)
+BASES = [[_rng.randrange(5) for _ in range(28)] for _ in range(2)]
+MOD = (1 << 61) - 1
+
+
+def history(namespace: str, tokens: list[int]) -> list[int]:
+    h = zlib.crc32(namespace.encode()) + 1
+    out = []
+    for tok in tokens:
+        h = (h * 1_000_003 + tok + 1) % MOD
+        out.append(h)
+    return out
+
+
+@dataclass(eq=False)
+class Seq:
+    table: BlockTable
+    tokens: list[int]
+    num_computed: int
+
+
+class HybridMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seqs: list[Seq] = []
+        self.manager: HybridBlockManager | None = None
+
+    @initialize(window=st.integers(1, 14), extra=st.integers(0, NUM_BLOCKS))
+    def setup(self, window: int, extra: int) -> None:
+        num_local = 1 + min(NUM_BLOCKS, (window + 2 * BS) // BS + 2 + extra)
+        self.kv = np.zeros((NUM_BLOCKS, BS), dtype=np.int64)
+        self.local_kv = np.zeros((num_local, BS), dtype=np.int64)
+        self.local_kv[NULL_PAGE] = -1  # the null page holds nobody's history
+
+        def copy(src: int, dst: int, k: int) -> None:
+            self.kv[dst, :k] = self.kv[src, :k]
+
+        def copy_local(src: int, dst: int, k: int) -> None:
+            assert NULL_PAGE not in (src, dst)
+            self.local_kv[dst, :k] = self.local_kv[src, :k]
+
+        self.manager = HybridBlockManager(
+            NUM_BLOCKS, BS, b"id", window, num_local, copy, copy_local
+        )
+        self.window = window
+
+    @property
+    def m(self) -> HybridBlockManager:
+        assert self.manager is not None
+        return self.manager
+
+    # ---- rules
+
+    @precondition(lambda self: len(self.seqs) < MAX_SEQS)
+    @rule(
+        base=st.integers(0, 1),
+        length=st.integers(2, 28),
+        suffix=st.lists(st.integers(0, 4), max_size=5),
+        ns=st.sampled_from(NAMESPACES),
+        chunk=st.integers(1, 12),
+    )
+    def admit(self, base: int, length: int, suffix: list[int], ns: str, chunk: int) -> None:
+        tokens = BASES[base][:length] + suffix
+        match = self.m.match(tokens, ns, len(tokens) - 1)
+        self._check_hit(match, tokens, ns)
+        target = min(len(tokens), match.num_tokens + chunk)
+        if not self.m.can_allocate(match, target):
+            with pytest.raises(OutOfBlocksError):
+                self.m.allocate(tokens, ns, match, target)
+            return
+        table = self.m.allocate(tokens, ns, match, target)
+        assert table.num_cached_tokens == match.num_tokens
+        seq = Seq(table, tokens, table.num_cached_tokens)
+        self.seqs.append(seq)
+        self._compute(seq, target)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, MAX_SEQS - 1), n=st.integers(1, 9), tok=st.integers(0, 4))
+    def step(self, i: int, n: int, tok: int) -> None:
+        seq = self.seqs[i % len(self.seqs)]
+        if seq.num_computed == len(seq.tokens):
+            seq.tokens.append(tok)  # a decode: the sampled token joins the history
+        target = min(len(seq.tokens), seq.num_computed + n)
+        if not self.m.can_grow(seq.table, target):
+            self._free(seq)  # preempted
+            return
+        self.m.grow(seq.table, target)
+        self._compute(seq, target)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, MAX_SEQS - 1))
+    def free(self, i: int) -> None:
+        self._free(self.seqs[i % len(self.seqs)])
+
+    @rule(base=st.integers(0, 1), length=st.integers(4, 28), ns=st.sampled_from(NAMESPACES))
+    def pin(self, base: int, length: int, ns: str) -> None:
+        self.m.pin(BASES[base][:length], ns)
+
+    @rule(base=st.integers(0, 1), length=st.integers(4, 28), ns=st.sampled_from(NAMESPACES))
+    def unpin(self, base: int, length: int, ns: str) -> None:
+        self.m.unpin(BASES[base][:length], ns)
+
+    @rule(include_pinned=st.booleans())
+    def evict_all(self, include_pinned: bool) -> None:
+        self.m.evict_all(include_pinned=include_pinned)
+
+    # ---- helpers
+
+    def _compute(self, seq: Seq, target: int) -> None:
+        """The model's step: write [num_computed, target) into both groups, then commit."""
+        h = history(seq.table.namespace, seq.tokens)
+        local = self.m.local_table(seq.table)
+        for p in range(seq.num_computed, target):
+            assert local[p // BS] != NULL_PAGE, "a write into a slid-out or missing local page"
+            self.kv[seq.table.block_ids[p // BS], p % BS] = h[p]
+            self.local_kv[local[p // BS], p % BS] = h[p]
+        seq.num_computed = target
+        self.m.commit(seq.table, seq.tokens, target)
+
+    def _free(self, seq: Seq) -> None:
+        self.m.free(seq.table)
+        self.seqs.remove(seq)
+
+    def _check_hit(self, match: PrefixMatch, tokens: list[int], ns: str) -> None:
+        n = match.num_tokens
+        if n == 0:
+            return
+        h = history(ns, tokens)
+        blocks = match.blocks + ([match.partial_block] if match.partial_tokens else [])
+        page_of = self.m.local.page_of
+        for p in range(max(0, n - self.window + 1), n):
+            page = page_of[blocks[p // BS]]
+            assert page != NULL_PAGE, f"a hit of {n} claims block {p // BS} without a local page"
+            assert self.local_kv[page, p % BS] == h[p], "a hit's window reads another history"
+        for p in range(n):
+            assert self.kv[blocks[p // BS], p % BS] == h[p]
+
+    # ---- invariants
+
+    @invariant()
+    def pages_read_back_their_history(self) -> None:
+        if self.manager is None:
+            return
+        self.m.check_invariants()
+        held: Counter[int] = Counter()
+        for seq in self.seqs:
+            t = seq.table
+            h = history(t.namespace, seq.tokens)
+            assert t.num_released_blocks == min(
+                self.m.window_start(seq.num_computed), len(t.block_ids)
+            )
+            for p in range(seq.num_computed):
+                assert self.kv[t.block_ids[p // BS], p % BS] == h[p], "global page"
+            local = self.m.local_table(t)
+            for j in range(t.num_released_blocks, len(t.block_ids)):
+                assert local[j] != NULL_PAGE, "a block inside the window has no local page"
+                held[local[j]] += 1
+            for p in range(max(0, seq.num_computed - self.window + 1), seq.num_computed):
+                assert self.local_kv[local[p // BS], p % BS] == h[p], "local page"
+        holders = self.m.local.holders
+        for page in range(1, self.m.local.num_pages):
+            assert holders[page] == held[page], f"local page {page}: holds off"
+
+
+TestHybridMachine = HybridMachine.TestCase
+TestHybridMachine.settings = settings(
+    max_examples=300,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+# ---- unit tests
+
+
+def manager(window: int, num_local: int, num_blocks: int = 16) -> HybridBlockManager:
+    return HybridBlockManager(num_blocks, BS, b"id", window, num_local, lambda s, d, k: None)
+
+
+def fill(m: HybridBlockManager, tokens: list[int]) -> BlockTable:
+    t = m.allocate(tokens, "", m.match(tokens, "", 0), len(tokens))
+    m.commit(t, tokens, len(tokens))
+    return t
+
+
+def test_hit_shrinks_to_the_largest_complete_window() -> None:
+    m = manager(window=6, num_local=17)
+    tokens = list(range(20))  # 5 blocks
+    m.free(fill(m, tokens))
+    assert m.match(tokens, "", 19).num_tokens == 19  # partial hit of 3 in block 4
+    blocks = m.match(tokens, "", 19).blocks
+    local = m.local
+    page = local.page_of[blocks[3]]  # keys 12..15: inside the window of 14..18
+    local._idle.pop(page)
+    local.page_of[blocks[3]], local.block_of[page] = NULL_PAGE, -1
+    local._free.append(page)
+    m.check_invariants()
+    # 19 needs keys 14..18 (blocks 3, 4): block 3 is missing, so at most 12 (keys 7..11: 1, 2)
+    assert m.match(tokens, "", 19).num_tokens == 12
+    assert m.match(tokens, "", 13).num_tokens == 12
+    assert m.match(tokens, "", 12).num_tokens == 12
+    page1 = local.page_of[blocks[1]]  # now 12 misses too: keys 7..11 need block 1
+    local._idle.pop(page1)
+    local.page_of[blocks[1]], local.block_of[page1] = NULL_PAGE, -1
+    local._free.append(page1)
+    assert m.match(tokens, "", 19).num_tokens == 4  # keys 0..3 only: block 0
+    assert m.shrunk_tokens > 0
+    m.check_invariants()
+
+
+def test_a_long_prompt_keeps_only_its_window_held() -> None:
+    m = manager(window=5, num_local=17)
+    tokens = list(range(30))
+    t = fill(m, tokens)
+    # next query at 30 needs keys 26..29: block 6 (24..27) and 7 (28..29)
+    assert t.num_released_blocks == 6
+    assert m.local_table(t)[:6] == [NULL_PAGE] * 6
+    assert m.local.num_held == 2 and m.local.num_idle == 6
+    m.free(t)
+    assert m.local.num_held == 0 and m.local.num_idle == 7  # the private tail block is freed
+
+
+def test_capacity_counts_the_local_pool() -> None:
+    m = manager(window=8, num_local=4)  # 3 usable local pages, 16 global
+    tokens = list(range(40))
+    nothing = PrefixMatch([], None, 0, BS)
+    assert not m.can_allocate(nothing, 16)  # 4 blocks: global room, no local room
+    with pytest.raises(OutOfBlocksError):
+        m.allocate(tokens, "", nothing, 16)
+    t = m.allocate(tokens, "", nothing, 12)
+    assert not m.can_grow(t, 13) and m.local.num_available == 0
+    m.commit(t, tokens, 12)  # the window (keys 5..11) leaves block 0: its page goes idle
+    assert m.local.num_idle == 1 and m.can_grow(t, 13)
+    m.grow(t, 13)  # takes the idle page: block 0 loses its local page (detached)
+    assert m.local.num_detached == 1 and m.local.page_of[t.block_ids[0]] == NULL_PAGE
+    m.check_invariants()
+
+
+def test_pinned_blocks_keep_their_local_pages_longest() -> None:
+    m = manager(window=4, num_local=6)  # 5 usable local pages
+    pinned, other = list(range(100, 108)), list(range(200, 208))
+    m.free(fill(m, pinned))
+    m.free(fill(m, other))
+    m.pin(pinned, "")
+    assert m.local.num_idle == 4 and m.local.num_free == 1
+    t = m.allocate(list(range(16)), "", PrefixMatch([], None, 0, BS), 12)  # 3 pages: 1 free
+    assert all(m.local.page_of[b] for b in m.match(pinned, "", 8).blocks)  # 2 detached: other's
+    assert m.match(pinned, "", 7).num_tokens == 7 and m.match(other, "", 7).num_tokens == 0
+    m.grow(t, 16)  # nothing unpinned is left: a pinned block's page goes
+    assert m.match(pinned, "", 7).num_tokens == 4
+    m.check_invariants()
+
+
+def test_local_pool_size_floor_and_cap() -> None:
+    assert local_pool_size(1000, 0.5, 512, 16, 4, 2048) == 501
+    floor = 256 * (32 + 2) + 128 + 1
+    assert local_pool_size(100_000, 0.01, 512, 16, 256, 2048) == floor
+    assert local_pool_size(100, 0.5, 512, 16, 256, 2048) == 101  # one per block at most
+
+
+def test_the_kv_budget_is_split_between_the_groups() -> None:
+    spec = KVCacheSpec(num_layers=6, num_kv_heads=1, head_dim=8, block_size=16)
+    windows = (32, 32, 0, 32, 32, 0)
+    config = EngineConfig(
+        kv_memory_bytes=spec.bytes_per_block * 100, max_num_seqs=2, max_num_batched_tokens=64
+    )
+    num_blocks, num_local = hybrid_pool_sizes(config, spec, windows)
+    page = spec.bytes_per_layer_page
+    assert num_blocks * 2 * page + num_local * 4 * page <= config.kv_memory_bytes
+    assert num_blocks > 100  # the sliding layers take less than their share
+    assert num_local == int(0.5 * num_blocks) + 1
