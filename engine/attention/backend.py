@@ -25,6 +25,9 @@ class AttentionShape:
 
 class AttentionBackend(ABC):
     name: str = ""
+    supports_window: bool = (
+        False  # honours AttentionMetadata.window (a hybrid model's sliding layers)
+    )
 
     def prepare(self, shape: AttentionShape, device: torch.device) -> None:  # noqa: B027
         """Once, before the first step: build or load what the backend needs for this shape

@@ -24,6 +24,7 @@ from .torch_backend import TorchBackend
 
 class CpuKernelBackend(AttentionBackend):
     name = "cpu"
+    supports_window = True
 
     def __init__(self) -> None:
         self._reference: TorchBackend | None = None  # set by prepare() for shapes we lack

@@ -52,6 +52,7 @@ DEFAULT_MAX_NUM_PAGES = 16384
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
+    supports_window = True
 
     def __init__(
         self,

@@ -43,6 +43,7 @@ class _PrefillGroup:
 
 class SplitKernelBackend(AttentionBackend):
     name = "cpu-split"
+    supports_window = True
 
     def __init__(self) -> None:
         self._reference: TorchBackend | None = None  # set by prepare() for shapes we lack

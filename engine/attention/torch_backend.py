@@ -124,6 +124,7 @@ def _padded(tables: list[list[int]]) -> torch.Tensor:
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    supports_window = True
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
