@@ -194,14 +194,14 @@ def test_100k_blocks_fold_to_a_bounded_reply_quickly() -> None:
     parent = big_tree(100_000)
     hits = [random.Random(1).randrange(0, 3) for _ in parent]
     snap = snapshot(parent, hits=hits)
-    began = time.perf_counter()
+    began = time.thread_time()  # this thread's CPU time: a loaded box's waits do not count
     view = build_view(snap, max_nodes=1500)
-    elapsed = time.perf_counter() - began
+    elapsed = time.thread_time() - began
     body = msgspec.json.encode(view)
     assert view.num_blocks == 100_000 and view.folded
     assert len(view.nodes) <= 2 * 1500
     assert len(body) < 600_000, len(body)
-    assert elapsed < 5.0, f"folding 100K blocks took {elapsed:.2f}s"  # ~0.3 s unloaded
+    assert elapsed < 5.0, f"folding 100K blocks took {elapsed:.2f} s of CPU"  # ~0.3 s here
     check_widths(view)
     deep = max((n for n in view.nodes if n.kind == "prefix"), key=lambda n: n.tokens)
     assert deep.tokens == (100_000 // 4 + 1) * BS  # the deep chain is one node
@@ -349,11 +349,11 @@ def test_engine_snapshot_of_100k_blocks_is_one_quick_pass() -> None:
         table = manager.allocate(prompt, "ns", match, len(prompt))
         manager.commit(table, prompt, len(prompt))
         manager.free(table)
-    began = time.perf_counter()
+    began = time.thread_time()  # CPU time, as above
     snap = activity.snapshot()
-    elapsed = time.perf_counter() - began
+    elapsed = time.thread_time() - began
     assert len(snap.parent) > 98_000 and all(p < i for i, p in enumerate(snap.parent))
-    assert elapsed < 3.0, f"the engine-side copy took {elapsed:.2f}s"  # ~0.1 s unloaded
+    assert elapsed < 3.0, f"the engine-side copy took {elapsed:.2f} s of CPU"  # ~0.1 s here
     view = build_view(snap)
     assert len(view.nodes) <= 2 * 1500
     check_widths(view)

@@ -129,11 +129,24 @@ def test_extreme_sampling_values_harm_no_bystander(sidecar_server: Server) -> No
 def test_a_client_that_leaves_a_plain_request_still_aborts_it(sidecar_server: Server) -> None:
     """A full close is not taken for a half close: the server's probe meets a reset."""
     body = {"messages": [USER], "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    before = generated_tokens(sidecar_server.root)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             f"{sidecar_server.url}/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.3)
         )
     from conftest import wait_for_idle_blocks
 
-    stats = wait_for_idle_blocks(sidecar_server.root, timeout=5)
-    assert stats["blocks"]["in_use"] == 0  # aborted, not run for 900 tokens
+    # Counted, not timed: a fixed few seconds for the blocks to free told an abort from a
+    # finished run only on an idle machine. The wait bounds a hang; the token count tells.
+    stats = wait_for_idle_blocks(sidecar_server.root, timeout=120)
+    assert stats["blocks"]["in_use"] == 0
+    ran = generated_tokens(sidecar_server.root) - before
+    assert ran < 900, "not aborted: the request ran for all its 900 tokens"
+
+
+def generated_tokens(root: str) -> float:
+    """The engine's generated-token counter, from the sidecar's /metrics."""
+    for line in httpx.get(f"{root}/metrics", timeout=30).text.splitlines():
+        if line.startswith("prefixcache:generation_tokens_total "):
+            return float(line.split()[1])
+    raise AssertionError("no prefixcache:generation_tokens_total in /metrics")

@@ -102,23 +102,33 @@ def test_memos_are_bounded_in_bytes(demo_loaded: Any) -> None:
 
 
 def test_many_segments_are_a_quick_400(real_tokenizer_server: Server) -> None:
+    """Refused before the 2000 segments are rendered. The fastest of up to three tries is
+    bounded, not each one: a refusal that does the work first is slow every time, while load
+    on a shared box stretches a try now and then."""
     segments = [{"role": "user", "tag": f"t{i}", "content": "x"} for i in range(2000)]
-    started = time.monotonic()
-    response = httpx.post(
-        f"{real_tokenizer_server.url}/chat/completions",
-        json={"segments": segments, "max_tokens": 1},
-        headers=auth("a"),
-        timeout=120,
-    )
-    elapsed = time.monotonic() - started
-    assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"].startswith("segments")
-    assert "256" in response.json()["error"]["message"]
-    assert elapsed < 1.5, f"{elapsed:.1f} s"
+    tries: list[float] = []
+    while len(tries) < 3 and not (tries and min(tries) < 1.5):
+        started = time.monotonic()
+        response = httpx.post(
+            f"{real_tokenizer_server.url}/chat/completions",
+            json={"segments": segments, "max_tokens": 1},
+            headers=auth("a"),
+            timeout=120,
+        )
+        tries.append(time.monotonic() - started)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"].startswith("segments")
+        assert "256" in response.json()["error"]["message"]
+    assert min(tries) < 1.5, f"each try took over 1.5 s: {tries}"
 
 
 def test_a_big_prompt_never_stalls_the_event_loop(real_tokenizer_server: Server) -> None:
-    """While 3 MB of segments render and tokenize (seconds), /health answers at once."""
+    """While 3 MB of segments render and tokenize (seconds), /health answers at once.
+
+    "At once" is relative to the render: with the render on the event loop, a probe waits for
+    all of it (and only one or two probes fit), so the slowest probe is bounded by a quarter
+    of the big request's own time as well as the fixed 0.5 s (whichever is larger): on a
+    loaded box both stretch alike, and a fixed bound alone flakes there."""
     rng = random.Random(13)
     segments = [
         {"role": "user" if i % 2 else "system", "tag": f"t{i}", "content": words(rng, 12_000)}
@@ -127,14 +137,17 @@ def test_a_big_prompt_never_stalls_the_event_loop(real_tokenizer_server: Server)
     body = json.dumps({"segments": segments, "max_tokens": 1}).encode()
     done = threading.Event()
     status: list[int] = []
+    took: list[float] = []
 
     def big() -> None:
+        began = time.monotonic()
         response = httpx.post(
             f"{real_tokenizer_server.url}/chat/completions",
             content=body,
             headers={**auth("b"), "content-type": "application/json"},
             timeout=300,
         )
+        took.append(time.monotonic() - began)
         status.append(response.status_code)
         done.set()
 
@@ -152,7 +165,8 @@ def test_a_big_prompt_never_stalls_the_event_loop(real_tokenizer_server: Server)
             time.sleep(0.05)
     thread.join()
     assert status == [400]  # far over the context
-    assert worst < 0.5, f"/health took {worst:.2f} s while the big prompt rendered"
+    bound = max(0.5, took[0] / 4)
+    assert worst < bound, f"/health took {worst:.2f} s while the big prompt took {took[0]:.2f} s"
     assert probes >= 3, "the big request finished too fast to tell"
 
 

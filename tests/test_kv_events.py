@@ -240,20 +240,46 @@ def test_token_ids_follow_the_policy() -> None:
 # --- over ZMQ -----------------------------------------------------------------------------
 
 
-def recv_batches(sub: Any, timeout_ms: int = 2000) -> list[tuple[int, bytes]]:
+def recv_batches(sub: Any, timeout_ms: int = 10_000) -> list[tuple[int, bytes]]:
+    """The batches that arrive: the first within ``timeout_ms`` (a hang bound), each next one
+    within a second of the last (the publisher's thread sends them in a burst; a second is
+    slack for a loaded box)."""
     out = []
     while sub.poll(timeout_ms):
         _topic, seq, payload = sub.recv_multipart()
         out.append((int.from_bytes(seq, "big"), payload))
-        timeout_ms = 300
+        timeout_ms = 1000
     return out
 
 
 def subscriber(ctx: Any, endpoint: str) -> Any:
+    """A SUB socket on ``endpoint``, returned once it has joined. PUB/SUB delivers only what is
+    sent after the subscription reached the publisher; a fixed sleep made that so on an idle
+    box only. This waits for the ZMTP handshake (30 s bounds a hang), then 0.3 s more for the
+    subscription, the first message after it, to cross."""
+    from zmq.utils.monitor import recv_monitor_message
+
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sub.connect(endpoint)
+        assert monitor.poll(30_000), f"no ZMTP handshake with {endpoint} in 30 s"
+        recv_monitor_message(monitor)
+    finally:
+        sub.disable_monitor()
+        monitor.close(0)
+    time.sleep(0.3)
     return sub
+
+
+def sent_through(publisher: KVEventPublisher, seq: int, timeout: float = 30) -> None:
+    """Until the publisher's thread has sent batch ``seq`` (it keeps what it sent for replay):
+    what a subscriber joining after this must not see."""
+    deadline = time.monotonic() + timeout
+    while not (publisher._buffer and publisher._buffer[-1][0] >= seq):
+        assert time.monotonic() < deadline, f"batch {seq} not sent in {timeout} s"
+        time.sleep(0.01)
 
 
 def test_an_engine_stream_decodes_with_vllms_schema() -> None:
@@ -270,9 +296,8 @@ def test_an_engine_stream_decodes_with_vllms_schema() -> None:
     )
     engine = LLMEngine(config)
     ctx = zmq.Context()
-    sub = subscriber(ctx, f"tcp://127.0.0.1:{port}")
+    sub = subscriber(ctx, f"tcp://127.0.0.1:{port}")  # joined: sees what is sent from now on
     try:
-        time.sleep(0.3)  # PUB/SUB: a subscriber sees only what is sent after it joined
         prompt = list(range(5, 5 + 40))
         engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
         engine.evict_all()
@@ -319,9 +344,8 @@ def test_replay_after_a_dropped_subscriber_fills_the_gap() -> None:
     try:
         recorder.all_cleared()
         publisher.publish(recorder.drain())
-        time.sleep(0.3)  # batch 0 leaves on the publisher's thread before anyone subscribes
+        sent_through(publisher, 0)  # batch 0 is sent before anyone subscribes
         sub = subscriber(ctx, f"tcp://127.0.0.1:{port}")
-        time.sleep(0.3)
         rebuilt = Rebuilt()
         cache([1, 2, 3, 4, 5, 6, 7, 8, 9])
         first = recv_batches(sub)
@@ -331,9 +355,8 @@ def test_replay_after_a_dropped_subscriber_fills_the_gap() -> None:
         sub.close(0)  # the subscriber drops out; the cache changes meanwhile
         cache([1, 2, 3, 4, 50, 60, 70, 80, 90])
         bm.evict_all()
-        publisher.publish(recorder.drain())
+        sent_through(publisher, publisher.publish(recorder.drain()))  # 2 and 3: while away
         sub = subscriber(ctx, f"tcp://127.0.0.1:{port}")
-        time.sleep(0.3)
         cache([7, 7, 7, 7, 8])
         (live,) = recv_batches(sub)
         assert live[0] == 4  # batches 2 and 3 are missing
@@ -474,7 +497,6 @@ def test_an_engine_with_a_host_tier_publishes_its_spills_over_zmq() -> None:
     ctx = zmq.Context()
     sub = subscriber(ctx, f"tcp://127.0.0.1:{port}")
     try:
-        time.sleep(0.3)
         first, second = list(range(5, 5 + 96)), list(range(900, 900 + 96))
         params = SamplingParams(max_tokens=1, temperature=0.0)
         engine.generate([first], params)

@@ -477,7 +477,8 @@ def pinned_blocks(root: str) -> int:
 
 
 def wait_for_more_pinned(root: str, before: int) -> int:
-    for _ in range(100):  # stats are the engine's snapshot after its next step
+    deadline = time.monotonic() + 30  # bounds a hang only: generous for a loaded box
+    while time.monotonic() < deadline:  # stats are the engine's snapshot after its next step
         if (now := pinned_blocks(root)) > before:
             return now
         time.sleep(0.05)

@@ -271,7 +271,8 @@ def test_extended_retention_pins_the_input(
         max_output_tokens=1,
         prompt_cache_retention="24h",
     )
-    for _ in range(100):  # stats are the engine's snapshot after its next step
+    deadline = time.monotonic() + 30  # bounds a hang only: generous for a loaded box
+    while time.monotonic() < deadline:  # stats are the engine's snapshot after its next step
         if pinned() > before:
             break
         time.sleep(0.05)

@@ -170,7 +170,8 @@ def metric(root: str, name: str, **labels: str) -> float:
     raise AssertionError(f"{name}{{{wanted}}} not in /metrics")
 
 
-def wait_until_idle(sidecar: Server, timeout: float = 5) -> None:
+def wait_until_idle(sidecar: Server, timeout: float = 30) -> None:
+    """Until no upstream has a request in flight; the timeout bounds a hang (a leaked count)."""
     pool = sidecar.app.state.upstream.pool
     deadline = time.monotonic() + timeout
     while any(u.in_flight for u in pool.upstreams):
@@ -411,7 +412,8 @@ async def test_concurrent_requests_for_one_key_respect_the_load_bound(
     start_sidecar: Callable[..., Server], fakes: list[FakeUpstream]
 ) -> None:
     sidecar = start_sidecar([fake.url for fake in fakes], min_load=1)
-    body = chat(SYSTEM, "slow one", x_fake={"delay": 0.5})
+    # each held 3 s upstream, so all 12 are in flight together even when sending them is slow
+    body = chat(SYSTEM, "slow one", x_fake={"delay": 3})
     async with httpx.AsyncClient(base_url=sidecar.url, timeout=10) as client:
         answers = await asyncio.gather(
             *(client.post("/chat/completions", json=body) for _ in range(12))
@@ -470,10 +472,14 @@ async def test_a_failed_upstream_is_tried_again_after_retry_after(
     start_sidecar: Callable[..., Server], fakes: list[FakeUpstream]
 ) -> None:
     dead = closed_url()
-    sidecar = start_sidecar([dead], retry_after_s=0.3)
+    sidecar = start_sidecar([dead], retry_after_s=60)
+    now = [1000.0]  # the pool's clock, moved by the test: a loaded box cannot lapse it early
+    sidecar.app.state.upstream.pool.clock = lambda: now[0]
     assert httpx.post(f"{sidecar.url}/completions", json={"prompt": "a"}).status_code == 502
     assert httpx.get(f"{sidecar.root}/health").status_code == 503
-    time.sleep(0.35)
+    now[0] += 59.9
+    assert httpx.get(f"{sidecar.root}/health").status_code == 503  # not before Retry-After
+    now[0] += 0.1
     assert httpx.get(f"{sidecar.root}/health").status_code == 200
     assert httpx.post(f"{sidecar.url}/completions", json={"prompt": "a"}).status_code == 502
     assert metric(sidecar.root, "prefixcache:upstream_connect_failures_total", upstream=dead) == 2
@@ -500,7 +506,9 @@ async def test_a_stream_is_relayed_byte_for_byte(sidecar: Server) -> None:
 async def test_a_client_leaving_mid_stream_closes_the_upstream_stream(
     sidecar: Server, fakes: list[FakeUpstream]
 ) -> None:
-    body = chat(SYSTEM, "Long one", stream=True, x_fake={"chunks": 200, "chunk_delay": 0.05})
+    # 2000 chunks: 100 s of stream, so the waits below (hang bounds, generous for a loaded
+    # box) end long before the upstream's stream could end by itself.
+    body = chat(SYSTEM, "Long one", stream=True, x_fake={"chunks": 2000, "chunk_delay": 0.05})
     async with (
         httpx.AsyncClient(timeout=10) as client,
         client.stream("POST", f"{sidecar.url}/chat/completions", json=body) as response,
@@ -509,8 +517,8 @@ async def test_a_client_leaving_mid_stream_closes_the_upstream_stream(
             if line.startswith("data: {"):
                 break
     owner = next(fake for fake in fakes if fake.bodies)
-    assert await asyncio.to_thread(owner.stream_cut.wait, 5)
-    await asyncio.to_thread(wait_until_idle, sidecar)
+    assert await asyncio.to_thread(owner.stream_cut.wait, 30)
+    await asyncio.to_thread(wait_until_idle, sidecar, 30)
 
 
 async def test_an_upstream_dropping_mid_stream_ends_with_an_error_event(sidecar: Server) -> None:
@@ -648,19 +656,20 @@ async def test_a_silent_upstream_is_a_504_and_stays_healthy(
     start_sidecar: Callable[..., Server], fakes: list[FakeUpstream]
 ) -> None:
     sidecar = start_sidecar([fakes[0].url], timeout_s=0.2)
-    answer = httpx.post(
-        f"{sidecar.url}/chat/completions", json=chat(SYSTEM, "x", x_fake={"delay": 1})
+    answer = httpx.post(  # the upstream's 5 s: far past the 0.2 s even when the box is loaded
+        f"{sidecar.url}/chat/completions", json=chat(SYSTEM, "x", x_fake={"delay": 5})
     )
     assert answer.status_code == 504 and answer.json()["error"]["code"] == "upstream_timeout"
     assert httpx.get(f"{sidecar.root}/health").status_code == 200
 
 
 async def test_a_client_leaving_a_slow_request_releases_it_at_once(sidecar: Server) -> None:
-    body = chat(SYSTEM, "slow", x_fake={"delay": 2})
+    body = chat(SYSTEM, "slow", x_fake={"delay": 60})
     async with httpx.AsyncClient(timeout=httpx.Timeout(10, read=0.2)) as client:
         with pytest.raises(httpx.ReadTimeout):
             await client.post(f"{sidecar.url}/chat/completions", json=body)
-    await asyncio.to_thread(wait_until_idle, sidecar, 1.0)  # well before the upstream answers
+    # released long before the upstream answers (60 s); the 10 s only bounds the wait
+    await asyncio.to_thread(wait_until_idle, sidecar, 10.0)
 
 
 async def test_metrics_show_routes_and_in_flight(sidecar: Server) -> None:
