@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -24,21 +23,11 @@ from prefixcache.engine.attention.backend import AttentionBackend
 from prefixcache.engine.attention.cpu_backend import CpuKernelBackend
 from prefixcache.engine.attention.split_backend import SplitKernelBackend
 from prefixcache.engine.attention.torch_backend import TorchBackend
+from prefixcache.engine.kernels.cpu_features import cpu_model_name
 from prefixcache.engine.model.progress import progress_iter
 
 BS, HQ, HK, D = 16, 8, 2, 64
 CONTEXT, WINDOW = 4096, 512
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def per_call_ms(fn: Callable[[], object], reps: int = 10) -> float:
@@ -89,7 +78,7 @@ def main() -> None:
         backends.insert(0, ("cpu (row kernel)", CpuKernelBackend))
     if cpu_kernels.load() is not None:
         backends.insert(1, ("cpu-split", SplitKernelBackend))
-    cpu = cpu_name()
+    cpu = cpu_model_name()
     print(f"CPU: {cpu}, {args.threads} thread(s); decode of {args.batch} sequences at "
           f"{CONTEXT} keys, window {WINDOW} vs full, bf16, hq {HQ} hk {HK} d {D}")  # fmt: skip
     rows = []

@@ -155,7 +155,7 @@ def available(name: str) -> None:
         pytest.skip(f"{name}: kernel unavailable here ({cpu_kernels.unavailable_reason()})")
 
 
-heads = st.sampled_from([(2, 1), (4, 2), (4, 4)])
+heads = st.sampled_from([(2, 1), (4, 2), (4, 4), (4, 1)])  # (4, 1): Gemma 3 270M
 dtypes = st.sampled_from([torch.bfloat16, torch.float32])
 
 
@@ -178,7 +178,9 @@ def steps(draw: st.DrawFn) -> tuple[list[tuple[int, int]], int]:
 
 @pytest.mark.parametrize("name", list(BACKENDS))
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(step=steps(), hh=heads, dtype=dtypes, d=st.sampled_from([32, 64]), seed=st.integers(0, 9))
+@given(
+    step=steps(), hh=heads, dtype=dtypes, d=st.sampled_from([32, 64, 256]), seed=st.integers(0, 9)
+)
 def test_window_matches_the_dense_masked_reference(
     name: str,
     step: tuple[list[tuple[int, int]], int],
@@ -235,6 +237,7 @@ def test_the_reference_tells_windows_apart() -> None:
     window=st.integers(1, 700),
     dtype=dtypes,
     hh=heads,
+    d=st.sampled_from([64, 256]),
 )
 def test_row_kernel_windows_are_batch_invariant(
     mine: tuple[int, int],
@@ -242,14 +245,15 @@ def test_row_kernel_windows_are_batch_invariant(
     window: int,
     dtype: torch.dtype,
     hh: tuple[int, int],
+    d: int,
 ) -> None:
     """A sequence's rows are bitwise the same alone and among other prefills and decodes."""
     hq, hk = hh
-    alone = make_case([mine], window, hq, hk, 64, dtype, 5)
+    alone = make_case([mine], window, hq, hk, d, dtype, 5)
     want = run_step(CpuKernelBackend(), alone, hq, hk)
     spec = sorted([mine, *others], key=lambda s: s[1] == 1)  # prefills first
     where = spec.index(mine)
-    batch = make_case(spec, window, hq, hk, 64, dtype, 5)  # `mine` has the same data
+    batch = make_case(spec, window, hq, hk, d, dtype, 5)  # `mine` has the same data
     out = run_step(CpuKernelBackend(), batch, hq, hk, math.nan)
     first = sum(n for _, n in spec[:where])
     assert torch.equal(out[first : first + mine[1]], want)

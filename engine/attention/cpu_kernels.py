@@ -20,7 +20,7 @@ from ..kernels import cpu_library
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 ROW_SOURCE = Path(__file__).with_name("cpu_row_attention.cpp")
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_simd.h", "cpu_flash_block.h"))
-HEAD_DIMS = frozenset({32, 64, 128})
+HEAD_DIMS = frozenset({32, 64, 128, 256})
 ROW_DTYPES = (torch.bfloat16, torch.float32)  # what row_attention takes
 REQUIRED_FLAGS = cpu_library.REQUIRED_FLAGS
 

@@ -52,6 +52,9 @@ int with_head_dim(int64_t d, Fn&& fn) {
     case 128:
       fn(std::integral_constant<int, 128>{});
       return 0;
+    case 256:  // Gemma 3
+      fn(std::integral_constant<int, 256>{});
+      return 0;
     default:
       return -1;
   }
