@@ -84,6 +84,11 @@ CASES = {
         {"available", "cpu"},
     ),
     "window_decode.py": (["--batch", "1"], {"cpu", "threads", "rows"}),
+    "hybrid.py": (  # Gemma 3 (the named model, fetched once), tiny sizes
+        ["--prefix", "64", "--requests", "3", "--context", "600", "--budget-mib", "48"]
+        + ["--capacity-prefix", "600"],
+        {"cpu", "shared", "lengths", "held", "capacity"},
+    ),
     "grammar.py": (
         ["--schemas", "12", "--batch", "8", "--steps", "4"],
         {"compile_total_s", "mask_median_ms", "refused"},

@@ -151,7 +151,7 @@ def load_folder(
 ) -> LoadedModel:
     if not folder.is_dir():
         raise ModelLoadError(
-            f"model {str(folder)!r} not found: pass 'demo', 'smollm2', a .gguf file or a local "
+            f"model {str(folder)!r} not found: pass 'demo', 'smollm2', 'gemma3', a .gguf file or a local "
             "Hugging Face folder"
         )
     config_file = folder / "config.json"

