@@ -2,7 +2,7 @@
 transformers' ``Gemma3ForCausalLM`` on the same file, in float32.
 
 A dozen completion prompts: eight that share a 1.5K-token document (the Apache License 2.0,
-three times the 512-token sliding window) and end in different questions, and four short ones.
+almost three 512-token sliding windows) and end in different questions, and four short ones.
 The engine's prompt token ids equal transformers' tokenizer, and its greedy continuations equal
 transformers' greedy ``generate``: cold (no prefix cache), warm (the document cached: a hybrid
 hit, global layers from position 0, sliding layers only their last window), chunked (prefill
@@ -119,7 +119,7 @@ def test_prompt_token_ids_equal_transformers(
     ours = [r.prompt_token_ids for r in requests(loaded, "ids")]
     for i, (mine, theirs) in enumerate(zip(ours, prompts, strict=True)):
         assert mine == theirs, f"prompt {i}: token ids differ"
-    assert shared_tokens(loaded) > 3 * 512  # the document spans three windows
+    assert shared_tokens(loaded) > 1400  # the document spans almost three 512-token windows
 
 
 @pytest.mark.timeout(900)
