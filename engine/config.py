@@ -72,7 +72,7 @@ class EngineConfig:
     max_hint_pinned_blocks: int | None = None  # per namespace; None: a quarter of the pool
     # Hybrid (sliding-window + global) models: local pages per global page. The KV budget is
     # split so; never fewer than the running windows plus one step's tokens need
-    # (local_pages.local_pool_size), never more than one per global page.
+    # (kv_setup.local_pool_size), never more than one per global page.
     swa_pool_ratio: float = 0.5
 
     def __post_init__(self) -> None:

@@ -26,8 +26,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.memory.block_types import BlockTable, OutOfBlocksError, PrefixMatch
 from prefixcache.engine.memory.kv_cache import KVCacheSpec
-from prefixcache.engine.memory.local_pages import NULL_PAGE, HybridBlockManager, local_pool_size
-from prefixcache.engine.step.kv_setup import hybrid_pool_sizes
+from prefixcache.engine.memory.local_pages import NULL_PAGE, HybridBlockManager
+from prefixcache.engine.step.kv_setup import hybrid_pool_sizes, local_pool_size
 
 BS = 4
 NUM_BLOCKS = 24
@@ -227,7 +227,7 @@ def test_hit_shrinks_to_the_largest_complete_window() -> None:
     blocks = m.match(tokens, "", 19).blocks
     local = m.local
     page = local.page_of[blocks[3]]  # keys 12..15: inside the window of 14..18
-    local._idle.pop(page)
+    local._unidle(page)
     local.page_of[blocks[3]], local.block_of[page] = NULL_PAGE, -1
     local._free.append(page)
     m.check_invariants()
@@ -236,7 +236,7 @@ def test_hit_shrinks_to_the_largest_complete_window() -> None:
     assert m.match(tokens, "", 13).num_tokens == 12
     assert m.match(tokens, "", 12).num_tokens == 12
     page1 = local.page_of[blocks[1]]  # now 12 misses too: keys 7..11 need block 1
-    local._idle.pop(page1)
+    local._unidle(page1)
     local.page_of[blocks[1]], local.block_of[page1] = NULL_PAGE, -1
     local._free.append(page1)
     assert m.match(tokens, "", 19).num_tokens == 4  # keys 0..3 only: block 0

@@ -128,7 +128,7 @@ def test_incomplete_window_shrinks_the_hit(hybrid_loaded: LoadedModel) -> None:
     local = manager.local
     victim = blocks[7]  # keys 112..127: inside the window of a 149-token hit
     page = local.page_of[victim]
-    local._idle.pop(page)  # what local-pool pressure does to an idle page
+    local._unidle(page)  # what local-pool pressure does to an idle page
     local.block_of[page], local.page_of[victim] = -1, 0
     local._free.append(page)
     manager.check_invariants()
@@ -151,9 +151,12 @@ def test_hybrid_refuses_the_kv_tier_and_prefix_files(
 def test_a_backend_without_windows_is_refused(
     hybrid_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from prefixcache.engine.attention import create_backend
+    from prefixcache.engine.attention.torch_backend import TorchBackend
 
-    monkeypatch.setattr(engine_module, "create_backend", create_backend)
+    class FullOnly(TorchBackend):  # a backend that never learnt AttentionMetadata.window
+        supports_window = False
+
+    monkeypatch.setattr(engine_module, "create_backend", lambda *a, **k: FullOnly())
     with pytest.raises(ValueError, match="sliding-window support"):
         LLMEngine(
             EngineConfig(
@@ -227,7 +230,7 @@ def test_a_hit_cut_by_its_window_is_explained(hybrid_loaded: LoadedModel) -> Non
     for block in manager.match(base, "", len(base) - 1).blocks[4:]:  # idle: detach them
         local = manager.local
         page = local.page_of[block]
-        local._idle.pop(page)
+        local._unidle(page)
         local.block_of[page], local.page_of[block] = -1, 0
         local._free.append(page)
     match = manager.match(base, "", len(base) - 1)

@@ -59,6 +59,7 @@ class BlockTable:
     block_size: int = DEFAULT_BLOCK_SIZE
     num_reloaded_tokens: int = 0  # of num_cached_tokens, copied back from the KV tier
     num_released_blocks: int = 0  # hybrid: leading blocks out of the window (local pages let go)
+    num_interior_blocks: int = 0  # hybrid: prompt blocks more than a window before its end
 
     @property
     def num_slots(self) -> int:

@@ -18,7 +18,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from ..paging import ceil_div
 from .block_manager import BlockManager
 from .block_pool import BlockPool
 from .block_types import (
@@ -34,10 +33,14 @@ NULL_PAGE = 0
 
 
 class LocalPages:
-    """Local pages: free, held (by ``holders`` tables) or idle (attached, LRU). Idle pages of
-    pinned blocks (``is_pinned``) wait in a second LRU, taken only when the first is empty."""
+    """Local pages: free, held (by ``holders`` tables) or idle (attached, LRU). Three LRUs of
+    idle pages, taken in turn: *behind* (a prompt's interior, more than a window before its
+    end, which only a hit diverging inside that prompt could use), then plain idle (the last
+    window of a prompt or of a finished sequence: what a hit on it needs), then the pages of
+    pinned blocks (``is_pinned``)."""
 
     __slots__ = (
+        "_behind",
         "_free",
         "_idle",
         "_idle_pinned",
@@ -58,6 +61,7 @@ class LocalPages:
         self.holders: list[int] = [0] * num_pages
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # lowest page on top
         self._idle: OrderedDict[int, None] = OrderedDict()
+        self._behind: OrderedDict[int, None] = OrderedDict()
         self._idle_pinned: OrderedDict[int, None] = OrderedDict()
         self.is_pinned: Callable[[int], bool] = lambda block: False
         self.num_detached = 0  # idle pages taken from their block under local pressure
@@ -68,7 +72,7 @@ class LocalPages:
 
     @property
     def num_idle(self) -> int:
-        return len(self._idle) + len(self._idle_pinned)
+        return len(self._idle) + len(self._behind) + len(self._idle_pinned)
 
     @property
     def num_available(self) -> int:
@@ -84,8 +88,8 @@ class LocalPages:
         assert self.page_of[block] == NULL_PAGE, f"block {block} already has a local page"
         if self._free:
             page = self._free.pop()
-        elif self._idle or self._idle_pinned:
-            page, _ = (self._idle or self._idle_pinned).popitem(last=False)
+        elif self._behind or self._idle or self._idle_pinned:
+            page, _ = (self._behind or self._idle or self._idle_pinned).popitem(last=False)
             self.page_of[self.block_of[page]] = NULL_PAGE
             self.num_detached += 1
         else:
@@ -97,25 +101,34 @@ class LocalPages:
         page = self.page_of[block]
         assert page != NULL_PAGE, f"block {block} has no local page"
         if self.holders[page] == 0:
-            self._idle_list(block).pop(page)
+            self._unidle(page)
         self.holders[page] += 1
 
-    def release(self, block: int) -> None:
+    def release(self, block: int, behind: bool = False) -> None:
+        """Let go of one hold; the last one makes the page idle (``behind``: in the LRU taken
+        first, for a prompt's interior)."""
         page = self.page_of[block]
         assert page != NULL_PAGE and self.holders[page] > 0, f"block {block}: no hold to release"
         self.holders[page] -= 1
         if self.holders[page] == 0:
-            self._idle_list(block)[page] = None
+            lru = self._idle_list(block)
+            (self._behind if behind and lru is self._idle else lru)[page] = None
 
     def repin(self, block: int) -> None:
         """The block's pin state changed: an idle page moves to the matching LRU's tail."""
         page = self.page_of[block]
         if page != NULL_PAGE and self.holders[page] == 0:
-            (self._idle if page in self._idle else self._idle_pinned).pop(page)
+            self._unidle(page)
             self._idle_list(block)[page] = None
 
     def _idle_list(self, block: int) -> OrderedDict[int, None]:
         return self._idle_pinned if self.is_pinned(block) else self._idle
+
+    def _unidle(self, page: int) -> None:
+        for lru in (self._idle, self._behind, self._idle_pinned):
+            if lru.pop(page, 1) is None:
+                return
+        raise AssertionError(f"local page {page} is not idle")
 
     def block_freed(self, block: int) -> int:
         """The block's global page went back to the free list: free its local page. Returns
@@ -126,7 +139,7 @@ class LocalPages:
         self.page_of[block], self.block_of[page] = NULL_PAGE, -1
         if self.holders[page]:
             return page
-        (self._idle if page in self._idle else self._idle_pinned).pop(page)
+        self._unidle(page)
         self._free.append(page)
         return NULL_PAGE
 
@@ -143,6 +156,11 @@ class LocalPages:
 
     def check(self) -> None:
         free, idle, pinned = set(self._free), set(self._idle), set(self._idle_pinned)
+        behind = set(self._behind)
+        assert not (behind & (idle | pinned)) and not any(
+            self.is_pinned(self.block_of[p]) for p in behind
+        ), "a behind page is also idle, or pinned"
+        idle |= behind
         assert not (idle & pinned)
         for page in idle | pinned:
             assert self.is_pinned(self.block_of[page]) == (page in pinned), f"local page {page}"
@@ -197,23 +215,6 @@ class _WatchedPool(BlockPool):
         page = self.local.block_freed(block)
         if page != NULL_PAGE:
             self.orphans[block] = page
-
-
-def local_pool_size(
-    num_blocks: int,
-    ratio: float,
-    window: int,
-    block_size: int,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-) -> int:
-    """Local pages (null page included): ``ratio`` per global page, but never fewer than
-    every running sequence's window plus one full step of new tokens needs (a sequence
-    computing [s, e) holds blocks (s - w + 1) // bs .. (e - 1) // bs), and never more than
-    one per block (more could not be used)."""
-    per_seq = ceil_div(max(window - 1, 0), block_size) + 2
-    floor = max_num_seqs * per_seq + ceil_div(max_num_batched_tokens, block_size) + 1
-    return max(2, min(num_blocks + 1, max(int(ratio * num_blocks) + 1, floor)))
 
 
 class HybridBlockManager(BlockManager):
@@ -323,6 +324,7 @@ class HybridBlockManager(BlockManager):
         if match.partial_tokens and match.partial_block is not None:
             self.local.release(match.partial_block)  # the copy source: its copy is held
         table.num_released_blocks = self.window_start(table.num_cached_tokens)
+        table.num_interior_blocks = self.window_start(len(token_ids))
         return table
 
     def _copy_both(self, src: int, dst: int, num_tokens: int) -> None:
@@ -357,9 +359,9 @@ class HybridBlockManager(BlockManager):
     def slide(self, table: BlockTable, num_computed: int) -> None:
         """Release the holds on the blocks that slid wholly out of the window."""
         end = min(self.window_start(num_computed), len(table.block_ids))
-        release = self.local.release
+        release, interior = self.local.release, table.num_interior_blocks
         for j in range(table.num_released_blocks, end):
-            release(table.block_ids[j])
+            release(table.block_ids[j], behind=j < interior)
         table.num_released_blocks = max(table.num_released_blocks, end)
 
     def free(self, table: BlockTable) -> None:

@@ -13,8 +13,9 @@ from ..memory.block_manager import BlockManager
 from ..memory.block_types import BlockTable
 from ..memory.kv_cache import KVCache, KVCacheSpec
 from ..memory.kv_tier import KVTier, create_tier
-from ..memory.local_pages import HybridBlockManager, local_pool_size
+from ..memory.local_pages import HybridBlockManager
 from ..model.loader import LoadedModel
+from ..paging import ceil_div
 
 
 @dataclass(slots=True)
@@ -113,3 +114,20 @@ def hybrid_pool_sizes(
         num_blocks = max(1, (budget - num_local * l_bytes) // g_bytes)
         num_local = local(num_blocks)
     return num_blocks, num_local
+
+
+def local_pool_size(
+    num_blocks: int,
+    ratio: float,
+    window: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> int:
+    """Local pages (null page included): ``ratio`` per global page, but never fewer than
+    every running sequence's window plus one full step of new tokens needs (a sequence
+    computing [s, e) holds blocks (s - w + 1) // bs .. (e - 1) // bs), and never more than
+    one per block (more could not be used)."""
+    per_seq = ceil_div(max(window - 1, 0), block_size) + 2
+    floor = max_num_seqs * per_seq + ceil_div(max_num_batched_tokens, block_size) + 1
+    return max(2, min(num_blocks + 1, max(int(ratio * num_blocks) + 1, floor)))
