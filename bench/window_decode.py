@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from row_decode import per_call_ms
 
 from prefixcache.engine.attention import AttentionMetadata, AttentionShape, SeqSpec, cpu_kernels
 from prefixcache.engine.attention.backend import AttentionBackend
@@ -28,17 +27,6 @@ from prefixcache.engine.model.progress import progress_iter
 
 BS, HQ, HK, D = 16, 8, 2, 64
 CONTEXT, WINDOW = 4096, 512
-
-
-def per_call_ms(fn: Callable[[], object], reps: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        times.append((time.perf_counter() - start) / reps * 1e3)
-    return statistics.median(times)
 
 
 def decode_ms(backend: AttentionBackend, batch: int, window: int, dtype: torch.dtype) -> float:
@@ -63,7 +51,7 @@ def decode_ms(backend: AttentionBackend, batch: int, window: int, dtype: torch.d
         backend.plan(meta, shape)
         backend.forward(q, k, k, kv)
 
-    return per_call_ms(step)
+    return per_call_ms(step, reps=10)
 
 
 def main() -> None:
