@@ -1,5 +1,6 @@
 // The decoder layer's elementwise work in bf16 on AVX-512 (built by cpu_layer_ops.py):
-// residual add + RMSNorm, rotary embedding in place on q and k, SiLU(gate) * up.
+// residual add + RMSNorm (Llama's, and Gemma's 1 + w form with its post-norms), rotary
+// embedding in place on q and k (with per-head q/k norms), SiLU(gate) * up.
 //
 // Every bf16 result is rounded where torch's unfused bf16 ops round it (each op computes in
 // fp32 from bf16 operands and rounds its output to bf16, nearest-even), and RMSNorm's sum of
@@ -121,6 +122,27 @@ inline float torch_order_sum(int64_t cols, Vec sq, Tail sq_tail) {
     return result;
 }
 
+// 1 / sqrt(mean(src^2) + eps) over a bf16 row, the mean in torch's order.
+inline float inv_rms(const uint16_t* src, int64_t cols, float eps) {
+    auto sq = [src](int64_t v) {
+        __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + v * 8));
+        __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+        return _mm256_mul_ps(a, a);
+    };
+    auto sq_tail = [src](int64_t k) {
+        uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
+        float a;
+        __builtin_memcpy(&a, &bits, 4);
+        return a * a;
+    };
+    float mean = torch_order_sum(cols, sq, sq_tail) / static_cast<float>(cols);
+    return 1.0f / std::sqrt(mean + eps);
+}
+
+inline __mmask16 chunk_mask(int64_t cols, int64_t j) {
+    return cols - j >= 16 ? static_cast<__mmask16>(0xffff) : tail_mask(cols - j);
+}
+
 // One row: (optionally residual = bf16(x + residual)), then
 // out = bf16(w * bf16(r * rsqrt(mean(r^2) + eps))) over r = the (new) residual, or x.
 inline void rms_norm_row(const uint16_t* x, uint16_t* residual, const uint16_t* w, uint16_t* out,
@@ -136,24 +158,38 @@ inline void rms_norm_row(const uint16_t* x, uint16_t* residual, const uint16_t* 
             store_bf16_masked(residual + j, round_bf16(a), m);
         }
     }
-    auto sq = [src](int64_t v) {
-        __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + v * 8));
-        __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-        return _mm256_mul_ps(a, a);
-    };
-    auto sq_tail = [src](int64_t k) {
-        uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
-        float a;
-        __builtin_memcpy(&a, &bits, 4);
-        return a * a;
-    };
-    float mean = torch_order_sum(cols, sq, sq_tail) / static_cast<float>(cols);
-    const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
+    const __m512 scale = _mm512_set1_ps(inv_rms(src, cols, eps));
     for (int64_t j = 0; j < cols; j += 16) {
-        __mmask16 m = cols - j >= 16 ? static_cast<__mmask16>(0xffff) : tail_mask(cols - j);
+        __mmask16 m = chunk_mask(cols, j);
         __m512 a = round_bf16(_mm512_mul_ps(load_bf16_masked(src + j, m), scale));
         store_bf16_masked(out + j, _mm512_mul_ps(load_bf16_masked(w + j, m), a), m);
     }
+}
+
+// Gemma's RMSNorm of one row: out = bf16((x * rsqrt(mean(x^2) + eps)) * scale) in fp32,
+// scale = 1 + w (fp32), rounded once at the end as transformers' Gemma3RMSNorm does.
+inline void gemma_norm_row(const uint16_t* x, const float* scale, uint16_t* out, int64_t cols,
+                           float eps) {
+    const __m512 r = _mm512_set1_ps(inv_rms(x, cols, eps));
+    for (int64_t j = 0; j < cols; j += 16) {
+        __mmask16 m = chunk_mask(cols, j);
+        __m512 a = _mm512_mul_ps(load_bf16_masked(x + j, m), r);
+        store_bf16_masked(out + j, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, scale + j)), m);
+    }
+}
+
+// Gemma's post-norm residual and the next pre-norm in one pass over a row:
+// residual = bf16(residual + gemma_norm(h, post)), then out = gemma_norm(residual, pre).
+inline void gemma_add_norms_row(const uint16_t* h, uint16_t* residual, const float* post,
+                                const float* pre, uint16_t* out, int64_t cols, float eps) {
+    const __m512 r = _mm512_set1_ps(inv_rms(h, cols, eps));
+    for (int64_t j = 0; j < cols; j += 16) {
+        __mmask16 m = chunk_mask(cols, j);
+        __m512 a = _mm512_mul_ps(load_bf16_masked(h + j, m), r);
+        __m512 n = round_bf16(_mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, post + j)));
+        store_bf16_masked(residual + j, _mm512_add_ps(load_bf16_masked(residual + j, m), n), m);
+    }
+    gemma_norm_row(residual, pre, out, cols, eps);
 }
 
 // out[i, j] = rotated halves of x (in place), torch's rounding:
@@ -200,28 +236,58 @@ int pc_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residual, in
     return 0;
 }
 
+// Gemma's norms, [rows, cols] bf16 contiguous, scales fp32 [cols] (1 + w). residual nullptr:
+// out = gemma_norm(h, pre). Otherwise residual = bf16(residual + gemma_norm(h, post)) in place,
+// then out = gemma_norm(residual, pre).
+int pc_gemma_norms_bf16(const uint16_t* h, uint16_t* residual, const float* post, const float* pre,
+                        uint16_t* out, int64_t rows, int64_t cols, float eps, int num_threads) {
+    if (cols <= 0) return 1;
+    auto row = [&](int64_t i) {
+        const int64_t o = i * cols;
+        if (residual == nullptr)
+            gemma_norm_row(h + o, pre, out + o, cols, eps);
+        else
+            gemma_add_norms_row(h + o, residual + o, post, pre, out + o, cols, eps);
+    };
+    if (rows * cols < kParallelMinElements || num_threads <= 1) {
+        for (int64_t i = 0; i < rows; ++i) row(i);
+        return 0;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) row(i);
+    return 0;
+}
+
 // q [tokens, hq, d] and k [tokens, hk, d] bf16 (strides in elements, the last axis
 // contiguous) rotated in place; cos, sin [tokens, d/2] bf16 with row stride cs_stride.
-// q_norm / k_norm (Qwen3's per-head RMSNorm weights [d], or nullptr): each head normalised
-// first, in place, as torch's RMSNorm over the head would (its own rounding and sum order).
+// q_norm / k_norm (per-head RMSNorm weights [d], or nullptr): each head normalised first, in
+// place, as torch's RMSNorm over the head would (its own rounding and sum order). gemma_norms
+// 0: Qwen3's, bf16 weights; 1: Gemma's, fp32 scales 1 + w (gemma_norm_row).
 int pc_rotary_bf16(uint16_t* q, int64_t q_stride_t, int64_t q_stride_h, int64_t hq, uint16_t* k,
                    int64_t k_stride_t, int64_t k_stride_h, int64_t hk, const uint16_t* cos,
                    const uint16_t* sin, int64_t cs_stride, int64_t tokens, int64_t head_dim,
-                   const uint16_t* q_norm, const uint16_t* k_norm, float q_eps, float k_eps,
-                   int num_threads) {
+                   const void* q_norm, const void* k_norm, float q_eps, float k_eps,
+                   int gemma_norms, int num_threads) {
     if (head_dim <= 0 || head_dim % 2 != 0) return 1;
     const int64_t half = head_dim / 2;
+    auto norm = [&](uint16_t* head, const void* w, float eps) {
+        if (w == nullptr) return;
+        if (gemma_norms != 0)
+            gemma_norm_row(head, static_cast<const float*>(w), head, head_dim, eps);
+        else
+            rms_norm_row(head, nullptr, static_cast<const uint16_t*>(w), head, head_dim, eps);
+    };
     auto token = [&](int64_t t) {
         const uint16_t* c = cos + t * cs_stride;
         const uint16_t* s = sin + t * cs_stride;
         for (int64_t h = 0; h < hq; ++h) {
             uint16_t* head = q + t * q_stride_t + h * q_stride_h;
-            if (q_norm != nullptr) rms_norm_row(head, nullptr, q_norm, head, head_dim, q_eps);
+            norm(head, q_norm, q_eps);
             rotate_head(head, c, s, half);
         }
         for (int64_t h = 0; h < hk; ++h) {
             uint16_t* head = k + t * k_stride_t + h * k_stride_h;
-            if (k_norm != nullptr) rms_norm_row(head, nullptr, k_norm, head, head_dim, k_eps);
+            norm(head, k_norm, k_eps);
             rotate_head(head, c, s, half);
         }
     };

@@ -1,6 +1,7 @@
 """The decoder layer's elementwise ops in one pass each, for bf16 on AVX512_BF16 CPUs
-(``cpu_layer_ops.cpp``): residual add + RMSNorm, rotary in place on q and k (with Qwen3's
-per-head q/k norms), SiLU-and-mul.
+(``cpu_layer_ops.cpp``): residual add + RMSNorm, Gemma's ``1 + w`` RMSNorm with its post-norm
+residual, rotary in place on q and k (with Qwen3's or Gemma's per-head q/k norms),
+SiLU-and-mul.
 
 At decode sizes torch's unfused ops cost more in per-op dispatch than in arithmetic (an
 RMSNorm is eight ops); these are one ``ctypes`` call each. Each bf16 output is rounded where
@@ -29,7 +30,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = c_int
     fn = lib.pc_rotary_bf16
     fn.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
-    fn.argtypes += [ptr, ptr, ctypes.c_float, ctypes.c_float, c_int]
+    fn.argtypes += [ptr, ptr, ctypes.c_float, ctypes.c_float, c_int, c_int]
+    fn.restype = c_int
+    fn = lib.pc_gemma_norms_bf16
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int]
     fn.restype = c_int
     fn = lib.pc_silu_and_mul_bf16
     fn.argtypes = [ptr, i64, ptr, i64, i64, i64, c_int]
@@ -97,17 +101,62 @@ def fused_add_rms_norm(
     return x, residual
 
 
+def _require_scale(scale: torch.Tensor, cols: int) -> None:
+    cpu_library.require(
+        scale.dtype == torch.float32 and scale.is_contiguous() and scale.shape == (cols,),
+        "scale.dtype == torch.float32 and scale.is_contiguous() and scale.shape == (cols,)",
+    )
+
+
+def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm, ``bf16(x / rms(x) * scale)`` in fp32 over ``x`` ``[T, H]`` (bf16,
+    contiguous), ``scale = 1 + weight`` (fp32 ``[H]``); a new ``[T, H]`` tensor."""
+    rows, cols = x.shape
+    cpu_library.require(x.is_contiguous(), "x.is_contiguous()")
+    _require_scale(scale, cols)
+    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    _lib().pc_gemma_norms_bf16(
+        x.data_ptr(), None, None, scale.data_ptr(), out.data_ptr(), rows, cols, eps,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def gemma_add_norms(
+    h: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, pre: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's sublayer exit and the next entry in one pass: ``residual += norm(h, post)``
+    (bf16, in place), then ``norm(residual, pre)``, a new tensor (``h``, ``residual``
+    ``[T, H]`` contiguous bf16; ``post``, ``pre`` fp32 ``1 + weight``). Returns
+    ``(normed, residual)``."""
+    rows, cols = h.shape
+    cpu_library.require(
+        h.is_contiguous() and residual.is_contiguous() and residual.shape == h.shape,
+        "h.is_contiguous() and residual.is_contiguous() and residual.shape == h.shape",
+    )
+    _require_scale(post, cols)
+    _require_scale(pre, cols)
+    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    _lib().pc_gemma_norms_bf16(
+        h.data_ptr(), residual.data_ptr(), post.data_ptr(), pre.data_ptr(), out.data_ptr(),
+        rows, cols, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out, residual
+
+
 def rotary_(
     q: torch.Tensor,
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    gemma_norms: bool = False,
 ) -> None:
     """Rotate-half RoPE in place on ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` (bf16,
     strided, the last axis contiguous) with ``cos``/``sin`` ``[T, 1, D/2]`` (bf16).
-    ``qk_norm`` (q weight ``[D]``, k weight ``[D]``, eps): Qwen3's per-head RMSNorm of q and
-    k first, in the same pass."""
+    ``qk_norm`` (q weight ``[D]``, k weight ``[D]``, eps): a per-head RMSNorm of q and k
+    first, in the same pass: Qwen3's (bf16 weights), or with ``gemma_norms`` Gemma's (fp32
+    scales ``1 + weight``, as ``gemma_rms_norm``)."""
     t, hq, d = q.shape
     hk = k.shape[1]
     cpu_library.require(
@@ -130,12 +179,16 @@ def rotary_(
             q_weight.is_contiguous() and k_weight.is_contiguous(),
             "q_weight.is_contiguous() and k_weight.is_contiguous()",
         )
+        want = torch.float32 if gemma_norms else torch.bfloat16
+        cpu_library.require(
+            q_weight.dtype == k_weight.dtype == want, "q/k norm weights of the norm's dtype"
+        )
         q_w, k_w = q_weight.data_ptr(), k_weight.data_ptr()
     rc = _lib().pc_rotary_bf16(
         q.data_ptr(), q.stride(0), q.stride(1), hq,
         k.data_ptr(), k.stride(0), k.stride(1), hk,
         cos.data_ptr(), sin.data_ptr(), cos.stride(0), t, d,
-        q_w, k_w, eps, eps, torch.get_num_threads(),
+        q_w, k_w, eps, eps, int(gemma_norms), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"rotary needs an even head dim, not {d}")

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layer_ops import FUSED_OPS, TORCH_OPS
+from .layer_ops import FUSED_OPS, TORCH_OPS, TorchLayerOps
 from .llama import (
     MLP,
     AttendFn,
@@ -35,17 +35,27 @@ from .model_config import ModelConfig, UnsupportedModelError
 
 
 class GemmaRMSNorm(nn.Module):
-    """``x / rms(x) * (1 + weight)``, all in float32, then cast back (not Llama's order)."""
+    """``x / rms(x) * (1 + weight)``, all in float32, then cast back (not Llama's order).
+    The layers call ``ops.gemma_*`` with ``scale``; ``forward`` is the same on torch's ops."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.frozen_scale: torch.Tensor | None = None  # freeze(): once the weights are loaded
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """``1 + weight`` in float32, as transformers computes it on every call."""
+        if self.frozen_scale is not None:
+            return self.frozen_scale
+        return 1.0 + self.weight.float()
+
+    def freeze(self) -> None:
+        self.frozen_scale = (1.0 + self.weight.detach().float()).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
+        return TORCH_OPS.gemma_rms_norm(x, self.scale, self.eps)
 
 
 class Gemma3Attention(Attention):
@@ -67,11 +77,12 @@ class Gemma3Attention(Attention):
         t = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
-        q = self.q_norm(qkv[:, : hq * d].view(t, hq, d))
-        k = self.k_norm(qkv[:, hq * d : (hq + hk) * d].view(t, hk, d))
+        q = qkv[:, : hq * d].view(t, hq, d)
+        k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
         v = qkv[:, (hq + hk) * d :].view(t, hk, d)
         cos, sin = rotation
-        q, k = self.ops.rotary(q, k, cos, sin, None)
+        norms = (self.q_norm.scale, self.k_norm.scale, self.q_norm.eps)
+        q, k = self.ops.gemma_rotary(q, k, cos, sin, norms)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         o = attend(self.layer_idx, q, k, v).reshape(t, hq * d)
@@ -102,24 +113,34 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.eps = eps
+        self.ops: TorchLayerOps = TORCH_OPS  # Gemma3ForCausalLM.set_fused_ops() chooses
 
     def forward(
         self,
         x: torch.Tensor,
+        normed: torch.Tensor,
         rotation: Rotation,
         attend: AttendFn,
+        next_scale: torch.Tensor,
         rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The residual stream after the layer; ``rows``: only those tokens go on past
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(residual, next normed)``: the residual stream after the layer, and it through
+        the next norm (``next_scale``: the next layer's input norm, or the final one), so
+        that each post-norm, its residual add and the next pre-norm are one pass. ``normed``:
+        ``x`` through this layer's input norm. ``rows``: only those tokens go on past
         attention (every token's K/V is still written)."""
-        h = self.self_attn(self.input_layernorm(x), rotation, attend, rows)
+        h = self.self_attn(normed, rotation, attend, rows)
         if rows is not None:
             x = x.index_select(0, rows)
             if rows.numel() == 0:
-                return x
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(h)
+                return x, x
+        post, pre = self.post_attention_layernorm.scale, self.pre_feedforward_layernorm.scale
+        normed, x = self.ops.gemma_add_norms(h, x, post, pre, self.eps)
+        h = self.mlp(normed)
+        post = self.post_feedforward_layernorm.scale
+        normed, x = self.ops.gemma_add_norms(h, x, post, next_scale, self.eps)
+        return x, normed
 
 
 class Gemma3Model(nn.Module):
@@ -140,6 +161,7 @@ class Gemma3Model(nn.Module):
             rope_scaling=None,
         )
         self.rotary_emb_local = RotaryEmbedding(local)
+        self.ops: TorchLayerOps = TORCH_OPS  # the first layer's input norm
 
     def forward(
         self,
@@ -155,12 +177,24 @@ class Gemma3Model(nn.Module):
             False: self.rotary_emb(positions, x.dtype),
             True: self.rotary_emb_local(positions, x.dtype),
         }
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rotations[layer.sliding], attend, out_rows if i == last else None)
-        if not self.layers and out_rows is not None:
-            x = x.index_select(0, out_rows)
-        return self.norm(x)
+        layers = list(self.layers)
+        if not layers:
+            if out_rows is not None:
+                x = x.index_select(0, out_rows)
+            return self.norm(x)
+        normed = self.ops.gemma_rms_norm(x, layers[0].input_layernorm.scale, self.norm.eps)
+        for i, layer in enumerate(layers):
+            last = i == len(layers) - 1
+            next_norm = self.norm if last else layers[i + 1].input_layernorm
+            x, normed = layer(
+                x,
+                normed,
+                rotations[layer.sliding],
+                attend,
+                next_norm.scale,
+                out_rows if last else None,
+            )
+        return normed
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -177,13 +211,23 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.head: Projection = _Concat(self.lm_head)
         self.prepared = False
 
+    def prepare(self, batch_invariant: bool = True) -> None:
+        """``LlamaForCausalLM.prepare``, with every norm's ``1 + weight`` computed once."""
+        if not self.prepared:
+            for module in self.modules():
+                if isinstance(module, GemmaRMSNorm):
+                    module.freeze()
+        super().prepare(batch_invariant)
+
     def set_fused_ops(self, fused: bool) -> None:
-        """Only the rotary has a fused kernel here (bf16 CPU); Gemma's norms and GeGLU are
-        torch's."""
+        """The norms (with their residual adds) and the rotary with the q/k norms run fused
+        on bf16 CPU; the GeGLU is torch's."""
         if fused and not self.prepared:
             raise ValueError("the fused ops run on prepare()d layers (the rotary is in place)")
         ops = FUSED_OPS if fused else TORCH_OPS
+        self.model.ops = ops
         for layer in self.model.layers:
+            layer.ops = ops
             layer.self_attn.ops = ops
             layer.mlp.ops = ops
 

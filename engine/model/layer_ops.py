@@ -10,12 +10,19 @@ import torch.nn.functional as F
 from ..kernels import cpu_layer_ops
 
 QKNorms = tuple[torch.Tensor, torch.Tensor, float] | None  # (q weight, k weight, eps)
+# Gemma's norms take ``scale = 1 + weight`` in fp32, computed once (GemmaRMSNorm.scale).
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def _torch_gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * scale).type_as(x)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -53,6 +60,31 @@ class TorchLayerOps:
         gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
         return F.silu(gate).mul_(up)
 
+    def gemma_rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+        return _torch_gemma_rms_norm(x, scale, eps)
+
+    def gemma_add_norms(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor,
+        post: torch.Tensor,
+        pre: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + norm(h, post), pre), residual + norm(h, post))``."""
+        residual = residual + _torch_gemma_rms_norm(h, post, eps)
+        return _torch_gemma_rms_norm(residual, pre, eps), residual
+
+    def gemma_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norms: QKNorms
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary`` with Gemma's per-head norms (fp32 scales)."""
+        if norms is not None:
+            q_scale, k_scale, eps = norms
+            q = _torch_gemma_rms_norm(q, q_scale, eps)
+            k = _torch_gemma_rms_norm(k, k_scale, eps)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
 
 class FusedLayerOps(TorchLayerOps):
     """``cpu_layer_ops``: bf16 CPU tensors only (``cpu_layer_ops.supports``)."""
@@ -78,6 +110,26 @@ class FusedLayerOps(TorchLayerOps):
 
     def silu_and_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
         return cpu_layer_ops.silu_and_mul(gate_up)
+
+    def gemma_rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+        return cpu_layer_ops.gemma_rms_norm(x, scale, eps)
+
+    def gemma_add_norms(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor,
+        post: torch.Tensor,
+        pre: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In one pass; ``residual`` updated in place."""
+        return cpu_layer_ops.gemma_add_norms(h, residual, post, pre, eps)
+
+    def gemma_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norms: QKNorms
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cpu_layer_ops.rotary_(q, k, cos, sin, norms, gemma_norms=True)
+        return q, k
 
 
 TORCH_OPS = TorchLayerOps()
