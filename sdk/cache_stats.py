@@ -45,6 +45,17 @@ class TierBlockStats(msgspec.Struct):
     bytes_used: int = 0
 
 
+class LocalPageStats(msgspec.Struct):
+    """Hybrid models (sliding-window layers beside global ones): the sliding layers' own pool
+    of pages. A running request holds only the pages inside its window; the rest stay with
+    their cached blocks (idle, evictable) until the pool needs them."""
+
+    total: int = 0
+    held: int = 0  # inside running requests' windows
+    idle: int = 0  # attached to a cached block, held by none
+    free: int = 0
+
+
 class CacheStats(msgspec.Struct):
     block_size: int = 0
     blocks: BlockStats = msgspec.field(default_factory=BlockStats)
@@ -54,3 +65,5 @@ class CacheStats(msgspec.Struct):
     tokenizer_pieces: TokenizerPieceStats | msgspec.UnsetType = msgspec.UNSET
     # Left out of the JSON (UNSET) where the engine has no KV tier.
     tier: TierBlockStats | msgspec.UnsetType = msgspec.UNSET
+    # Left out of the JSON (UNSET) where the model has no sliding-window layers.
+    local_pages: LocalPageStats | msgspec.UnsetType = msgspec.UNSET

@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from hybrid_reference import WindowedReferenceBackend
 
@@ -21,6 +22,7 @@ from prefixcache.engine.memory.prefix_store import PrefixStoreError
 from prefixcache.engine.model import demo_model
 from prefixcache.engine.model.loader import LoadedModel, load_model
 from prefixcache.engine.request import EngineRequest, SamplingParams
+from prefixcache.sdk.cache_stats import CacheStats, LocalPageStats
 
 WINDOW = 40
 
@@ -219,6 +221,16 @@ def test_local_pool_occupancy_is_exported(hybrid_loaded: LoadedModel) -> None:
     assert 'prefixcache:kv_local_pages{state="held"} 0.0' in text
     plain = LLMEngine(EngineConfig(model="demo", dtype="float32", device="cpu", num_blocks=64))
     assert "kv_local_pages" not in generate_latest(plain.metrics.registry).decode()
+    # GET /v1/cache/stats: the same pool, through the SDK's shape (absent when not hybrid)
+    stats = msgspec.json.decode(msgspec.json.encode(engine.cache_stats()), type=CacheStats)
+    assert stats.local_pages == LocalPageStats(
+        total=engine.kv_cache.num_local_pages - 1,
+        held=0,
+        idle=local.num_local_idle,
+        free=engine.block_manager.local.num_free,
+    )
+    assert local.num_local_idle > 0
+    assert b"local_pages" not in msgspec.json.encode(plain.cache_stats())
 
 
 def test_a_hit_cut_by_its_window_is_explained(hybrid_loaded: LoadedModel) -> None:

@@ -10,6 +10,7 @@ import msgspec
 from prefixcache.sdk.cache_stats import (
     BlockStats,
     CacheStats,
+    LocalPageStats,
     TierBlockStats,
     TokenizerPieceStats,
     TokenStats,
@@ -44,6 +45,16 @@ def cache_stats(
         hit_rate=s.hit_tokens / s.query_tokens if s.query_tokens else 0.0,
         tokenizer_pieces=pieces,
         tier=tier_blocks(tier) if tier is not None else msgspec.UNSET,
+        local_pages=local_pages(s) if s.num_local_pages else msgspec.UNSET,
+    )
+
+
+def local_pages(s: ManagerStats) -> LocalPageStats:
+    return LocalPageStats(
+        total=s.num_local_pages,
+        held=s.num_local_held,
+        idle=s.num_local_idle,
+        free=s.num_local_pages - s.num_local_held - s.num_local_idle,
     )
 
 
