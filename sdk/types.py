@@ -11,6 +11,7 @@ import msgspec
 from .cache_stats import (  # noqa: F401
     BlockStats,
     CacheStats,
+    LocalPageStats,
     TierBlockStats,
     TokenizerPieceStats,
     TokenStats,
