@@ -86,6 +86,12 @@ class EngineStats:
             m.requests_failed.labels(failure).inc()
         if seq.first_token_time is not None:
             m.e2e_latency.observe(now - seq.arrival_time)
+        spans = seq.request.segments or []
+        for p in seq.placements:  # position-independent hits, apart from prefix hits
+            m.reuse_anywhere_segments.labels("stored" if p.stored else "computed").inc()
+            m.reuse_anywhere_tokens.labels("placed").inc(p.num_tokens)
+            span = spans[p.segment]
+            m.reuse_anywhere_tokens.labels("recomputed").inc(span.end - span.start - p.num_tokens)
 
     # -- the cache ---------------------------------------------------------------------------
 
