@@ -115,9 +115,6 @@ class RetentionHint:
     ttl_s: float
 
 
-SEGMENT_SERVED = ("cached", "reused_anywhere", "computed")
-
-
 @dataclass(slots=True)
 class SegmentUsage:
     tag: str
@@ -125,8 +122,9 @@ class SegmentUsage:
     cached_tokens: int
     miss: SegmentMiss | None = None  # None: fully cached, or not reported
     # "cached" (an exact prefix hit, every token), "reused_anywhere" (stored chunk KV placed at
-    # this offset, ``recomputed_tokens`` computed in place), or "computed"
-    served: str = "computed"
+    # this offset, ``recomputed_tokens`` computed in place), or "computed"; "": not said
+    # (readers then go by the counts)
+    served: str = ""
     reused_tokens: int = 0  # placed from the chunk store (approximate KV)
     recomputed_tokens: int = 0  # reused_anywhere: the repair tokens and the chunk's tail
 
@@ -136,11 +134,11 @@ class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the cache (incl. copy-on-write tokens)
     computed_prompt_tokens: int = 0  # prompt tokens whose KV this request computed
-    reused_tokens: int = 0  # prompt tokens placed from the chunk store (position-independent)
     completion_tokens: int = 0
     segments: list[SegmentUsage] | None = None
     # cached_tokens by where they came from: "pool", and "host" or "disk" (the KV tier)
     cached_tokens_by_tier: dict[str, int] | None = None
+    reused_tokens: int = 0  # prompt tokens placed from the chunk store (position-independent)
 
 
 @dataclass(slots=True)

@@ -270,7 +270,9 @@ def test_plan_places_after_the_hit_within_whole_blocks() -> None:
         SegmentSpan("c", 80, 112, "anywhere"),  # ends the prompt: its last token is computed
     ]
     assert plan_placements(spans, 20, 112, 8, BS) == [(1, 28, 68), (3, 88, 111)]
-    assert plan_placements(spans, 32, 112, 0, BS) == [(3, 80, 111)]  # a starts inside the hit
+    # a starts inside the exact hit: placed from where the hit ends
+    assert plan_placements(spans, 32, 112, 0, BS) == [(1, 32, 68), (3, 80, 111)]
+    assert plan_placements(spans, 70, 112, 0, BS) == [(3, 80, 111)]
     assert plan_placements(spans, 0, 112, 48, BS) == []
 
 
@@ -302,3 +304,28 @@ def test_unknown_reuse_value_is_refused(loaded: LoadedModel) -> None:
     request = EngineRequest("r", [1, 2, 3], segments=[SegmentSpan("d", 0, 3, "sometimes")])
     with pytest.raises(ValueError, match="reuse"):
         engine.add_request(request)
+
+
+@settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(shape=prompt_shapes, repair=st.sampled_from([0, 5, 16]), budget=st.integers(3, 40))
+def test_placed_requests_equal_whatever_the_step_budget(
+    loaded: LoadedModel, shape: tuple[list[int], int, int], repair: int, budget: int
+) -> None:
+    """One step computes every run between placed spans (one batch entry each, over one
+    table); a small budget computes them a few tokens a step. Both give the same outputs bit
+    for bit, next to another request in the batch."""
+    lens, seed, system = shape
+    rag = make_rag(seed, loaded.config.vocab_size, lens, system)
+    order = list(reversed(range(len(lens))))
+    results = []
+    for step_budget in (2048, budget):
+        engine = make_engine(loaded, repair=repair, max_num_batched_tokens=step_budget)
+        run(engine, rag.request("warm", list(range(len(lens))), reuse=True))
+        other = make_rag(seed + 1, loaded.config.vocab_size, [30]).request("other", [0], False)
+        both = engine.generate([rag.request("reuse", order, reuse=True), other])
+        engine.block_manager.check_invariants()
+        assert both[0].usage.reused_tokens > 0 or max(lens) < BS + repair
+        results.append([outputs(r) for r in both])
+    assert results[0] == results[1]

@@ -55,18 +55,20 @@ class Placement:
 def plan_placements(
     spans: list[SegmentSpan], first_free: int, prompt_len: int, repair: int, block_size: int
 ) -> list[tuple[int, int, int]]:
-    """``(segment, start, end)`` of each flagged segment's placed span: after the prefix hit
-    (``first_free``), past its ``repair`` leading tokens, within its whole blocks (the tail
-    is computed), before the prompt's last token (its logits are computed)."""
+    """``(segment, start, end)`` of each flagged segment's placed span: past its ``repair``
+    leading tokens and past the exact prefix hit (``first_free``: a hit covering a segment's
+    first tokens is exact KV, better than placed), within its whole blocks (the tail is
+    computed), before the prompt's last token (its logits are computed)."""
     plans, last_end = [], first_free
     for i, span in enumerate(spans):
-        if span.reuse != REUSE_ANYWHERE or span.start < last_end:
+        if span.reuse != REUSE_ANYWHERE:
             continue
         whole = (span.end - span.start) // block_size * block_size
-        start, end = span.start + repair, min(span.start + whole, prompt_len - 1)
+        start = max(span.start + repair, last_end)
+        end = min(span.start + whole, prompt_len - 1)
         if end > start:
             plans.append((i, start, end))
-            last_end = span.end
+            last_end = end
     return plans
 
 

@@ -83,7 +83,7 @@ def usage_of(seq: Sequence) -> Usage:
             )
             if (p := placed.get(i)) is not None:
                 usage.served, usage.reused_tokens = "reused_anywhere", p.num_tokens
-                usage.recomputed_tokens = tokens - p.num_tokens
+                usage.recomputed_tokens = tokens - p.num_tokens - hit
             segments.append(usage)
     tiers = {"pool": cached - seq.num_reloaded_tokens}
     if seq.num_reloaded_tokens:

@@ -31,6 +31,12 @@ _HIT_REFRESH_PER_STEP = 16
 class ScheduledChunk:
     seq: Sequence
     num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    # with placed spans (chunk_reuse.py) in between: the runs of those tokens, [start, end)
+    runs: list[tuple[int, int]] | None = None
+
+    def token_runs(self) -> list[tuple[int, int]]:
+        start = self.seq.num_computed_tokens
+        return self.runs or [(start, start + self.num_tokens)]
 
 
 @dataclass(slots=True)
@@ -89,7 +95,7 @@ class Scheduler:
                     break
             else:
                 self.block_manager.grow(seq.table, target)
-                out.chunks.append(ScheduledChunk(seq, num_tokens))
+                out.chunks.append(_chunk(seq, num_tokens))
                 budget -= num_tokens
         return budget
 
@@ -131,7 +137,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.waiting.remove(seq)
             self.running.append(seq)
-            out.chunks.append(ScheduledChunk(seq, num_tokens))
+            out.chunks.append(_chunk(seq, num_tokens))
             budget -= num_tokens
             leaders.append(seq)
 
@@ -147,8 +153,8 @@ class Scheduler:
 
     def _drop_covered(self, placements: list[Placement], cached: int) -> list[Placement]:
         """Placements after the exact prefix only (the rest are released)."""
-        self._release_chunks([p for p in placements if p.delta < cached])
-        return [p for p in placements if p.delta >= cached]
+        self._release_chunks([p for p in placements if p.start < cached])
+        return [p for p in placements if p.start >= cached]
 
     def _admission_order(self) -> list[Sequence]:
         """Longest cached prefix first, with an age bound; arrival order when the queue is long.
@@ -257,11 +263,12 @@ class Scheduler:
         prompt_tokens = 0
         for chunk in out.chunks:
             seq = chunk.seq
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens += chunk.num_tokens
-            computed = max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
-            seq.num_computed_prompt_tokens += computed
-            prompt_tokens += computed
+            prompt = seq.num_prompt_tokens
+            for start, end in chunk.token_runs():
+                computed = max(0, min(end, prompt) - min(start, prompt))
+                seq.num_computed_prompt_tokens += computed
+                prompt_tokens += computed
+            seq.num_computed_tokens = chunk.token_runs()[-1][1]
             seq.skip_placed()
             exact = min(seq.num_computed_tokens, seq.exact_tokens)
             self.block_manager.commit(seq.table, seq.token_ids, exact)
@@ -285,6 +292,10 @@ class Scheduler:
             self.block_manager.free(seq.table)
             seq.table = None
         seq.status = SequenceStatus.FINISHED
+
+
+def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
+    return ScheduledChunk(seq, num_tokens, seq.compute_runs(num_tokens) if seq.placements else None)
 
 
 def _least_important(candidates: list[Sequence]) -> Sequence:

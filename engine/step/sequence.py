@@ -87,11 +87,28 @@ class Sequence:
 
     @property
     def num_tokens_to_compute(self) -> int:
-        """Tokens to compute from ``num_computed_tokens`` before the next placed span."""
+        """Tokens left to compute (placed spans ahead are not computed)."""
+        done = self.num_computed_tokens
+        ahead = sum(p.end - max(p.start, done) for p in self.placements if p.end > done)
+        return self.num_uncomputed_tokens - ahead
+
+    def compute_runs(self, num_tokens: int) -> list[tuple[int, int]]:
+        """The next ``num_tokens`` tokens to compute, as ``[start, end)`` runs around the
+        placed spans (one step computes them all: each run is a batch entry over the table)."""
+        runs, pos, left = [], self.num_computed_tokens, num_tokens
         for p in self.placements:
-            if p.start >= self.num_computed_tokens:
-                return p.start - self.num_computed_tokens
-        return self.num_uncomputed_tokens
+            if p.end <= pos:
+                continue
+            n = min(left, p.start - pos)
+            if n:
+                runs.append((pos, pos + n))
+                left -= n
+            if left == 0:
+                return runs
+            pos = p.end
+        if left:
+            runs.append((pos, pos + left))
+        return runs
 
     def skip_placed(self) -> None:
         """Progress past placed spans that start where the computed tokens end."""
