@@ -47,8 +47,9 @@ def test_documents_are_reused_in_another_order(sidecar_url: str) -> None:
     for tag in DOCS:
         seg = served[tag]
         assert seg["served"] == "reused_anywhere", seg
-        assert seg["reused_tokens"] + seg["recomputed_tokens"] == seg["tokens"]
-        assert seg["recomputed_tokens"] >= 16  # the default repair
+        exact = seg["cached_tokens"] + seg["recomputed_tokens"]  # a hit may end inside it
+        assert seg["reused_tokens"] + exact == seg["tokens"]
+        assert exact >= 16  # the default repair
     assert raw["reused_tokens"] == sum(served[t]["reused_tokens"] for t in DOCS)
     assert raw["computed_tokens"] <= raw["prompt_tokens"] - raw["reused_tokens"]
     report = msgspec.convert(raw, CacheReport)  # what the SDK decodes

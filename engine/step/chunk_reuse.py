@@ -98,16 +98,20 @@ class ChunkReuse:
         spans = seq.request.segments or []
         bs = self.manager.block_size
         plans = plan_placements(spans, match.num_tokens, seq.num_prompt_tokens, self.repair, bs)
-        placements = []
-        for segment, start, end in plans:
-            span = spans[segment]
-            whole = (span.end - span.start) // bs * bs
-            tokens = seq.token_ids[span.start : span.start + whole]
-            found = self._chunk_table(tokens, chunk_namespace(seq.namespace), seq)
-            if found is None:
-                break  # no room for the chunk: it and the rest are computed in place
-            table, stored = found
-            placements.append(Placement(segment, start, end, span.start, stored, table))
+        placements: list[Placement] = []
+        try:
+            for segment, start, end in plans:
+                span = spans[segment]
+                whole = (span.end - span.start) // bs * bs
+                tokens = seq.token_ids[span.start : span.start + whole]
+                found = self._chunk_table(tokens, chunk_namespace(seq.namespace), seq)
+                if found is None:
+                    break  # no room for the chunk: it and the rest are computed in place
+                table, stored = found
+                placements.append(Placement(segment, start, end, span.start, stored, table))
+        except BaseException:
+            self.release(placements)  # a failed chunk step holds nothing
+            raise
         return placements
 
     def place(self, seq: Sequence, placements: list[Placement]) -> None:
@@ -139,7 +143,11 @@ class ChunkReuse:
         cached = table.num_cached_tokens
         if cached < len(tokens):
             entry = BatchEntry(tokens[cached:], cached, table.block_ids, compute_logits=False)
-            self.execute([entry])
+            try:
+                self.execute([entry])
+            except BaseException:
+                manager.free(table)
+                raise
             manager.commit(table, tokens, len(tokens))
             self.computed_tokens += len(tokens) - cached
             seq.num_computed_prompt_tokens += len(tokens) - cached
