@@ -156,14 +156,22 @@ class ChunkReuse:
     def _copy(
         self, src_blocks: list[int], src: range, dst_blocks: list[int], dst_start: int, delta: int
     ) -> None:
+        """Slots ``src`` of the chunk's blocks into slots from ``dst_start`` of the sequence's,
+        K rotated by ``delta``; each layer seen as rows of ``[num_blocks * 2 * bs, Hk * D]``
+        (K of slot s of block b at row ``b * 2 * bs + s``, its V ``bs`` rows further)."""
         bs, device = self.manager.block_size, self.kv_cache.layers[0].device
         src_pos = torch.arange(src.start, src.stop)
         dst_pos = torch.arange(dst_start, dst_start + len(src))
-        src_block = torch.tensor(src_blocks, dtype=torch.int64)[src_pos // bs].to(device)
-        dst_block = torch.tensor(dst_blocks, dtype=torch.int64)[dst_pos // bs].to(device)
-        src_slot, dst_slot = (src_pos % bs).to(device), (dst_pos % bs).to(device)
+        src_k = torch.tensor(src_blocks)[src_pos // bs] * 2 * bs + src_pos % bs
+        dst_k = torch.tensor(dst_blocks)[dst_pos // bs] * 2 * bs + dst_pos % bs
+        src_k, dst_k = src_k.to(device), dst_k.to(device)
+        src_v, dst_v = src_k + bs, dst_k + bs
         cos, sin = shift_rotation(self.inv_freq, delta)
+        spec = self.kv_cache.spec
         for layer in self.kv_cache.layers:
-            keys = layer[src_block, 0, src_slot]  # [n, Hk, D]
-            layer[dst_block, 1, dst_slot] = layer[src_block, 1, src_slot]
-            layer[dst_block, 0, dst_slot] = shift_keys(keys, cos, sin) if delta else keys
+            rows = layer.view(-1, spec.num_kv_heads * spec.head_dim)
+            rows.index_copy_(0, dst_v, rows.index_select(0, src_v))
+            keys = rows.index_select(0, src_k)
+            if delta:
+                keys = shift_keys(keys.view(-1, spec.num_kv_heads, spec.head_dim), cos, sin)
+            rows.index_copy_(0, dst_k, keys.reshape(len(src), -1))
