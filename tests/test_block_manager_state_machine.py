@@ -327,7 +327,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not can_fork(self.bm, seq.table):
             return
         pinned_idle = self.pinned_idle()
-        table = fork_table(self.bm, seq.table, seq.tokens, seq.num_computed, self.copy_slots)
+        written = max([seq.num_computed, *((p + 1) for p in seq.placed or ())])  # placed ahead
+        table = fork_table(self.bm, seq.table, seq.tokens, written, self.copy_slots)
         placed = dict(seq.placed) if seq.placed is not None else None
         self.check_pinned_evicted_last(pinned_idle)
         assert table.num_slots == seq.table.num_slots

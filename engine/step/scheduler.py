@@ -263,12 +263,12 @@ class Scheduler:
         prompt_tokens = 0
         for chunk in out.chunks:
             seq = chunk.seq
-            prompt = seq.num_prompt_tokens
-            for start, end in chunk.token_runs():
+            prompt, runs = seq.num_prompt_tokens, chunk.token_runs()
+            for start, end in runs:
                 computed = max(0, min(end, prompt) - min(start, prompt))
                 seq.num_computed_prompt_tokens += computed
                 prompt_tokens += computed
-            seq.num_computed_tokens = chunk.token_runs()[-1][1]
+            seq.num_computed_tokens = runs[-1][1]
             seq.skip_placed()
             exact = min(seq.num_computed_tokens, seq.exact_tokens)
             self.block_manager.commit(seq.table, seq.token_ids, exact)
