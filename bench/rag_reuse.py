@@ -38,6 +38,7 @@ from prefixcache.engine.model.loader import LoadedModel, load_model
 from prefixcache.engine.model.progress import progress_bar
 from prefixcache.engine.request import EngineRequest, SamplingParams, SegmentSpan
 from prefixcache.engine.step.engine_hooks import EngineHooks
+from prefixcache.engine.text.tokenizer import ChatTemplateError, Tokenizer
 from prefixcache.sidecar.chat.rendering import PromptRenderer
 
 SYSTEM = (
@@ -118,8 +119,26 @@ def render(renderer: PromptRenderer, docs: list[Passage], question: str, answer:
     messages += [{"role": "user", "content": f"Document: {d.text}"} for d in docs]
     messages.append({"role": "user", "content": question})
     tags = ["system", *(f"doc:{d.name}" for d in docs), "question"]
-    out = renderer.render_pieces(messages, tags, add_generation_prompt=True)
+    try:
+        out = renderer.render_pieces(messages, tags, add_generation_prompt=True)
+    except ChatTemplateError:  # a base checkpoint (no chat template): plain text pieces
+        return render_plain(renderer.tokenizer, messages, tags, answer)
     return Rendered(list(out.token_ids), list(out.spans), answer)
+
+
+def render_plain(
+    tokenizer: Tokenizer, messages: list[dict[str, str]], tags: list[str], answer: str
+) -> Rendered:
+    """Each message as its own text piece, tokenized on its own, after a BOS token."""
+    bos = tokenizer.bos_token_id
+    tokens: list[int] = [bos] if bos is not None else []
+    spans = []
+    for message, tag in zip(messages, tags, strict=True):
+        start = len(tokens)
+        tokens += tokenizer.encode(f"{message['content']}\n\n")
+        spans.append(SegmentSpan(tag, start, len(tokens)))
+    tokens += tokenizer.encode("Answer:")
+    return Rendered(tokens, spans, answer)
 
 
 def flagged(spans: list[SegmentSpan], reuse: bool) -> list[SegmentSpan]:
