@@ -74,6 +74,9 @@ class EngineConfig:
     # split so; never fewer than the running windows plus one step's tokens need
     # (kv_setup.local_pool_size), never more than one per global page.
     swa_pool_ratio: float = 0.5
+    # reuse="anywhere" segments: the leading tokens of each placed chunk computed in place
+    # (EPIC-style repair of cross-chunk attention); see docs/prompt-layout.md for its cost.
+    reuse_repair_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -90,6 +93,8 @@ class EngineConfig:
             raise ValueError(f"kv_spill_policy must be all or hit, got {self.kv_spill_policy!r}")
         if not self.swa_pool_ratio > 0:
             raise ValueError(f"swa_pool_ratio must be > 0, got {self.swa_pool_ratio}")
+        if self.reuse_repair_tokens < 0:
+            raise ValueError("reuse_repair_tokens must be >= 0")
         if not self.max_pin_ttl_s > 0:
             raise ValueError("max_pin_ttl_s must be > 0")
         if self.kv_offload is not None:

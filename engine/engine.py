@@ -24,6 +24,7 @@ from .config import EngineConfig
 from .memory import prefix_store
 from .memory.kv_tier import TierStats
 from .memory.prefix_store import LoadResult, SaveResult, Snapshot
+from .model.llama import rope_inv_freq
 from .model.loader import LoadedModel, load_model
 from .observability import cache_report
 from .observability.block_listeners import BlockListeners
@@ -33,6 +34,7 @@ from .observability.kv_event_feed import KVEventFeed
 from .observability.metrics import EngineMetrics
 from .request import EngineRequest, RequestOutput, SamplingParams, TokenLogprob
 from .step import output
+from .step.chunk_reuse import REUSE_ANYWHERE, ChunkReuse
 from .step.engine_hooks import EngineHooks
 from .step.generate import GenerationResult, run_to_completion
 from .step.kv_setup import build_kv
@@ -86,6 +88,16 @@ class LLMEngine:
         self._listeners.add(self.activity)
         self.scheduler = Scheduler(config, self.block_manager)
         self.scheduler.explain_miss = self.activity.on_admit
+        self.chunk_reuse: ChunkReuse | None = None  # hybrid models refuse reuse="anywhere"
+        if not self.hybrid:
+            self.chunk_reuse = ChunkReuse(
+                self.block_manager,
+                self.kv_cache,
+                self.runner.execute,
+                rope_inv_freq(self.loaded.config),
+                config.reuse_repair_tokens,
+            )
+            self.scheduler.reuse = self.chunk_reuse
         self.structured = StructuredOutput(self.tokenizer, self.loaded.config.vocab_size)
         self.sampler = Sampler(self.structured, hooks.logits_processors)
         self.stats = EngineStats(self.block_manager, self.tier)
@@ -152,6 +164,13 @@ class LLMEngine:
         for span in request.segments or ():
             if not 0 <= span.start <= span.end <= len(prompt):
                 raise ValueError(f"segment {span.tag!r} span is outside the prompt")
+            if span.reuse not in ("", REUSE_ANYWHERE):
+                raise ValueError(f"segment {span.tag!r}: reuse must be {REUSE_ANYWHERE!r}")
+            if span.reuse and self.chunk_reuse is None:
+                raise ValueError(
+                    f"segment {span.tag!r}: reuse {REUSE_ANYWHERE!r} is not supported for "
+                    "hybrid (sliding-window) models"
+                )
 
     def add_request(self, request: EngineRequest, arrival_time: float | None = None) -> None:
         self.validate(request)

@@ -74,11 +74,14 @@ class SamplingParams:
 
 @dataclass(slots=True, frozen=True)
 class SegmentSpan:
-    """A tagged segment's token span ``[start, end)`` within the prompt."""
+    """A tagged segment's token span ``[start, end)`` within the prompt. ``reuse``:
+    ``"anywhere"`` lets the engine place this segment's KV, computed on its own, at any
+    offset (position-independent reuse, docs/prompt-layout.md); ``""``: prefix caching only."""
 
     tag: str
     start: int
     end: int
+    reuse: str = ""  # "" | "anywhere"
 
 
 @dataclass(slots=True)
@@ -118,6 +121,12 @@ class SegmentUsage:
     tokens: int
     cached_tokens: int
     miss: SegmentMiss | None = None  # None: fully cached, or not reported
+    # "cached" (an exact prefix hit, every token), "reused_anywhere" (stored chunk KV placed at
+    # this offset, ``recomputed_tokens`` computed in place), or "computed"; "": not said
+    # (readers then go by the counts)
+    served: str = ""
+    reused_tokens: int = 0  # placed from the chunk store (approximate KV)
+    recomputed_tokens: int = 0  # reused_anywhere: the repair tokens and the chunk's tail
 
 
 @dataclass(slots=True)
@@ -129,6 +138,7 @@ class Usage:
     segments: list[SegmentUsage] | None = None
     # cached_tokens by where they came from: "pool", and "host" or "disk" (the KV tier)
     cached_tokens_by_tier: dict[str, int] | None = None
+    reused_tokens: int = 0  # prompt tokens placed from the chunk store (position-independent)
 
 
 @dataclass(slots=True)

@@ -1,15 +1,24 @@
-"""Many questions over the same document: the document's prefill is paid once.
+"""Many questions over the same documents, retrieved in another order each time: prefix
+caching alone next to documents reused anywhere.
 
 The document is real and can be checked: the Apache License 2.0
 (examples/documents/apache-license-2.0.txt, about 2,200 tokens), byte for byte the copy that
 prometheus_client, a dependency of ``prefixcache[serve]``, installs (see ``DOCUMENT_SOURCE``;
-tests/test_example_documents.py checks it still matches), cut into sections. Each section is
-a shared segment, ordered by tag so that retrieval order never changes the bytes; each
-question is a dynamic segment at the end. Prints every question with its answer, time to
-first token (TTFT) and cached tokens, then TTFT cold vs warm.
+tests/test_example_documents.py checks it still matches), cut into sections. Each question's
+"retriever" returns the top 3 sections in its own order; each question is a dynamic segment
+at the end. Two modes, side by side (``--mode both``, the default):
+
+- ``prefix``: the sections as shared segments in retrieval order. Exact, but once the first
+  section differs from an earlier request's, everything after it is computed again.
+- ``anywhere``: the sections as ``.document()`` segments (``reuse="anywhere"``): the server
+  computes each section's KV once and places it wherever the retriever puts it, recomputing
+  a few leading tokens of each (``--reuse-repair-tokens``). Faster, approximate: outputs may
+  differ from the exact ones (docs/prompt-layout.md, "Documents reused anywhere").
+
+Prints every question with its answer, TTFT, cached and reused tokens, then TTFT per mode.
 
     prefixcache serve --model smollm2         # in another terminal
-    python examples/rag_pipeline.py [--base-url URL] [--questions 8]
+    python examples/rag_pipeline.py [--base-url URL] [--questions 8] [--mode both]
 """
 
 from __future__ import annotations
@@ -61,61 +70,68 @@ def documents() -> dict[str, str]:
     return {tag: text[pos:end].strip() for (pos, tag), end in zip(starts, bounds, strict=True)}
 
 
-def build_prompt(docs: dict[str, str], question: str) -> Prompt:
+def retrieve(docs: dict[str, str], i: int, top_k: int = 3) -> list[str]:
+    """A stand-in retriever: question i's top-k sections, in its own score order."""
+    tags = sorted(docs)
+    picked = [tags[(i * 2 + j * 3) % len(tags)] for j in range(len(tags))]
+    return list(dict.fromkeys(picked))[:top_k]
+
+
+def build_prompt(docs: dict[str, str], tags: list[str], question: str, mode: str) -> Prompt:
     b = Prompt.builder().static(
         "You answer questions about a software licence. Answer in one sentence, only from the "
         "documents below.",
         tag="instructions",
     )
-    # the retriever returns documents in score order; order_shared_by_tag() makes the bytes
-    # independent of it
-    for tag in reversed(sorted(docs)):
-        b.shared(docs[tag], tag=tag)
-    return b.order_shared_by_tag().dynamic(question, tag="question").build()
+    for tag in tags:  # retrieval order
+        if mode == "anywhere":
+            b.document(docs[tag], tag=tag)  # KV reusable at any position (approximate)
+        else:
+            b.shared(docs[tag], tag=tag)
+    return b.dynamic(question, tag="question").build()
+
+
+async def run_mode(client: AsyncClient, args: argparse.Namespace, mode: str) -> list[float]:
+    docs = documents()
+    questions = (QUESTIONS * (args.questions // len(QUESTIONS) + 1))[: args.questions]
+    if not args.keep_cache:
+        try:
+            print(f"[{mode}] evicted {await client.evict()} cached blocks for a cold start")
+        except PermissionDeniedError:
+            print(f"[{mode}] (cannot evict without an admin key; requests may start warm)")
+    ttfts: list[float] = []
+    for i, question in enumerate(questions):
+        tags = retrieve(docs, i)
+        prompt = build_prompt(docs, tags, question, mode)
+        stream = client.stream(prompt, max_tokens=args.max_tokens, temperature=0.0)
+        async for _ in stream:
+            pass
+        assert stream.ttft is not None and stream.usage is not None
+        ttfts.append(stream.ttft)
+        reused = stream.cache.reused_tokens if stream.cache is not None else 0
+        print(f"\n[{mode}] Q{i + 1}: {question}  (documents {', '.join(tags)})")
+        print(f"A: {stream.text.strip() or '(empty answer)'}")
+        print(
+            f"   TTFT {stream.ttft * 1000:.0f} ms, prompt {stream.usage.prompt_tokens} tokens, "
+            f"{stream.usage.cached_tokens} cached, {reused} reused anywhere",
+            flush=True,
+        )
+    return ttfts
 
 
 async def run(args: argparse.Namespace) -> None:
-    docs = documents()
-    questions = (QUESTIONS * (args.questions // len(QUESTIONS) + 1))[: args.questions]
+    modes = ["prefix", "anywhere"] if args.mode == "both" else [args.mode]
     async with AsyncClient(args.base_url, model=args.model) as client:
-        first = build_prompt(docs, questions[0])
-        findings = first.lint()
-        print(f"lint: {len(findings)} finding(s)")
-        for f in findings:
-            print("  ", f)
-        if not args.keep_cache:
-            try:
-                print(f"evicted {await client.evict()} cached blocks for a cold start")
-            except PermissionDeniedError:
-                print("(cannot evict without an admin key; the first request may be warm)")
-
-        ttfts: list[float] = []
-        prompt_tokens = cached_tokens = 0
-        for i, question in enumerate(questions):
-            prompt = build_prompt(docs, question)
-            stream = client.stream(prompt, max_tokens=args.max_tokens, temperature=0.0)
-            async for _ in stream:
-                pass
-            assert stream.ttft is not None and stream.usage is not None
-            ttfts.append(stream.ttft)
-            prompt_tokens += stream.usage.prompt_tokens or 0
-            cached_tokens += stream.usage.cached_tokens
-            print(f"\nQ{i + 1}: {question}")
-            print(f"A: {stream.text.strip() or '(empty answer)'}")
-            print(
-                f"   TTFT {stream.ttft * 1000:.0f} ms, prompt {stream.usage.prompt_tokens} tokens, "
-                f"{stream.usage.cached_tokens} cached",
-                flush=True,
-            )
-        cold, warm = ttfts[0], statistics.median(ttfts[1:]) if len(ttfts) > 1 else float("nan")
-        print(f"\nTTFT cold {cold * 1000:.1f} ms, warm (median) {warm * 1000:.1f} ms", end="")
-        print(f", {cold / warm:.1f}x faster" if warm > 0 else "")
-        print(f"prompt-token hit rate {cached_tokens / max(prompt_tokens, 1):.1%}", end="")
-        try:
-            stats = await client.cache_stats()
-            print(f" (server-wide hit rate {stats.hit_rate:.1%})")
-        except PermissionDeniedError:
-            print()
+        medians = {}
+        for mode in modes:
+            ttfts = await run_mode(client, args, mode)
+            # the first request computes every document: the later ones show the steady state
+            medians[mode] = statistics.median(ttfts[1:] if len(ttfts) > 1 else ttfts)
+        print()
+        for mode, median in medians.items():
+            print(f"TTFT median after the first request, {mode}: {median * 1000:.1f} ms")
+        if len(medians) == 2 and medians["anywhere"] > 0:
+            print(f"documents reused anywhere: {medians['prefix'] / medians['anywhere']:.1f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model name (default: the server's)")
     p.add_argument("--questions", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=40)
-    p.add_argument("--keep-cache", action="store_true", help="do not evict before starting")
+    p.add_argument("--keep-cache", action="store_true", help="do not evict before each mode")
+    p.add_argument("--mode", choices=["prefix", "anywhere", "both"], default="both")
     args = p.parse_args(argv)
     anyio.run(run, args)
     return 0

@@ -269,7 +269,8 @@ def _drift_between(prompt: PromptParts, previous: PromptParts) -> Iterable[Findi
 def _shared_order(prompt: PromptParts) -> Iterable[Finding]:
     if prompt.shared_order != "declared":
         return
-    shared = [s for s in prompt.segments if s.stability == "shared"]
+    # documents reused anywhere may come in any order: the server places each one wherever
+    shared = [s for s in prompt.segments if s.stability == "shared" and s.reuse is None]
     for before, seg in pairwise(shared):
         prev, tag = before.tag, seg.tag
         if tag < prev:

@@ -178,6 +178,12 @@ class PromptBuilder:
     def shared(self, content: Any, *, tag: str, role: Role = "user") -> PromptBuilder:
         return self.add(Segment(role, content, tag, "shared"))
 
+    def document(self, content: Any, *, tag: str, role: Role = "user") -> PromptBuilder:
+        """A retrieved document: a shared segment whose KV the sidecar may reuse at any
+        position and in any order with other documents (``reuse="anywhere"``). Its outputs are
+        approximate; docs/prompt-layout.md says when that pays."""
+        return self.add(Segment(role, content, tag, "shared", reuse="anywhere"))
+
     def session(self, content: Any, *, tag: str, role: Role = "user") -> PromptBuilder:
         return self.add(Segment(role, content, tag, "session"))
 

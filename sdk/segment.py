@@ -17,6 +17,7 @@ from .stability import STABILITIES, Stability, is_stable
 __all__ = ["TOOLS_TAG", "PromptParts", "Role", "Segment", "Tool", "tools_segment"]
 
 Role = Literal["system", "user", "assistant"]
+Reuse = Literal["anywhere"]  # KV reusable at any offset (a retrieved document; approximate)
 
 TOOLS_TAG = "tools"  # the pseudo-segment that carries tool schemas (see Prompt.tools)
 
@@ -29,10 +30,22 @@ class Segment:
     content: str
     tag: str
     stability: Stability = "dynamic"
+    # "anywhere": the server may compute this segment's KV once and reuse it at any position,
+    # in any order with other such segments (Prompt.builder().document(); docs/prompt-layout.md)
+    reuse: Reuse | None = None
 
     def __init__(
-        self, role: Role, content: Any, tag: str, stability: Stability = "dynamic"
+        self,
+        role: Role,
+        content: Any,
+        tag: str,
+        stability: Stability = "dynamic",
+        reuse: Reuse | None = None,
     ) -> None:
+        if reuse not in (None, *get_args(Reuse)):
+            raise ValueError(f"reuse must be one of {get_args(Reuse)} or None, got {reuse!r}")
+        if reuse is not None and stability != "shared":
+            raise ValueError("a segment reused anywhere is a shared segment (a document)")
         if role not in get_args(Role):
             raise ValueError(f"role must be one of {get_args(Role)}, got {role!r}")
         if stability not in STABILITIES:
@@ -46,6 +59,7 @@ class Segment:
         object.__setattr__(self, "content", text)
         object.__setattr__(self, "tag", tag)
         object.__setattr__(self, "stability", stability)
+        object.__setattr__(self, "reuse", reuse)
 
     @property
     def is_stable(self) -> bool:

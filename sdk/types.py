@@ -26,6 +26,12 @@ class SegmentReport(msgspec.Struct):
     # why the server did not reuse this segment (text, or an object with a "reason"), when it
     # says; None from servers that do not report it
     miss: str | dict[str, Any] | None = None
+    # how the server served it: "cached" (exact prefix hit), "reused_anywhere" (a document's
+    # stored KV placed here, recomputed_tokens of it computed in place), "computed"; None from
+    # servers that do not say
+    served: str | None = None
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
 
     @property
     def miss_reason(self) -> str | None:
@@ -42,6 +48,7 @@ class CacheReport(msgspec.Struct):
     prompt_tokens: int = 0
     computed_tokens: int = 0
     segments: list[SegmentReport] = msgspec.field(default_factory=list)
+    reused_tokens: int = 0  # prompt tokens placed from the server's document store
 
     def segment(self, tag: str) -> SegmentReport:
         for report in self.segments:

@@ -93,6 +93,10 @@ CASES = {
         ["--schemas", "12", "--batch", "8", "--steps", "4"],
         {"compile_total_s", "mask_median_ms", "refused"},
     ),
+    "rag_reuse.py": (
+        ["--model", "demo", "--passages", "6", "--questions", "2", "--max-tokens", "4"],
+        {"ttft_speedup", "accuracy_delta", "agreement", "first_token_kl", "settings"},
+    ),
     "sidecar_overhead.py": (
         ["--requests", "3", "--warmup", "1", "--streams", "4", "--stream-tokens", "2"],
         {"http_added_outside_engine_p50_ms", "http_added_p50_ms", "stream_errors"},
@@ -135,6 +139,9 @@ def test_benchmark_runs_and_reports(name: str) -> None:
             assert keys <= result[policy].keys()
     if name == "soak.py":  # its checks are properties of the server, not figures
         assert result["ok"], result
+    if name == "rag_reuse.py":  # every repair setting reported, and the documents were placed
+        assert [r["repair_tokens"] for r in result["settings"]] == [0, 8, 16, 32]
+        assert all(r["reused_tokens"] > 0 for r in result["settings"])
     if name == "burst.py":
         assert result["prompt_tokens_computed"] == result["ideal_tokens"]
         assert result["peak_blocks"] <= result["ideal_blocks"] + 6

@@ -7,6 +7,11 @@ value derived from its namespace and its whole token history up to that position
 position and prefix). After every step, reading a sequence's block table back must give exactly
 its own history: wrong sharing, a block handed out twice, a bad copy-on-write or a dedupe that
 frees before re-pointing all show up as a wrong value, not only as a leak.
+
+Chunk entries (reuse="anywhere" documents, engine/step/chunk_reuse.py) live in each namespace's
+chunk namespace, written with their standalone history; a sequence that places one copies its
+values, changed as a re-rotation changes K, into its own pages, and commits only up to its
+first placed token. A placed value reaching the tree would show up in a later match's check.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from prefixcache.engine.memory.block_manager import BlockManager
-from prefixcache.engine.memory.block_types import BlockTable, OutOfBlocksError
+from prefixcache.engine.memory.block_types import BlockTable, OutOfBlocksError, PrefixMatch
 from prefixcache.engine.memory.kv_tier import HostSlots, KVTier, TierEntry, checksum
 from prefixcache.engine.memory.prefix_tree import root_digest
+from prefixcache.engine.request import SegmentSpan
+from prefixcache.engine.step.chunk_reuse import chunk_namespace, plan_placements
 
 BS = 4
 NUM_BLOCKS = 20
@@ -37,6 +44,7 @@ MAX_SEQS = 4
 NAMESPACES = ("tenant-a", "tenant-b")
 _rng = random.Random(7)
 BASES = [[_rng.randrange(6) for _ in range(24)] for _ in range(2)]
+DOCS = [[_rng.randrange(6) for _ in range(n)] for n in (9, 12)]  # reuse="anywhere" segments
 MOD = (1 << 61) - 1
 
 
@@ -50,11 +58,29 @@ def history_values(namespace: str, tokens: list[int]) -> list[int]:
     return out
 
 
+def placed_value(stored: int, delta: int) -> int:
+    """What placing a stored chunk value at ``delta`` positions later writes (not its history)."""
+    return (stored * 31 + delta + 7) % MOD
+
+
 @dataclass(eq=False)  # identity: twin sequences are equal by value
 class Seq:
     table: BlockTable
     tokens: list[int]
     num_computed: int
+    placed: dict[int, int] | None = None  # position -> placed (approximate) value
+    exact: int | None = None  # first placed position: commits stop there
+
+    @property
+    def committable(self) -> int:
+        return self.num_computed if self.exact is None else min(self.num_computed, self.exact)
+
+    def expected(self) -> list[int]:
+        values = history_values(self.table.namespace, self.tokens[: self.num_computed])
+        for pos, value in (self.placed or {}).items():
+            if pos < self.num_computed:
+                values[pos] = value
+        return values
 
 
 class FakePages:
@@ -96,6 +122,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def write(self, seq: Seq, start: int, end: int) -> None:
         values = history_values(seq.table.namespace, seq.tokens[:end])
         for pos in range(start, end):
+            if seq.placed and pos in seq.placed:
+                continue  # placed, not computed
             block = seq.table.block_ids[pos // BS]
             # a sequence writes only into its private blocks: shared ones are read-only
             assert pos // BS >= seq.table.num_committed_blocks or self.bm.ref_count(block) == 1
@@ -141,15 +169,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._allocate(prompt, namespace, len(prompt))
 
     def _allocate(self, prompt: list[int], namespace: str, chunk: int) -> None:
-        match = self.bm.match(prompt, namespace, len(prompt) - 1)
-        assert match.num_tokens <= len(prompt) - 1
-        assert match.partial_tokens < BS
-        # what the match points at really is this prompt's history
-        expected = history_values(namespace, prompt)
-        for pos in range(match.num_tokens - len(match.tier) * BS):  # the pool's part
-            block = match.blocks[pos // BS] if pos // BS < len(match.blocks) else None
-            block = match.partial_block if block is None else block
-            assert self.kv[block, pos % BS] == expected[pos]
+        match = self.checked_match(prompt, namespace, len(prompt) - 1)
         if not self.bm.can_allocate(match, len(prompt)):
             before = self.counters()
             with pytest.raises(OutOfBlocksError):
@@ -184,10 +204,82 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.seqs.append(seq)
         self.compute(seq, chunk)
 
+    def checked_match(self, prompt: list[int], namespace: str, max_tokens: int) -> PrefixMatch:
+        match = self.bm.match(prompt, namespace, max_tokens)
+        assert match.num_tokens <= max_tokens
+        assert match.partial_tokens < BS
+        # what the match points at really is this prompt's history (never placed values)
+        expected = history_values(namespace, prompt)
+        for pos in range(match.num_tokens - len(match.tier) * BS):  # the pool's part
+            block = match.blocks[pos // BS] if pos // BS < len(match.blocks) else None
+            block = match.partial_block if block is None else block
+            assert self.kv[block, pos % BS] == expected[pos]
+        return match
+
+    @precondition(lambda self: len(self.seqs) < MAX_SEQS)
+    @rule(
+        prefix=st.sampled_from([[], BASES[0][:3], BASES[1][:8]]),  # repeats: later hits
+        doc=st.sampled_from(DOCS),
+        suffix=st.lists(st.integers(0, 5), min_size=1, max_size=4),
+        namespace=st.sampled_from(NAMESPACES),
+        repair=st.integers(0, 5),
+        chunk=st.integers(1, 32),
+    )
+    def allocate_with_chunk(
+        self,
+        prefix: list[int],
+        doc: list[int],
+        suffix: list[int],
+        namespace: str,
+        repair: int,
+        chunk: int,
+    ) -> None:
+        """A prompt with a reuse="anywhere" document: find or store the document's chunk
+        entry, allocate the prompt, place the chunk's values after the prefix."""
+        whole = len(doc) // BS * BS
+        chunk_ns = chunk_namespace(namespace)
+        stored = self.checked_match(doc[:whole], chunk_ns, whole)
+        if not self.bm.can_allocate(stored, whole):
+            return
+        source = Seq(self.bm.allocate(doc[:whole], chunk_ns, stored, whole), doc[:whole], 0)
+        source.num_computed = source.table.num_cached_tokens
+        self.compute(source, whole)
+        self.bm.commit(source.table, source.tokens, whole)
+        if stored.num_tokens == whole:
+            event("chunk entry hit")
+        prompt = prefix + doc + suffix
+        spans = [
+            SegmentSpan("prefix", 0, len(prefix)),
+            SegmentSpan("doc", len(prefix), len(prefix) + len(doc), "anywhere"),
+            SegmentSpan("suffix", len(prefix) + len(doc), len(prompt)),
+        ]
+        match = self.checked_match(prompt, namespace, len(prompt) - 1)
+        plans = plan_placements(spans, match.num_tokens, len(prompt), repair, BS)
+        if not plans or not self.bm.can_allocate(match, len(prompt)):
+            self.bm.free(source.table)
+            return
+        table = self.bm.allocate(prompt, namespace, match, len(prompt))
+        seq = Seq(table, prompt, table.num_cached_tokens, placed={})
+        (_, start, end) = plans[0]
+        assert start >= seq.num_computed  # placed spans start past the exact hit
+        for pos in range(start, end):
+            src = source.table.block_ids[(pos - len(prefix)) // BS]
+            value = placed_value(int(self.kv[src, (pos - len(prefix)) % BS]), len(prefix))
+            assert self.bm.ref_count(table.block_ids[pos // BS]) == 1
+            self.kv[table.block_ids[pos // BS], pos % BS] = value
+            seq.placed[pos] = value
+        seq.exact = start
+        self.bm.free(source.table)  # the chunk entry stays cached
+        self.seqs.append(seq)
+        event("chunk placed")
+        self.compute(seq, chunk)
+
     def compute(self, seq: Seq, chunk: int) -> None:
         end = min(len(seq.tokens), seq.num_computed + chunk)
         self.write(seq, seq.num_computed, end)
         seq.num_computed = end
+        while seq.placed and seq.num_computed in seq.placed:  # Sequence.skip_placed
+            seq.num_computed += 1
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), chunk=st.integers(1, 16), token=st.integers(0, 5), commit=st.booleans())
@@ -196,7 +288,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.seqs))
         self._step(seq, chunk, token)
         if commit:
-            self.bm.commit(seq.table, seq.tokens, seq.num_computed)
+            self.bm.commit(seq.table, seq.tokens, seq.committable)
 
     def _step(self, seq: Seq, chunk: int, token: int) -> None:
         if seq.num_computed < len(seq.tokens):
@@ -220,12 +312,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def commit(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(self.seqs))
         before = list(seq.table.block_ids)
-        self.bm.commit(seq.table, seq.tokens, seq.num_computed)
+        self.bm.commit(seq.table, seq.tokens, seq.committable)
         if before != seq.table.block_ids:
             event("commit deduped")
-        assert seq.table.num_committed_blocks == seq.num_computed // BS
+        assert seq.table.num_committed_blocks == seq.committable // BS
         assert len(seq.table.hashes) == seq.table.num_committed_blocks
-        hashes = self.bm.block_hashes(seq.tokens[: seq.num_computed], seq.table.namespace)
+        hashes = self.bm.block_hashes(seq.tokens[: seq.committable], seq.table.namespace)
         assert seq.table.hashes == hashes
 
     @precondition(lambda self: 0 < len(self.seqs) < MAX_SEQS)
@@ -235,20 +327,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not can_fork(self.bm, seq.table):
             return
         pinned_idle = self.pinned_idle()
-        table = fork_table(self.bm, seq.table, seq.tokens, seq.num_computed, self.copy_slots)
+        written = max([seq.num_computed, *((p + 1) for p in seq.placed or ())])  # placed ahead
+        table = fork_table(self.bm, seq.table, seq.tokens, written, self.copy_slots)
+        placed = dict(seq.placed) if seq.placed is not None else None
         self.check_pinned_evicted_last(pinned_idle)
         assert table.num_slots == seq.table.num_slots
         shared = seq.table.num_committed_blocks
         assert table.block_ids[:shared] == seq.table.block_ids[:shared]
         assert not set(table.block_ids[shared:]) & set(seq.table.block_ids)
-        self.seqs.append(Seq(table, list(seq.tokens), seq.num_computed))
+        self.seqs.append(Seq(table, list(seq.tokens), seq.num_computed, placed, seq.exact))
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), commit=st.booleans())
     def free(self, data: st.DataObject, commit: bool) -> None:
         seq = data.draw(st.sampled_from(self.seqs))
         if commit:
-            self.bm.commit(seq.table, seq.tokens, seq.num_computed)
+            self.bm.commit(seq.table, seq.tokens, seq.committable)
         self.seqs.remove(seq)
         self.bm.free(seq.table)
         assert seq.table.block_ids == []
@@ -407,7 +501,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def every_table_reads_back_its_own_history(self) -> None:
         for seq in self.seqs:
-            expected = history_values(seq.table.namespace, seq.tokens[: seq.num_computed])
+            expected = seq.expected()
             for pos, value in enumerate(expected):
                 assert self.kv[seq.table.block_ids[pos // BS], pos % BS] == value, pos
 

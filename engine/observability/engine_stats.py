@@ -86,6 +86,15 @@ class EngineStats:
             m.requests_failed.labels(failure).inc()
         if seq.first_token_time is not None:
             m.e2e_latency.observe(now - seq.arrival_time)
+        spans, cached = seq.request.segments or [], seq.num_cached_tokens or 0
+        for p in seq.placements:  # position-independent hits, apart from prefix hits
+            m.reuse_anywhere_segments.labels("stored" if p.stored else "computed").inc()
+            m.reuse_anywhere_tokens.labels("placed").inc(p.num_tokens)
+            span = spans[p.segment]
+            hit = max(0, min(cached, span.end) - span.start)  # exact prefix hit inside it
+            m.reuse_anywhere_tokens.labels("recomputed").inc(
+                span.end - span.start - p.num_tokens - hit
+            )
 
     # -- the cache ---------------------------------------------------------------------------
 

@@ -40,6 +40,21 @@ class EngineMetrics:
             ["tier"],
             registry=r,
         )
+        self.reuse_anywhere_segments = Counter(
+            "prefixcache:reuse_anywhere_segments",
+            "reuse=anywhere segments placed at a new offset (position-independent reuse), by "
+            "where their KV came from: stored (a chunk hit), computed (computed on its own "
+            "for this request).",
+            ["source"],
+            registry=r,
+        )
+        self.reuse_anywhere_tokens = Counter(
+            "prefixcache:reuse_anywhere_tokens",
+            "Prompt tokens of placed segments by how they were served: placed (stored KV, "
+            "re-rotated), recomputed (repair tokens and the chunk's tail, computed in place).",
+            ["served"],
+            registry=r,
+        )
         self.kv_tier_bytes = Gauge(
             "prefixcache:kv_tier_bytes",
             "Bytes of the KV tier (--kv-offload) by state: used, free.",

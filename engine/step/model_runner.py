@@ -38,21 +38,24 @@ def batch_of(
 ) -> list[BatchEntry]:
     """A scheduled step as the runner's batch: each chunk's tokens, where they start, its
     table (and for a hybrid model its local table); logits only for a chunk that reaches its
-    sequence's last token."""
+    sequence's last token. A sequence with placed spans (chunk_reuse.py) gives one entry per
+    run of tokens between them, over the same table: every entry's KV is written before any
+    attention reads the pages, so the step equals computing the runs one after another."""
     batch = []
     for chunk in out.chunks:
-        seq, start = chunk.seq, chunk.seq.num_computed_tokens
-        end = start + chunk.num_tokens
+        seq = chunk.seq
         assert seq.table is not None
-        batch.append(
-            BatchEntry(
-                token_ids=seq.token_ids[start:end],
-                start_pos=start,
-                block_table=seq.table.block_ids,
-                compute_logits=end == seq.num_tokens,
-                local_table=local_table_of(seq.table) if local_table_of is not None else None,
+        local = local_table_of(seq.table) if local_table_of is not None else None
+        for start, end in chunk.token_runs():  # one run, or runs around placed spans
+            batch.append(
+                BatchEntry(
+                    token_ids=seq.token_ids[start:end],
+                    start_pos=start,
+                    block_table=seq.table.block_ids,
+                    compute_logits=end == seq.num_tokens,
+                    local_table=local,
+                )
             )
-        )
     return batch
 
 

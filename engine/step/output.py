@@ -72,17 +72,19 @@ def usage_of(seq: Sequence) -> Usage:
     cached = seq.num_cached_tokens or 0
     segments = None
     spans = seq.request.segments
+    placed = {p.segment: p for p in seq.placements}
     if spans is not None:
         misses = segment_misses(spans, cached, seq.miss)
-        segments = [
-            SegmentUsage(
-                tag=s.tag,
-                tokens=s.end - s.start,
-                cached_tokens=max(0, min(cached, s.end) - s.start),
-                miss=miss,
+        segments = []
+        for i, (s, miss) in enumerate(zip(spans, misses, strict=True)):
+            tokens, hit = s.end - s.start, max(0, min(cached, s.end) - s.start)
+            usage = SegmentUsage(
+                s.tag, tokens, hit, miss, "cached" if hit == tokens else "computed"
             )
-            for s, miss in zip(spans, misses, strict=True)
-        ]
+            if (p := placed.get(i)) is not None:
+                usage.served, usage.reused_tokens = "reused_anywhere", p.num_tokens
+                usage.recomputed_tokens = tokens - p.num_tokens - hit
+            segments.append(usage)
     tiers = {"pool": cached - seq.num_reloaded_tokens}
     if seq.num_reloaded_tokens:
         tiers[seq.reload_tier] = seq.num_reloaded_tokens
@@ -93,6 +95,7 @@ def usage_of(seq: Sequence) -> Usage:
         computed_prompt_tokens=seq.num_computed_prompt_tokens,
         completion_tokens=seq.num_output_tokens,
         segments=segments,
+        reused_tokens=sum(p.num_tokens for p in seq.placements),
     )
 
 

@@ -11,12 +11,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
 from ..memory.block_manager import BlockManager
 from ..memory.block_types import PrefixMatch
 from ..request import SegmentMiss
 from .sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from .chunk_reuse import ChunkReuse, Placement
 
 ExplainMiss = Callable[[Sequence, PrefixMatch], SegmentMiss | None]
 
@@ -27,6 +31,12 @@ _HIT_REFRESH_PER_STEP = 16
 class ScheduledChunk:
     seq: Sequence
     num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    # with placed spans (chunk_reuse.py) in between: the runs of those tokens, [start, end)
+    runs: list[tuple[int, int]] | None = None
+
+    def token_runs(self) -> list[tuple[int, int]]:
+        start = self.seq.num_computed_tokens
+        return self.runs or [(start, start + self.num_tokens)]
 
 
 @dataclass(slots=True)
@@ -48,6 +58,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_steps = 0
         self.explain_miss: ExplainMiss | None = None  # at first admission, before allocating
+        self.reuse: ChunkReuse | None = None  # reuse="anywhere" segments (chunk_reuse.py)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -72,7 +83,7 @@ class Scheduler:
         for i, seq in enumerate(order):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = min(seq.num_tokens_to_compute, budget)
             target = seq.num_computed_tokens + num_tokens
             while not self.block_manager.can_grow(seq.table, target):
                 victim = _least_important(
@@ -84,7 +95,7 @@ class Scheduler:
                     break
             else:
                 self.block_manager.grow(seq.table, target)
-                out.chunks.append(ScheduledChunk(seq, num_tokens))
+                out.chunks.append(_chunk(seq, num_tokens))
                 budget -= num_tokens
         return budget
 
@@ -99,9 +110,14 @@ class Scheduler:
             match = self._extend_with_live_tail(seq, match, tails)
             if self._waits_for_leader(seq, match, leaders):
                 continue
+            placements = self._acquire_chunks(seq, match)
+            if placements:  # computing a chunk may have evicted some of the prefix hit
+                match = self._extend_with_live_tail(seq, self._match(seq), tails)
+                placements = self._drop_covered(placements, match.num_tokens)
             num_tokens = min(seq.num_tokens - match.num_tokens, budget)
-            target = match.num_tokens + num_tokens
+            target = seq.num_tokens if placements else match.num_tokens + num_tokens
             if not manager.can_allocate(match, target):
+                self._release_chunks(placements)
                 break  # head of line waits for memory; smaller requests do not jump it
             if seq.num_cached_tokens is None and self.explain_miss is not None:
                 seq.miss = self.explain_miss(seq, match)
@@ -113,12 +129,32 @@ class Scheduler:
                 if manager.tier is not None:
                     seq.reload_tier = manager.tier.kind
                 seq.first_scheduled_time = time.monotonic()
+            if placements:
+                assert self.reuse is not None
+                self.reuse.place(seq, self._drop_covered(placements, seq.num_computed_tokens))
+                seq.skip_placed()
+                num_tokens = min(seq.num_tokens_to_compute, budget)
             seq.status = SequenceStatus.RUNNING
             self.waiting.remove(seq)
             self.running.append(seq)
-            out.chunks.append(ScheduledChunk(seq, num_tokens))
+            out.chunks.append(_chunk(seq, num_tokens))
             budget -= num_tokens
             leaders.append(seq)
+
+    def _acquire_chunks(self, seq: Sequence, match: PrefixMatch) -> list[Placement]:
+        if self.reuse is None or not self._caching or not seq.has_reuse_segments:
+            return []
+        return self.reuse.acquire(seq, match)
+
+    def _release_chunks(self, placements: list[Placement]) -> None:
+        if placements:
+            assert self.reuse is not None
+            self.reuse.release(placements)
+
+    def _drop_covered(self, placements: list[Placement], cached: int) -> list[Placement]:
+        """Placements after the exact prefix only (the rest are released)."""
+        self._release_chunks([p for p in placements if p.start < cached])
+        return [p for p in placements if p.start >= cached]
 
     def _admission_order(self) -> list[Sequence]:
         """Longest cached prefix first, with an age bound; arrival order when the queue is long.
@@ -184,7 +220,7 @@ class Scheduler:
         for other in tails.get((seq.namespace, parent), ()):
             if other.table.num_committed_blocks != full:
                 continue
-            written = min(limit, other.num_computed_tokens - full * bs)
+            written = min(limit, min(other.num_computed_tokens, other.exact_tokens) - full * bs)
             k = 0
             while k < written and seq.token_ids[full * bs + k] == other.token_ids[full * bs + k]:
                 k += 1
@@ -227,18 +263,22 @@ class Scheduler:
         prompt_tokens = 0
         for chunk in out.chunks:
             seq = chunk.seq
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens += chunk.num_tokens
-            computed = max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
-            seq.num_computed_prompt_tokens += computed
-            prompt_tokens += computed
-            self.block_manager.commit(seq.table, seq.token_ids, seq.num_computed_tokens)
+            prompt, runs = seq.num_prompt_tokens, chunk.token_runs()
+            for start, end in runs:
+                computed = max(0, min(end, prompt) - min(start, prompt))
+                seq.num_computed_prompt_tokens += computed
+                prompt_tokens += computed
+            seq.num_computed_tokens = runs[-1][1]
+            seq.skip_placed()
+            exact = min(seq.num_computed_tokens, seq.exact_tokens)
+            self.block_manager.commit(seq.table, seq.token_ids, exact)
         return prompt_tokens
 
     def preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.table)
         seq.table = None
         seq.num_computed_tokens = 0
+        seq.placements = []  # placed again (or computed) at the next admission
         self.running.remove(seq)
         self.waiting.append(seq)
         seq.status = SequenceStatus.WAITING
@@ -252,6 +292,10 @@ class Scheduler:
             self.block_manager.free(seq.table)
             seq.table = None
         seq.status = SequenceStatus.FINISHED
+
+
+def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
+    return ScheduledChunk(seq, num_tokens, seq.compute_runs(num_tokens) if seq.placements else None)
 
 
 def _least_important(candidates: list[Sequence]) -> Sequence:

@@ -11,6 +11,7 @@ from ..request import EngineRequest, SegmentMiss
 if TYPE_CHECKING:
     from ..memory.block_types import BlockTable
     from ..text.tokenizer import IncrementalDetokenizer
+    from .chunk_reuse import Placement
 
 
 class SequenceStatus(enum.Enum):
@@ -40,6 +41,9 @@ class Sequence:
     hit_estimate_step: int = -1  # the step it was last measured (-1: never)
     miss: SegmentMiss | None = None  # why the first admission's match stopped where it did
     pending_text: str = ""  # generated text held back while it may start a stop string
+    # reuse="anywhere" segments' stored KV placed into the table at this admission (sorted,
+    # disjoint); those positions count as computed without being computed
+    placements: list[Placement] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -71,3 +75,43 @@ class Sequence:
     @property
     def is_decoding(self) -> bool:
         return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+
+    @property
+    def has_reuse_segments(self) -> bool:
+        return any(s.reuse for s in self.request.segments or ())
+
+    @property
+    def exact_tokens(self) -> int:
+        """Leading tokens whose KV is exact (only these may be committed to the tree)."""
+        return self.placements[0].start if self.placements else len(self.token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens left to compute (placed spans ahead are not computed)."""
+        done = self.num_computed_tokens
+        ahead = sum(p.end - max(p.start, done) for p in self.placements if p.end > done)
+        return self.num_uncomputed_tokens - ahead
+
+    def compute_runs(self, num_tokens: int) -> list[tuple[int, int]]:
+        """The next ``num_tokens`` tokens to compute, as ``[start, end)`` runs around the
+        placed spans (one step computes them all: each run is a batch entry over the table)."""
+        runs, pos, left = [], self.num_computed_tokens, num_tokens
+        for p in self.placements:
+            if p.end <= pos:
+                continue
+            n = min(left, p.start - pos)
+            if n:
+                runs.append((pos, pos + n))
+                left -= n
+            if left == 0:
+                return runs
+            pos = p.end
+        if left:
+            runs.append((pos, pos + left))
+        return runs
+
+    def skip_placed(self) -> None:
+        """Progress past placed spans that start where the computed tokens end."""
+        for p in self.placements:
+            if p.start == self.num_computed_tokens:
+                self.num_computed_tokens = p.end

@@ -201,6 +201,10 @@ class PromptRenderer:
                 for s, span in zip(ordered, out.spans, strict=True)
                 if s.cache_control is not None
             ]
+            out.spans = [
+                SegmentSpan(span.tag, span.start, span.end, s.reuse) if s.reuse else span
+                for s, span in zip(ordered, out.spans, strict=True)
+            ]
             return out
         assert messages is not None
         out = self.render_messages(

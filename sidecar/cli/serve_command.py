@@ -68,6 +68,7 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
             kv_offload_keep_files=args.kv_offload_keep,
             kv_spill_policy=args.kv_spill_policy,
             swa_pool_ratio=args.swa_pool_ratio,
+            reuse_repair_tokens=args.reuse_repair_tokens,
             max_pin_ttl_s=args.max_pin_ttl,
             max_hint_pinned_blocks=args.max_hint_pinned_blocks,
         )

@@ -68,6 +68,14 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         help="hybrid (sliding-window) models: local pages per global page in the KV budget",
     )
     parser.add_argument(
+        "--reuse-repair-tokens",
+        type=int,
+        default=16,
+        metavar="K",
+        help='segments with reuse "anywhere": leading tokens of each reused document '
+        "recomputed in place (repairs cross-document attention; docs/prompt-layout.md)",
+    )
+    parser.add_argument(
         "--max-pin-ttl",
         type=float,
         default=3600.0,

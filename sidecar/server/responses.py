@@ -61,21 +61,35 @@ def cache_report(usage: Usage, spans: list[SegmentSpan]) -> rt.CacheReport:
     """The ``prefixcache`` object. Segment hits come from the engine, or else from the spans."""
     if usage.segments is not None:
         segments = [
-            rt.SegmentReport(s.tag, s.tokens, s.cached_tokens, miss_report(s.miss))
+            rt.SegmentReport(
+                s.tag,
+                s.tokens,
+                s.cached_tokens,
+                miss_report(s.miss),
+                s.served or _served(s.tokens, s.cached_tokens),
+                s.reused_tokens,
+                s.recomputed_tokens,
+            )
             for s in usage.segments
         ]
     else:
-        segments = [
-            rt.SegmentReport(s.tag, s.end - s.start, _overlap(s, usage.cached_tokens))
-            for s in spans
-        ]
+        segments = []
+        for s in spans:
+            hit = _overlap(s, usage.cached_tokens)
+            served = _served(s.end - s.start, hit)
+            segments.append(rt.SegmentReport(s.tag, s.end - s.start, hit, served=served))
     return rt.CacheReport(
         cached_tokens=usage.cached_tokens,
         prompt_tokens=usage.prompt_tokens,
         computed_tokens=usage.computed_prompt_tokens,
         segments=segments,
         cached_tokens_by_tier=usage.cached_tokens_by_tier or msgspec.UNSET,
+        reused_tokens=usage.reused_tokens or msgspec.UNSET,
     )
+
+
+def _served(tokens: int, cached_tokens: int) -> str:
+    return "cached" if cached_tokens == tokens else "computed"
 
 
 def miss_report(miss: SegmentMiss | None) -> rt.SegmentMiss | None:

@@ -92,6 +92,9 @@ class Segment(msgspec.Struct):
     tag: Tag
     stability: Stability = "dynamic"
     cache_control: CacheControl | None = None  # keep the prompt up to this segment's end
+    # "anywhere": this segment's KV may be computed once and reused at any offset, in any
+    # combination with other such segments (approximate; docs/prompt-layout.md)
+    reuse: Literal["anywhere"] | None = None
 
 
 def order_segments(segments: list[Segment]) -> list[Segment]:

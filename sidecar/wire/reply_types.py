@@ -31,6 +31,9 @@ class SegmentReport(msgspec.Struct):
     tokens: int
     cached_tokens: int
     miss: SegmentMiss | None = None
+    served: str = "computed"  # "cached" | "reused_anywhere" | "computed"
+    reused_tokens: int = 0  # reused_anywhere: tokens placed from the chunk store
+    recomputed_tokens: int = 0  # reused_anywhere: tokens computed in place (the repair)
 
 
 class CacheReport(msgspec.Struct):
@@ -40,6 +43,8 @@ class CacheReport(msgspec.Struct):
     segments: list[SegmentReport]
     # cached_tokens by where the KV was: "pool", "host" or "disk" (copied back from the tier)
     cached_tokens_by_tier: dict[str, int] | msgspec.UnsetType = msgspec.UNSET
+    # prompt tokens placed from the chunk store (reuse "anywhere" segments); left out when 0
+    reused_tokens: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class FunctionCallReply(msgspec.Struct):

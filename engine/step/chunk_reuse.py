@@ -1,0 +1,177 @@
+"""Position-independent reuse of document segments (a segment with ``reuse="anywhere"``).
+
+A flagged segment's KV is computed on its own, at positions ``[0, n)``, and kept by the block
+manager under the request's chunk namespace (its namespace plus a suffix no server-derived
+namespace can end with): the same pool, LRU, pins and eviction as prefix blocks, keyed by
+(model identity, namespace, the segment's tokens), while no request's prefix lookup can meet
+it. Placed at offset ``o`` of a prompt, the stored K is re-rotated by ``o`` (RoPE composes)
+and copied with V into the request's own pages. The first ``repair`` tokens of each chunk
+(EPIC-style) and its tail past the last full block are computed in place, as ordinary
+prefill. Placed KV is approximate: the sequence never commits a block from its first placed
+token on (``Sequence.exact_tokens``), so it never reaches the prefix tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..memory.block_manager import BlockManager
+from ..memory.block_types import BlockTable, PrefixMatch
+from ..memory.kv_cache import KVCache
+from ..model.rope_shift import shift_keys, shift_rotation
+from ..request import SegmentSpan
+from .model_runner import BatchEntry
+from .sequence import Sequence
+
+REUSE_ANYWHERE = "anywhere"
+CHUNK_NAMESPACE_SUFFIX = "\x00reuse-anywhere"
+DEFAULT_REPAIR_TOKENS = 16
+
+
+def chunk_namespace(namespace: str) -> str:
+    """Where a namespace's chunks live: a tenant's chunks are never another tenant's."""
+    return namespace + CHUNK_NAMESPACE_SUFFIX
+
+
+@dataclass(slots=True)
+class Placement:
+    """One flagged segment's stored KV placed into a sequence's pages."""
+
+    segment: int  # index in the request's segments
+    start: int  # first placed prompt position (the segment's start + the repair tokens)
+    end: int  # one past the last placed position
+    delta: int  # positions the stored keys move by (the segment's offset in the prompt)
+    stored: bool  # the chunk's KV was in the store (else computed for this request)
+    table: BlockTable | None = None  # the chunk's own table, held until the copy is done
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def plan_placements(
+    spans: list[SegmentSpan], first_free: int, prompt_len: int, repair: int, block_size: int
+) -> list[tuple[int, int, int]]:
+    """``(segment, start, end)`` of each flagged segment's placed span: past its ``repair``
+    leading tokens and past the exact prefix hit (``first_free``: a hit covering a segment's
+    first tokens is exact KV, better than placed), within its whole blocks (the tail is
+    computed), before the prompt's last token (its logits are computed)."""
+    plans, last_end = [], first_free
+    for i, span in enumerate(spans):
+        if span.reuse != REUSE_ANYWHERE:
+            continue
+        whole = (span.end - span.start) // block_size * block_size
+        start = max(span.start + repair, last_end)
+        end = min(span.start + whole, prompt_len - 1)
+        if end > start:
+            plans.append((i, start, end))
+            last_end = end
+    return plans
+
+
+class ChunkReuse:
+    """The chunk store's two halves at admission: ``acquire`` (find or compute each flagged
+    segment's KV, a ref held) and ``place`` (copy it into the sequence's table); ``release``
+    lets go of acquired chunks that were not placed."""
+
+    def __init__(
+        self,
+        manager: BlockManager,
+        kv_cache: KVCache,
+        execute: Callable[[list[BatchEntry]], torch.Tensor],
+        inv_freq: torch.Tensor,
+        repair: int = DEFAULT_REPAIR_TOKENS,
+    ) -> None:
+        if repair < 0:
+            raise ValueError(f"the repair tokens must be >= 0, got {repair}")
+        self.manager = manager
+        self.kv_cache = kv_cache
+        self.execute = execute
+        self.inv_freq = inv_freq
+        self.repair = repair
+        self.computed_tokens = 0  # chunk tokens computed on their own (all requests)
+
+    def acquire(self, seq: Sequence, match: PrefixMatch) -> list[Placement]:
+        spans = seq.request.segments or []
+        bs = self.manager.block_size
+        plans = plan_placements(spans, match.num_tokens, seq.num_prompt_tokens, self.repair, bs)
+        placements: list[Placement] = []
+        try:
+            for segment, start, end in plans:
+                span = spans[segment]
+                whole = (span.end - span.start) // bs * bs
+                tokens = seq.token_ids[span.start : span.start + whole]
+                found = self._chunk_table(tokens, chunk_namespace(seq.namespace), seq)
+                if found is None:
+                    break  # no room for the chunk: it and the rest are computed in place
+                table, stored = found
+                placements.append(Placement(segment, start, end, span.start, stored, table))
+        except BaseException:
+            self.release(placements)  # a failed chunk step holds nothing
+            raise
+        return placements
+
+    def place(self, seq: Sequence, placements: list[Placement]) -> None:
+        """Copy each chunk's KV (K re-rotated) into ``seq``'s table, which holds the whole
+        prompt; the chunks' refs are dropped (their blocks stay cached)."""
+        assert seq.table is not None and seq.table.num_slots >= seq.num_prompt_tokens
+        for p in placements:
+            assert p.table is not None
+            src = range(p.start - p.delta, p.end - p.delta)
+            self._copy(p.table.block_ids, src, seq.table.block_ids, p.start, p.delta)
+        self.release(placements)
+        seq.placements = placements
+
+    def release(self, placements: list[Placement]) -> None:
+        for p in placements:
+            if p.table is not None:
+                self.manager.free(p.table)
+                p.table = None
+
+    def _chunk_table(
+        self, tokens: list[int], namespace: str, seq: Sequence
+    ) -> tuple[BlockTable, bool] | None:
+        """The chunk's table with its KV written and committed: found, or computed now."""
+        manager = self.manager
+        match = manager.match(tokens, namespace, len(tokens))
+        if not manager.can_allocate(match, len(tokens)):
+            return None
+        table = manager.allocate(tokens, namespace, match, len(tokens))
+        cached = table.num_cached_tokens
+        if cached < len(tokens):
+            entry = BatchEntry(tokens[cached:], cached, table.block_ids, compute_logits=False)
+            try:
+                self.execute([entry])
+            except BaseException:
+                manager.free(table)
+                raise
+            manager.commit(table, tokens, len(tokens))
+            self.computed_tokens += len(tokens) - cached
+            seq.num_computed_prompt_tokens += len(tokens) - cached
+        return table, cached == len(tokens)
+
+    def _copy(
+        self, src_blocks: list[int], src: range, dst_blocks: list[int], dst_start: int, delta: int
+    ) -> None:
+        """Slots ``src`` of the chunk's blocks into slots from ``dst_start`` of the sequence's,
+        K rotated by ``delta``; each layer seen as rows of ``[num_blocks * 2 * bs, Hk * D]``
+        (K of slot s of block b at row ``b * 2 * bs + s``, its V ``bs`` rows further)."""
+        bs, device = self.manager.block_size, self.kv_cache.layers[0].device
+        src_pos = torch.arange(src.start, src.stop)
+        dst_pos = torch.arange(dst_start, dst_start + len(src))
+        src_k = torch.tensor(src_blocks)[src_pos // bs] * 2 * bs + src_pos % bs
+        dst_k = torch.tensor(dst_blocks)[dst_pos // bs] * 2 * bs + dst_pos % bs
+        src_k, dst_k = src_k.to(device), dst_k.to(device)
+        src_v, dst_v = src_k + bs, dst_k + bs
+        cos, sin = shift_rotation(self.inv_freq, delta)
+        spec = self.kv_cache.spec
+        for layer in self.kv_cache.layers:
+            rows = layer.view(-1, spec.num_kv_heads * spec.head_dim)
+            rows.index_copy_(0, dst_v, rows.index_select(0, src_v))
+            keys = rows.index_select(0, src_k)
+            if delta:
+                keys = shift_keys(keys.view(-1, spec.num_kv_heads, spec.head_dim), cos, sin)
+            rows.index_copy_(0, dst_k, keys.reshape(len(src), -1))
