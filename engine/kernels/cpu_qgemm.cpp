@@ -35,6 +35,7 @@ constexpr int64_t GC = 16;    // columns per group (one vector)
 constexpr int PAIRS = 16;     // k-pairs per block
 constexpr int MR = 4;         // rows per register tile (4 x 2 partials + 4 x 2 accumulators)
 constexpr int64_t CHUNK = 12 * MR;  // rows per task when the batch is large
+constexpr int64_t PREFETCH_BLOCKS = 4;  // how far ahead a few-row tile prefetches its records
 
 enum Format { I8 = 0, U4M = 1 };
 
@@ -109,6 +110,12 @@ void qtile(const uint16_t* x, int64_t ldx, int64_t r0, const QView& w, int64_t g
     for (int i = 0; i < R; ++i)
       for (int c = 0; c < NV; ++c) part[i][c] = _mm512_setzero_ps();
     for (int p = 0; p < PAIRS; ++p) {
+      if constexpr (!SCRATCH) {  // the records a few blocks ahead, a line a pair
+        for (int c = 0; c < NV; ++c)
+          if (p * 64 < w.rec_bytes && b + PREFETCH_BLOCKS < w.nblocks)
+            _mm_prefetch((const char*)(rec[c] + PREFETCH_BLOCKS * w.rec_bytes + p * 64),
+                         _MM_HINT_T0);
+      }
       __m512bh bq[NV];
       for (int c = 0; c < NV; ++c)
         bq[c] = SCRATCH ? (__m512bh)_mm512_loadu_si512(scratch + ((b * PAIRS + p) * NV + c) * 16)
