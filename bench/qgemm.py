@@ -115,7 +115,13 @@ def decode_tok_s(engine: LLMEngine, prompt: list[int], tokens: int, tag: str) ->
 def decode_rows(args: argparse.Namespace) -> dict[str, object]:
     engines = {
         mode: LLMEngine(
-            EngineConfig(model=args.model, dtype="bfloat16", device="cpu", gguf_weights=mode)
+            EngineConfig(
+                model=args.model,
+                dtype="bfloat16",
+                device="cpu",
+                gguf_weights=mode,
+                max_model_len=args.prompt + args.decode_tokens + 16,
+            )
         )
         for mode in ("quantized", "dequantized")
     }
