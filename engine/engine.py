@@ -57,7 +57,9 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.hooks = hooks = hooks or EngineHooks()
-        self.loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device)
+        self.loaded = loaded or load_model(
+            config.model, dtype=config.dtype, device=config.device, gguf_weights=config.gguf_weights
+        )
         self.tokenizer = self.loaded.tokenizer
         self._listeners = BlockListeners()  # the activity, then the KV event recorder
         kv = build_kv(config, self.loaded, self.cache_identity(self.loaded), hooks.clock)

@@ -84,6 +84,11 @@ CASES = {
         {"available", "cpu"},
     ),
     "window_decode.py": (["--batch", "1"], {"cpu", "threads", "rows"}),
+    "qgemm.py": (  # SmolLM2 (the named model, fetched once), tiny sizes
+        ["--shapes", "64x256", "--rows", "1,8", "--repeat", "1", "--budget-ms", "1"]
+        + ["--prompt", "16", "--decode-tokens", "4", "--rounds", "1"],
+        {"cpu", "threads", "available"},
+    ),
     "hybrid.py": (  # Gemma 3 (the named model, fetched once), tiny sizes
         ["--prefix", "64", "--requests", "3", "--context", "600", "--budget-mib", "48"]
         + ["--capacity-prefix", "600"],

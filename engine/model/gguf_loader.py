@@ -1,4 +1,5 @@
-"""load_gguf(): a llama.cpp GGUF file -> GGUFModel, dequantized to the engine dtype.
+"""load_gguf(): a llama.cpp GGUF file -> GGUFModel, dequantized to the engine dtype (or with
+its block-quantized linears and embedding kept quantized: ``gguf_weights``).
 
 The file is memory-mapped by the ``gguf`` package's reader; tensors are dequantized one at a
 time (``gguf.dequantize``, float32) and cast to the engine dtype, so the process holds the
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from ..text.tokenizer import Tokenizer
+from . import gguf_weights
 from .llama import LlamaForCausalLM, rope_inv_freq
 from .model_config import ModelConfig, UnsupportedModelError
 from .progress import progress_bar
@@ -96,6 +98,7 @@ class GGUFModel:
     config: ModelConfig
     tokenizer: Tokenizer
     fingerprint: str
+    quantized: bool = False  # some weights kept quantized (gguf_weights)
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -253,7 +256,11 @@ def check_tensor_types(reader: GGUFReader, path: Path) -> None:
         )
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> GGUFModel:
+def load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device, weights: str = "dequantized"
+) -> GGUFModel:
+    """``weights``: ``gguf_weights.WEIGHT_MODES``."""
+    quantize = gguf_weights.resolve_mode(weights, dtype, device)
     reader = open_gguf(path)
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
@@ -278,6 +285,7 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> GGUFModel
 
     permute = arch in _PERMUTED_QK
     state: dict[str, torch.Tensor] = {}
+    packed: dict[str, Any] = {}
     placed = [t for n, t in tensors.items() if hf_tensor_name(n, arch) is not None]
     with progress_bar("dequantize", sum(int(t.n_bytes) for t in placed), unit="B") as bar:
         for gguf_name, t in tensors.items():
@@ -289,6 +297,12 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> GGUFModel
                     f"{path.name}: tensor {gguf_name} has shape {list(reversed(t.shape.tolist()))} but "
                     f"the metadata implies {list(expected[hf])}"
                 )
+            if quantize and gguf_weights.quantizable_name(hf):
+                order = _row_order(gguf_name, expected[hf][0], config) if permute else None
+                if (qw := gguf_weights.pack_tensor(t, order)) is not None:
+                    packed[hf] = qw
+                    bar.update(int(t.n_bytes))
+                    continue
             w = dequantize_tensor(t)
             if permute and ".attn_q." in gguf_name:
                 w = unpermute_rope_rows(w, config.num_heads)
@@ -300,13 +314,28 @@ def load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> GGUFModel
             del w  # one float32 tensor at a time
             bar.update(int(t.n_bytes))
     model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and gguf_weights.EMBEDDING not in packed:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if packed:
+        gguf_weights.install(model, packed, config.tie_word_embeddings)
     if ROPE_FREQS in tensors:  # divides each pair's frequency, as llama.cpp's rope does
         factors = torch.from_numpy(dequantize_tensor(tensors[ROPE_FREQS]).reshape(-1))
         model.model.rotary_emb.inv_freq_cpu = rope_inv_freq(config) / factors
     model.eval().requires_grad_(False)
-    return GGUFModel(model, config, tokenizer, gguf_fingerprint(path, reader, raw_config))
+    fingerprint = gguf_fingerprint(path, reader, raw_config)
+    if packed:
+        fingerprint = gguf_weights.quantized_fingerprint(fingerprint)
+    return GGUFModel(model, config, tokenizer, fingerprint, quantized=bool(packed))
+
+
+def _row_order(gguf_name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
+    """The rows of a llama/mistral q or k weight in Hugging Face order (``unpermute_rope_rows``
+    as an index), else None."""
+    heads = {".attn_q.": config.num_heads, ".attn_k.": config.num_kv_heads}
+    for part, n in heads.items():
+        if part in gguf_name:
+            return unpermute_rope_rows(np.arange(rows), n)
+    return None
 
 
 def gguf_fingerprint(path: Path, reader: GGUFReader, raw_config: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ from torch import nn
 from ..kernels import cpu_gemm, cpu_layer_ops, torch_private
 from .layer_ops import FUSED_OPS, TORCH_OPS, TorchLayerOps
 from .model_config import ModelConfig
+from .quantized_linear import QLinear, fused_kernel
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -136,11 +137,16 @@ class Attention(nn.Module):
         self.out: Projection = _Concat(self.o_proj)
         self.ops: TorchLayerOps = TORCH_OPS  # LlamaForCausalLM.set_fused_ops() chooses
 
+    def link_projections(self) -> None:
+        """The unfused projections over the current q/k/v/o modules (after a loader swaps in
+        ``QLinear``s)."""
+        self.qkv = _Concat(self.q_proj, self.k_proj, self.v_proj)
+        self.out = _Concat(self.o_proj)
+
     def prepare(self, batch_invariant: bool = True) -> None:
         """One [q; k; v] GEMM; q/k/v_proj.weight become views of its weight (same names)."""
-        weight, bias = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        self.qkv = Gemm(weight, bias, batch_invariant)
-        self.out = Gemm(self.o_proj.weight, self.o_proj.bias, batch_invariant)
+        self.qkv = fused_projection((self.q_proj, self.k_proj, self.v_proj), batch_invariant)
+        self.out = fused_projection((self.o_proj,), batch_invariant)
 
     def _qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         if self.q_norm is None or self.k_norm is None:
@@ -184,32 +190,57 @@ class MLP(nn.Module):
         self.down: Projection = _Concat(self.down_proj)
         self.ops: TorchLayerOps = TORCH_OPS  # LlamaForCausalLM.set_fused_ops() chooses
 
+    def link_projections(self) -> None:
+        self.gate_up = _Concat(self.gate_proj, self.up_proj)
+        self.down = _Concat(self.down_proj)
+
     def prepare(self, batch_invariant: bool = True) -> None:
-        weight, bias = _fuse_linears(self.gate_proj, self.up_proj)
-        self.gate_up = Gemm(weight, bias, batch_invariant)
-        self.down = Gemm(self.down_proj.weight, self.down_proj.bias, batch_invariant)
+        self.gate_up = fused_projection((self.gate_proj, self.up_proj), batch_invariant)
+        self.down = fused_projection((self.down_proj,), batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.ops.silu_and_mul(self.gate_up(x), self.intermediate_size))
 
 
-Projection = Callable[[torch.Tensor], torch.Tensor]  # an nn.Linear, a _Concat or a Gemm
+Projection = Callable[[torch.Tensor], torch.Tensor]  # a linear, a _Concat, a Gemm or a kernel
 
 
 class _Concat:
     """Linears applied to the same input, outputs side by side: the checkpoint's q/k/v (or
-    gate/up) projections before ``prepare()`` fuses them into one GEMM (same bits). A plain
-    object, not a module, so that the state dict keeps the checkpoint's names only."""
+    gate/up) projections before ``prepare()`` fuses them into one GEMM (same bits), or the
+    parts of a fused projection that cannot share one kernel. A plain object, not a module,
+    so that the state dict keeps the checkpoint's names only."""
 
     __slots__ = ("linears",)
 
-    def __init__(self, *linears: nn.Linear) -> None:
+    def __init__(self, *linears: Projection) -> None:
         self.linears = linears
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.linears) == 1:
             return self.linears[0](x)
         return torch.cat([lin(x) for lin in self.linears], dim=-1)
+
+
+def fused_projection(linears: tuple[nn.Module, ...], batch_invariant: bool) -> Projection:
+    """Linears applied side by side as one GEMM: ``Gemm`` over the concatenated weights, or
+    for GGUF-quantized ones (``QLinear``, batch-invariant always) one quantized kernel where
+    their packings concatenate, else each on its own kernel."""
+    if len(linears) == 1 and isinstance(linears[0], nn.Linear):
+        return Gemm(linears[0].weight, linears[0].bias, batch_invariant)
+    if all(isinstance(lin, nn.Linear) for lin in linears):
+        weight, bias = _fuse_linears(*linears)  # type: ignore[arg-type]
+        return Gemm(weight, bias, batch_invariant)
+    fused = fused_kernel(linears)
+    if fused is not None:
+        return fused
+    parts: list[Projection] = []
+    for lin in linears:
+        if isinstance(lin, QLinear):
+            parts.append(lin.kernel)
+        else:
+            parts.append(Gemm(lin.weight, lin.bias, batch_invariant))  # type: ignore[arg-type]
+    return _Concat(*parts)
 
 
 def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -326,11 +357,19 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.prepare(batch_invariant)
             layer.mlp.prepare(batch_invariant)
-        self.head = Gemm(self.lm_head.weight, None, batch_invariant)
+        self.head = fused_projection((self.lm_head,), batch_invariant)
         self.set_fused_ops(
             cpu_layer_ops.supports(self.model.norm.weight)
             and all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in self.parameters())
         )
+
+    def link_projections(self) -> None:
+        """The unfused projections over the current modules, after a loader swapped some for
+        ``QLinear``s (``gguf_loader``)."""
+        for layer in self.model.layers:
+            layer.self_attn.link_projections()
+            layer.mlp.link_projections()
+        self.head = _Concat(self.lm_head)
 
     def set_fused_ops(self, fused: bool) -> None:
         """Norms, rotary and SiLU-and-mul on ``cpu_layer_ops`` (bf16 CPU models, where it

@@ -109,7 +109,10 @@ def load_model(
     name_or_path: str = "demo",
     dtype: torch.dtype | str | None = None,
     device: str | None = None,
+    gguf_weights: str = "auto",
 ) -> LoadedModel:
+    """``gguf_weights`` (GGUF files only): ``auto``, ``quantized`` or ``dequantized``
+    (``gguf_weights.py``)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if name_or_path == "demo":
@@ -120,18 +123,20 @@ def load_model(
     from .named_models import NAMED_MODELS, ensure_named_model
 
     if name_or_path in NAMED_MODELS:
-        return _load_gguf(ensure_named_model(name_or_path), dt, dev, name=name_or_path)
+        return _load_gguf(ensure_named_model(name_or_path), dt, dev, name_or_path, gguf_weights)
     path = Path(name_or_path).expanduser()
     if path.suffix.lower() == ".gguf" and not path.is_dir():
-        return _load_gguf(path, dt, dev, name=path.name)
+        return _load_gguf(path, dt, dev, path.name, gguf_weights)
     return load_folder(path, dt, dev, name=path.name)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str) -> LoadedModel:
+def _load_gguf(
+    path: Path, dtype: torch.dtype, device: torch.device, name: str, weights: str
+) -> LoadedModel:
     from .gguf_loader import GGUFLoadError, load_gguf
 
     try:
-        loaded = load_gguf(path, dtype, device)
+        loaded = load_gguf(path, dtype, device, weights)
     except GGUFLoadError as exc:
         raise ModelLoadError(str(exc)) from exc
     return LoadedModel(

@@ -55,6 +55,7 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
             model=args.model,
             dtype=args.dtype,
             device=args.device,
+            gguf_weights=args.gguf_weights,
             attention_backend=args.attention_backend,
             block_size=args.block_size,
             num_blocks=args.num_blocks,

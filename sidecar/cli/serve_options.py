@@ -130,6 +130,14 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         "(AVX512_BF16, AMX, Arm BF16), else float32",
     )
     parser.add_argument(
+        "--gguf-weights",
+        choices=["auto", "quantized", "dequantized"],
+        default="auto",
+        help="GGUF files: keep Q8_0/Q4_0/Q4_1/Q5_0/Q4_K weights quantized in memory, computed "
+        "by a dequantize-in-kernel GEMM (bf16 on AVX512_BF16 CPUs), or dequantize every tensor "
+        "at load; auto: quantized where that kernel runs",
+    )
+    parser.add_argument(
         "--engine",
         choices=["process", "thread"],
         default="process",

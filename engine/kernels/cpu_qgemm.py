@@ -1,0 +1,153 @@
+"""Batch-invariant GEMM over block-quantized weights on AVX512_BF16 CPUs (``cpu_qgemm.cpp``).
+
+The weight stays as small integers with a fp32 scale (and min) per 32 k, dequantized inside
+the kernel: a decode reads 9 (``I8``) or 6 (``U4M``) bits a weight instead of bf16's 16. Each
+output element is one fixed sequence (per block a fresh VDPBF16PS partial over ascending k,
+then scaled into one fp32 accumulator, blocks in ascending k), so a row's result is a
+function of that row alone, as in ``cpu_gemm``. bf16 activations only: fp32 models keep the
+dequantized weights. ``available()`` is false where the library cannot load (``cpu_library``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import cpu_library
+
+SOURCE = Path(__file__).with_name("cpu_qgemm.cpp")
+BLOCK = 32  # k per scale
+GROUP = 16  # output columns per packed group
+I8, U4M = "i8", "u4m"  # w = s * q (q int8); w = s * q + mn (q in 0..15)
+_FORMAT_CODES = {I8: 0, U4M: 1}
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.pc_qgemm_packed_bytes.argtypes = [i64, i64, c_int]
+    lib.pc_qgemm_packed_bytes.restype = i64
+    lib.pc_qgemm_pack.argtypes = [ptr, ptr, ptr, i64, i64, c_int, ptr]
+    lib.pc_qgemm_pack.restype = None
+    lib.pc_qgemm_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, c_int, ptr, ptr, i64, c_int]
+    lib.pc_qgemm_bf16.restype = None
+    lib.pc_qgemm_gather_bf16.argtypes = [ptr, i64, i64, c_int, ptr, i64, ptr]
+    lib.pc_qgemm_gather_bf16.restype = None
+
+
+_library = cpu_library.CpuLibrary(
+    SOURCE, "CPU quantized GEMM", "dequantized GGUF weights", _declare
+)
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (building it on first use, a few seconds)."""
+    return _library.load() is not None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _library.load()
+    if lib is None:
+        raise RuntimeError("cpu_qgemm used where available() is false")
+    return lib
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    """A ``[n, k]`` weight packed for the kernel (layout at the top of ``cpu_qgemm.cpp``)."""
+
+    packed: torch.Tensor  # uint8
+    fmt: str
+    n: int
+    k: int
+
+    @classmethod
+    def pack(
+        cls, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None = None
+    ) -> QuantizedWeight:
+        """From ``q`` int8 ``[n, k]`` (U4M: 0..15), ``scale`` (and ``minimum``, which makes it
+        U4M) float32 ``[n, k / 32]``."""
+        n, k = q.shape
+        cpu_library.require(k % BLOCK == 0 and k > 0, "k a positive multiple of 32")
+        cpu_library.require(scale.shape == (n, k // BLOCK), "one scale per block")
+        fmt = I8 if minimum is None else U4M
+        q = np.ascontiguousarray(q, dtype=np.int8)
+        scale = np.ascontiguousarray(scale, dtype=np.float32)
+        if minimum is not None:
+            cpu_library.require(minimum.shape == scale.shape, "one min per block")
+            minimum = np.ascontiguousarray(minimum, dtype=np.float32)
+        lib = _lib()
+        packed = torch.empty(lib.pc_qgemm_packed_bytes(n, k, _FORMAT_CODES[fmt]), dtype=torch.uint8)
+        lib.pc_qgemm_pack(
+            q.ctypes.data, scale.ctypes.data, None if minimum is None else minimum.ctypes.data,
+            n, k, _FORMAT_CODES[fmt], packed.data_ptr(),
+        )  # fmt: skip
+        return cls(packed, fmt, n, k)
+
+    @staticmethod
+    def concat(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+        """The parts' rows one after another (fused QKV, gate/up), or None where they cannot
+        share one packed weight (formats or k differ, or a part but the last leaves a group
+        half full)."""
+        first = parts[0]
+        if any(p.fmt != first.fmt or p.k != first.k for p in parts):
+            return None
+        if any(p.n % GROUP for p in parts[:-1]):
+            return None
+        packed = torch.cat([p.packed for p in parts])
+        return QuantizedWeight(packed, first.fmt, sum(p.n for p in parts), first.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+class QuantizedLinear:
+    """``x @ W.T + bias`` for a bf16 ``x`` and a ``QuantizedWeight``; ``gather(ids)``: rows
+    of W as bf16 (the tied embedding)."""
+
+    __slots__ = ("bias", "in_features", "out_features", "weight")
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.out_features, self.in_features = weight.n, weight.k
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        cpu_library.require(self.bias is None or self.bias.numel() == weight.n, "bias of n")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"QuantizedLinear({self.in_features} -> {self.out_features}) got "
+                f"{tuple(x.shape)} {x.dtype} on {x.device}"
+            )
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        m = x2.shape[0]
+        out = torch.empty(m, self.out_features, dtype=torch.bfloat16)
+        if m:
+            w = self.weight
+            _lib().pc_qgemm_bf16(
+                x2.data_ptr(), x2.stride(0), m, w.packed.data_ptr(), w.n, w.k,
+                _FORMAT_CODES[w.fmt], None if self.bias is None else self.bias.data_ptr(),
+                out.data_ptr(), self.out_features, torch.get_num_threads(),
+            )  # fmt: skip
+        return out.view(*lead, self.out_features)
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W, bf16 ``[*ids.shape, k]``: s * q (+ mn) in fp32, rounded once."""
+        flat = ids.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
+        w = self.weight
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.n):
+            raise IndexError(f"row ids outside [0, {w.n})")
+        out = torch.empty(flat.numel(), w.k, dtype=torch.bfloat16)
+        if flat.numel():
+            _lib().pc_qgemm_gather_bf16(
+                w.packed.data_ptr(), w.n, w.k, _FORMAT_CODES[w.fmt], flat.data_ptr(),
+                flat.numel(), out.data_ptr(),
+            )  # fmt: skip
+        return out.view(*ids.shape, w.k)

@@ -1,0 +1,88 @@
+"""Which GGUF weights stay quantized in memory, and putting them in the model.
+
+``--gguf-weights``: ``dequantized`` (every tensor to the engine dtype at load, as before),
+``quantized`` (the linears and the embedding whose type ``gguf_blocks`` splits stay packed for
+``kernels/cpu_qgemm``; other tensors are dequantized) or ``auto`` (quantized where it can run:
+a bf16 CPU model and a kernel that loads; else dequantized). Quantized logits differ from
+the dequantized ones (rounding), so the mode is part of the model fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..kernels import cpu_qgemm
+from .gguf_blocks import split_blocks
+from .llama import LlamaForCausalLM
+from .quantized_linear import QEmbedding, QLinear
+
+WEIGHT_MODES = ("auto", "quantized", "dequantized")
+EMBEDDING = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+_LINEAR_SUFFIXES = ("_proj.weight",)
+
+
+def quantized_reason(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why quantized weights cannot run here (None when they can)."""
+    if device.type != "cpu":
+        return f"the kernel runs on CPU, not {device.type}"
+    if dtype != torch.bfloat16:
+        return f"the kernel computes bf16, not {str(dtype).removeprefix('torch.')}"
+    if not cpu_qgemm.available():
+        return "the CPU quantized GEMM does not load here (see the log)"
+    return None
+
+
+def resolve_mode(mode: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether to keep weights quantized; ``quantized`` where it cannot run is an error."""
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"gguf weights {mode!r}: use one of {', '.join(WEIGHT_MODES)}")
+    if mode == "dequantized":
+        return False
+    reason = quantized_reason(dtype, device)
+    if mode == "quantized" and reason is not None:
+        raise ValueError(f"--gguf-weights quantized: {reason}")
+    return reason is None
+
+
+def quantizable_name(hf_name: str) -> bool:
+    return hf_name in (EMBEDDING, HEAD) or hf_name.endswith(_LINEAR_SUFFIXES)
+
+
+def pack_tensor(t: Any, row_order: np.ndarray | None = None) -> cpu_qgemm.QuantizedWeight | None:
+    """A GGUF tensor ``[n, k]`` packed for the kernel, rows taken in ``row_order`` (llama's
+    q/k permutation undone); None for a type ``gguf_blocks`` keeps dequantized."""
+    n, k = (int(d) for d in reversed(t.shape.tolist()))
+    ints = split_blocks(t.data, t.tensor_type.name, n, k)
+    if ints is None:
+        return None
+    q, scale, minimum = ints.q, ints.scale, ints.minimum
+    if row_order is not None:
+        q, scale = q[row_order], scale[row_order]
+        minimum = None if minimum is None else minimum[row_order]
+    return cpu_qgemm.QuantizedWeight.pack(q, scale, minimum)
+
+
+def install(
+    model: LlamaForCausalLM, packed: dict[str, cpu_qgemm.QuantizedWeight], tied: bool
+) -> None:
+    """Swap the modules whose weights are in ``packed`` (HF names) for quantized ones; a tied
+    head shares the embedding's packing."""
+    for name, weight in packed.items():
+        path = name.removesuffix(".weight")
+        if name == EMBEDDING:
+            model.set_submodule(path, QEmbedding(weight))
+            continue
+        old = model.get_submodule(path)
+        model.set_submodule(path, QLinear(weight, getattr(old, "bias", None)))
+    if tied and EMBEDDING in packed:
+        model.lm_head = QLinear(packed[EMBEDDING])
+    model.link_projections()
+
+
+def quantized_fingerprint(fingerprint: str) -> str:
+    return hashlib.sha256(f"{fingerprint}|gguf-weights=quantized".encode()).hexdigest()[:32]
