@@ -47,9 +47,10 @@ class EngineConfig:
     # cached, wherever chunked prefill cut and whoever shares the step (docs/architecture.md,
     # "Fidelity"). Off: oneDNN's GEMMs and the split attention paths, a little faster.
     batch_invariant: bool = True
-    # GGUF files: keep block-quantized weights quantized (auto: where the CPU kernel runs, bf16
-    # models), or dequantize them at load (model/gguf_weights.py).
-    gguf_weights: str = "auto"
+    # GGUF files: dequantize every tensor at load (the default: the fastest for batches), or
+    # keep block-quantized weights quantized (quantized; auto: where the CPU kernel runs, bf16
+    # models), which is faster for one stream only (model/gguf_weights.py).
+    gguf_weights: str = "dequantized"
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None  # wins over kv_memory_bytes when set
     kv_memory_bytes: int = 512 * 1024**2

@@ -40,7 +40,7 @@ def gguf_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 def test_quantized_model_matches_the_dequantized_one(gguf_file: Path) -> None:
     quant = load_model(str(gguf_file), dtype="bfloat16", device="cpu", gguf_weights="quantized")
     dequant = load_model(str(gguf_file), dtype="bfloat16", device="cpu", gguf_weights="dequantized")
-    exact = load_model(str(gguf_file), dtype="float32", device="cpu")  # auto: dequantized
+    exact = load_model(str(gguf_file), dtype="float32", device="cpu")  # default: dequantized
     model = quant.model
     assert isinstance(model.model.embed_tokens, QEmbedding)
     assert isinstance(model.lm_head, QLinear)
@@ -95,7 +95,7 @@ def test_mixed_projections_fall_back_to_one_kernel_each(gguf_file: Path) -> None
 
 
 def test_engine_answers_do_not_depend_on_cache_chunks_or_batch(gguf_file: Path) -> None:
-    loaded = load_model(str(gguf_file), dtype="bfloat16", device="cpu")  # auto: quantized
+    loaded = load_model(str(gguf_file), dtype="bfloat16", device="cpu", gguf_weights="quantized")
     assert isinstance(loaded.model.lm_head, QLinear)
     shared = [(7 * i + 3) % 2000 + 3 for i in range(70)]
     prompts = [shared + [(11 * i + j) % 1900 + 5 for j in range(5 + 3 * i)] for i in range(4)]

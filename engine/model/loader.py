@@ -109,7 +109,7 @@ def load_model(
     name_or_path: str = "demo",
     dtype: torch.dtype | str | None = None,
     device: str | None = None,
-    gguf_weights: str = "auto",
+    gguf_weights: str = "dequantized",
 ) -> LoadedModel:
     """``gguf_weights`` (GGUF files only): ``auto``, ``quantized`` or ``dequantized``
     (``gguf_weights.py``)."""

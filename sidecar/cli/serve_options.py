@@ -132,10 +132,12 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gguf-weights",
         choices=["auto", "quantized", "dequantized"],
-        default="auto",
+        default="dequantized",
         help="GGUF files: keep Q8_0/Q4_0/Q4_1/Q5_0/Q4_K weights quantized in memory, computed "
         "by a dequantize-in-kernel GEMM (bf16 on AVX512_BF16 CPUs), or dequantize every tensor "
-        "at load; auto: quantized where that kernel runs",
+        "at load (the default: faster for batches of 8+ and prefill); auto: quantized where that "
+        "kernel runs. Quantized is faster for a single stream (1.44x decode on SmolLM2) and "
+        "holds 2.5x less weight memory",
     )
     parser.add_argument(
         "--engine",
