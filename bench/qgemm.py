@@ -20,10 +20,10 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
+from row_decode import per_call_ms
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
@@ -36,17 +36,6 @@ from prefixcache.engine.request import EngineRequest, SamplingParams
 
 TYPES = {"Q8_0": (34, 32, (0,)), "Q4_1": (20, 32, (0, 2)), "Q5_0": (22, 32, (0,))}
 TYPES["Q4_K"] = (144, 256, (0, 2))  # bytes a block, weights a block, fp16 field offsets
-
-
-def per_call_ms(fn: Callable[[], object], calls: int, repeat: int) -> float:
-    fn()
-    runs = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        runs.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(runs)
 
 
 def random_weight(type_name: str, n: int, k: int) -> tuple[cpu_qgemm.QuantizedWeight, torch.Tensor]:
@@ -79,8 +68,8 @@ def gemm_rows(args: argparse.Namespace) -> list[dict[str, object]]:
             calls = max(1, int(args.budget_ms / max(0.01, n * k * m * 2 / 20e9 * 1e3)))
             q_ms, b_ms = [], []
             for _ in range(args.repeat):  # interleaved: both see the same load
-                q_ms.append(per_call_ms(lambda x=x, f=quant: f(x), calls, 1))
-                b_ms.append(per_call_ms(lambda x=x, f=bf16: f(x), calls, 1))
+                q_ms.append(per_call_ms(lambda x=x, f=quant: f(x), calls, runs=1))
+                b_ms.append(per_call_ms(lambda x=x, f=bf16: f(x), calls, runs=1))
             q, b = statistics.median(q_ms), statistics.median(b_ms)
             row = {
                 "type": type_name, "n": n, "k": k, "m": m,

@@ -22,10 +22,11 @@ from prefixcache.engine.attention import cpu_kernels
 CASES = [(1, 16000, 8, 2), (16, 1100, 9, 3), (32, 4000, 8, 2)]  # (sequences, keys, hq, hk)
 
 
-def per_call_ms(fn: Callable[[], object], reps: int = 20) -> float:
+def per_call_ms(fn: Callable[[], object], reps: int = 20, runs: int = 5) -> float:
+    """Median over ``runs`` timed runs of ``reps`` calls each (after one untimed call)."""
     fn()
     times = []
-    for _ in range(5):
+    for _ in range(runs):
         start = time.perf_counter()
         for _ in range(reps):
             fn()

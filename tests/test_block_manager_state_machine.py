@@ -35,7 +35,7 @@ from prefixcache.engine.memory.block_types import BlockTable, OutOfBlocksError, 
 from prefixcache.engine.memory.kv_tier import HostSlots, KVTier, TierEntry, checksum
 from prefixcache.engine.memory.prefix_tree import root_digest
 from prefixcache.engine.request import SegmentSpan
-from prefixcache.engine.step.chunk_reuse import chunk_namespace, plan_placements
+from prefixcache.engine.step.chunk_reuse import chunk_namespace, plan_placements, stored_length
 
 BS = 4
 NUM_BLOCKS = 20
@@ -235,13 +235,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         chunk: int,
     ) -> None:
         """A prompt with a reuse="anywhere" document: find or store the document's chunk
-        entry, allocate the prompt, place the chunk's values after the prefix."""
-        whole = len(doc) // BS * BS
+        entry (stored after the context before it, here ``prefix``, to a block boundary),
+        allocate the prompt, place the chunk's values (delta 0: the first flagged document)."""
+        context = len(prefix)
+        stored_tokens = prefix + doc[: stored_length(context, len(doc), BS)]
+        whole = len(stored_tokens)
         chunk_ns = chunk_namespace(namespace)
-        stored = self.checked_match(doc[:whole], chunk_ns, whole)
-        if not self.bm.can_allocate(stored, whole):
+        stored = self.checked_match(stored_tokens, chunk_ns, whole)
+        if whole == 0 or not self.bm.can_allocate(stored, whole):
             return
-        source = Seq(self.bm.allocate(doc[:whole], chunk_ns, stored, whole), doc[:whole], 0)
+        source = Seq(self.bm.allocate(stored_tokens, chunk_ns, stored, whole), stored_tokens, 0)
         source.num_computed = source.table.num_cached_tokens
         self.compute(source, whole)
         self.bm.commit(source.table, source.tokens, whole)
@@ -263,8 +266,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         (_, start, end) = plans[0]
         assert start >= seq.num_computed  # placed spans start past the exact hit
         for pos in range(start, end):
-            src = source.table.block_ids[(pos - len(prefix)) // BS]
-            value = placed_value(int(self.kv[src, (pos - len(prefix)) % BS]), len(prefix))
+            src = source.table.block_ids[pos // BS]  # the chunk's slot at the same position
+            value = placed_value(int(self.kv[src, pos % BS]), len(prefix) - context)
             assert self.bm.ref_count(table.block_ids[pos // BS]) == 1
             self.kv[table.block_ids[pos // BS], pos % BS] = value
             seq.placed[pos] = value

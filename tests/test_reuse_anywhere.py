@@ -22,7 +22,7 @@ from prefixcache.engine.model.llama import RotaryEmbedding, rope_inv_freq
 from prefixcache.engine.model.loader import LoadedModel, load_model
 from prefixcache.engine.model.rope_shift import shift_keys, shift_rotation
 from prefixcache.engine.request import EngineRequest, SamplingParams, SegmentSpan
-from prefixcache.engine.step.chunk_reuse import chunk_namespace, plan_placements
+from prefixcache.engine.step.chunk_reuse import chunk_namespace, plan_placements, stored_length
 from prefixcache.engine.step.generate import GenerationResult
 
 BS = 16
@@ -263,17 +263,24 @@ def test_tenants_never_share_chunks(loaded: LoadedModel) -> None:
 
 
 def test_plan_places_after_the_hit_within_whole_blocks() -> None:
+    """Chunks are stored after the 20-token context before the first flagged segment, up to
+    the last block boundary of context + chunk."""
     spans = [
         SegmentSpan("s", 0, 20),
-        SegmentSpan("a", 20, 70, "anywhere"),  # 50 tokens: 48 in whole blocks
-        SegmentSpan("b", 70, 80, "anywhere"),  # under a block: computed
-        SegmentSpan("c", 80, 112, "anywhere"),  # ends the prompt: its last token is computed
+        SegmentSpan("a", 20, 70, "anywhere"),  # 50 tokens: 20 + 44 = 4 whole blocks stored
+        SegmentSpan("b", 70, 80, "anywhere"),  # 20 + 10 is under two blocks: computed
+        SegmentSpan("c", 80, 112, "anywhere"),  # 20 + 28 stored; 108.. computed
     ]
-    assert plan_placements(spans, 20, 112, 8, BS) == [(1, 28, 68), (3, 88, 111)]
+    assert stored_length(20, 50, BS) == 44 and stored_length(20, 10, BS) == 0
+    assert stored_length(0, 50, BS) == 48
+    assert plan_placements(spans, 20, 112, 8, BS) == [(1, 28, 64), (3, 88, 108)]
     # a starts inside the exact hit: placed from where the hit ends
-    assert plan_placements(spans, 32, 112, 0, BS) == [(1, 32, 68), (3, 80, 111)]
-    assert plan_placements(spans, 70, 112, 0, BS) == [(3, 80, 111)]
+    assert plan_placements(spans, 32, 112, 0, BS) == [(1, 32, 64), (3, 80, 108)]
+    assert plan_placements(spans, 70, 112, 0, BS) == [(3, 80, 108)]
     assert plan_placements(spans, 0, 112, 48, BS) == []
+    # the prompt's last token is always computed
+    aligned = [SegmentSpan("s", 0, 16), SegmentSpan("a", 16, 48, "anywhere")]
+    assert plan_placements(aligned, 16, 48, 0, BS) == [(1, 16, 47)]
 
 
 def test_hybrid_models_refuse_the_flag(loaded: LoadedModel) -> None:

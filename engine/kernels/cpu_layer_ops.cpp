@@ -213,6 +213,18 @@ inline __m512 silu_mul(__m512 g, __m512 u) {
     return _mm512_mul_ps(silu, u);
 }
 
+// row(i) for i in [0, rows): on the calling thread below kParallelMinElements elements, else
+// split statically across num_threads (a row's arithmetic is the same either way).
+template <class Row>
+inline void for_each_row(int64_t rows, int64_t elements, int num_threads, const Row& row) {
+    if (elements < kParallelMinElements || num_threads <= 1) {
+        for (int64_t i = 0; i < rows; ++i) row(i);
+        return;
+    }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t i = 0; i < rows; ++i) row(i);
+}
+
 }  // namespace
 
 extern "C" {
@@ -227,12 +239,7 @@ int pc_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residual, in
         rms_norm_row(x + i * x_stride, residual != nullptr ? residual + i * res_stride : nullptr,
                      weight, out + i * out_stride, cols, eps);
     };
-    if (rows * cols < kParallelMinElements || num_threads <= 1) {
-        for (int64_t i = 0; i < rows; ++i) row(i);
-        return 0;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t i = 0; i < rows; ++i) row(i);
+    for_each_row(rows, rows * cols, num_threads, row);
     return 0;
 }
 
@@ -249,12 +256,7 @@ int pc_gemma_norms_bf16(const uint16_t* h, uint16_t* residual, const float* post
         else
             gemma_add_norms_row(h + o, residual + o, post, pre, out + o, cols, eps);
     };
-    if (rows * cols < kParallelMinElements || num_threads <= 1) {
-        for (int64_t i = 0; i < rows; ++i) row(i);
-        return 0;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t i = 0; i < rows; ++i) row(i);
+    for_each_row(rows, rows * cols, num_threads, row);
     return 0;
 }
 
@@ -291,12 +293,7 @@ int pc_rotary_bf16(uint16_t* q, int64_t q_stride_t, int64_t q_stride_h, int64_t 
             rotate_head(head, c, s, half);
         }
     };
-    if (tokens * (hq + hk) * head_dim < kParallelMinElements || num_threads <= 1) {
-        for (int64_t t = 0; t < tokens; ++t) token(t);
-        return 0;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t t = 0; t < tokens; ++t) token(t);
+    for_each_row(tokens, tokens * (hq + hk) * head_dim, num_threads, token);
     return 0;
 }
 
@@ -314,12 +311,7 @@ int pc_silu_and_mul_bf16(const uint16_t* gate_up, int64_t stride, uint16_t* out,
             store_bf16_masked(o + j, silu_mul(load_bf16_masked(g + j, m), load_bf16_masked(u + j, m)), m);
         }
     };
-    if (rows * inter < kParallelMinElements || num_threads <= 1) {
-        for (int64_t i = 0; i < rows; ++i) row(i);
-        return 0;
-    }
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t i = 0; i < rows; ++i) row(i);
+    for_each_row(rows, rows * inter, num_threads, row);
     return 0;
 }
 

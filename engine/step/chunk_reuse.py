@@ -1,11 +1,15 @@
 """Position-independent reuse of document segments (a segment with ``reuse="anywhere"``).
 
-A flagged segment's KV is computed on its own, at positions ``[0, n)``, and kept by the block
-manager under the request's chunk namespace (its namespace plus a suffix no server-derived
-namespace can end with): the same pool, LRU, pins and eviction as prefix blocks, keyed by
-(model identity, namespace, the segment's tokens), while no request's prefix lookup can meet
-it. Placed at offset ``o`` of a prompt, the stored K is re-rotated by ``o`` (RoPE composes)
-and copied with V into the request's own pages. The first ``repair`` tokens of each chunk
+A flagged segment's KV is computed without the other documents: after the prompt's context
+before its first flagged segment (the system text, ``P`` tokens), at positions
+``[P, P + n)``, as APE does, so that the chunk's tokens see the sequence start they were
+trained to see rather than making their own first token one. It is kept by the block manager
+under the request's chunk namespace (its namespace plus a suffix no server-derived namespace
+can end with) as the continuation of that context: the same pool, LRU, pins and eviction as
+prefix blocks, keyed by (model identity, namespace, the context, the segment's tokens; the
+context's blocks are shared by every chunk after it), while no request's prefix lookup can
+meet it. Placed at offset ``o`` of a prompt, the stored K is re-rotated by ``o - P`` (RoPE
+composes) and copied with V into the request's own pages. The first ``repair`` tokens of each chunk
 (EPIC-style) and its tail past the last full block are computed in place, as ordinary
 prefill. Placed KV is approximate: the sequence never commits a block from its first placed
 token on (``Sequence.exact_tokens``), so it never reaches the prefix tree.
@@ -43,7 +47,7 @@ class Placement:
     segment: int  # index in the request's segments
     start: int  # first placed prompt position (the segment's start + the repair tokens)
     end: int  # one past the last placed position
-    delta: int  # positions the stored keys move by (the segment's offset in the prompt)
+    delta: int  # positions the stored keys move by (the segment's offset minus the context)
     stored: bool  # the chunk's KV was in the store (else computed for this request)
     table: BlockTable | None = None  # the chunk's own table, held until the copy is done
 
@@ -52,18 +56,31 @@ class Placement:
         return self.end - self.start
 
 
+def context_length(spans: list[SegmentSpan]) -> int:
+    """``P``: the prompt tokens before its first flagged segment, which every chunk is
+    computed after (0 without one)."""
+    return next((s.start for s in spans if s.reuse == REUSE_ANYWHERE), 0)
+
+
+def stored_length(context: int, tokens: int, block_size: int) -> int:
+    """How many of a chunk's ``tokens`` are stored: up to the last block boundary of
+    context + chunk (only whole blocks are committed; the rest is computed in place)."""
+    return max(0, (context + tokens) // block_size * block_size - context)
+
+
 def plan_placements(
     spans: list[SegmentSpan], first_free: int, prompt_len: int, repair: int, block_size: int
 ) -> list[tuple[int, int, int]]:
     """``(segment, start, end)`` of each flagged segment's placed span: past its ``repair``
     leading tokens and past the exact prefix hit (``first_free``: a hit covering a segment's
-    first tokens is exact KV, better than placed), within its whole blocks (the tail is
+    first tokens is exact KV, better than placed), within its stored tokens (the tail is
     computed), before the prompt's last token (its logits are computed)."""
     plans, last_end = [], first_free
+    context = context_length(spans)
     for i, span in enumerate(spans):
         if span.reuse != REUSE_ANYWHERE:
             continue
-        whole = (span.end - span.start) // block_size * block_size
+        whole = stored_length(context, span.end - span.start, block_size)
         start = max(span.start + repair, last_end)
         end = min(span.start + whole, prompt_len - 1)
         if end > start:
@@ -98,17 +115,19 @@ class ChunkReuse:
         spans = seq.request.segments or []
         bs = self.manager.block_size
         plans = plan_placements(spans, match.num_tokens, seq.num_prompt_tokens, self.repair, bs)
+        context = context_length(spans)
         placements: list[Placement] = []
         try:
             for segment, start, end in plans:
                 span = spans[segment]
-                whole = (span.end - span.start) // bs * bs
-                tokens = seq.token_ids[span.start : span.start + whole]
+                whole = stored_length(context, span.end - span.start, bs)
+                tokens = seq.token_ids[:context] + seq.token_ids[span.start : span.start + whole]
                 found = self._chunk_table(tokens, chunk_namespace(seq.namespace), seq)
                 if found is None:
                     break  # no room for the chunk: it and the rest are computed in place
                 table, stored = found
-                placements.append(Placement(segment, start, end, span.start, stored, table))
+                delta = span.start - context
+                placements.append(Placement(segment, start, end, delta, stored, table))
         except BaseException:
             self.release(placements)  # a failed chunk step holds nothing
             raise
