@@ -9,7 +9,7 @@ sidecar renders segments. Three ways to serve it:
 - full: no cache at all (the reference for quality);
 - prefix: prefix caching only (the documents unflagged; each was computed before, as the
   first document of an earlier request);
-- reuse k: the documents flagged ``reuse="anywhere"`` (each computed on its own before), the
+- reuse k: the documents flagged ``reuse="anywhere"`` (each computed before, after the system text and without the other documents), the
   first k tokens of each placed document recomputed, for each k of --repair.
 
 Quality is measured against full recomputation of the same prompt: greedy agreement (all
