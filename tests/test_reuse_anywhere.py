@@ -214,6 +214,13 @@ def test_placed_chunks_change_the_outputs_and_are_reported(loaded: LoadedModel) 
         "prefixcache:reuse_anywhere_tokens_total", {"served": "placed"}
     )
     assert placed == 2 * (48 + 32 + 64)
+    # the chunk store's own lookups are not prefix-cache lookups: the hit rate counts requests
+    stats = engine.block_manager.stats()
+    prompts = len(first.prompt_token_ids) + len(reused.prompt_token_ids)
+    assert stats.query_tokens == prompts
+    assert stats.hit_tokens == reused.usage.cached_tokens == 32
+    queries = metrics.get_sample_value("prefixcache:prefix_cache_queries_total")
+    assert queries == prompts
 
 
 @settings(

@@ -204,9 +204,10 @@ class BlockManager(BlockPins):
                 table.num_cached_tokens += match.partial_tokens
             pool.deref(src)
         self._extend(table, num_tokens)
-        self._stats.query_tokens += len(token_ids)
-        self._stats.hit_tokens += table.num_cached_tokens
-        self._stats.reloaded_tokens += table.num_reloaded_tokens
+        if "\x00" not in namespace:  # an engine-internal store's (chunk_reuse) is no lookup
+            self._stats.query_tokens += len(token_ids)
+            self._stats.hit_tokens += table.num_cached_tokens
+            self._stats.reloaded_tokens += table.num_reloaded_tokens
         return table
 
     def _reload(self, table: BlockTable, token_ids: Sequence[int], digests: list[bytes]) -> None:

@@ -8,7 +8,7 @@ under the request's chunk namespace (its namespace plus a suffix no server-deriv
 can end with) as the continuation of that context: the same pool, LRU, pins and eviction as
 prefix blocks, keyed by (model identity, namespace, the context, the segment's tokens; the
 context's blocks are shared by every chunk after it), while no request's prefix lookup can
-meet it. Placed at offset ``o`` of a prompt, the stored K is re-rotated by ``o - P`` (RoPE
+meet it, nor count as a prefix-cache lookup (the hit-rate counters). Placed at offset ``o`` of a prompt, the stored K is re-rotated by ``o - P`` (RoPE
 composes) and copied with V into the request's own pages. The first ``repair`` tokens of each chunk
 (EPIC-style) and its tail past the last full block are computed in place, as ordinary
 prefill. Placed KV is approximate: the sequence never commits a block from its first placed
