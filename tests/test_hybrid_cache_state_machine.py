@@ -27,6 +27,7 @@ from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.memory.block_types import BlockTable, OutOfBlocksError, PrefixMatch
 from prefixcache.engine.memory.kv_cache import KVCacheSpec
 from prefixcache.engine.memory.local_pages import NULL_PAGE, HybridBlockManager
+from prefixcache.engine.paging import ceil_div
 from prefixcache.engine.step.kv_setup import hybrid_pool_sizes, local_pool_size
 
 BS = 4
@@ -305,3 +306,19 @@ def test_the_kv_budget_is_split_between_the_groups() -> None:
     assert num_blocks * 2 * page + num_local * 4 * page <= config.kv_memory_bytes
     assert num_blocks > 100  # the sliding layers take less than their share
     assert num_local == int(0.5 * num_blocks) + 1
+
+
+def test_the_default_config_keeps_a_real_global_pool_for_gemma3_sizes() -> None:
+    """Gemma 3 270M's shape at the defaults (512 MiB, 256 sequences, 2,048-token steps): the
+    floor for 256 windows (8,833 local pages, 2 GiB) cannot fit, and once took the global
+    pool down to one block. The ratio's split stands, floored for one sequence."""
+    spec = KVCacheSpec(num_layers=18, num_kv_heads=1, head_dim=256, block_size=16)
+    windows = tuple(0 if i % 6 == 5 else 512 for i in range(18))
+    config = EngineConfig()
+    num_blocks, num_local = hybrid_pool_sizes(config, spec, windows)
+    page = spec.bytes_per_layer_page
+    assert num_blocks * 3 * page + num_local * 15 * page <= config.kv_memory_bytes
+    # the ratio's split (about 25K tokens of global KV in fp32, 50K in bf16), not one block
+    assert num_blocks >= config.kv_memory_bytes // (3 * page + 0.5 * 15 * page) - 4
+    one_sequence = ceil_div(511, 16) + 2 + 2048 // 16 + 1
+    assert one_sequence <= num_local == int(0.5 * num_blocks) + 1

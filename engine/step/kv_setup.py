@@ -97,22 +97,24 @@ def hybrid_pool_sizes(
     page = spec.bytes_per_layer_page
     g_bytes, l_bytes = (spec.num_layers - num_local_layers) * page, num_local_layers * page
 
-    def local(n: int) -> int:
-        ratio, seqs, step = (
-            config.swa_pool_ratio,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-        )
+    def local(n: int, seqs: int) -> int:
+        ratio, step = config.swa_pool_ratio, config.max_num_batched_tokens
         return local_pool_size(n, ratio, window, bs, seqs, step)
 
+    seqs = config.max_num_seqs
     if config.num_blocks:
-        return config.num_blocks, local(config.num_blocks)
+        return config.num_blocks, local(config.num_blocks, seqs)
     budget = config.kv_memory_bytes
+    if local(1 << 40, seqs) * l_bytes > budget // 2:
+        # Every sequence's window (max_num_seqs of them) would take over half the budget
+        # (and once took the global pool down to one block): floor for one sequence. The
+        # scheduler admits only what the local pages hold and preempts as for global pages.
+        seqs = 1
     num_blocks = max(1, int(budget // (g_bytes + config.swa_pool_ratio * l_bytes)))
-    num_local = local(num_blocks)
+    num_local = local(num_blocks, seqs)
     if num_blocks * g_bytes + num_local * l_bytes > budget:  # the floor took more
         num_blocks = max(1, (budget - num_local * l_bytes) // g_bytes)
-        num_local = local(num_blocks)
+        num_local = local(num_blocks, seqs)
     return num_blocks, num_local
 
 
