@@ -86,15 +86,8 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.dtype or x.device.type != "cpu" or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"PackedLinear({self.in_features} -> {self.out_features}, {self.dtype}) got "
-                f"{tuple(x.shape)} {x.dtype} on {x.device}"
-            )
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
+        what = f"PackedLinear({self.in_features} -> {self.out_features}, {self.dtype})"
+        lead, x2 = cpu_library.gemm_rows(x, self.dtype, self.in_features, what)
         m = x2.shape[0]
         out = torch.empty(m, self.out_features, dtype=self.dtype)
         if m:

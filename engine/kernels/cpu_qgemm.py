@@ -118,15 +118,8 @@ class QuantizedLinear:
         cpu_library.require(self.bias is None or self.bias.numel() == weight.n, "bias of n")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"QuantizedLinear({self.in_features} -> {self.out_features}) got "
-                f"{tuple(x.shape)} {x.dtype} on {x.device}"
-            )
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
+        what = f"QuantizedLinear({self.in_features} -> {self.out_features})"
+        lead, x2 = cpu_library.gemm_rows(x, torch.bfloat16, self.in_features, what)
         m = x2.shape[0]
         out = torch.empty(m, self.out_features, dtype=torch.bfloat16)
         if m:
