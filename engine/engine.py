@@ -121,6 +121,8 @@ class LLMEngine:
         if config.kv_events_endpoint:  # what the cache stores and evicts, published
             self.kv_events = KVEventFeed(config, self.block_manager.identity)
             self._listeners.add(self.kv_events.recorder)
+            if self.chunk_reuse is not None:  # chunks: no prefix a router could hit
+                self.chunk_reuse.on_namespace = self.kv_events.hide_namespace
 
     @property
     def metrics(self) -> EngineMetrics:
@@ -132,8 +134,7 @@ class LLMEngine:
             self.kv_events.flush()
 
     def close(self) -> None:
-        """Release what outlives a step: the KV tier's writer and its file, and the KV event
-        publisher (it sends what it has queued first)."""
+        """Release the KV tier's writer and file, and the event publisher (it sends its queue)."""
         if self.tier is not None:
             self.tier.close()
         if self.kv_events is not None:

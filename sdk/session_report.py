@@ -76,6 +76,7 @@ class FamilyReport:
     cache_write_tokens: int
     savings: float | None  # None without a price for every model the family used
     misses: tuple[Miss, ...]
+    reused_tokens: int = 0  # uncached prompt tokens placed from the document store (.document)
 
     @property
     def uncached_tokens(self) -> int:
@@ -107,6 +108,10 @@ class SessionReport:
         return sum(f.cache_write_tokens for f in self.families)
 
     @property
+    def reused_tokens(self) -> int:
+        return sum(f.reused_tokens for f in self.families)
+
+    @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
@@ -122,21 +127,17 @@ class SessionReport:
         raise KeyError(label_or_digest)
 
     def table(self) -> str:
-        """A short fixed-width table: one line per family, then the total."""
-        head = (
-            "family",
-            "requests",
-            "prompt tok",
-            "hit rate",
-            "cache writes",
-            "saved",
-            "last miss",
-        )
+        """A short fixed-width table: one line per family, then the total. A "reused" column
+        (document-store tokens) appears once any request had some."""
+        reused = self.reused_tokens > 0
+        head = ("family", "requests", "prompt tok", "hit rate", "cache writes", "saved")
+        head += ("reused",) * reused + ("last miss",)
         rows = [head]
         for f in self.families:
             last = str(f.misses[-1]) if f.misses else "-"
-            rows.append(_row(f"{f.label} {f.family[:6]}", f, last))
-        rows.append(_row("total", self, f"{sum(len(f.misses) for f in self.families)} misses"))
+            rows.append(_row(f"{f.label} {f.family[:6]}", f, last, reused))
+        misses = f"{sum(len(f.misses) for f in self.families)} misses"
+        rows.append(_row("total", self, misses, reused))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         left = (0, len(head) - 1)  # text columns; numbers align right
         lines = [
@@ -152,17 +153,11 @@ class SessionReport:
         return self.table()
 
 
-def _row(name: str, r: FamilyReport | SessionReport, last: str) -> tuple[str, ...]:
+def _row(name: str, r: FamilyReport | SessionReport, last: str, reused: bool) -> tuple[str, ...]:
     saved = "-" if r.savings is None else f"{r.savings:.4f}"
-    return (
-        name,
-        str(r.requests),
-        f"{r.prompt_tokens:,}",
-        f"{r.hit_rate:.1%}",
-        f"{r.cache_write_tokens:,}",
-        saved,
-        last,
-    )
+    counts = (str(r.requests), f"{r.prompt_tokens:,}", f"{r.hit_rate:.1%}")
+    counts += (f"{r.cache_write_tokens:,}", saved)
+    return (name, *counts, *((f"{r.reused_tokens:,}",) * reused), last)
 
 
 @dataclass(slots=True)
@@ -172,6 +167,7 @@ class _Family:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cache_write_tokens: int = 0
+    reused_tokens: int = 0
     by_model: dict[str, tuple[int, int]] = field(default_factory=dict)  # cached, written
     misses: list[Miss] = field(default_factory=list)
     last: tuple[Fingerprint, int] | None = None  # previous request: fingerprint, cached
@@ -208,6 +204,7 @@ class SessionLedger:
         family.prompt_tokens += usage.prompt_tokens or 0
         family.cached_tokens += cached
         family.cache_write_tokens += usage.cache_write_tokens
+        family.reused_tokens += report.reused_tokens if report is not None else 0
         read, written = family.by_model.get(model, (0, 0))
         family.by_model[model] = (read + cached, written + usage.cache_write_tokens)
 
@@ -223,6 +220,7 @@ class SessionLedger:
                     f.cache_write_tokens,
                     _savings(f.by_model, prices),
                     tuple(f.misses),
+                    f.reused_tokens,
                 )
                 for key, f in self._families.items()
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import socket
 
 import pytest
 import torch
@@ -343,3 +344,39 @@ def test_placed_requests_equal_whatever_the_step_budget(
         assert both[0].usage.reused_tokens > 0 or max(lens) < BS + repair
         results.append([outputs(r) for r in both])
     assert results[0] == results[1]
+
+
+def test_kv_events_never_publish_chunk_blocks(loaded: LoadedModel) -> None:
+    """A router told of a chunk's blocks would route to a miss (no prefix lookup hits the
+    chunk store): the events carry the prompts' own blocks, and none of the chunks'."""
+    from prefixcache.engine.observability.kv_events import BlockRemoved, BlockStored, block_hash
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    rag = make_rag(11, loaded.config.vocab_size, [48, 40], system=32)
+    engine = make_engine(
+        loaded, repair=0, kv_events_endpoint=f"tcp://127.0.0.1:{port}", kv_events_token_ids="all"
+    )
+    assert engine.kv_events is not None and engine.kv_events.publisher is not None
+    published: list[object] = []
+    engine.kv_events.publisher.publish = lambda events, ts=None: published.extend(events) or 0
+    try:
+        run(engine, rag.request("first", [0, 1], reuse=True))
+        run(engine, rag.request("again", [1, 0], reuse=True))
+        chunk_root = engine.block_manager.root(chunk_namespace(""))
+        tree = engine.block_manager._tree
+        chunk_hashes = {
+            block_hash(n.digest)
+            for n in tree.nodes()
+            if list(n.path_up())[-1].parent_digest == chunk_root
+        }
+        assert chunk_hashes, "the chunks were not stored"
+        stored = {h for e in published if isinstance(e, BlockStored) for h in e.block_hashes}
+        assert stored and not stored & chunk_hashes
+        engine.evict_all()
+        removed = {h for e in published if isinstance(e, BlockRemoved) for h in e.block_hashes}
+        assert removed == stored  # every published block removed; no chunk block ever named
+    finally:
+        engine.close()

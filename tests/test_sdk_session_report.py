@@ -187,3 +187,19 @@ def test_requests_without_usage_are_not_counted() -> None:
             assert client.cache_report().requests == 0
 
     anyio.run(main)
+
+
+def test_document_store_tokens_are_summed_and_shown_apart_from_hits() -> None:
+    from prefixcache.sdk.types import CacheReport
+
+    ledger = SessionLedger()
+    ledger.record(_prompt("a", "q"), _usage(100, 0), CacheReport(prompt_tokens=100), "m")
+    assert "reused" not in ledger.report().table()  # today's table without documents
+    placed = CacheReport(cached_tokens=20, prompt_tokens=100, reused_tokens=64)
+    ledger.record(_prompt("a", "q"), _usage(100, 20), placed, "m")
+    ledger.record(_prompt("a", "q"), _usage(100, 20), None, "m")  # another server: no report
+    report = ledger.report()
+    assert report.reused_tokens == report.families[0].reused_tokens == 64
+    assert report.hit_rate == pytest.approx(40 / 300)  # exact prefix hits only
+    head, _, total = report.table().splitlines()
+    assert "reused" in head.split() and "64" in total.split()

@@ -16,6 +16,7 @@ from .kv_events import BlockEventRecorder, KVEventPublisher
 
 class KVEventFeed:
     def __init__(self, config: EngineConfig, identity: bytes) -> None:
+        self.identity = identity
         roots: frozenset[bytes] | Literal["all"] = "all"
         if config.kv_events_token_ids != "all":
             listed = (
@@ -30,6 +31,13 @@ class KVEventFeed:
         )
         self.recorder.all_cleared()
         self.flush()
+
+    def hide_namespace(self, namespace: str) -> None:
+        """Publish nothing of ``namespace``'s blocks (an engine-internal store)."""
+        hidden = self.recorder.hidden_roots
+        if len(hidden) >= 65536:  # bounded; chunk_reuse tells a namespace again after its own clear
+            hidden.clear()
+        hidden.add(root_digest(self.identity, namespace))
 
     def flush(self) -> None:
         if self.publisher is not None and (events := self.recorder.drain()):

@@ -104,24 +104,41 @@ class BlockEventRecorder:
         self.medium = medium
         self._events: list[KVEvent] = []
         self._last_stored: bytes | None = None  # digest the pending BlockStored ends with
+        # Engine-internal stores (chunk_reuse's namespaces) are never published: no request's
+        # prefix can hit them, so a router told of them would route to a miss.
+        self.hidden_roots: set[bytes] = set()
+        self._hidden_pool: set[bytes] = set()  # their blocks' digests, in the pool
+        self._hidden_tier: set[bytes] = set()  # and in the tier
 
     # ---- the pool
 
     def block_stored(self, node: Node, root: bytes) -> None:
+        if root in self.hidden_roots:
+            self._hidden_pool.add(node.digest)
+            return
         self._stored(node, root, self.medium)
 
     def block_removed(self, node: Node, cause: str = "") -> None:
+        if node.digest in self._hidden_pool:
+            self._hidden_pool.discard(node.digest)
+            return
         self._removed(block_hash(node.digest), self.medium)
 
     # ---- the KV tier
 
     def block_spilled(self, node: Node, tier: str) -> None:
+        if node.digest in self._hidden_pool:
+            self._hidden_tier.add(node.digest)
+            return
         root = b""
         if self.token_roots and self.token_roots != ALL:
             root = _root_of(node)
         self._stored(node, root, TIER_MEDIA[tier])
 
     def tier_dropped(self, digest: bytes, tier: str) -> None:
+        if digest in self._hidden_tier:
+            self._hidden_tier.discard(digest)
+            return
         self._removed(block_hash(digest), TIER_MEDIA[tier])
 
     def all_cleared(self) -> None:

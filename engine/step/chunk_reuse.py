@@ -110,6 +110,8 @@ class ChunkReuse:
         self.inv_freq = inv_freq
         self.repair = repair
         self.computed_tokens = 0  # chunk tokens computed on their own (all requests)
+        self.on_namespace: Callable[[str], None] | None = None  # told each new chunk namespace
+        self._namespaces: set[str] = set()
 
     def acquire(self, seq: Sequence, match: PrefixMatch) -> list[Placement]:
         spans = seq.request.segments or []
@@ -155,6 +157,11 @@ class ChunkReuse:
     ) -> tuple[BlockTable, bool] | None:
         """The chunk's table with its KV written and committed: found, or computed now."""
         manager = self.manager
+        if namespace not in self._namespaces and self.on_namespace is not None:
+            if len(self._namespaces) >= 65536:  # bounded, as the manager's roots are
+                self._namespaces.clear()
+            self._namespaces.add(namespace)
+            self.on_namespace(namespace)
         match = manager.match(tokens, namespace, len(tokens))
         if not manager.can_allocate(match, len(tokens)):
             return None
