@@ -102,6 +102,11 @@ CASES = {
         ["--model", "demo", "--passages", "6", "--questions", "2", "--max-tokens", "4"],
         {"ttft_speedup", "accuracy_delta", "agreement", "first_token_kl", "settings"},
     ),
+    "floor.py": (
+        ["--seqs", "2", "--context", "32", "--prefill", "64", "--chunk", "32", "--repeat", "1"]
+        + ["--gib", "0.05", "--gemm", "128"],
+        {"dram_gb_per_s", "gemm_gflop_per_s", "decode_over_floor", "prefill_over_floor"},
+    ),
     "sidecar_overhead.py": (
         ["--requests", "3", "--warmup", "1", "--streams", "4", "--stream-tokens", "2"],
         {"http_added_outside_engine_p50_ms", "http_added_p50_ms", "stream_errors"},
