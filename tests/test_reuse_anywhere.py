@@ -169,7 +169,9 @@ def test_repair_covering_whole_chunks_equals_full_recomputation(
     loaded: LoadedModel, shape: tuple[list[int], int, int], data: st.DataObject
 ) -> None:
     """k >= every chunk's length: nothing is placed, every flagged token is recomputed, and
-    the outputs are the cold outputs bit for bit (the chunks were still found in the store)."""
+    the outputs are the cold outputs bit for bit (the chunks were still found in the store)
+    on the batch-invariant kernels; on the torch reference (CPUs without AVX512_BF16), the
+    same tokens with logprobs equal up to float rounding."""
     lens, seed, system = shape
     rag = make_rag(seed, loaded.config.vocab_size, lens, system)
     order = data.draw(st.permutations(range(len(lens))))
@@ -180,7 +182,19 @@ def test_repair_covering_whole_chunks_equals_full_recomputation(
     served = {s.tag: s.served for s in reused.usage.segments}
     assert all(v in ("computed", "cached") for v in served.values())
     cold = run(make_engine(loaded), rag.request("cold", list(order), reuse=False))
-    assert outputs(reused) == outputs(cold)
+    assert_same_outputs(engine, reused, cold)
+
+
+def assert_same_outputs(engine: LLMEngine, a: GenerationResult, b: GenerationResult) -> None:
+    """Bit for bit on the batch-invariant kernels; on the torch reference (CPUs without
+    AVX512_BF16, which promises the math, not the bits): the same tokens, logprobs within
+    float rounding."""
+    if getattr(engine.runner.backend, "batch_invariant", False):
+        assert outputs(a) == outputs(b)
+        return
+    assert [t for t, _, _ in outputs(a)] == [t for t, _, _ in outputs(b)]
+    got, want = ([lp for _, lp, _ in outputs(r)] for r in (a, b))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_placed_chunks_change_the_outputs_and_are_reported(loaded: LoadedModel) -> None:
@@ -246,7 +260,8 @@ def test_flag_off_and_after_flagged_requests_outputs_are_cold(
         cold = run(make_engine(loaded), rag.request(f"cold-{i}", order, reuse=False))
         plain = EngineRequest(f"bare-{i}", cold.prompt_token_ids, cold_sampling())
         bare = run(make_engine(loaded), plain)  # no segments at all: today's engine
-        assert outputs(after[i]) == outputs(cold) == outputs(bare)
+        assert_same_outputs(engine, after[i], cold)
+        assert outputs(cold) == outputs(bare)  # two cold runs: equal on any backend
         assert all(s.served != "reused_anywhere" for s in after[i].usage.segments)
 
 

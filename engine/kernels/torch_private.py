@@ -4,7 +4,8 @@ fails loudly on an upgrade that removes one, rather than a user's first request)
 
 - ``mkldnn._reorder_linear_weight`` / ``mkldnn._linear_pointwise``: a bf16 weight reordered
   once into oneDNN's blocked layout, then used as is (a plain bf16 ``linear`` reorders on
-  every call). Only with batch invariance off (``cpu_gemm`` is the default).
+  every call). Only with batch invariance off (``cpu_gemm`` is the default), and only where
+  ``mkldnn._is_mkldnn_bf16_supported`` says the CPU can run it.
 - ``aten._scaled_dot_product_flash_attention_for_cpu``: torch's CPU flash attention with its
   log-sum-exp, which the public ``scaled_dot_product_attention`` does not return (the
   reference backend merges partial states by it).
@@ -17,6 +18,7 @@ import torch
 OPS = (
     ("mkldnn", "_reorder_linear_weight"),
     ("mkldnn", "_linear_pointwise"),
+    ("mkldnn", "_is_mkldnn_bf16_supported"),
     ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
 )
 
@@ -27,8 +29,13 @@ def missing_ops() -> list[str]:
 
 
 def onednn_linear_available() -> bool:
-    """Whether oneDNN's pre-packed linear can run here."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """Whether oneDNN's pre-packed bf16 linear can run here (its reorder refuses CPUs without
+    AVX-512 BW/VL/DQ or AVX-NE-CONVERT, such as AVX2-only ones)."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and not missing_ops()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 def onednn_pack_weight(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
