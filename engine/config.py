@@ -36,6 +36,10 @@ def _gib(text: str) -> int:
     return int(gib * 1024**3)
 
 
+# --kv-cache-dtype: the pages' storage dtype (attention/kv_dtype.py); "fp8" is fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str = "demo"  # "demo" or a local Hugging Face folder
@@ -57,6 +61,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     max_num_seqs: int = 256  # running sequences at once
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # "auto": the model's dtype; "fp8" / "fp8_e4m3" / "fp8_e5m2": one byte per K/V element,
+    # twice the tokens per GiB of bf16 (attention/kv_dtype.py)
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     enable_cascade: bool = True
     lpm_queue_limit: int = 128  # above this many waiting requests, plain arrival order
@@ -89,6 +96,11 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.kv_events_token_ids not in ("none", "all", "listed"):
             raise ValueError("kv_events_token_ids must be none, all or listed")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:

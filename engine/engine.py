@@ -7,7 +7,6 @@ happened to its stats collector (engine_stats.py); logits processors live in the
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import time
@@ -19,7 +18,7 @@ import msgspec
 from prefixcache.sdk.cache_stats import CacheStats, TokenizerPieceStats
 
 from .api import TreeSnapshot
-from .attention import create_backend
+from .attention import create_backend, kv_dtype
 from .config import EngineConfig
 from .memory import prefix_store
 from .memory.kv_tier import TierStats
@@ -37,7 +36,7 @@ from .step import output
 from .step.chunk_reuse import REUSE_ANYWHERE, ChunkReuse
 from .step.engine_hooks import EngineHooks
 from .step.generate import GenerationResult, run_to_completion
-from .step.kv_setup import build_kv
+from .step.kv_setup import build_kv, cache_identity
 from .step.model_runner import ModelRunner, batch_of
 from .step.sampler import Sampler
 from .step.scheduler import Scheduler, SchedulerOutput
@@ -62,7 +61,8 @@ class LLMEngine:
         )
         self.tokenizer = self.loaded.tokenizer
         self._listeners = BlockListeners()  # the activity, then the KV event recorder
-        kv = build_kv(config, self.loaded, self.cache_identity(self.loaded), hooks.clock)
+        identity = self.cache_identity(self.loaded, config.kv_cache_dtype)
+        kv = build_kv(config, self.loaded, identity, hooks.clock)
         self.kv_cache, self.tier, self.block_manager = kv.cache, kv.tier, kv.manager
         self.block_manager.listener = self._listeners
         self.hybrid, self._local_table_of = kv.local_table_of is not None, kv.local_table_of
@@ -141,10 +141,9 @@ class LLMEngine:
             self.kv_events.close()
 
     @staticmethod
-    def cache_identity(loaded: LoadedModel) -> bytes:
-        """Root of every namespace: blocks never match across models, tokenizers or dtypes."""
-        key = f"{loaded.fingerprint}|{loaded.tokenizer.fingerprint}|{loaded.dtype}"
-        return hashlib.sha256(key.encode()).digest()
+    def cache_identity(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> bytes:
+        """Root of every namespace (``kv_setup.cache_identity``)."""
+        return cache_identity(loaded, kv_cache_dtype)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -370,7 +369,8 @@ class LLMEngine:
 
     def cache_stats(self) -> CacheStats:
         tier = self.tier.stats() if self.tier is not None else None
-        return cache_report.cache_stats(self.block_manager.stats(), tier, self.piece_stats())
+        pages = kv_dtype.name_of(self.kv_cache.spec.dtype)
+        return cache_report.cache_stats(self.block_manager.stats(), tier, self.piece_stats(), pages)
 
     def tier_stats(self) -> TierStats | None:
         return self.tier.stats() if self.tier is not None else None

@@ -58,6 +58,9 @@ class LocalPageStats(msgspec.Struct):
 
 class CacheStats(msgspec.Struct):
     block_size: int = 0
+    # What the KV pages hold: the model's dtype ("bfloat16", "float32") or "fp8_e4m3" /
+    # "fp8_e5m2" (--kv-cache-dtype); "" from a server that does not say.
+    kv_cache_dtype: str = ""
     blocks: BlockStats = msgspec.field(default_factory=BlockStats)
     tokens: TokenStats = msgspec.field(default_factory=TokenStats)
     hit_rate: float = 0.0

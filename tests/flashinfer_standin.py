@@ -194,8 +194,11 @@ class _PagedAttention:
             qb = q[qo[b] : qo[b + 1]]
             first = max(0, kv_len - len(qb) - window) if window >= 0 else 0
             base = first // ps * ps  # keys from the page holding the first one seen
-            k = kv_cache[pages[base // ps :], 0].reshape(-1, hk, d)[: kv_len - base]
-            v = kv_cache[pages[base // ps :], 1].reshape(-1, hk, d)[: kv_len - base]
+            # fp8 pages (FlashInfer's fp8 KV, scale 1): indexed as bytes, read through exactly
+            raw = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
+            k = raw[pages[base // ps :], 0].view(kv_cache.dtype).reshape(-1, hk, d)
+            v = raw[pages[base // ps :], 1].view(kv_cache.dtype).reshape(-1, hk, d)
+            k, v = k[: kv_len - base].to(q.dtype), v[: kv_len - base].to(q.dtype)
             o, lse = _attend(qb, k[:0], v[:0], scale, False, -1, 0, kv_len)
             for a in range(0, kv_len, chunk):  # split-KV: partial states merged in order
                 lo, hi = max(a, first) - base, min(a + chunk, kv_len) - base

@@ -57,8 +57,8 @@ def n_blocks(tokens: int) -> int:
     return -(-tokens // BS)
 
 
-def runner_for(loaded: LoadedModel) -> ModelRunner:
-    cache = KVCache(loaded.kv_cache_spec(BS), num_blocks=NUM_BLOCKS)
+def runner_for(loaded: LoadedModel, kv_dtype: torch.dtype | None = None) -> ModelRunner:
+    cache = KVCache(loaded.kv_cache_spec(BS, kv_dtype), num_blocks=NUM_BLOCKS)
     backend = create_backend("auto", "cpu")
     assert isinstance(backend, CpuKernelBackend)
     runner = ModelRunner(loaded, cache, backend)
@@ -125,10 +125,17 @@ def cold_logits(runner: ModelRunner, pages: Pages, prompt: list[int]) -> torch.T
     return runner.execute([BatchEntry(prompt, 0, pages.take(n_blocks(len(prompt))))])[0]
 
 
-def check_variants(loaded: LoadedModel, seed: int, length: int, cut: int, chunk: int) -> None:
+def check_variants(
+    loaded: LoadedModel,
+    seed: int,
+    length: int,
+    cut: int,
+    chunk: int,
+    kv_dtype: torch.dtype | None = None,
+) -> None:
     rng = random.Random(seed)
     vocab = loaded.config.vocab_size
-    runner = runner_for(loaded)
+    runner = runner_for(loaded, kv_dtype)
     pages = Pages(rng)
     prompt = tokens(rng, length, vocab)
     cut = max(1, min(cut, length - 1))
@@ -238,6 +245,24 @@ def test_transformers_llama_fp32_is_cache_and_batch_invariant(
     hf_llama_fp32: LoadedModel, seed: int, length: int, cut: int, chunk: int
 ) -> None:
     check_variants(hf_llama_fp32, seed, length, cut, chunk)
+
+
+# fp8 pages (--kv-cache-dtype): every variant reads the same rounded K/V, so cold, warm,
+# chunked and batched stay bit-equal to each other (fp8 compared with fp8).
+@SETTINGS
+@given(**CASES)
+def test_transformers_llama_bf16_with_fp8_e4m3_pages_is_cache_and_batch_invariant(
+    hf_llama_bf16: LoadedModel, seed: int, length: int, cut: int, chunk: int
+) -> None:
+    check_variants(hf_llama_bf16, seed, length, cut, chunk, torch.float8_e4m3fn)
+
+
+@SETTINGS
+@given(**CASES)
+def test_demo_model_fp32_with_fp8_e5m2_pages_is_cache_and_batch_invariant(
+    demo_fp32: LoadedModel, seed: int, length: int, cut: int, chunk: int
+) -> None:
+    check_variants(demo_fp32, seed, length, cut, chunk, torch.float8_e5m2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

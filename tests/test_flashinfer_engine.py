@@ -32,9 +32,11 @@ def loaded() -> LoadedModel:
 class Script:
     """Runs one fixed sequence of steps; records every step's logits and each step's plan."""
 
-    def __init__(self, loaded: LoadedModel, backend: AttentionBackend) -> None:
+    def __init__(
+        self, loaded: LoadedModel, backend: AttentionBackend, kv_dtype: torch.dtype | None = None
+    ) -> None:
         self.plans: list[AttentionMetadata] = []
-        cache = KVCache(loaded.kv_cache_spec(BS), num_blocks=160)
+        cache = KVCache(loaded.kv_cache_spec(BS, kv_dtype), num_blocks=160)
         self.runner = ModelRunner(loaded, cache, backend, True, on_plan=self.plans.append)
         self.logits: list[torch.Tensor] = []
         gen = torch.Generator().manual_seed(5)
@@ -125,6 +127,32 @@ def test_model_through_flashinfer_backend_equals_torch_backend(
         "BatchPrefillWithPagedKVCacheWrapper.run",
         "BatchDecodeWithPagedKVCacheWrapper.run",
     } <= names
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_fp8_pages_through_flashinfer_equal_the_torch_reference_at_fp8(
+    loaded: LoadedModel, invariant: bool
+) -> None:
+    """--kv-cache-dtype fp8: FlashInfer is planned with an fp8 kv_data_type and appends K/V
+    rounded as the torch reference rounds them (unverified on a GPU: the stand-in)."""
+    flashinfer_standin.calls.clear()
+    backend = FlashInferBackend(
+        "cpu", module=flashinfer_standin, batch_invariant=invariant, workspace_bytes=16
+    )
+    fi = Script(loaded, backend, torch.float8_e4m3fn)
+    fi.run()
+    ref = Script(loaded, TorchBackend(), torch.float8_e4m3fn)
+    ref.run()
+    bf = Script(loaded, TorchBackend())
+    bf.run()
+
+    def gap(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
+        return max((a - b).abs().max().item() for a, b in zip(xs, ys, strict=True) if a.numel())
+
+    same, apart = gap(fi.logits, ref.logits), gap(fi.logits, bf.logits)
+    assert same < 5e-4 and apart > 20 * same, (same, apart)  # fp8 alike; unlike fp32 pages
+    plans = [c for c in flashinfer_standin.calls if c[0].endswith(".plan")]
+    assert plans and all(c[2]["kv_data_type"] == torch.float8_e4m3fn for c in plans)
 
 
 @pytest.mark.parametrize("invariant", [True, False])

@@ -97,6 +97,13 @@ def test_parser_maps_options() -> None:
         build_parser().parse_args(["serve", "--attention-backend", "magic"])
 
 
+def test_an_unknown_kv_cache_dtype_is_refused_with_the_names_it_takes() -> None:
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
+    assert args.kv_cache_dtype == "fp8"
+    with pytest.raises(SystemExit, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3"):
+        serve(build_parser().parse_args(["serve", "--kv-cache-dtype", "int3"]))
+
+
 def test_load_cache_needs_a_cache_dir() -> None:
     with pytest.raises(SystemExit, match="--load-cache needs --cache-dir"):
         serve(build_parser().parse_args(["serve", "--load-cache", "pinned"]))

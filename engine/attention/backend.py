@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .kv_dtype import to_kv
 from .metadata import AttentionMetadata
 
 
@@ -16,7 +17,12 @@ class AttentionShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # q, k, v and the output
+    kv_dtype: torch.dtype | None = None  # the pages' (None: dtype); fp8 (kv_dtype.py) or dtype
+
+    @property
+    def page_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
     @property
     def scale(self) -> float:
@@ -56,8 +62,12 @@ def write_rows(meta: AttentionMetadata) -> torch.Tensor:
 
 
 def write_kv(kv_layer: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write the step's new K/V ``[T, Hk, D]`` into the layer's pages at ``write_rows()``."""
+    """Write the step's new K/V ``[T, Hk, D]`` into the layer's pages at ``write_rows()``
+    (rounded to fp8 there when the pages hold fp8)."""
     num_blocks, _, bs, hk, d = kv_layer.shape
+    k, v = to_kv(k, kv_layer.dtype), to_kv(v, kv_layer.dtype)
     kv_rows = kv_layer.view(num_blocks * 2 * bs, hk, d)
-    kv_rows.index_copy_(0, rows, k.to(kv_layer.dtype))
-    kv_rows.index_copy_(0, rows + bs, v.to(kv_layer.dtype))
+    if kv_layer.element_size() == 1:  # fp8: torch's index_copy_ takes its bytes, not its dtype
+        kv_rows, k, v = kv_rows.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    kv_rows.index_copy_(0, rows, k)
+    kv_rows.index_copy_(0, rows + bs, v)

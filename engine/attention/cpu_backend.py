@@ -7,7 +7,7 @@ whatever shares the step: fixed key blocks at absolute positions, one online-sof
 one bf16 rounding at the end. So a position's attention output depends only on the tokens up
 to it, not on how much came from the cache, where chunked prefill cut or who shares the step.
 
-bf16 and fp32 pools run on it; shapes it lacks (fp16 pools, other head dims) and CPUs
+bf16 and fp32 pools run on it, and fp8 pages under either (read through exactly); shapes it lacks (fp16 pools, other head dims) and CPUs
 without AVX512_BF16 go to the torch reference backend, which computes the same math
 without that guarantee.
 """
@@ -18,6 +18,7 @@ import torch
 
 from . import cpu_kernels
 from .backend import AttentionBackend, AttentionShape, write_kv, write_rows
+from .kv_dtype import is_fp8
 from .metadata import AttentionMetadata
 from .torch_backend import TorchBackend
 
@@ -41,6 +42,7 @@ class CpuKernelBackend(AttentionBackend):
         return (
             device.type == "cpu"
             and shape.dtype in cpu_kernels.ROW_DTYPES
+            and (shape.page_dtype == shape.dtype or is_fp8(shape.page_dtype))
             and shape.head_dim in cpu_kernels.HEAD_DIMS
             and cpu_kernels.load_rows() is not None
         )

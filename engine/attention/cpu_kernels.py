@@ -21,7 +21,9 @@ SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 ROW_SOURCE = Path(__file__).with_name("cpu_row_attention.cpp")
 HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_simd.h", "cpu_flash_block.h"))
 HEAD_DIMS = frozenset({32, 64, 128, 256})
-ROW_DTYPES = (torch.bfloat16, torch.float32)  # what row_attention takes
+ROW_DTYPES = (torch.bfloat16, torch.float32)  # what row_attention takes (q and output)
+# Pages row_attention reads besides q's dtype: fp8, read through exactly (kv_dtype.py)
+_FP8_SUFFIX = {torch.float8_e4m3fn: "_e4m3", torch.float8_e5m2: "_e5m2"}
 REQUIRED_FLAGS = cpu_library.REQUIRED_FLAGS
 
 
@@ -76,10 +78,11 @@ def _declare(lib: ctypes.CDLL) -> None:
 def _declare_rows(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in ("pc_row_attention_bf16", "pc_row_attention_f32"):
-        fn = getattr(lib, name)
-        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr]
-        fn.argtypes += [i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
-        fn.restype = ctypes.c_int
+        for suffix in ("", *_FP8_SUFFIX.values()):  # pages in q's dtype, then fp8 pages
+            fn = getattr(lib, name + suffix)
+            fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr]
+            fn.argtypes += [i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
+            fn.restype = ctypes.c_int
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -228,7 +231,7 @@ def row_attention(
     one arithmetic whatever the step holds (see ``cpu_row_attention.cpp``); with ``window`` > 0
     (no groups), the row at position p over keys ``max(0, p - window + 1) .. p`` only.
 
-    ``q`` ``[T, Hq, D]`` bf16 or fp32 (``kv_layer`` alike), rows of sequence s at ``qo_indptr[s]:qo_indptr[s+1]``, its
+    ``q`` ``[T, Hq, D]`` bf16 or fp32 (``kv_layer`` alike, or fp8 for any q), rows of sequence s at ``qo_indptr[s]:qo_indptr[s+1]``, its
     last query seeing ``kv_lens[s]`` keys (bottom-right causal); ``kv_layer`` ``[num_blocks,
     2, bs, Hk, D]`` bf16 with the step's K/V already written; ``tables`` int32 ``[S, W]``;
     ``groups`` int64 ``[G, 3]`` (first sequence, end, leading keys they share in the same
@@ -242,9 +245,9 @@ def row_attention(
     cpu_library.require(
         kv_layer.is_contiguous()
         and q.stride(-1) == 1
-        and q.dtype == kv_layer.dtype
+        and kv_layer.dtype in (q.dtype, *_FP8_SUFFIX)
         and q.dtype in ROW_DTYPES,
-        "q and kv_layer must be bf16 or fp32 alike, with contiguous rows",
+        "q must be bf16 or fp32, kv_layer alike or fp8, with contiguous rows",
     )
     cpu_library.require(
         tables.dtype == torch.int32 and tables.is_contiguous(), "tables must be int32"
@@ -259,7 +262,8 @@ def row_attention(
         "qo_indptr [S+1], kv_lens [S] and groups [G, 3] must be int64",
     )
     out = torch.empty(t, hq, d, dtype=q.dtype)
-    fn = lib.pc_row_attention_bf16 if q.dtype == torch.bfloat16 else lib.pc_row_attention_f32
+    name = "pc_row_attention_bf16" if q.dtype == torch.bfloat16 else "pc_row_attention_f32"
+    fn = getattr(lib, name + _FP8_SUFFIX.get(kv_layer.dtype, ""))
     rc = fn(
         q.data_ptr(), q.stride(0), q.stride(1),
         kv_layer.data_ptr(), bs, tables.data_ptr(), tables.stride(0),

@@ -71,34 +71,12 @@ inline void transpose16(const uint32_t* const* rows, int64_t col, uint32_t* dst,
   }
 }
 
-// Keys [k0, k0 + BK) of one sequence (those in [kv_begin, kv_end); the rest zero, unread),
-// kv head h, packed:
+// K rows krow[j] (nullptr: zeros), each with its V row v_offset elements further, packed:
 // kbuf [KW][BK] (KW = D words of K per key: pairs for bf16, elements for fp32), vbuf
 // (bf16: [BK/2][D] pairs of keys; fp32: [BK][D]).
 template <int D, typename T>
-void pack_block(const T* kv, const int32_t* table, int64_t bs, int64_t row_elems, int64_t h,
-                int64_t k0, int64_t kv_begin, int64_t kv_end, int64_t v_offset, uint32_t* kbuf,
-                uint32_t* vbuf) {
+void pack_rows(const T* const* krow, int64_t v_offset, uint32_t* kbuf, uint32_t* vbuf) {
   constexpr int KW = D * static_cast<int>(sizeof(T)) / 4;
-  // Each key's K row, walking the pages (one table lookup per page, no division per key).
-  const T* krow[BK];
-  int64_t page = k0 / bs, slot = k0 % bs;
-  const T* row = kv + (static_cast<int64_t>(table[page]) * 2 * bs + slot) * row_elems + h * D;
-  for (int64_t j = 0; j < BK; ++j) {
-    if (k0 + j >= kv_end) {
-      krow[j] = nullptr;
-      continue;
-    }
-    krow[j] = k0 + j >= kv_begin ? row : nullptr;
-    if (++slot == bs) {
-      slot = 0;
-      ++page;
-      if (k0 + j + 1 < kv_end)
-        row = kv + static_cast<int64_t>(table[page]) * 2 * bs * row_elems + h * D;
-    } else {
-      row += row_elems;
-    }
-  }
   for (int64_t j0 = 0; j0 < BK; j0 += 16) {
     const uint32_t* rows[16];
     for (int i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const uint32_t*>(krow[j0 + i]);
@@ -131,6 +109,51 @@ void pack_block(const T* kv, const int32_t* table, int64_t bs, int64_t row_elems
   }
 }
 
+// Keys [k0, k0 + BK) of one sequence (those in [kv_begin, kv_end); the rest zero, unread),
+// kv head h, read from pages of KV (T itself, or fp8 converted to T once) and packed.
+template <int D, typename T, typename KV>
+void pack_block(const KV* kv, const int32_t* table, int64_t bs, int64_t row_elems, int64_t h,
+                int64_t k0, int64_t kv_begin, int64_t kv_end, int64_t v_offset, uint32_t* kbuf,
+                uint32_t* vbuf) {
+  // Each key's K row, walking the pages (one table lookup per page, no division per key).
+  const KV* krow[BK];
+  int64_t page = k0 / bs, slot = k0 % bs;
+  const KV* row = kv + (static_cast<int64_t>(table[page]) * 2 * bs + slot) * row_elems + h * D;
+  for (int64_t j = 0; j < BK; ++j) {
+    if (k0 + j >= kv_end) {
+      krow[j] = nullptr;
+      continue;
+    }
+    krow[j] = k0 + j >= kv_begin ? row : nullptr;
+    if (++slot == bs) {
+      slot = 0;
+      ++page;
+      if (k0 + j + 1 < kv_end)
+        row = kv + static_cast<int64_t>(table[page]) * 2 * bs * row_elems + h * D;
+    } else {
+      row += row_elems;
+    }
+  }
+  if constexpr (std::is_same_v<KV, T>) {
+    pack_rows<D, T>(krow, v_offset, kbuf, vbuf);
+  } else {
+    static_assert(kFp8<KV>, "pages hold T or fp8");
+    // Each K and V row converted once into [BK][2][D] of T, then the same packing.
+    thread_local std::vector<T> conv;
+    conv.resize(static_cast<size_t>(BK * 2 * D));
+    const T* trow[BK];
+    for (int64_t j = 0; j < BK; ++j) {
+      trow[j] = nullptr;
+      if (!krow[j]) continue;
+      T* dst = conv.data() + j * 2 * D;
+      fp8_row_to<D>(krow[j], dst);
+      fp8_row_to<D>(krow[j] + v_offset, dst + D);
+      trow[j] = dst;
+    }
+    pack_rows<D, T>(trow, D, kbuf, vbuf);
+  }
+}
+
 // Asks for keys [k0, k0 + BK) of one sequence (K and V rows of kv head h, those < kv_end)
 // into L2 while the block before them is computed: the pages are scattered, so the hardware
 // prefetcher stops at each one.
@@ -151,11 +174,11 @@ void prefetch_block(const T* kv, const int32_t* table, int64_t bs, int64_t row_e
   }
 }
 
-template <typename T>
+template <typename T, typename KV>
 struct RowBatch {
   const T* q;
   int64_t q_tok, q_head;
-  const T* kv;
+  const KV* kv;
   int64_t bs, hq, hk;
   const int32_t* tables;
   int64_t table_stride;
@@ -189,8 +212,8 @@ struct RowTask {
 
 constexpr int64_t kTaskRows = 64;  // rows (tokens x folded heads) per task, about
 
-template <int D, int R, typename T>
-void run_row_task(const RowBatch<T>& rb, const Prepacked& pre, const Segment* segs,
+template <int D, int R, typename T, typename KV>
+void run_row_task(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segment* segs,
                   const RowTask& task, int64_t h,
                   std::vector<uint32_t>& qw, std::vector<int64_t>& limit, std::vector<int64_t>& begin,
                   std::vector<float>& m, std::vector<float>& l, std::vector<float>& obuf,
@@ -226,7 +249,7 @@ void run_row_task(const RowBatch<T>& rb, const Prepacked& pre, const Segment* se
     const int64_t k0 = kb * BK;
     if (k0 + BK <= task.shared) {  // every segment's sequence holds these keys in the same pages
       const int64_t s = segs[task.seg_begin].s;
-      pack_block<D>(rb.kv, rb.tables + s * rb.table_stride, rb.bs, row_elems, h, k0, 0,
+      pack_block<D, T>(rb.kv, rb.tables + s * rb.table_stride, rb.bs, row_elems, h, k0, 0,
                     rb.kv_lens[s], v_offset, kbuf, vbuf);
       attend_packed<D, R, T>(kbuf, vbuf, k0, 0, rows, qw.data(), limit.data(), nullptr, m.data(),
                              l.data(), obuf.data(), pbuf.data(), rb.scale2);
@@ -248,7 +271,7 @@ void run_row_task(const RowBatch<T>& rb, const Prepacked& pre, const Segment* se
           const int32_t* table = rb.tables + sg.s * rb.table_stride;
           if (k0 + BK < seg_max)
             prefetch_block<D>(rb.kv, table, rb.bs, row_elems, h, k0 + BK, seg_max, v_offset);
-          pack_block<D>(rb.kv, table, rb.bs, row_elems, h, k0, seg_begin, seg_max, v_offset,
+          pack_block<D, T>(rb.kv, table, rb.bs, row_elems, h, k0, seg_begin, seg_max, v_offset,
                         kbuf, vbuf);
         }
         attend_packed<D, R, T>(kb_words, vb_words, k0, ra, ra + seg_rows, qw.data(), limit.data(),
@@ -280,8 +303,8 @@ void run_row_task(const RowBatch<T>& rb, const Prepacked& pre, const Segment* se
 
 // Segments and tasks: a sequence outside the groups is split into tasks of about kTaskRows
 // rows; a group's members are packed into tasks together (their shared keys read once).
-template <typename T>
-void plan_row_tasks(const RowBatch<T>& rb, int64_t nseq, const int64_t* groups,
+template <typename T, typename KV>
+void plan_row_tasks(const RowBatch<T, KV>& rb, int64_t nseq, const int64_t* groups,
                            int64_t n_groups, std::vector<Segment>& segs,
                            std::vector<RowTask>& tasks) {
   const int64_t g = rb.hq / rb.hk;
@@ -320,8 +343,8 @@ void plan_row_tasks(const RowBatch<T>& rb, int64_t nseq, const int64_t* groups,
   }
 }
 
-template <int D, int R, typename T>
-void row_run(const RowBatch<T>& rb, int64_t nseq, const int64_t* groups, int64_t n_groups,
+template <int D, int R, typename T, typename KV>
+void row_run(const RowBatch<T, KV>& rb, int64_t nseq, const int64_t* groups, int64_t n_groups,
              int nthreads) {
   constexpr int64_t WORDS = kBlockWords<D, T>;  // per key block, K and V alike
   std::vector<Segment> segs;
@@ -357,7 +380,7 @@ void row_run(const RowBatch<T>& rb, int64_t nseq, const int64_t* groups, int64_t
       const int64_t first = rb.first_key(job.s), kb0 = first / BK;
       const int64_t nb = (rb.kv_lens[job.s] + BK - 1) / BK - kb0;
       const int64_t at = pre.offset[job.s] + (job.h * nb + job.kb - kb0) * WORDS;
-      pack_block<D>(rb.kv, rb.tables + job.s * rb.table_stride, rb.bs, row_elems, job.h,
+      pack_block<D, T>(rb.kv, rb.tables + job.s * rb.table_stride, rb.bs, row_elems, job.h,
                     job.kb * BK, first, rb.kv_lens[job.s], v_offset, pre.k.data() + at,
                     pre.v.data() + at);
     }
@@ -374,10 +397,25 @@ void row_run(const RowBatch<T>& rb, int64_t nseq, const int64_t* groups, int64_t
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < ntasks; ++i) {
       const int64_t ti = static_cast<int64_t>(tasks.size()) - 1 - i / rb.hk, h = i % rb.hk;
-      run_row_task<D, R, T>(rb, pre, segs.data(), tasks[ti], h, qw, limit, begin, m, l, obuf,
+      run_row_task<D, R, T, KV>(rb, pre, segs.data(), tasks[ti], h, qw, limit, begin, m, l, obuf,
                             pbuf, kbuf.data(), vbuf.data());
     }
   }
+}
+
+template <typename T, typename KV>
+int row_entry(const T* q, int64_t q_tok, int64_t q_head, const void* kv, int64_t bs,
+              const int32_t* tables, int64_t table_stride, const int64_t* qo,
+              const int64_t* kv_lens, int64_t nseq, const int64_t* groups, int64_t n_groups,
+              T* out, int64_t hq, int64_t hk, int64_t d, float scale, int64_t window,
+              int nthreads) {
+  if (window > 0 && n_groups > 0) return -2;
+  const RowBatch<T, KV> rb{q,       q_tok, q_head, static_cast<const KV*>(kv), bs, hq, hk,
+                           tables,  table_stride, qo, kv_lens, out,
+                           scale * 1.44269504089f, window};
+  return with_head_dim(d, [&](auto dim) {
+    row_run<dim(), kTileRows<dim()>, T, KV>(rb, nseq, groups, n_groups, nthreads);
+  });
 }
 
 }  // namespace
@@ -390,33 +428,23 @@ extern "C" {
 // kv_lens[s] - (qo[s+1] - qo[s]) + i + 1); groups int64 [n_groups][3] (first seq, end seq,
 // keys they share in the same pages), ascending and disjoint; out [T, hq, d] contiguous;
 // window: 0, or the sliding window in keys (then no groups; see the top of this file).
-int pc_row_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* kv,
-                          int64_t bs, const int32_t* tables, int64_t table_stride,
-                          const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
-                          const int64_t* groups, int64_t n_groups, uint16_t* out, int64_t hq,
-                          int64_t hk, int64_t d, float scale, int64_t window,
-                          int nthreads) {
-  if (window > 0 && n_groups > 0) return -2;
-  const RowBatch<uint16_t> rb{q,  q_tok, q_head, kv, bs, hq, hk, tables, table_stride, qo,
-                              kv_lens, out, scale * 1.44269504089f, window};
-  return with_head_dim(d, [&](auto dim) {
-    row_run<dim(), kTileRows<dim()>, uint16_t>(rb, nseq, groups, n_groups, nthreads);
-  });
-}
+// Pages in q's dtype, or (the _e4m3 / _e5m2 entries) fp8 bytes read through exactly.
+#define PC_ROW_ENTRY(NAME, T, KV)                                                          \
+  int NAME(const T* q, int64_t q_tok, int64_t q_head, const void* kv, int64_t bs,        \
+           const int32_t* tables, int64_t table_stride, const int64_t* qo,               \
+           const int64_t* kv_lens, int64_t nseq, const int64_t* groups, int64_t n_groups, \
+           T* out, int64_t hq, int64_t hk, int64_t d, float scale, int64_t window,       \
+           int nthreads) {                                                                \
+    return row_entry<T, KV>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,  \
+                            nseq, groups, n_groups, out, hq, hk, d, scale, window,       \
+                            nthreads);                                                    \
+  }
 
-// The same for fp32 Q, pages and output.
-int pc_row_attention_f32(const float* q, int64_t q_tok, int64_t q_head, const float* kv,
-                         int64_t bs, const int32_t* tables, int64_t table_stride,
-                         const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
-                         const int64_t* groups, int64_t n_groups, float* out, int64_t hq,
-                         int64_t hk, int64_t d, float scale, int64_t window,
-                          int nthreads) {
-  if (window > 0 && n_groups > 0) return -2;
-  const RowBatch<float> rb{q,  q_tok, q_head, kv, bs, hq, hk, tables, table_stride, qo,
-                           kv_lens, out, scale * 1.44269504089f, window};
-  return with_head_dim(d, [&](auto dim) {
-    row_run<dim(), kTileRows<dim()>, float>(rb, nseq, groups, n_groups, nthreads);
-  });
-}
+PC_ROW_ENTRY(pc_row_attention_bf16, uint16_t, uint16_t)
+PC_ROW_ENTRY(pc_row_attention_f32, float, float)
+PC_ROW_ENTRY(pc_row_attention_bf16_e4m3, uint16_t, Fp8E4M3)
+PC_ROW_ENTRY(pc_row_attention_bf16_e5m2, uint16_t, Fp8E5M2)
+PC_ROW_ENTRY(pc_row_attention_f32_e4m3, float, Fp8E4M3)
+PC_ROW_ENTRY(pc_row_attention_f32_e5m2, float, Fp8E5M2)
 
 }  // extern "C"

@@ -60,6 +60,52 @@ int with_head_dim(int64_t d, Fn&& fn) {
   }
 }
 
+// fp8 KV pages (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): one byte per element, no scale (a
+// scale of 1, as vLLM's default). Every fp8 value is exact in bf16 and fp32, so a page read
+// through to_ps gives the same operands whatever the compute dtype's path does next.
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+struct Fp8E5M2 {
+  uint8_t bits;
+};
+template <typename KV>
+constexpr bool kFp8 = std::is_same_v<KV, Fp8E4M3> || std::is_same_v<KV, Fp8E5M2>;
+
+// 16 fp8 values at p as fp32, exactly (subnormals, signed zeros and NaN included).
+template <typename KV>
+inline __m512 fp8x16_to_ps(const KV* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (std::is_same_v<KV, Fp8E5M2>) {  // the top byte of an fp16
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+  } else {  // e4m3fn: bias 7, no infinities, S.1111.111 is NaN
+    const __m512i w = _mm512_cvtepu8_epi32(b);
+    const __m512i em = _mm512_and_si512(w, _mm512_set1_epi32(0x7f));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(w, _mm512_set1_epi32(0x80)), 24);
+    // Normal: exponent and mantissa moved into fp32's fields, the bias raised by 127 - 7.
+    const __m512 normal = _mm512_castsi512_ps(
+        _mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23)));
+    // Subnormal (exponent 0): mantissa x 2^-9.
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.0f / 512.0f));
+    __m512 mag = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)), normal, sub);
+    mag = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7f)), mag,
+                               _mm512_set1_ps(NAN));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+  }
+}
+
+// D fp8 values at src into dst as T (bf16 as uint16_t, or float): exact.
+template <int D, typename T, typename KV>
+inline void fp8_row_to(const KV* src, T* dst) {
+  for (int c = 0; c < D; c += 16) {
+    const __m512 x = fp8x16_to_ps(src + c);
+    if constexpr (std::is_same_v<T, float>)
+      _mm512_storeu_ps(dst + c, x);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), (__m256i)_mm512_cvtneps_pbh(x));
+  }
+}
+
 // Query rows per register tile: 4 rows x D/16 accumulators must fit 32 vector registers.
 template <int D>
 constexpr int kTileRows = D == 128 ? 2 : 4;

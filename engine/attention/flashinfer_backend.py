@@ -11,7 +11,8 @@ prefills | plain decodes | cascade groups, so each wrapper gets one contiguous s
 ``plan`` runs once per step (``flashinfer_plan.build_tables``: host arrays from the step's
 sequences, page ids gathered on the device, no device tensor read back) and every layer's
 ``forward`` reuses it. RoPE is applied by the model before K is written (pos_encoding_mode
-NONE), and q/kv dtypes are passed explicitly (FlashInfer defaults to float16 otherwise).
+NONE), and q/kv dtypes are passed explicitly (FlashInfer defaults to float16 otherwise); fp8
+pages (``--kv-cache-dtype fp8``) are FlashInfer's fp8 KV with the default scales of 1.
 
 Batch invariance (docs/architecture.md, "Fidelity"): by default the prefill and decode plans
 get one fixed split size (``fixed_split_size``, in pages), so a row's split-KV reduction does
@@ -42,6 +43,7 @@ import torch
 
 from .backend import AttentionBackend, AttentionShape
 from .flashinfer_plan import PageTable, PlanBuffers, StepTables, build_tables
+from .kv_dtype import to_kv
 from .metadata import AttentionMetadata
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -131,7 +133,7 @@ class FlashInferBackend(AttentionBackend):
             "window_left": window_left,
             "sm_scale": shape.scale,
             "q_data_type": shape.dtype,
-            "kv_data_type": shape.dtype,
+            "kv_data_type": shape.page_dtype,  # fp8 pages: FlashInfer's fp8 KV, scale 1
         }
         if tables.prefill is not None:
             t = tables.prefill
@@ -188,8 +190,8 @@ class FlashInferBackend(AttentionBackend):
         if meta is None or tables is None:
             raise RuntimeError("FlashInferBackend.forward before plan()")
         self._fi.append_paged_kv_cache(
-            k.to(kv_layer.dtype),
-            v.to(kv_layer.dtype),
+            to_kv(k, kv_layer.dtype),
+            to_kv(v, kv_layer.dtype),
             meta.batch_indices,
             self._positions[: meta.num_tokens],
             kv_layer,

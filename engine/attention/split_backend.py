@@ -61,7 +61,7 @@ class SplitKernelBackend(AttentionBackend):
     def supports(shape: AttentionShape, device: torch.device) -> bool:
         return (
             device.type == "cpu"
-            and shape.dtype == torch.bfloat16
+            and shape.dtype == shape.page_dtype == torch.bfloat16  # fp8 pages: the reference
             and shape.head_dim in cpu_kernels.HEAD_DIMS
             and cpu_kernels.load() is not None
         )

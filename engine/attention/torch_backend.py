@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .backend import AttentionBackend, AttentionShape, write_kv, write_rows
+from .kv_dtype import round_trip
 from .metadata import AttentionMetadata, CascadeGroup
 from .torch_ops import (
     banded_attention,
@@ -139,6 +140,7 @@ class TorchBackend(AttentionBackend):
         # Gather buffers, reused across layers and steps: fresh multi-MB allocations on CPU
         # cost more in page faults than the copy itself.
         self._scratch: dict[str, torch.Tensor] = {}
+        self._compute_dtype = torch.float32  # q's, set by forward
 
     def plan(self, meta: AttentionMetadata, shape: AttentionShape) -> None:
         bs = meta.block_size
@@ -226,22 +228,25 @@ class TorchBackend(AttentionBackend):
     def _gather(
         self, kv_layer: torch.Tensor, blocks: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of whole blocks, ``[len(blocks) * bs, Hk, D]`` each (scratch memory).
+        """K and V of whole blocks, ``[len(blocks) * bs, Hk, D]`` each (scratch memory; fp8
+        pages converted to the compute dtype, exactly).
 
         ``blocks`` holds K page rows (``2 * block``) of the layer viewed as one contiguous row
         per (block, K|V) page: whole-row copies, much faster than gathering a strided view."""
         num_blocks, _, bs, hk, d = kv_layer.shape
         pages = kv_layer.view(num_blocks * 2, bs * hk * d)
+        if kv_layer.element_size() == 1:  # fp8: index_select takes its bytes, not its dtype
+            pages = pages.view(torch.uint8)
         n = blocks.numel()
         out = []
         for j, name in enumerate(("k", "v")):
             buf = self._scratch.get(name)
-            if buf is None or buf.numel() < n * bs * hk * d or buf.dtype != kv_layer.dtype:
-                buf = torch.empty(n * bs * hk * d, dtype=kv_layer.dtype, device=kv_layer.device)
+            if buf is None or buf.numel() < n * bs * hk * d or buf.dtype != pages.dtype:
+                buf = torch.empty(n * bs * hk * d, dtype=pages.dtype, device=kv_layer.device)
                 self._scratch[name] = buf
             view = buf[: n * bs * hk * d].view(n, bs * hk * d)
             torch.index_select(pages, 0, blocks + j if j else blocks, out=view)
-            out.append(view.view(n * bs, hk, d))
+            out.append(view.view(kv_layer.dtype).view(n * bs, hk, d).to(self._compute_dtype))
         return out[0], out[1]
 
     def _window_prefill(
@@ -268,6 +273,10 @@ class TorchBackend(AttentionBackend):
         scale = self._shape.scale
         hk, d = kv_layer.shape[3:]
         write_kv(kv_layer, self._write_rows, k, v)
+        # The new tokens attend to their own K/V as the pages hold them (fp8: rounded), as a
+        # later request that finds them cached will.
+        k, v = round_trip(k, kv_layer.dtype), round_trip(v, kv_layer.dtype)
+        self._compute_dtype = q.dtype
         out = torch.empty_like(q)
         group_states = []
         for gp in self._prefill_groups:  # the shared prefix is read once

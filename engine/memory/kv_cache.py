@@ -80,6 +80,14 @@ class KVCache:
     def block_size(self) -> int:
         return self.spec.block_size
 
+    @staticmethod
+    def select_pages(layer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """``layer.index_select(0, pages)``, for fp8 pages too (torch's index ops take no fp8
+        on CPU: their bytes are selected)."""
+        if layer.element_size() != 1:
+            return layer.index_select(0, pages)
+        return layer.view(torch.uint8).index_select(0, pages).view(layer.dtype)
+
     def copy_slots(self, src_block: int, dst_block: int, num_tokens: int) -> None:
         """Copy the first ``num_tokens`` token slots (K and V, every layer) of one block into another.
 
@@ -112,8 +120,8 @@ class KVCache:
                 out[:, i * width : (i + 1) * width] = layer[pages]
             return out
         index = torch.tensor(pages, dtype=torch.long, device=self.layers[0].device)
-        rows = torch.cat([layer.index_select(0, index).flatten(1) for layer in self.layers], 1)
-        return rows.view(torch.uint8).cpu().numpy()
+        raw = [layer.view(torch.uint8) for layer in self.layers]  # bytes: fp8 pages too
+        return torch.cat([r.index_select(0, index).flatten(1) for r in raw], 1).cpu().numpy()
 
     def write_pages(self, pages: list[int], data: np.ndarray | Sequence[np.ndarray]) -> None:
         """Fill pages from ``read_pages``' bytes: a uint8 ``[len(pages), bytes_per_block]``
@@ -129,10 +137,10 @@ class KVCache:
                 for i, layer in enumerate(self._host):
                     layer[page] = row[i * width : (i + 1) * width]
             return
-        rows = torch.from_numpy(np.ascontiguousarray(data)).view(self.spec.dtype)
+        rows = torch.from_numpy(np.ascontiguousarray(data))
         rows = rows.to(self.layers[0].device, non_blocking=True)
         index = torch.tensor(pages, dtype=torch.long, device=self.layers[0].device)
         per_layer = rows.shape[1] // len(self.layers)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers):  # as bytes: fp8 pages too
             part = rows[:, i * per_layer : (i + 1) * per_layer]
-            layer.index_copy_(0, index, part.reshape(len(pages), *layer.shape[1:]))
+            layer.view(torch.uint8).view(layer.shape[0], -1).index_copy_(0, index, part)

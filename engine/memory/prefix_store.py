@@ -68,7 +68,7 @@ def snapshot(manager: BlockManager, cache: KVCache) -> Snapshot:
     _refuse_hybrid(cache)
     blocks = saved_blocks(manager)
     pages = torch.tensor([b.page for b in blocks], dtype=torch.long, device=cache.spec.device)
-    kv = [layer.index_select(0, pages).cpu() for layer in cache.layers]
+    kv = [cache.select_pages(layer, pages).cpu() for layer in cache.layers]
     return Snapshot(blocks, kv, identity_digest(manager.identity), manager.block_size)
 
 
@@ -170,9 +170,14 @@ def _checked(
     blocks = _blocks(tensors, spec.block_size)
     if any(t.shape[0] != len(blocks) for t in kv):  # type: ignore[union-attr]
         raise PrefixStoreError("its KV and its tree disagree on the number of blocks")
-    if not all(bool(torch.isfinite(t).all()) for t in kv):  # type: ignore[arg-type]
+    if not all(bool(torch.isfinite(_wide(t)).all()) for t in kv):  # type: ignore[arg-type]
         raise PrefixStoreError("its KV pages hold non-finite values (NaN or inf)")
     return Snapshot(blocks, kv, metadata["identity"], spec.block_size, source)  # type: ignore[arg-type]
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """fp8 pages as float32 (torch's isfinite takes no fp8); others as they are."""
+    return t.float() if t.element_size() == 1 else t
 
 
 def _tensors(snap: Snapshot) -> dict[str, torch.Tensor]:

@@ -61,13 +61,16 @@ class LoadedModel:
     # vLLM uses them for requests that leave those fields unset.
     sampling_defaults: dict[str, float] = field(default_factory=dict)
 
-    def kv_cache_spec(self, block_size: int = 16) -> KVCacheSpec:
+    def kv_cache_spec(
+        self, block_size: int = 16, kv_dtype: torch.dtype | None = None
+    ) -> KVCacheSpec:
+        """The pages for this model: its dtype, or ``kv_dtype`` (fp8, attention/kv_dtype.py)."""
         return KVCacheSpec(
             num_layers=self.config.num_layers,
             num_kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim,
             block_size=block_size,
-            dtype=self.dtype,
+            dtype=self.dtype if kv_dtype is None else kv_dtype,
             device=str(self.device),
         )
 

@@ -26,9 +26,11 @@ def cache_stats(
     s: ManagerStats,
     tier: TierStats | None,
     pieces: TokenizerPieceStats | msgspec.UnsetType = msgspec.UNSET,
+    kv_cache_dtype: str = "",
 ) -> CacheStats:
     return CacheStats(
         block_size=s.block_size,
+        kv_cache_dtype=kv_cache_dtype,
         blocks=BlockStats(
             total=s.num_blocks,
             free=s.num_free_blocks,

@@ -68,7 +68,7 @@ def ready_message(engine: LLMEngine, with_metrics: bool) -> wire.Ready:
         max_model_len=engine.max_seq_len,
         block_size=engine.config.block_size,
         dtype=str(loaded.dtype).removeprefix("torch."),
-        cache_identity=engine.cache_identity(loaded),
+        cache_identity=engine.cache_identity(loaded, engine.config.kv_cache_dtype),
         sampling_defaults=dict(loaded.sampling_defaults),
         stats=engine.cache_stats(),
         metrics=metric_families(engine) if with_metrics else [],

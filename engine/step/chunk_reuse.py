@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention import kv_dtype
 from ..memory.block_manager import BlockManager
 from ..memory.block_types import BlockTable, PrefixMatch
 from ..memory.kv_cache import KVCache
@@ -196,8 +197,10 @@ class ChunkReuse:
         spec = self.kv_cache.spec
         for layer in self.kv_cache.layers:
             rows = layer.view(-1, spec.num_kv_heads * spec.head_dim)
-            rows.index_copy_(0, dst_v, rows.index_select(0, src_v))
-            keys = rows.index_select(0, src_k)
-            if delta:
-                keys = shift_keys(keys.view(-1, spec.num_kv_heads, spec.head_dim), cos, sin)
-            rows.index_copy_(0, dst_k, keys.reshape(len(src), -1))
+            raw = rows.view(torch.uint8) if rows.element_size() == 1 else rows  # fp8: its bytes
+            raw.index_copy_(0, dst_v, raw.index_select(0, src_v))
+            keys = raw.index_select(0, src_k)
+            if delta:  # rotated in float32, then stored as the pages hold K
+                k = keys.view(rows.dtype).view(-1, spec.num_kv_heads, spec.head_dim).float()
+                keys = kv_dtype.to_kv(shift_keys(k, cos, sin), rows.dtype).view(raw.dtype)
+            raw.index_copy_(0, dst_k, keys.reshape(len(src), -1))

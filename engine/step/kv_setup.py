@@ -5,9 +5,11 @@ the global pages and the sliding layers' local pages (docs/architecture.md, "Hyb
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..attention import kv_dtype
 from ..config import EngineConfig, TierSpec
 from ..memory.block_manager import BlockManager
 from ..memory.block_types import BlockTable
@@ -26,10 +28,21 @@ class KVMemory:
     local_table_of: Callable[[BlockTable], list[int]] | None = None  # hybrid models only
 
 
+def cache_identity(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> bytes:
+    """Root of every namespace: blocks never match across models, tokenizers, dtypes or KV
+    page dtypes (an fp8 page is not a bf16 one; ``fp8`` and ``fp8_e4m3`` are one format)."""
+    key = f"{loaded.fingerprint}|{loaded.tokenizer.fingerprint}|{loaded.dtype}"
+    if kv_cache_dtype != "auto":
+        key += f"|kv:{kv_dtype.name_of(kv_dtype.resolve(kv_cache_dtype, loaded.dtype))}"
+    return hashlib.sha256(key.encode()).digest()
+
+
 def build_kv(
     config: EngineConfig, loaded: LoadedModel, identity: bytes, clock: Callable[[], float]
 ) -> KVMemory:
-    spec = loaded.kv_cache_spec(config.block_size)
+    spec = loaded.kv_cache_spec(
+        config.block_size, kv_dtype.resolve(config.kv_cache_dtype, loaded.dtype)
+    )
     if loaded.config.is_hybrid:
         cache, hybrid = build_hybrid(config, spec, loaded.config.layer_windows, identity, clock)
         return KVMemory(cache, hybrid, None, hybrid.local_table)

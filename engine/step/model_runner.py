@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..attention import AttentionBackend, AttentionMetadata, AttentionShape, SeqSpec
+from ..attention import AttentionBackend, AttentionMetadata, AttentionShape, SeqSpec, kv_dtype
 from ..attention.metadata import find_prefill_groups, plan_step_order
 from ..memory.kv_cache import KVCache
 from ..model.loader import LoadedModel
@@ -80,17 +80,21 @@ class ModelRunner:
         self.enable_cascade = enable_cascade
         self.device = loaded.device
         cfg = loaded.config
-        self.shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, loaded.dtype)
-        backend.prepare(self.shape, torch.device(self.device))
         spec = kv_cache.spec
+        if spec.dtype != loaded.dtype and not kv_dtype.is_fp8(spec.dtype):
+            raise ValueError(
+                f"KV cache dtype {spec.dtype} is neither fp8 nor the model's {loaded.dtype}"
+            )
+        self.shape = AttentionShape(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, spec.dtype
+        )
+        backend.prepare(self.shape, torch.device(self.device))
         if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
             cfg.num_layers,
             cfg.num_kv_heads,
             cfg.head_dim,
         ):
             raise ValueError("KV cache spec does not match the model (layers, kv heads, head dim)")
-        if spec.dtype != loaded.dtype:
-            raise ValueError(f"KV cache dtype {spec.dtype} != model dtype {loaded.dtype}")
         self.on_plan = on_plan
         self.window = 0
         self.local_backend = local_backend

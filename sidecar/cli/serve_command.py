@@ -54,6 +54,7 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
         config = EngineConfig(
             model=args.model,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             gguf_weights=args.gguf_weights,
             attention_backend=args.attention_backend,
