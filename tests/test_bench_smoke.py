@@ -102,6 +102,12 @@ CASES = {
         ["--model", "demo", "--passages", "6", "--questions", "2", "--max-tokens", "4"],
         {"ttft_speedup", "accuracy_delta", "agreement", "first_token_kl", "settings"},
     ),
+    "kv_dtype.py": (
+        ["--model", "demo", "--dtype", "float32", "--prompts", "2", "--max-tokens", "3"]
+        + ["--zipf-prompts", "6", "--zipf-prefix", "64", "--zipf-requests", "40"]
+        + ["--decode-context", "32", "--decode-tokens", "4"],
+        {"tokens_per_gib_ratio", "recompute_ratio", "agreement", "first_token_kl", "decode_itl_ms"},
+    ),
     "floor.py": (
         ["--seqs", "2", "--context", "32", "--prefill", "64", "--chunk", "32", "--repeat", "1"]
         + ["--gib", "0.05", "--gemm", "128"],
@@ -156,6 +162,9 @@ def test_benchmark_runs_and_reports(name: str) -> None:
     if name == "rag_reuse.py":  # every repair setting reported, and the documents were placed
         assert [r["repair_tokens"] for r in result["settings"]] == [0, 8, 16, 32]
         assert all(r["reused_tokens"] > 0 for r in result["settings"])
+    if name == "kv_dtype.py":  # fp8 pages hold 4x fp32's tokens; cached == uncached at fp8
+        assert result["tokens_per_gib_ratio"] == 4.0
+        assert result["quality"]["fp8_cached_equals_uncached"] == 1.0
     if name == "burst.py":
         assert result["prompt_tokens_computed"] == result["ideal_tokens"]
         assert result["peak_blocks"] <= result["ideal_blocks"] + 6
