@@ -38,34 +38,19 @@ start_prefixcache() {
   echo $!
 }
 
-wait_healthy() {
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && return 0
-    sleep 0.5
-  done
-  echo "server did not start" >&2; return 1
+CLIENT_FLAGS=()
+# shellcheck source=bench/serving_lib.sh
+. bench/serving_lib.sh
+
+workload() {  # server, workload name
+  local server=$1
+  case $2 in
+    shared) bench "$server/shared" --seed 1000 ;;
+    decode) bench "$server/decode" --groups 4 --per-group 8 --system 512 --question 32 \
+              --output 128 --concurrency 32 --seed 2000 ;;
+    ttft) bench "$server/ttft" --workload ttft --seed 3000 ;;
+    sweep) for c in 1 4 16 32; do bench "$server" --concurrency $c --seed $((4000 + c)); done ;;
+  esac
 }
 
-bench() {  # label, then serving.py flags
-  local label=$1; shift
-  $PY bench/serving.py --url "http://127.0.0.1:$PORT" --label "$label" --json "$@" | tail -1 >>"$OUT"
-  tail -1 "$OUT" | $PY -c 'import json,sys; r=json.loads(sys.stdin.read()); print(r["label"], r["workload"], r["args"]["concurrency"], {k: round(v, 1) for k, v in r.items() if isinstance(v, float)})'
-}
-
-for server in $SERVERS; do
-  pid=$(start_"$server")
-  trap 'kill $pid 2>/dev/null || true' EXIT
-  wait_healthy
-  for w in $WORKLOADS; do
-    case $w in
-      shared) bench "$server/shared" --seed 1000 ;;
-      decode) bench "$server/decode" --groups 4 --per-group 8 --system 512 --question 32 \
-                --output 128 --concurrency 32 --seed 2000 ;;
-      ttft) bench "$server/ttft" --workload ttft --seed 3000 ;;
-      sweep) for c in 1 4 16 32; do bench "$server" --concurrency $c --seed $((4000 + c)); done ;;
-    esac
-  done
-  kill "$pid"; wait "$pid" 2>/dev/null || true
-  trap - EXIT
-  sleep 2
-done
+run_servers

@@ -4,7 +4,8 @@ bench/gpu_check.py on a lent GPU (docs/models.md, "GPU check").
 
 Prefill (fresh, after cached pages, partial pages) next to decodes; decodes over a shared
 prefix with the cascade wrapper and without; a sliding window; a sequence's output bitwise
-the same alone and in a batch with the fixed split; the demo model end to end.
+the same alone and in a batch with the fixed split; the demo model end to end, on bf16 and
+on fp8 pages.
 """
 
 from __future__ import annotations
@@ -112,3 +113,32 @@ def test_demo_model_flashinfer_vs_torch() -> None:
         batch = [BatchEntry([n], len(p), t) for n, p, t in zip(nxt, prompts, tables, strict=True)]
         logits[name] = torch.cat([first, runner.execute(batch)])
     torch.testing.assert_close(logits["flashinfer"], logits["torch"], atol=0.15, rtol=0.05)
+
+
+@pytest.mark.parametrize("page_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_demo_model_on_fp8_pages_flashinfer_vs_torch(page_dtype: torch.dtype) -> None:
+    """--kv-cache-dtype fp8: FlashInfer's fp8 KV (scale 1) against the torch reference reading
+    the same rounded pages, then against bf16 pages (close, not equal: the rounding)."""
+    from prefixcache.engine.memory.kv_cache import KVCache
+    from prefixcache.engine.model.loader import load_model
+    from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
+
+    loaded = load_model("demo", dtype="bfloat16", device="cuda")
+    gen = torch.Generator().manual_seed(4)
+    prompts = [
+        torch.randint(0, loaded.config.vocab_size, (n,), generator=gen).tolist() for n in (300, 40)
+    ]
+    tables = [list(range(0, 20)), list(range(20, 24))]
+    logits = {}
+    for name, be, pages in (
+        ("flashinfer", FlashInferBackend("cuda"), page_dtype),
+        ("torch", TorchBackend(), page_dtype),
+        ("bf16", TorchBackend(), None),
+    ):
+        runner = ModelRunner(loaded, KVCache(loaded.kv_cache_spec(16, pages), 64), be)
+        first = runner.execute([BatchEntry(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+        nxt = first.argmax(-1).tolist()
+        batch = [BatchEntry([n], len(p), t) for n, p, t in zip(nxt, prompts, tables, strict=True)]
+        logits[name] = torch.cat([first, runner.execute(batch)]).float()
+    torch.testing.assert_close(logits["flashinfer"], logits["torch"], atol=0.15, rtol=0.05)
+    torch.testing.assert_close(logits["flashinfer"], logits["bf16"], atol=1.0, rtol=0.2)

@@ -1,0 +1,31 @@
+# Sourced by bench/serving_vs_vllm.sh and bench/serving_vs_llamacpp.sh: the health wait, the
+# client call (bench/serving.py, one JSON line appended to $OUT) and the loop over servers.
+# The caller sets PY, PORT, OUT, SERVERS, WORKLOADS, CLIENT_FLAGS (an array), and defines
+# start_<server> (prints the server's pid) and workload <server> <name>.
+
+wait_healthy() {
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && return 0
+    sleep 0.5
+  done
+  echo "server did not start" >&2; return 1
+}
+
+bench() {  # label, then serving.py flags
+  local label=$1; shift
+  $PY bench/serving.py --url "http://127.0.0.1:$PORT" --label "$label" --json \
+    "${CLIENT_FLAGS[@]}" "$@" | tail -1 >>"$OUT"
+  tail -1 "$OUT" | $PY -c 'import json,sys; r=json.loads(sys.stdin.read()); print(r["label"], r["workload"], r["args"]["concurrency"], {k: round(v, 1) for k, v in r.items() if isinstance(v, float)})'
+}
+
+run_servers() {  # one server at a time: start, wait, every workload, stop
+  for server in $SERVERS; do
+    pid=$(start_"$server")
+    trap 'kill $pid 2>/dev/null || true' EXIT
+    wait_healthy
+    for w in $WORKLOADS; do workload "$server" "$w"; done
+    kill "$pid"; wait "$pid" 2>/dev/null || true
+    trap - EXIT
+    sleep 2
+  done
+}
