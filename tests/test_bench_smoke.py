@@ -162,9 +162,8 @@ def test_benchmark_runs_and_reports(name: str) -> None:
     if name == "rag_reuse.py":  # every repair setting reported, and the documents were placed
         assert [r["repair_tokens"] for r in result["settings"]] == [0, 8, 16, 32]
         assert all(r["reused_tokens"] > 0 for r in result["settings"])
-    if name == "kv_dtype.py":  # fp8 pages hold 4x fp32's tokens; cached == uncached at fp8
+    if name == "kv_dtype.py":  # fp8 pages hold 4x fp32's tokens (the page size, not a timing)
         assert result["tokens_per_gib_ratio"] == 4.0
-        assert result["quality"]["cached_equals_uncached"] == {"auto": 1.0, "fp8_e4m3": 1.0}
     if name == "burst.py":
         assert result["prompt_tokens_computed"] == result["ideal_tokens"]
         assert result["peak_blocks"] <= result["ideal_blocks"] + 6
