@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -155,9 +156,13 @@ def get_json(url: str) -> dict:
 
 
 def prefix_cache_counters(base: str) -> tuple[float, float]:
-    """(hit tokens, queried tokens) from /metrics, vLLM's names or prefixcache's."""
-    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-        text = r.read().decode()
+    """(hit tokens, queried tokens) from /metrics, vLLM's names or prefixcache's; zeros where
+    the server has none (llama-server without --metrics): the hit rate is then NaN."""
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except urllib.error.HTTPError:
+        return 0.0, 0.0
     values = {"hits": 0.0, "queries": 0.0}
     pattern = r"^(?:vllm|prefixcache):prefix_cache_(hits|queries)_total(?:\{[^}]*\})? (\S+)$"
     for m in re.finditer(pattern, text, re.MULTILINE):
