@@ -148,6 +148,7 @@ def test_cache_stats_wire_shape() -> None:
     stats = msgspec.json.decode(msgspec.json.encode(CacheStats()))
     assert stats == {
         "block_size": 0,
+        "kv_cache_dtype": "",
         "blocks": {"total": 0, "free": 0, "cached_idle": 0, "in_use": 0, "pinned": 0},
         "tokens": {"queries": 0, "hits": 0, "inserted": 0, "evicted": 0},
         "hit_rate": 0.0,
