@@ -429,22 +429,58 @@ extern "C" {
 // keys they share in the same pages), ascending and disjoint; out [T, hq, d] contiguous;
 // window: 0, or the sliding window in keys (then no groups; see the top of this file).
 // Pages in q's dtype, or (the _e4m3 / _e5m2 entries) fp8 bytes read through exactly.
-#define PC_ROW_ENTRY(NAME, T, KV)                                                          \
-  int NAME(const T* q, int64_t q_tok, int64_t q_head, const void* kv, int64_t bs,        \
-           const int32_t* tables, int64_t table_stride, const int64_t* qo,               \
-           const int64_t* kv_lens, int64_t nseq, const int64_t* groups, int64_t n_groups, \
-           T* out, int64_t hq, int64_t hk, int64_t d, float scale, int64_t window,       \
-           int nthreads) {                                                                \
-    return row_entry<T, KV>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,  \
-                            nseq, groups, n_groups, out, hq, hk, d, scale, window,       \
-                            nthreads);                                                    \
-  }
+int pc_row_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const void* kv,
+                          int64_t bs, const int32_t* tables, int64_t table_stride,
+                          const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
+                          const int64_t* groups, int64_t n_groups, uint16_t* out, int64_t hq,
+                          int64_t hk, int64_t d, float scale, int64_t window, int nthreads) {
+  return row_entry<uint16_t, uint16_t>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
+                          nseq, groups, n_groups, out, hq, hk, d, scale, window, nthreads);
+}
 
-PC_ROW_ENTRY(pc_row_attention_bf16, uint16_t, uint16_t)
-PC_ROW_ENTRY(pc_row_attention_f32, float, float)
-PC_ROW_ENTRY(pc_row_attention_bf16_e4m3, uint16_t, Fp8E4M3)
-PC_ROW_ENTRY(pc_row_attention_bf16_e5m2, uint16_t, Fp8E5M2)
-PC_ROW_ENTRY(pc_row_attention_f32_e4m3, float, Fp8E4M3)
-PC_ROW_ENTRY(pc_row_attention_f32_e5m2, float, Fp8E5M2)
+int pc_row_attention_f32(const float* q, int64_t q_tok, int64_t q_head, const void* kv,
+                         int64_t bs, const int32_t* tables, int64_t table_stride,
+                         const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
+                         const int64_t* groups, int64_t n_groups, float* out, int64_t hq,
+                         int64_t hk, int64_t d, float scale, int64_t window, int nthreads) {
+  return row_entry<float, float>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
+                          nseq, groups, n_groups, out, hq, hk, d, scale, window, nthreads);
+}
+
+int pc_row_attention_bf16_e4m3(const uint16_t* q, int64_t q_tok, int64_t q_head, const void* kv,
+                               int64_t bs, const int32_t* tables, int64_t table_stride,
+                               const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
+                               const int64_t* groups, int64_t n_groups, uint16_t* out, int64_t hq,
+                               int64_t hk, int64_t d, float scale, int64_t window, int nthreads) {
+  return row_entry<uint16_t, Fp8E4M3>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
+                          nseq, groups, n_groups, out, hq, hk, d, scale, window, nthreads);
+}
+
+int pc_row_attention_bf16_e5m2(const uint16_t* q, int64_t q_tok, int64_t q_head, const void* kv,
+                               int64_t bs, const int32_t* tables, int64_t table_stride,
+                               const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
+                               const int64_t* groups, int64_t n_groups, uint16_t* out, int64_t hq,
+                               int64_t hk, int64_t d, float scale, int64_t window, int nthreads) {
+  return row_entry<uint16_t, Fp8E5M2>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
+                          nseq, groups, n_groups, out, hq, hk, d, scale, window, nthreads);
+}
+
+int pc_row_attention_f32_e4m3(const float* q, int64_t q_tok, int64_t q_head, const void* kv,
+                              int64_t bs, const int32_t* tables, int64_t table_stride,
+                              const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
+                              const int64_t* groups, int64_t n_groups, float* out, int64_t hq,
+                              int64_t hk, int64_t d, float scale, int64_t window, int nthreads) {
+  return row_entry<float, Fp8E4M3>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
+                          nseq, groups, n_groups, out, hq, hk, d, scale, window, nthreads);
+}
+
+int pc_row_attention_f32_e5m2(const float* q, int64_t q_tok, int64_t q_head, const void* kv,
+                              int64_t bs, const int32_t* tables, int64_t table_stride,
+                              const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
+                              const int64_t* groups, int64_t n_groups, float* out, int64_t hq,
+                              int64_t hk, int64_t d, float scale, int64_t window, int nthreads) {
+  return row_entry<float, Fp8E5M2>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
+                          nseq, groups, n_groups, out, hq, hk, d, scale, window, nthreads);
+}
 
 }  // extern "C"
