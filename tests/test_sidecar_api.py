@@ -260,7 +260,15 @@ def test_cache_admin_warm_pin_unpin_evict(sidecar_server: Server) -> None:
     report = httpx.post(f"{root}/v1/chat/completions", json=body, timeout=60).json()["prefixcache"]
     assert report["cached_tokens"] == 0  # unpinned blocks were evicted this time
     stats = httpx.get(f"{root}/v1/cache/stats").json()
-    assert set(stats) == {"block_size", "blocks", "tokens", "hit_rate", "tokenizer_pieces"}
+    assert set(stats) == {
+        "block_size",
+        "kv_cache_dtype",
+        "blocks",
+        "tokens",
+        "hit_rate",
+        "tokenizer_pieces",
+    }
+    assert stats["kv_cache_dtype"] in ("float32", "bfloat16")  # what the pages hold
     assert set(stats["blocks"]) == {"total", "free", "cached_idle", "in_use", "pinned"}
     pieces = stats["tokenizer_pieces"]  # the same system prompt was tokenized once
     assert pieces["hits"] > 0 and pieces["entries"] > 0 and pieces["chars"] > 0
