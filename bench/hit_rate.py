@@ -17,6 +17,7 @@ import json
 import random
 
 from prefixcache.engine.memory.block_manager import BlockManager
+from prefixcache.engine.memory.block_types import ManagerStats
 from prefixcache.engine.model.progress import progress_iter
 
 BLOCK = 16
@@ -33,14 +34,20 @@ def trace(args: argparse.Namespace) -> list[list[int]]:
     return out
 
 
-def hit_rate(requests: list[list[int]], num_blocks: int) -> dict:
+def replay(requests: list[list[int]], num_blocks: int) -> ManagerStats:
+    """The trace through a pool of ``num_blocks``, one request after another, as the engine
+    does per request (match, allocate, commit, free), without the model."""
     manager = BlockManager(num_blocks, BLOCK, identity=b"bench")
     for prompt in requests:
         match = manager.match(prompt, "", len(prompt) - 1)
         table = manager.allocate(prompt, "", match, len(prompt))
         manager.commit(table, prompt, len(prompt))
         manager.free(table)
-    stats = manager.stats()
+    return manager.stats()
+
+
+def hit_rate(requests: list[list[int]], num_blocks: int) -> dict:
+    stats = replay(requests, num_blocks)
     return {
         "pool_blocks": num_blocks,
         "hit_rate": round(stats.hit_tokens / stats.query_tokens, 4),

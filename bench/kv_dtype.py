@@ -35,18 +35,17 @@ import time
 from pathlib import Path
 
 import torch
+from hit_rate import BLOCK, replay
 
 from prefixcache.engine.attention import kv_dtype
 from prefixcache.engine.config import KV_CACHE_DTYPES, EngineConfig
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.kernels.cpu_features import cpu_model_name
-from prefixcache.engine.memory.block_manager import BlockManager
 from prefixcache.engine.model.loader import LoadedModel, load_model
 from prefixcache.engine.model.progress import progress_iter
 from prefixcache.engine.request import EngineRequest, SamplingParams
 from prefixcache.engine.step.engine_hooks import EngineHooks
 
-BLOCK = 16
 GIB = 1024**3
 DOCUMENT = Path(__file__).resolve().parent.parent / "examples/documents/apache-license-2.0.txt"
 QUESTIONS = [
@@ -102,13 +101,7 @@ def zipf_trace(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], i
 
 def computed(requests: list[list[int]], num_blocks: int) -> int:
     """Prompt tokens a pool of ``num_blocks`` computes over the trace (all but the hits)."""
-    manager = BlockManager(num_blocks, BLOCK, identity=b"bench")
-    for prompt in requests:
-        match = manager.match(prompt, "", len(prompt) - 1)
-        table = manager.allocate(prompt, "", match, len(prompt))
-        manager.commit(table, prompt, len(prompt))
-        manager.free(table)
-    stats = manager.stats()
+    stats = replay(requests, num_blocks)
     return stats.query_tokens - stats.hit_tokens
 
 
