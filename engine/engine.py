@@ -23,7 +23,6 @@ from .config import EngineConfig
 from .memory import prefix_store
 from .memory.kv_tier import TierStats
 from .memory.prefix_store import LoadResult, SaveResult, Snapshot
-from .model.llama import rope_inv_freq
 from .model.loader import LoadedModel, load_model
 from .observability import cache_report
 from .observability.block_listeners import BlockListeners
@@ -90,16 +89,14 @@ class LLMEngine:
         self._listeners.add(self.activity)
         self.scheduler = Scheduler(config, self.block_manager)
         self.scheduler.explain_miss = self.activity.on_admit
-        self.chunk_reuse: ChunkReuse | None = None  # hybrid models refuse reuse="anywhere"
-        if not self.hybrid:
-            self.chunk_reuse = ChunkReuse(
-                self.block_manager,
-                self.kv_cache,
-                self.runner.execute,
-                rope_inv_freq(self.loaded.config),
-                config.reuse_repair_tokens,
-            )
-            self.scheduler.reuse = self.chunk_reuse
+        self.chunk_reuse = ChunkReuse(
+            self.block_manager,
+            self.kv_cache,
+            self.runner.execute,
+            self.loaded.model.layer_inv_freqs(),
+            config.reuse_repair_tokens,
+        )
+        self.scheduler.reuse = self.chunk_reuse
         self.structured = StructuredOutput(self.tokenizer, self.loaded.config.vocab_size)
         self.sampler = Sampler(self.structured, hooks.logits_processors)
         self.stats = EngineStats(self.block_manager, self.tier)
@@ -121,8 +118,7 @@ class LLMEngine:
         if config.kv_events_endpoint:  # what the cache stores and evicts, published
             self.kv_events = KVEventFeed(config, self.block_manager.identity)
             self._listeners.add(self.kv_events.recorder)
-            if self.chunk_reuse is not None:  # chunks: no prefix a router could hit
-                self.chunk_reuse.on_namespace = self.kv_events.hide_namespace
+            self.chunk_reuse.on_namespace = self.kv_events.hide_namespace
 
     @property
     def metrics(self) -> EngineMetrics:
@@ -168,11 +164,6 @@ class LLMEngine:
                 raise ValueError(f"segment {span.tag!r} span is outside the prompt")
             if span.reuse not in ("", REUSE_ANYWHERE):
                 raise ValueError(f"segment {span.tag!r}: reuse must be {REUSE_ANYWHERE!r}")
-            if span.reuse and self.chunk_reuse is None:
-                raise ValueError(
-                    f"segment {span.tag!r}: reuse {REUSE_ANYWHERE!r} is not supported for "
-                    "hybrid (sliding-window) models"
-                )
 
     def add_request(self, request: EngineRequest, arrival_time: float | None = None) -> None:
         self.validate(request)

@@ -8,6 +8,14 @@ running sequence must read back exactly its own history from its global table, a
 local table for every block still inside its window; hold counts must equal the tables' held
 ranges; a hit never claims a block whose window is incomplete (and its window reads back the
 hit's own history). Plus unit tests for hit shrinking and for the pool accounting.
+
+Chunk entries (reuse="anywhere" documents, engine/step/chunk_reuse.py) are stored in the
+namespace's chunk namespace; a sequence that places one copies its values (changed, as a
+re-rotation changes K) into its global pages for the whole span and into its local pages for
+the span's last window only (the chunk's own last window, which must still have its local
+pages), commits only up to its first placed token and still slides its window past it. A
+placed value reaching the tree shows up in a later hit's check; a placed position a window
+reads without a local copy shows up in the invariant.
 """
 
 from __future__ import annotations
@@ -15,11 +23,11 @@ from __future__ import annotations
 import random
 import zlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -28,6 +36,8 @@ from prefixcache.engine.memory.block_types import BlockTable, OutOfBlocksError, 
 from prefixcache.engine.memory.kv_cache import KVCacheSpec
 from prefixcache.engine.memory.local_pages import NULL_PAGE, HybridBlockManager
 from prefixcache.engine.paging import ceil_div
+from prefixcache.engine.request import SegmentSpan
+from prefixcache.engine.step.chunk_reuse import chunk_namespace, plan_placements, stored_length
 from prefixcache.engine.step.kv_setup import hybrid_pool_sizes, local_pool_size
 
 BS = 4
@@ -37,6 +47,7 @@ NAMESPACES = ("a", "b")
 _rng = random.Random(11)
 BASES = [[_rng.randrange(5) for _ in range(28)] for _ in range(2)]
 MOD = (1 << 61) - 1
+DOCS = [[_rng.randrange(5) for _ in range(n)] for n in (9, 13)]  # reuse="anywhere" segments
 
 
 def history(namespace: str, tokens: list[int]) -> list[int]:
@@ -48,11 +59,19 @@ def history(namespace: str, tokens: list[int]) -> list[int]:
     return out
 
 
+def placed_value(stored: int) -> int:
+    """What placing a stored chunk value writes (not its history)."""
+    return (stored * 31 + 7) % MOD
+
+
 @dataclass(eq=False)
 class Seq:
     table: BlockTable
     tokens: list[int]
     num_computed: int
+    placed: dict[int, int] = field(default_factory=dict)  # global: position -> placed value
+    placed_local: dict[int, int] = field(default_factory=dict)  # local: the span's last window
+    exact: int | None = None  # the first placed position: commits stop there
 
 
 class HybridMachine(RuleBasedStateMachine):
@@ -110,6 +129,62 @@ class HybridMachine(RuleBasedStateMachine):
         self.seqs.append(seq)
         self._compute(seq, target)
 
+    @precondition(lambda self: len(self.seqs) < MAX_SEQS)
+    @rule(
+        prefix=st.sampled_from([[], BASES[0][:3], BASES[1][:10]]),  # repeats: later hits
+        doc=st.sampled_from(DOCS),
+        suffix=st.lists(st.integers(0, 4), min_size=1, max_size=4),
+        ns=st.sampled_from(NAMESPACES),
+        repair=st.integers(0, 5),
+        chunk=st.integers(1, 12),
+    )
+    def admit_with_chunk(
+        self, prefix: list[int], doc: list[int], suffix: list[int], ns: str, repair: int, chunk: int
+    ) -> None:
+        """A prompt with a reuse="anywhere" document: find or store its chunk entry (after the
+        context before it, to a block boundary), allocate the whole prompt, place the chunk."""
+        context = len(prefix)
+        stored_tokens = prefix + doc[: stored_length(context, len(doc), BS)]
+        whole, chunk_ns = len(stored_tokens), chunk_namespace(ns)
+        stored = self.m.match(stored_tokens, chunk_ns, whole)
+        self._check_hit(stored, stored_tokens, chunk_ns)
+        if whole == 0 or not self.m.can_allocate(stored, whole):
+            return
+        source = Seq(self.m.allocate(stored_tokens, chunk_ns, stored, whole), stored_tokens, 0)
+        source.num_computed = source.table.num_cached_tokens
+        self._compute(source, whole)
+        prompt = prefix + doc + suffix
+        spans = [
+            SegmentSpan("prefix", 0, context),
+            SegmentSpan("doc", context, context + len(doc), "anywhere"),
+            SegmentSpan("suffix", context + len(doc), len(prompt)),
+        ]
+        match = self.m.match(prompt, ns, len(prompt) - 1)
+        self._check_hit(match, prompt, ns)
+        plans = plan_placements(spans, match.num_tokens, len(prompt), repair, BS)
+        if not plans or not self.m.can_allocate(match, len(prompt)):
+            self.m.free(source.table)
+            return
+        table = self.m.allocate(prompt, ns, match, len(prompt))
+        seq = Seq(table, prompt, table.num_cached_tokens)
+        _, start, end = plans[0]
+        assert start >= seq.num_computed  # placed spans start past the exact hit
+        page_of = self.m.local.page_of
+        for pos in range(start, end):  # the same positions: the first flagged document
+            src, dst = source.table.block_ids[pos // BS], table.block_ids[pos // BS]
+            seq.placed[pos] = self.kv[dst, pos % BS] = placed_value(int(self.kv[src, pos % BS]))
+        for pos in range(max(start, end - self.window + 1), end):
+            src, dst = (page_of[t.block_ids[pos // BS]] for t in (source.table, table))
+            assert src != NULL_PAGE, "a chunk's last window lost a local page before placement"
+            assert dst != NULL_PAGE
+            value = placed_value(int(self.local_kv[src, pos % BS]))
+            seq.placed_local[pos] = self.local_kv[dst, pos % BS] = value
+        seq.exact = start
+        self.m.free(source.table)  # the chunk entry stays cached
+        self.seqs.append(seq)
+        event("chunk placed" if stored.num_tokens < whole else "stored chunk placed")
+        self._compute(seq, min(len(prompt), seq.num_computed + chunk))
+
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, MAX_SEQS - 1), n=st.integers(1, 9), tok=st.integers(0, 4))
     def step(self, i: int, n: int, tok: int) -> None:
@@ -147,11 +222,18 @@ class HybridMachine(RuleBasedStateMachine):
         h = history(seq.table.namespace, seq.tokens)
         local = self.m.local_table(seq.table)
         for p in range(seq.num_computed, target):
+            if p in seq.placed:
+                continue
             assert local[p // BS] != NULL_PAGE, "a write into a slid-out or missing local page"
             self.kv[seq.table.block_ids[p // BS], p % BS] = h[p]
             self.local_kv[local[p // BS], p % BS] = h[p]
         seq.num_computed = target
-        self.m.commit(seq.table, seq.tokens, target)
+        while seq.num_computed in seq.placed:  # Sequence.skip_placed
+            seq.num_computed += 1
+        exact = seq.num_computed if seq.exact is None else min(seq.num_computed, seq.exact)
+        self.m.commit(seq.table, seq.tokens, exact)
+        if exact < seq.num_computed:  # as the scheduler does past placed KV
+            self.m.slide(seq.table, seq.num_computed)
 
     def _free(self, seq: Seq) -> None:
         self.m.free(seq.table)
@@ -186,13 +268,16 @@ class HybridMachine(RuleBasedStateMachine):
                 self.m.window_start(seq.num_computed), len(t.block_ids)
             )
             for p in range(seq.num_computed):
-                assert self.kv[t.block_ids[p // BS], p % BS] == h[p], "global page"
+                want = seq.placed.get(p, h[p])
+                assert self.kv[t.block_ids[p // BS], p % BS] == want, "global page"
             local = self.m.local_table(t)
             for j in range(t.num_released_blocks, len(t.block_ids)):
                 assert local[j] != NULL_PAGE, "a block inside the window has no local page"
                 held[local[j]] += 1
             for p in range(max(0, seq.num_computed - self.window + 1), seq.num_computed):
-                assert self.local_kv[local[p // BS], p % BS] == h[p], "local page"
+                assert p not in seq.placed or p in seq.placed_local, "a window reads unplaced KV"
+                want = seq.placed_local.get(p, h[p])
+                assert self.local_kv[local[p // BS], p % BS] == want, "local page"
         holders = self.m.local.holders
         for page in range(1, self.m.local.num_pages):
             assert holders[page] == held[page], f"local page {page}: holds off"

@@ -306,29 +306,6 @@ def test_plan_places_after_the_hit_within_whole_blocks() -> None:
     assert plan_placements(aligned, 16, 48, 0, BS) == [(1, 16, 47)]
 
 
-def test_hybrid_models_refuse_the_flag(loaded: LoadedModel) -> None:
-    from hybrid_reference import WindowedReferenceBackend
-
-    from prefixcache.engine import engine as engine_module
-
-    windows = tuple(32 if i % 2 == 0 else 0 for i in range(loaded.config.num_layers))
-    hybrid = dataclasses.replace(
-        loaded, config=dataclasses.replace(loaded.config, layer_windows=windows)
-    )
-    original = engine_module.create_backend
-    engine_module.create_backend = lambda *a, **k: WindowedReferenceBackend()
-    try:
-        engine = LLMEngine(
-            EngineConfig(model="demo", dtype="float32", device="cpu", num_blocks=64), hybrid
-        )
-    finally:
-        engine_module.create_backend = original
-    rag = make_rag(6, loaded.config.vocab_size, [32])
-    with pytest.raises(ValueError, match="hybrid"):
-        engine.add_request(rag.request("r", [0], reuse=True))
-    engine.add_request(rag.request("plain", [0], reuse=False))  # the unflagged path serves
-
-
 def test_unknown_reuse_value_is_refused(loaded: LoadedModel) -> None:
     engine = make_engine(loaded)
     request = EngineRequest("r", [1, 2, 3], segments=[SegmentSpan("d", 0, 3, "sometimes")])

@@ -236,6 +236,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         layers = self.model.layers
         return bool(layers) and layers[0].self_attn.ops.fused
 
+    def layer_inv_freqs(self) -> list[torch.Tensor]:
+        """Sliding layers rotate by the local rope base, global ones by ``rope_theta``."""
+        local, full = self.model.rotary_emb_local, self.model.rotary_emb
+        return [(local if layer.sliding else full).inv_freq_cpu for layer in self.model.layers]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.head(hidden).float()
         cap = self.config.final_logit_softcapping

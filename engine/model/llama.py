@@ -390,5 +390,9 @@ class LlamaForCausalLM(nn.Module):
         """Whether the layers run ``cpu_layer_ops`` (see ``set_fused_ops``)."""
         return self.model.norm.ops.fused
 
+    def layer_inv_freqs(self) -> list[torch.Tensor]:
+        """Each layer's RoPE frequencies, as its keys were rotated (chunk_reuse shifts them)."""
+        return [self.model.rotary_emb.inv_freq_cpu] * len(self.model.layers)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()

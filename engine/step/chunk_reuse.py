@@ -13,6 +13,16 @@ composes) and copied with V into the request's own pages. The first ``repair`` t
 (EPIC-style) and its tail past the last full block are computed in place, as ordinary
 prefill. Placed KV is approximate: the sequence never commits a block from its first placed
 token on (``Sequence.exact_tokens``), so it never reaches the prefix tree.
+
+Hybrid models (sliding-window + global layers, docs/architecture.md "Hybrid models"): each
+layer's K is re-rotated with its own frequencies (Gemma 3's sliding layers have their own
+rope base); a sliding layer's KV is copied between local pages, and only for the last window
+of each placed span: every query computed after the span is at its end or later, so none sees
+further back. That window is the chunk's own last window (a span ends where the chunk's
+stored tokens end, or at the prompt's last token before that), whose local pages the chunk's
+table holds from the lookup (``HybridBlockManager.fit`` finds a chunk only with its window
+complete) or the computation until ``place``; a span cut short by the prompt's last token can
+reach one block further back, and is computed in place if that page was taken meanwhile.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from ..attention import kv_dtype
 from ..memory.block_manager import BlockManager
 from ..memory.block_types import BlockTable, PrefixMatch
 from ..memory.kv_cache import KVCache
+from ..memory.local_pages import NULL_PAGE, HybridBlockManager
 from ..model.rope_shift import shift_keys, shift_rotation
 from ..request import SegmentSpan
 from .model_runner import BatchEntry
@@ -100,15 +111,19 @@ class ChunkReuse:
         manager: BlockManager,
         kv_cache: KVCache,
         execute: Callable[[list[BatchEntry]], torch.Tensor],
-        inv_freq: torch.Tensor,
+        layer_inv_freqs: list[torch.Tensor],
         repair: int = DEFAULT_REPAIR_TOKENS,
     ) -> None:
+        """``layer_inv_freqs``: each layer's RoPE frequencies (``rope_inv_freq``'s form)."""
         if repair < 0:
             raise ValueError(f"the repair tokens must be >= 0, got {repair}")
+        if len(layer_inv_freqs) != len(kv_cache.layers):
+            raise ValueError("one set of RoPE frequencies per layer is needed")
         self.manager = manager
         self.kv_cache = kv_cache
         self.execute = execute
-        self.inv_freq = inv_freq
+        self.layer_inv_freqs = layer_inv_freqs
+        self.hybrid = manager if isinstance(manager, HybridBlockManager) else None
         self.repair = repair
         self.computed_tokens = 0  # chunk tokens computed on their own (all requests)
         self.on_namespace: Callable[[str], None] | None = None  # told each new chunk namespace
@@ -140,12 +155,23 @@ class ChunkReuse:
         """Copy each chunk's KV (K re-rotated) into ``seq``'s table, which holds the whole
         prompt; the chunks' refs are dropped (their blocks stay cached)."""
         assert seq.table is not None and seq.table.num_slots >= seq.num_prompt_tokens
+        if self.hybrid is not None:  # a span cut short by the prompt's end can reach back
+            gone = [p for p in placements if NULL_PAGE in self._local_sources(p)]
+            self.release(gone)  # past the chunk's held window: computed in place instead
+            placements = [p for p in placements if p not in gone]
         for p in placements:
             assert p.table is not None
             src = range(p.start - p.delta, p.end - p.delta)
             self._copy(p.table.block_ids, src, seq.table.block_ids, p.start, p.delta)
         self.release(placements)
         seq.placements = placements
+
+    def _local_sources(self, p: Placement) -> list[int]:
+        """The chunk's local pages that the span's last window reads."""
+        assert self.hybrid is not None and p.table is not None
+        bs, page_of = self.manager.block_size, self.hybrid.local.page_of
+        lo = max(p.start, p.end - self.hybrid.window + 1) - p.delta
+        return [page_of[b] for b in p.table.block_ids[lo // bs : (p.end - 1 - p.delta) // bs + 1]]
 
     def release(self, placements: list[Placement]) -> None:
         for p in placements:
@@ -169,7 +195,8 @@ class ChunkReuse:
         table = manager.allocate(tokens, namespace, match, len(tokens))
         cached = table.num_cached_tokens
         if cached < len(tokens):
-            entry = BatchEntry(tokens[cached:], cached, table.block_ids, compute_logits=False)
+            local = self.hybrid.local_table(table) if self.hybrid is not None else None
+            entry = BatchEntry(tokens[cached:], cached, table.block_ids, False, local)
             try:
                 self.execute([entry])
             except BaseException:
@@ -184,23 +211,54 @@ class ChunkReuse:
         self, src_blocks: list[int], src: range, dst_blocks: list[int], dst_start: int, delta: int
     ) -> None:
         """Slots ``src`` of the chunk's blocks into slots from ``dst_start`` of the sequence's,
-        K rotated by ``delta``; each layer seen as rows of ``[num_blocks * 2 * bs, Hk * D]``
-        (K of slot s of block b at row ``b * 2 * bs + s``, its V ``bs`` rows further)."""
-        bs, device = self.manager.block_size, self.kv_cache.layers[0].device
-        src_pos = torch.arange(src.start, src.stop)
-        dst_pos = torch.arange(dst_start, dst_start + len(src))
-        src_k = torch.tensor(src_blocks)[src_pos // bs] * 2 * bs + src_pos % bs
-        dst_k = torch.tensor(dst_blocks)[dst_pos // bs] * 2 * bs + dst_pos % bs
-        src_k, dst_k = src_k.to(device), dst_k.to(device)
-        src_v, dst_v = src_k + bs, dst_k + bs
-        cos, sin = shift_rotation(self.inv_freq, delta)
-        spec = self.kv_cache.spec
-        for layer in self.kv_cache.layers:
+        K rotated by ``delta``; a hybrid model's sliding layers between the blocks' local
+        pages, for the span's last window only."""
+        spec, local = self.kv_cache.spec, set(self.kv_cache.local_layers)
+        global_rows = self._slot_rows(src_blocks, src, dst_blocks, dst_start)
+        local_rows = None
+        if self.hybrid is not None:
+            page_of, bs = self.hybrid.local.page_of, self.manager.block_size
+            window = range(max(src.start, src.stop - self.hybrid.window + 1), src.stop)
+            src_pages, dst_pages = (
+                [page_of[b] for b in src_blocks],
+                [page_of[b] for b in dst_blocks],
+            )
+            dst_window = dst_start + window.start - src.start
+            assert NULL_PAGE not in src_pages[window.start // bs : (window.stop - 1) // bs + 1]
+            assert (
+                NULL_PAGE
+                not in dst_pages[dst_window // bs : (dst_window + len(window) - 1) // bs + 1]
+            )
+            local_rows = self._slot_rows(src_pages, window, dst_pages, dst_window)
+        rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, layer in enumerate(self.kv_cache.layers):
+            rows_of = local_rows if i in local else global_rows
+            if rows_of is None or rows_of[0].numel() == 0:
+                continue
+            src_k, dst_k = rows_of
+            src_v, dst_v = src_k + self.manager.block_size, dst_k + self.manager.block_size
             rows = layer.view(-1, spec.num_kv_heads * spec.head_dim)
             raw = rows.view(torch.uint8) if rows.element_size() == 1 else rows  # fp8: its bytes
             raw.index_copy_(0, dst_v, raw.index_select(0, src_v))
             keys = raw.index_select(0, src_k)
             if delta:  # rotated in float32, then stored as the pages hold K
+                freqs = self.layer_inv_freqs[i]
+                if id(freqs) not in rotations:
+                    rotations[id(freqs)] = shift_rotation(freqs, delta)
                 k = keys.view(rows.dtype).view(-1, spec.num_kv_heads, spec.head_dim).float()
-                keys = kv_dtype.to_kv(shift_keys(k, cos, sin), rows.dtype).view(raw.dtype)
-            raw.index_copy_(0, dst_k, keys.reshape(len(src), -1))
+                k = shift_keys(k, *rotations[id(freqs)])
+                keys = kv_dtype.to_kv(k, rows.dtype).view(raw.dtype)
+            raw.index_copy_(0, dst_k, keys.reshape(len(src_k), -1))
+
+    def _slot_rows(
+        self, src_pages: list[int], src: range, dst_pages: list[int], dst_start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K rows of slots ``src`` of ``src_pages`` and of the slots from ``dst_start`` of
+        ``dst_pages``, each layer seen as rows of ``[num_pages * 2 * bs, Hk * D]`` (K of slot
+        s of page b at row ``b * 2 * bs + s``, its V ``bs`` rows further)."""
+        bs, device = self.manager.block_size, self.kv_cache.layers[0].device
+        src_pos = torch.arange(src.start, src.stop)
+        dst_pos = torch.arange(dst_start, dst_start + len(src))
+        src_k = torch.tensor(src_pages, dtype=torch.long)[src_pos // bs] * 2 * bs + src_pos % bs
+        dst_k = torch.tensor(dst_pages, dtype=torch.long)[dst_pos // bs] * 2 * bs + dst_pos % bs
+        return src_k.to(device), dst_k.to(device)

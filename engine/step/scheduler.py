@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from ..config import EngineConfig
 from ..memory.block_manager import BlockManager
 from ..memory.block_types import PrefixMatch
+from ..memory.local_pages import HybridBlockManager
 from ..request import SegmentMiss
 from .sequence import Sequence, SequenceStatus
 
@@ -272,6 +273,11 @@ class Scheduler:
             seq.skip_placed()
             exact = min(seq.num_computed_tokens, seq.exact_tokens)
             self.block_manager.commit(seq.table, seq.token_ids, exact)
+            if exact < seq.num_computed_tokens and isinstance(
+                self.block_manager, HybridBlockManager
+            ):
+                # placed KV is never committed, but its blocks still slide out of the window
+                self.block_manager.slide(seq.table, seq.num_computed_tokens)
         return prompt_tokens
 
     def preempt(self, seq: Sequence) -> None:
