@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-vllm lint format demo bench browser clean
+.PHONY: install test test-fast test-vllm lint format demo bench browser simde clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,18 @@ browser:
 	  >/dev/null || echo "apt-get install chromium failed: the browser test will skip"; \
 	else echo "not root and no passwordless sudo: the browser test will skip"; fi
 
-test: lint browser
+# SIMDe's headers, for the C++ kernels' AVX2 build on CPUs without AVX512_BF16 (cpu_library):
+# installed when missing and we may, as above; otherwise such CPUs keep torch's ops.
+simde:
+	@if printf '#include <simde/x86/avx512.h>\n' | $${CXX:-g++} -x c++ -E - -o /dev/null 2>/dev/null; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then echo "no apt-get: no SIMDe, AVX2 CPUs keep torch's ops"; \
+	elif [ "$$(id -u)" = 0 ]; then (apt-get update -qq && apt-get install -y -qq libsimde-dev) >/dev/null \
+	  || echo "apt-get install libsimde-dev failed: AVX2 CPUs keep torch's ops"; \
+	elif sudo -n true 2>/dev/null; then (sudo -n apt-get update -qq && sudo -n apt-get install -y -qq libsimde-dev) \
+	  >/dev/null || echo "apt-get install libsimde-dev failed: AVX2 CPUs keep torch's ops"; \
+	else echo "not root and no passwordless sudo: no SIMDe, AVX2 CPUs keep torch's ops"; fi
+
+test: lint browser simde
 	$(PY) -m pytest -q -x -rs --durations=10
 
 test-fast: $(STAMP)
@@ -53,7 +64,7 @@ test-vllm: $(STAMP)
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	PYTHONHASHSEED=0 $(PY) tests/vllm_replicas.py --vllm-python $(VLLM_VENV)/bin/python
 
-demo: $(STAMP)
+demo: $(STAMP) simde
 	$(PY) examples/run_demo.py
 
 # The sweeps behind docs/benchmarks.md's plots (sizes in bench/report.py; minutes on 2 cores).

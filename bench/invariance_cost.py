@@ -1,5 +1,8 @@
 """What batch invariance costs: ``bench/serving.py``'s workloads with it on (the default) and
 off (``--no-batch-invariance``), the two servers started in turn on the same checkpoint.
+``--baseline kernels-off`` makes the second server ``PREFIXCACHE_CPU_KERNELS=0`` instead
+(torch's ops throughout, not batch-invariant): what the engine's C++ kernels cost or save
+on this CPU, e.g. their AVX2 build.
 
 Workloads: ``shared`` (8 groups x 8 requests, 1,024-token system prompt, 64-token question,
 32 out, 16 in flight), ``decode`` (4 x 8, 128 out, 32 in flight) and ``ttft`` (4,000-token
@@ -9,12 +12,14 @@ faster; latencies: on/off below 1 is faster).
 
     .venv/bin/python bench/make_bench_model.py --out /tmp/bench-llama55m
     .venv/bin/python bench/invariance_cost.py --model /tmp/bench-llama55m [--rounds 2] [--json]
+        [--baseline no-batch-invariance|kernels-off]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -37,13 +42,19 @@ FIGURES = {
 }
 
 
-def run(model: str, workload: str, invariant: bool, repeat: int) -> dict:
+BASELINES = ("no-batch-invariance", "kernels-off")
+
+
+def run(model: str, workload: str, invariant: bool, repeat: int, baseline: str) -> dict:
     cmd = [sys.executable, str(SERVING), "--serve", model, *WORKLOADS[workload], "--json"]
     if workload == "ttft":
         cmd += ["--repeat", str(repeat)]
-    if not invariant:
+    env = dict(os.environ)
+    if not invariant and baseline == "kernels-off":
+        env["PREFIXCACHE_CPU_KERNELS"] = "0"
+    elif not invariant:
         cmd += ["--", "--no-batch-invariance"]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -65,17 +76,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3, help="ttft rounds inside each run")
     ap.add_argument("--workloads", default="shared,decode,ttft")
+    ap.add_argument("--baseline", choices=BASELINES, default=BASELINES[0], help="the 'off' server")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     flags = cpu_flags()
     cpu = "AVX512_BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
-    print(f"CPU features: {cpu}", flush=True)
+    print(f"CPU features: {cpu}; off = {args.baseline}", flush=True)
     report: dict[str, dict] = {}
     for workload in args.workloads.split(","):
         samples: dict[bool, list[dict]] = {True: [], False: []}
         for _ in range(args.rounds):
             for invariant in (True, False):
-                samples[invariant].append(run(args.model, workload, invariant, args.repeat))
+                samples[invariant].append(
+                    run(args.model, workload, invariant, args.repeat, args.baseline)
+                )
         rows = {}
         for key in FIGURES[workload]:
             on = statistics.median(pick(r, key) for r in samples[True])
@@ -84,7 +98,11 @@ def main() -> None:
             print(f"{workload:7s} {key:14s} on {on:9.1f}  off {off:9.1f}  on/off {on / off:.3f}")
         report[workload] = rows
     if args.json:
-        print(json.dumps({"cpu": cpu, "rounds": args.rounds, "results": report}))
+        print(
+            json.dumps(
+                {"cpu": cpu, "baseline": args.baseline, "rounds": args.rounds, "results": report}
+            )
+        )
 
 
 if __name__ == "__main__":

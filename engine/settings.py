@@ -9,7 +9,8 @@ standard library only, no torch.
 - ``PREFIXCACHE_MODELS``: where named models are fetched to; default ``$PREFIXCACHE_HOME/models``.
 - ``PREFIXCACHE_PROGRESS``: progress bars on stderr: ``1``/``on``/``true``/``yes`` always,
   ``0``/``off``/``false``/``no`` never, anything else (or unset): when stderr is a terminal.
-- ``PREFIXCACHE_CPU_KERNELS``: ``0`` turns the engine's AVX512_BF16 C++ kernels off.
+- ``PREFIXCACHE_CPU_KERNELS``: ``0`` turns the engine's C++ kernels off; ``avx2`` builds them
+  for AVX2 (through SIMDe) even where AVX512_BF16 is present; else each CPU gets its best.
 - ``CXX``: the C++ compiler that builds those kernels (else ``g++``, else ``c++``).
 """
 
@@ -57,6 +58,12 @@ def progress_setting() -> bool | None:
 def cpu_kernels_enabled() -> bool:
     """False when ``$PREFIXCACHE_CPU_KERNELS`` is ``0``."""
     return os.environ.get(CPU_KERNELS_ENV, "1") != "0"
+
+
+def cpu_kernels_forced_avx2() -> bool:
+    """True when ``$PREFIXCACHE_CPU_KERNELS`` is ``avx2`` (the portable build, also where
+    AVX-512 is present: how its bits are checked on such a machine)."""
+    return os.environ.get(CPU_KERNELS_ENV, "").strip().lower() == "avx2"
 
 
 def compiler_override() -> str | None:

@@ -31,7 +31,7 @@ NUM_BLOCKS = 640
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.load_rows() is None or not cpu_gemm.available(),
-    reason=f"no batch-invariant CPU kernels here ({cpu_kernels.unavailable_reason()})",
+    reason=f"no batch-invariant CPU kernels here ({cpu_kernels.row_unavailable_reason()})",
 )
 
 

@@ -10,12 +10,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixcache.engine.kernels import cpu_library, cpu_qgemm
+from prefixcache.engine.kernels import cpu_qgemm
 from prefixcache.engine.model.gguf_blocks import QUANTIZABLE_TYPES, split_blocks
 
 gguf = pytest.importorskip("gguf")
 
-REASON = cpu_library.unavailable_reason()
+REASON = cpu_qgemm.unavailable_reason()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"CPU quantized GEMM: {REASON}")
 
 # bytes a block, weights a block, offsets of its fp16 fields

@@ -17,14 +17,14 @@ from test_gguf import PROMPT, Q, demo_vocab, random_checkpoint, run_logits, writ
 
 from prefixcache.engine.config import EngineConfig  # noqa: E402
 from prefixcache.engine.engine import LLMEngine  # noqa: E402
-from prefixcache.engine.kernels import cpu_gemm, cpu_library, cpu_qgemm  # noqa: E402
+from prefixcache.engine.kernels import cpu_gemm, cpu_qgemm  # noqa: E402
 from prefixcache.engine.model import gguf_weights  # noqa: E402
 from prefixcache.engine.model.llama import Gemm, _Concat, fused_projection  # noqa: E402
 from prefixcache.engine.model.loader import ModelLoadError, load_model  # noqa: E402
 from prefixcache.engine.model.quantized_linear import QEmbedding, QLinear  # noqa: E402
 from prefixcache.engine.request import EngineRequest, SamplingParams  # noqa: E402
 
-REASON = cpu_library.unavailable_reason()
+REASON = cpu_qgemm.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"CPU quantized GEMM: {REASON}")
 
 

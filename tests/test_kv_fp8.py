@@ -143,7 +143,7 @@ def test_the_torch_reference_reads_fp8_pages_as_dense_attention_over_rounded_kv(
 # (6 % away), so fp8 amplifies that backend's noise and there is nothing exact to compare.
 @pytest.mark.skipif(
     cpu_kernels.load_rows() is None or not cpu_gemm.available(),
-    reason=f"no batch-invariant CPU kernels here ({cpu_kernels.unavailable_reason()})",
+    reason=f"no batch-invariant CPU kernels here ({cpu_kernels.row_unavailable_reason()})",
 )
 @settings(max_examples=5, deadline=None)
 @given(

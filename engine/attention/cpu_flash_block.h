@@ -36,10 +36,178 @@ constexpr int64_t kBlockWords = kKeyBlock * D * static_cast<int64_t>(sizeof(T)) 
 // update, O = O * corr + P V. qw: each row's query as KW words. Row r sees keys
 // [begin[r], limit[r]) (begin == nullptr: from 0; a sliding window's first key otherwise); the
 // packed words of the keys it does not see may be anything finite.
+#ifdef PC_NARROW_VECTORS
+// The AVX2 build's fp32 block (see attend_packed): native 256-bit code, one row at a time,
+// because SIMDe's 512-bit values live in memory and spill every accumulator (7-9x slower
+// than torch's attention). Per row the same steps: scores over ascending d, scaled; the
+// block's max; exp2 of the seen keys (the same polynomial), their sum in lane order; O
+// scaled by the correction, then one FMA per key in ascending order, 64 columns a pass.
+inline __m256 exp2_ps_ymm(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));
+  const __m256 xi = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(x, xi), _mm256_set1_ps(0.69314718056f));
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  // p * 2^xi, xi in [-127, 0]: two normal factors, so only the second product rounds.
+  const __m256i n = _mm256_cvtps_epi32(xi);
+  const __m256i n1 = _mm256_srai_epi32(_mm256_sub_epi32(n, _mm256_srai_epi32(n, 31)), 1);
+  return _mm256_mul_ps(_mm256_mul_ps(p, pc_avx2::pow2_ps(n1)),
+                       pc_avx2::pow2_ps(_mm256_sub_epi32(n, n1)));
+}
+
+// Lanes of keys j0 .. j0 + 7 a row sees (skip <= j < valid) as an all-ones mask per lane.
+inline __m256 seen_ymm(int64_t valid, int64_t skip, int64_t j0) {
+  const __m256i j = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j0)),
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(skip)), j);
+  const __m256i hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), j);
+  return _mm256_castsi256_ps(_mm256_andnot_si256(lo, hi));
+}
+
+inline float hsum_ymm(__m256 v) {  // lanes (0+4, 1+5, 2+6, 3+7), then pairs, in that order
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+inline float hmax_ymm(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// Scores of rows row .. row + NR - 1 for keys [0, keys) of the block, scaled, into sbuf[NR]:
+// 32 keys a pass, so NR = 2 rows share each K load (8 accumulators, 4 loads, 2 broadcasts).
+template <int D, int NR>
+void scores_f32_ymm(const float* kf, const float* const* q, int64_t keys, __m256 scale2,
+                    float (*sbuf)[kKeyBlock]) {
+  for (int64_t j0 = 0; j0 < keys; j0 += 32) {
+    __m256 s[NR][4];
+    for (int i = 0; i < NR; ++i)
+      for (int c = 0; c < 4; ++c) s[i][c] = _mm256_setzero_ps();
+    const float* kj = kf + j0;
+    for (int p = 0; p < D; ++p, kj += kKeyBlock) {
+      __m256 kv[4];
+      for (int c = 0; c < 4; ++c) kv[c] = _mm256_loadu_ps(kj + c * 8);
+      for (int i = 0; i < NR; ++i) {
+        const __m256 qb = _mm256_broadcast_ss(q[i] + p);
+        for (int c = 0; c < 4; ++c) s[i][c] = _mm256_fmadd_ps(qb, kv[c], s[i][c]);
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int c = 0; c < 4; ++c)
+        _mm256_store_ps(sbuf[i] + j0 + c * 8, _mm256_mul_ps(s[i][c], scale2));
+  }
+}
+
+// O rows = O * corr + P V over keys [0, keys), 32 columns a pass (a row's P is zero past its
+// own keys, and O + 0 * v is O).
+template <int D, int NR>
+void pv_f32_ymm(const float* vf, const float* const* p, const float* corr, int64_t keys,
+                float* const* orow) {
+  for (int c0 = 0; c0 < D; c0 += 32) {
+    __m256 o[NR][4];
+    for (int i = 0; i < NR; ++i) {
+      const __m256 cv = _mm256_set1_ps(corr[i]);
+      for (int c = 0; c < 4; ++c) o[i][c] = _mm256_mul_ps(_mm256_loadu_ps(orow[i] + c0 + c * 8), cv);
+    }
+    const float* vj = vf + c0;
+    for (int64_t j = 0; j < keys; ++j, vj += D) {
+      __m256 vv[4];
+      for (int c = 0; c < 4; ++c) vv[c] = _mm256_loadu_ps(vj + c * 8);
+      for (int i = 0; i < NR; ++i) {
+        const __m256 pw = _mm256_broadcast_ss(p[i] + j);
+        for (int c = 0; c < 4; ++c) o[i][c] = _mm256_fmadd_ps(pw, vv[c], o[i][c]);
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(orow[i] + c0 + c * 8, o[i][c]);
+  }
+}
+
+template <int D>
+void attend_packed_f32_ymm(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64_t ra,
+                           int64_t rb, const uint32_t* qw, const int64_t* limit,
+                           const int64_t* begin, float* m, float* l, float* obuf, float* pbuf,
+                           float scale2f) {
+  static_assert(D % 32 == 0, "head dims are multiples of 32");
+  const float* kf = reinterpret_cast<const float*>(kblk);  // [D][kKeyBlock]
+  const float* vf = reinterpret_cast<const float*>(vblk);  // [kKeyBlock][D]
+  const __m256 scale2 = _mm256_set1_ps(scale2f);
+  const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+  alignas(32) float sbuf[2][kKeyBlock];
+  for (int64_t r0 = ra; r0 < rb;) {
+    // The next one or two rows that see keys of this block.
+    int64_t rows[2], keys[2], nr = 0;
+    for (; r0 < rb && nr < 2; ++r0) {
+      const int64_t valid = limit[r0] - k0, skip = begin ? begin[r0] - k0 : 0;
+      if (valid <= 0 || skip >= kKeyBlock) continue;  // O * 1 + 0: unchanged
+      rows[nr] = r0;
+      keys[nr++] = std::min<int64_t>(valid, kKeyBlock);
+    }
+    if (nr == 0) break;
+    const int64_t tile_keys = nr == 2 ? std::max(keys[0], keys[1]) : keys[0];
+    const float* q[2] = {reinterpret_cast<const float*>(qw) + rows[0] * D,
+                         reinterpret_cast<const float*>(qw) + rows[nr - 1] * D};
+    if (nr == 2)
+      scores_f32_ymm<D, 2>(kf, q, tile_keys, scale2, sbuf);
+    else
+      scores_f32_ymm<D, 1>(kf, q, tile_keys, scale2, sbuf);
+    float corr[2];
+    const float* prow[2];
+    float* orow[2];
+    for (int64_t i = 0; i < nr; ++i) {
+      const int64_t row = rows[i], valid = limit[row] - k0;
+      const int64_t skip = begin ? begin[row] - k0 : 0;
+      const int64_t nvec = (tile_keys + 7) / 8;
+      __m256 vmax = neg_inf;
+      for (int64_t c = 0; c < nvec; ++c)
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(neg_inf, _mm256_load_ps(sbuf[i] + c * 8),
+                                                    seen_ymm(valid, skip, c * 8)));
+      const float m_new = std::max(m[row], hmax_ymm(vmax));
+      const __m256 mv = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      float* p = pbuf + i * kKeyBlock;
+      for (int64_t c = 0; c < nvec; ++c) {
+        const __m256 e = _mm256_and_ps(
+            seen_ymm(valid, skip, c * 8),
+            exp2_ps_ymm(_mm256_sub_ps(_mm256_load_ps(sbuf[i] + c * 8), mv)));
+        sum = _mm256_add_ps(sum, e);
+        _mm256_storeu_ps(p + c * 8, e);
+      }
+      corr[i] = std::exp2(m[row] - m_new);  // m[row] = -inf at first: 0
+      l[row] = l[row] * corr[i] + hsum_ymm(sum);
+      m[row] = m_new;
+      prow[i] = p;
+      orow[i] = obuf + row * D;
+    }
+    if (nr == 2)
+      pv_f32_ymm<D, 2>(vf, prow, corr, tile_keys, orow);
+    else
+      pv_f32_ymm<D, 1>(vf, prow, corr, tile_keys, orow);
+  }
+}
+#endif
+
 template <int D, int R, typename T>
 void attend_packed(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64_t ra,
                    int64_t rb, const uint32_t* qw, const int64_t* limit, const int64_t* begin,
                    float* m, float* l, float* obuf, float* pbuf, float scale2f) {
+#ifdef PC_NARROW_VECTORS
+  if constexpr (kF32<T>) {
+    attend_packed_f32_ymm<D>(kblk, vblk, k0, ra, rb, qw, limit, begin, m, l, obuf, pbuf,
+                             scale2f);
+    return;
+  }
+#endif
   constexpr int ND = D / 16;
   constexpr int KW = D * static_cast<int>(sizeof(T)) / 4;
   const __m512 scale2 = _mm512_set1_ps(scale2f);

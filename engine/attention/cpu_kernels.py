@@ -1,11 +1,11 @@
 """The engine's own CPU attention kernel (``cpu_attention.cpp``): built, loaded, called.
 
-The kernel needs AVX-512 (F, BW, VL) with AVX512_BF16 and a C++ compiler. It is compiled
-once per source, compiler and CPU into ``$PREFIXCACHE_HOME/kernels`` (plain ``g++``, no torch
-headers, about 2 s) and called through ``ctypes``, which releases the GIL for the call. Where
-the CPU lacks the features, no compiler is found, the build fails or
-``PREFIXCACHE_CPU_KERNELS=0`` is set, ``load()`` returns None (logged once) and the caller
-keeps torch's kernel.
+Both sources (this bf16 kernel and the batch-invariant row kernel, ``cpu_row_attention.cpp``)
+are compiled once per source, compiler and CPU into ``$PREFIXCACHE_HOME/kernels`` by
+``cpu_library`` (plain ``g++``, no torch headers, a few seconds) and called through
+``ctypes``, which releases the GIL for the call. This one needs AVX512_BF16; the row kernel
+also builds for AVX2 (fp32 at torch's speed, bf16 emulated). Where a library cannot build,
+``load()`` / ``load_rows()`` return None (logged once) and the caller keeps torch's kernel.
 """
 
 from __future__ import annotations
@@ -29,7 +29,12 @@ REQUIRED_FLAGS = cpu_library.REQUIRED_FLAGS
 
 # _declare is defined further down (with the entry points' argtypes): looked up at load().
 _library = cpu_library.CpuLibrary(
-    SOURCE, "CPU attention kernel", "torch's attention", lambda lib: _declare(lib), HEADERS
+    SOURCE,
+    "CPU attention kernel",
+    "torch's attention",
+    lambda lib: _declare(lib),
+    HEADERS,
+    targets=cpu_library.NATIVE_ONLY,  # bf16 only, for speed: emulated bf16 is slower
 )
 _row_library = cpu_library.CpuLibrary(
     ROW_SOURCE,
@@ -41,8 +46,13 @@ _row_library = cpu_library.CpuLibrary(
 
 
 def unavailable_reason(cpuinfo: str | None = None) -> str | None:
-    """Why the kernel cannot run here (None when it can be tried)."""
-    return cpu_library.unavailable_reason(cpuinfo)
+    """Why the attention kernel (``load()``) cannot run here (None when it can be tried)."""
+    return _library.unavailable_reason(cpuinfo)
+
+
+def row_unavailable_reason(cpuinfo: str | None = None) -> str | None:
+    """Why the batch-invariant kernel (``load_rows()``) cannot run here (None: it can be tried)."""
+    return _row_library.unavailable_reason(cpuinfo)
 
 
 def load() -> ctypes.CDLL | None:

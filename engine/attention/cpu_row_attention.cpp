@@ -74,8 +74,53 @@ inline void transpose16(const uint32_t* const* rows, int64_t col, uint32_t* dst,
 // K rows krow[j] (nullptr: zeros), each with its V row v_offset elements further, packed:
 // kbuf [KW][BK] (KW = D words of K per key: pairs for bf16, elements for fp32), vbuf
 // (bf16: [BK/2][D] pairs of keys; fp32: [BK][D]).
+#ifdef PC_NARROW_VECTORS
+// The AVX2 build's fp32 packing: native 8 x 8 transposes of K, V rows copied (SIMDe's
+// 512-bit shuffles go through memory and cost as much as the attention of a decode).
+inline void transpose8_ps(const float* const* rows, int64_t col, float* dst, int64_t stride) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = rows[i] ? _mm256_loadu_ps(rows[i] + col) : _mm256_setzero_ps();
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  // r[0..3]: columns 0, 1, 2, 3 of rows 0-3 (low lane) and columns 4-7 (high lane); r[4..7]
+  // the same for rows 4-7.
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(dst + c * stride, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+    _mm256_storeu_ps(dst + (4 + c) * stride, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+  }
+}
+
+template <int D>
+void pack_rows_f32(const float* const* krow, int64_t v_offset, uint32_t* kbuf, uint32_t* vbuf) {
+  float* kf = reinterpret_cast<float*>(kbuf);
+  for (int64_t j0 = 0; j0 < BK; j0 += 8)
+    for (int64_t p0 = 0; p0 < D; p0 += 8) transpose8_ps(krow + j0, p0, kf + p0 * BK + j0, BK);
+  for (int64_t j = 0; j < BK; ++j) {
+    float* dst = reinterpret_cast<float*>(vbuf) + j * D;
+    if (krow[j])
+      std::memcpy(dst, krow[j] + v_offset, sizeof(float) * D);
+    else
+      std::memset(dst, 0, sizeof(float) * D);
+  }
+}
+#endif
+
 template <int D, typename T>
 void pack_rows(const T* const* krow, int64_t v_offset, uint32_t* kbuf, uint32_t* vbuf) {
+#ifdef PC_NARROW_VECTORS
+  if constexpr (kF32<T>) {
+    pack_rows_f32<D>(krow, v_offset, kbuf, vbuf);
+    return;
+  }
+#endif
   constexpr int KW = D * static_cast<int>(sizeof(T)) / 4;
   for (int64_t j0 = 0; j0 < BK; j0 += 16) {
     const uint32_t* rows[16];

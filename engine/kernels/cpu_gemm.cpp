@@ -11,6 +11,9 @@
 //   bf16: [N/64][K/2][64] words of (W[n][2p], W[n][2p+1]), the pair VDPBF16PS consumes;
 //   fp32: [N/64][K][64] floats.
 // Columns past N and the odd k past K are zero.
+//
+// The avx2 build (cpu_library: SIMDe, PC_NARROW_VECTORS) splits panels into 16-column tasks
+// and runs fp32 on a native 256-bit tile of 6 x 16; its bf16 runs the 512-bit code emulated.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -114,6 +117,48 @@ void tile_f32(const float* x, int64_t ldx, int64_t r0, const float* panel, int64
   }
 }
 
+#ifdef PC_NARROW_VECTORS
+// The 256-bit build (AVX2 + FMA, no AVX-512): one half-vector pair per row, so 6 rows x 16
+// columns keep 12 accumulators in the 16 ymm registers. Each element still takes one FMA
+// per k in ascending order, the same per-lane operation as the 512-bit tile.
+template <int R>
+void tile_f32_ymm(const float* x, int64_t ldx, int64_t r0, const float* panel, int64_t k,
+                  int64_t n, int64_t pn, int c0, const float* bias, float* out, int64_t ldo) {
+  __m256 lo[R], hi[R];
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  const float* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = x + (r0 + i) * ldx;
+  const float* b = panel + c0 * 16;
+  for (int64_t j = 0; j < k; ++j, b += NP) {
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+    for (int i = 0; i < R; ++i) {
+      const __m256 a = _mm256_broadcast_ss(rows[i] + j);
+      lo[i] = _mm256_fmadd_ps(a, b0, lo[i]);
+      hi[i] = _mm256_fmadd_ps(a, b1, hi[i]);
+    }
+  }
+  const int64_t col = pn * NP + c0 * 16;
+  const int64_t live = std::min<int64_t>(16, n - col);
+  if (live <= 0) return;
+  float bv[16] = {};
+  if (bias)
+    for (int64_t c = 0; c < live; ++c) bv[c] = bias[col + c];
+  const __m256 bias_lo = _mm256_loadu_ps(bv), bias_hi = _mm256_loadu_ps(bv + 8);
+  for (int i = 0; i < R; ++i) {
+    float* dst = out + (r0 + i) * ldo + col;
+    if (live == 16) {
+      _mm256_storeu_ps(dst, _mm256_add_ps(lo[i], bias_lo));
+      _mm256_storeu_ps(dst + 8, _mm256_add_ps(hi[i], bias_hi));
+    } else {
+      float row[16];
+      _mm256_storeu_ps(row, _mm256_add_ps(lo[i], bias_lo));
+      _mm256_storeu_ps(row + 8, _mm256_add_ps(hi[i], bias_hi));
+      std::memcpy(dst, row, live * sizeof(float));
+    }
+  }
+}
+#endif
+
 // Calls fn.template operator()<R>() for the row count R in 1..MR (a compile-time constant).
 template <typename Fn>
 void with_rows(int r, Fn&& fn) {
@@ -139,6 +184,9 @@ inline Split split_for(int64_t m, int64_t n, int nthreads) {
   const int64_t panels = panels_of(n);
   Split s{m, 4};
   if (m <= MR && panels < 8 * nthreads) s.nv = 2;
+#ifdef PC_NARROW_VECTORS
+  s.nv = 1;
+#endif
   if (m > MR) {
     // Rows in chunks of 8 tiles: the panel is read from L2 once per chunk.
     s.row_chunk = 8 * MR;
@@ -212,8 +260,12 @@ void pc_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t* pac
         with_rows(r, [&](auto rows) {
           if (nv == 4)
             tile_bf16<rows(), 4>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
-          else
+          else if (nv == 2)
             tile_bf16<rows(), 2>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
+#ifdef PC_NARROW_VECTORS
+          else
+            tile_bf16<rows(), 1>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
+#endif
         });
       });
 }
@@ -226,8 +278,12 @@ void pc_gemm_f32(const float* x, int64_t ldx, int64_t m, const float* packed, in
         with_rows(r, [&](auto rows) {
           if (nv == 4)
             tile_f32<rows(), 4>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
-          else
+          else if (nv == 2)
             tile_f32<rows(), 2>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
+#ifdef PC_NARROW_VECTORS
+          else
+            tile_f32_ymm<rows()>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
+#endif
         });
       });
 }

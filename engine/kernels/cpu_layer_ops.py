@@ -40,12 +40,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.restype = c_int
 
 
-_library = cpu_library.CpuLibrary(SOURCE, "CPU layer ops", "torch's elementwise ops", _declare)
+_library = cpu_library.CpuLibrary(
+    SOURCE, "CPU layer ops", "torch's elementwise ops", _declare, targets=cpu_library.NATIVE_ONLY
+)
 
 
 def unavailable_reason(cpuinfo: str | None = None) -> str | None:
     """Why the ops cannot run here (None when they can be tried)."""
-    return cpu_library.unavailable_reason(cpuinfo)
+    return _library.unavailable_reason(cpuinfo)
 
 
 def available() -> bool:

@@ -1,15 +1,33 @@
-"""The engine's AVX512_BF16 C++ sources: each built once, loaded through ``ctypes``.
+"""The engine's C++ kernel sources: each built once for this CPU, loaded through ``ctypes``.
 
 A ``CpuLibrary`` compiles its one source with plain ``g++`` (no torch headers, a few seconds)
-into ``$PREFIXCACHE_HOME/kernels``, keyed by source, compiler, flags and CPU, and loads it;
-``ctypes`` releases the GIL for each call. Where the CPU lacks AVX-512 (F, BW, VL) with
-AVX512_BF16, no compiler is found, the build fails or ``PREFIXCACHE_CPU_KERNELS=0`` is set,
-``load()`` returns None (logged once) and callers keep torch's ops.
+into ``$PREFIXCACHE_HOME/kernels``, keyed by source, compiler, target and CPU, and loads it;
+``ctypes`` releases the GIL for each call. The sources are written for AVX-512; two targets
+build them:
+
+- ``avx512_bf16``: natively, where the CPU has AVX-512 (F, BW, VL) and AVX512_BF16;
+- ``avx2``: on AVX2 + FMA + F16C CPUs, through SIMDe (``libsimde-dev``), which maps each 512-bit
+  intrinsic onto 256-bit ones, with ``avx512_on_avx2.h`` supplying the few it lacks.
+  ``-ffp-contract=off`` keeps every multiply-add where the source wrote it, so the kernels'
+  batch invariance holds there too; ``PC_NARROW_VECTORS`` selects the GEMM's 256-bit tile.
+  bf16 arithmetic is emulated there, 4-14x slower than torch's (bench/gemm_invariance.py,
+  bench/cpu_attention.py): the libraries that exist only for bf16 speed (layer ops, the
+  quantized GEMM, the non-invariant attention kernel) list ``NATIVE_ONLY`` and leave such
+  CPUs to torch; the batch-invariant GEMM and attention take both, since on AVX2 they are
+  what keeps a batched bf16 run equal to a lone one (fp32, the default dtype there, runs at
+  torch's speed or better).
+
+``PREFIXCACHE_CPU_KERNELS=avx2`` builds every library for the second, bf16 included, even
+where the first could run (how the emulation's bits are checked on an AVX-512 machine).
+Where no target can build (CPU, no compiler, no SIMDe, a failed build,
+``PREFIXCACHE_CPU_KERNELS=0``), ``load()`` returns None (logged once) and callers keep
+torch's ops.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -18,6 +36,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,18 +61,96 @@ CXX_FLAGS = (
     "-fPIC",
     "-shared",
 )
+SHIM = Path(__file__).with_name("avx512_on_avx2.h")
 
 
-def unavailable_reason(cpuinfo: str | None = None) -> str | None:
-    """Why the engine's CPU kernels cannot run here (None when they can be tried)."""
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One way to build the sources: the CPU flags it needs, the compiler flags, the headers
+    it force-includes (part of the build key) and whether it needs SIMDe."""
+
+    name: str
+    needs: frozenset[str]
+    flags: tuple[str, ...]
+    headers: tuple[Path, ...] = ()
+    needs_simde: bool = False
+
+
+AVX512_BF16 = Target("avx512_bf16", REQUIRED_FLAGS, CXX_FLAGS)
+AVX2 = Target(
+    "avx2",
+    frozenset({"avx2", "fma", "f16c"}),
+    (
+        "-O3",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-ffp-contract=off",
+        "-DPC_NARROW_VECTORS",
+        "-Wno-psabi",  # SIMDe's 64-byte structs passed by value: a note, not a problem
+        "-include",
+        str(SHIM),
+        "-fopenmp",
+        "-fPIC",
+        "-shared",
+    ),
+    (SHIM,),
+    needs_simde=True,
+)
+TARGETS = (AVX512_BF16, AVX2)
+NATIVE_ONLY = (AVX512_BF16,)  # for libraries that compute bf16 only
+
+
+@functools.cache
+def simde_found(cxx: str) -> bool:
+    """Whether ``cxx`` finds SIMDe's AVX-512 header (``libsimde-dev``, or on ``CPATH``)."""
+    try:
+        done = subprocess.run(
+            [cxx, "-x", "c++", "-E", "-include", "simde/x86/avx512.h", "-", "-o", os.devnull],
+            input="",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+def select_target(
+    cpuinfo: str | None = None, targets: tuple[Target, ...] = TARGETS
+) -> Target | str:
+    """The first of ``targets`` that can build here (AVX2 alone where the setting forces it),
+    or why none can."""
     if not settings.cpu_kernels_enabled():
         return f"{settings.CPU_KERNELS_ENV}=0"
-    missing = REQUIRED_FLAGS - cpu_flags(cpuinfo)
-    if missing:
-        return f"the CPU lacks {', '.join(sorted(missing))}"
-    if compiler() is None:
-        return "no C++ compiler (set CXX, or install g++)"
-    return None
+    if settings.cpu_kernels_forced_avx2():
+        targets = (AVX2,)
+    flags = cpu_flags(cpuinfo)
+    reasons = []
+    for target in targets:
+        missing = target.needs - flags
+        if missing:
+            reasons.append(f"the CPU lacks {', '.join(sorted(missing))} ({target.name})")
+            continue
+        cxx = compiler()
+        if cxx is None:
+            return "no C++ compiler (set CXX, or install g++)"
+        if target.needs_simde and not simde_found(cxx):
+            reasons.append(
+                f"SIMDe's headers are not installed: apt install libsimde-dev ({target.name})"
+            )
+            continue
+        return target
+    return "; ".join(reasons)
+
+
+def unavailable_reason(
+    cpuinfo: str | None = None, targets: tuple[Target, ...] = TARGETS
+) -> str | None:
+    """Why the engine's CPU kernels cannot run here (None when they can be tried)."""
+    chosen = select_target(cpuinfo, targets)
+    return chosen if isinstance(chosen, str) else None
 
 
 def require(ok: bool, what: str) -> None:
@@ -82,9 +179,21 @@ def compiler() -> str | None:
 class CpuLibrary:
     """One C++ source, built on first ``load()`` and declared by ``declare`` (argtypes);
     ``label`` and ``fallback`` name it and what runs without it, in the log; ``headers``
-    are the local headers it includes (part of the build key)."""
+    are the local headers it includes (part of the build key); ``targets`` the builds it
+    may take, best first (where no setting forces one); ``target`` the one it took (None
+    until loaded, or where none)."""
 
-    __slots__ = ("_declare", "_loaded", "_lock", "fallback", "headers", "label", "source")
+    __slots__ = (
+        "_declare",
+        "_loaded",
+        "_lock",
+        "fallback",
+        "headers",
+        "label",
+        "source",
+        "target",
+        "targets",
+    )
 
     def __init__(
         self,
@@ -93,39 +202,46 @@ class CpuLibrary:
         fallback: str,
         declare: Callable[[ctypes.CDLL], None],
         headers: tuple[Path, ...] = (),
+        targets: tuple[Target, ...] = TARGETS,
     ) -> None:
         self.source, self.label, self.fallback, self._declare = source, label, fallback, declare
-        self.headers = headers
+        self.headers, self.targets = headers, targets
+        self.target: Target | None = None
         self._lock = threading.Lock()
         self._loaded: list[ctypes.CDLL | None] = []  # empty until the first load()
 
-    def library_path(self, cxx: str) -> Path:
+    def unavailable_reason(self, cpuinfo: str | None = None) -> str | None:
+        """Why this library cannot run here (None when it can be tried)."""
+        return unavailable_reason(cpuinfo, self.targets)
+
+    def library_path(self, cxx: str, target: Target = AVX512_BF16) -> Path:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
         key = hashlib.sha256()
         for part in (
             self.source.read_bytes(),
-            *(h.read_bytes() for h in self.headers),
+            *(h.read_bytes() for h in (*self.headers, *target.headers)),
             version.stdout.encode(),
-            " ".join(CXX_FLAGS).encode(),
+            " ".join(target.flags).encode(),
         ):
             key.update(part)
-        key.update(" ".join(sorted(cpu_flags() & REQUIRED_FLAGS)).encode())
-        return settings.home_dir() / "kernels" / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
+        key.update(" ".join(sorted(cpu_flags() & target.needs)).encode())
+        name = f"{self.source.stem}-{target.name}-{key.hexdigest()[:16]}.so"
+        return settings.home_dir() / "kernels" / name
 
-    def _build(self, cxx: str, target: Path) -> None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    def _build(self, cxx: str, target: Target, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
         os.close(fd)
         try:
             done = subprocess.run(
-                [cxx, *CXX_FLAGS, "-o", tmp, str(self.source)],
+                [cxx, *target.flags, "-o", tmp, str(self.source)],
                 capture_output=True,
                 text=True,
                 timeout=300,
             )
             if done.returncode != 0:
                 raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
-            os.replace(tmp, target)  # atomic: concurrent first uses do not see half a file
+            os.replace(tmp, path)  # atomic: concurrent first uses do not see half a file
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -138,19 +254,21 @@ class CpuLibrary:
             if self._loaded:
                 return self._loaded[0]
             lib = None
-            reason = unavailable_reason()
-            if reason is None:
+            chosen = select_target(targets=self.targets)
+            reason = chosen if isinstance(chosen, str) else None
+            if isinstance(chosen, Target):
                 try:
                     cxx = compiler()
                     assert cxx is not None
-                    path = self.library_path(cxx)
+                    path = self.library_path(cxx, chosen)
                     if not path.exists():
-                        self._build(cxx, path)
+                        self._build(cxx, chosen, path)
                     lib = ctypes.CDLL(str(path))
                     self._declare(lib)
-                    log.info("%s: %s", self.label, path)
+                    self.target = chosen
+                    log.info("%s (%s): %s", self.label, chosen.name, path)
                 except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                    reason = f"build or load failed: {exc}"
+                    reason = f"build or load failed ({chosen.name}): {exc}"
             if reason is not None:
                 log.info("%s off (%s): %s is used", self.label, reason, self.fallback)
             self._loaded.append(lib)

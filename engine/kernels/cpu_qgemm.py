@@ -39,8 +39,17 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 _library = cpu_library.CpuLibrary(
-    SOURCE, "CPU quantized GEMM", "dequantized GGUF weights", _declare
+    SOURCE,
+    "CPU quantized GEMM",
+    "dequantized GGUF weights",
+    _declare,
+    targets=cpu_library.NATIVE_ONLY,
 )
+
+
+def unavailable_reason(cpuinfo: str | None = None) -> str | None:
+    """Why the kernel cannot run here (None when it can be tried)."""
+    return _library.unavailable_reason(cpuinfo)
 
 
 def available() -> bool:

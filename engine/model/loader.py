@@ -99,7 +99,13 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     key = dtype.removeprefix("torch.").lower()
     if key not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}: use auto, float32, bfloat16 or float16")
-    return _DTYPES[key]
+    chosen = _DTYPES[key]
+    if chosen == torch.bfloat16 and device.type == "cpu" and not cpu_bf16_flags():
+        log.warning(
+            "dtype bfloat16 on a CPU without native bf16: torch's bf16 and the kernels' "
+            "emulated bf16 run several times slower than float32 here (dtype auto picks it)"
+        )
+    return chosen
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -1,0 +1,101 @@
+"""Which build of the C++ kernels a CPU gets (``cpu_library.select_target``): AVX512_BF16
+natively, else AVX2 through SIMDe, else a reason that names what is missing."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from prefixcache.engine import settings
+from prefixcache.engine.attention import cpu_kernels
+from prefixcache.engine.kernels import cpu_gemm, cpu_layer_ops, cpu_library, cpu_qgemm
+
+AVX512 = "flags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16\n"
+AVX2 = "flags\t\t: fpu sse2 avx avx2 fma f16c\n"
+OLD = "flags\t\t: fpu sse2 avx\n"
+
+
+@pytest.fixture
+def simde(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether SIMDe counts as installed (a list to flip inside a test); g++ as the compiler."""
+    found = [True]
+    monkeypatch.delenv(settings.CPU_KERNELS_ENV, raising=False)
+    monkeypatch.setattr(cpu_library, "compiler", lambda: "g++")
+    monkeypatch.setattr(cpu_library, "simde_found", lambda cxx: found[0])
+    return found
+
+
+def test_each_cpu_gets_its_best_build(simde: list[bool]) -> None:
+    assert cpu_library.select_target(AVX512) is cpu_library.AVX512_BF16
+    assert cpu_library.select_target(AVX2) is cpu_library.AVX2
+    simde[0] = False
+    assert cpu_library.select_target(AVX512) is cpu_library.AVX512_BF16  # needs no SIMDe
+    reason = cpu_library.select_target(AVX2)
+    assert isinstance(reason, str)
+    assert "avx512_bf16" in reason and "libsimde-dev" in reason
+    assert cpu_library.unavailable_reason(AVX2) == reason
+
+
+def test_a_cpu_without_avx2_is_told_what_it_lacks(simde: list[bool]) -> None:
+    reason = cpu_library.select_target(OLD)
+    assert isinstance(reason, str)
+    assert "avx2, f16c, fma (avx2)" in reason and "avx512f" in reason
+
+
+def test_the_bf16_only_libraries_leave_avx2_to_torch(simde: list[bool]) -> None:
+    only = cpu_library.NATIVE_ONLY
+    assert cpu_library.select_target(AVX512, only) is cpu_library.AVX512_BF16
+    assert isinstance(cpu_library.select_target(AVX2, only), str)
+    for library in (cpu_layer_ops._library, cpu_qgemm._library, cpu_kernels._library):
+        assert library.targets == only and library.unavailable_reason(AVX2) is not None
+    for library in (cpu_gemm._library, cpu_kernels._row_library):  # batch invariance on AVX2
+        assert library.targets == cpu_library.TARGETS and library.unavailable_reason(AVX2) is None
+
+
+def test_the_setting_forces_the_avx2_build_or_turns_all_off(
+    simde: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(settings.CPU_KERNELS_ENV, "avx2")
+    assert cpu_library.select_target(AVX512) is cpu_library.AVX2
+    # the bf16-only libraries too: the emulation's bits can be checked on any machine
+    assert cpu_library.select_target(AVX512, cpu_library.NATIVE_ONLY) is cpu_library.AVX2
+    monkeypatch.setenv(settings.CPU_KERNELS_ENV, "0")
+    assert cpu_library.select_target(AVX512) == f"{settings.CPU_KERNELS_ENV}=0"
+    monkeypatch.setenv(settings.CPU_KERNELS_ENV, "avx2")
+    simde[0] = False
+    assert "libsimde-dev" in str(cpu_library.select_target(AVX512))
+
+
+def test_no_compiler_is_a_reason(simde: list[bool], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_library, "compiler", lambda: None)
+    assert "no C++ compiler" in str(cpu_library.select_target(AVX2))
+
+
+def test_the_target_is_part_of_the_library_name(tmp_path: Path) -> None:
+    cxx = cpu_library.compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    source = tmp_path / "k.cpp"
+    source.write_text("int f() { return 1; }\n")
+    lib = cpu_library.CpuLibrary(source, "t", "t", lambda lib: None)
+    wide = lib.library_path(cxx, cpu_library.AVX512_BF16)
+    narrow = lib.library_path(cxx, cpu_library.AVX2)
+    assert wide != narrow
+    assert "-avx2-" in narrow.name and "-avx512_bf16-" in wide.name
+
+
+def test_the_shim_builds_with_simde_where_it_is_installed() -> None:
+    """The AVX2 build's force-included header compiles against SIMDe (the real one)."""
+    cxx = cpu_library.compiler()
+    if cxx is None or not cpu_library.simde_found(cxx):
+        pytest.skip("no compiler or no SIMDe (apt install libsimde-dev)")
+    done = subprocess.run(
+        [cxx, "-x", "c++", "-fsyntax-only", *cpu_library.AVX2.flags, "-"],
+        input="#include <cstdint>\nint main() { return 0; }\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
