@@ -150,7 +150,10 @@ def test_fp8_pages_through_flashinfer_equal_the_torch_reference_at_fp8(
         return max((a - b).abs().max().item() for a, b in zip(xs, ys, strict=True) if a.numel())
 
     same, apart = gap(fi.logits, ref.logits), gap(fi.logits, bf.logits)
-    assert same < 5e-4 and apart > 20 * same, (same, apart)  # fp8 alike; unlike fp32 pages
+    # fp8 alike, unlike fp32 pages. The two attention paths differ by fp32 rounding, and where
+    # that moves a K/V value across an e4m3 rounding boundary (1/16 apart) the logits move by
+    # about 1e-3: 1.6e-4 on torch's GEMM here, 1.8e-3 on cpu_gemm's AVX2 build; fp32 pages 2.0.
+    assert same < 5e-3 and apart > 100 * same, (same, apart)
     plans = [c for c in flashinfer_standin.calls if c[0].endswith(".plan")]
     assert plans and all(c[2]["kv_data_type"] == torch.float8_e4m3fn for c in plans)
 
