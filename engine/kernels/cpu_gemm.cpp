@@ -12,8 +12,9 @@
 //   fp32: [N/64][K][64] floats.
 // Columns past N and the odd k past K are zero.
 //
-// The avx2 build (cpu_library: SIMDe, PC_NARROW_VECTORS) splits panels into 16-column tasks
-// and runs fp32 on a native 256-bit tile of 6 x 16; its bf16 runs the 512-bit code emulated.
+// The avx2 build (cpu_library: SIMDe, PC_NARROW_VECTORS) runs fp32 on native 256-bit tiles
+// (6 x 16, or 64 / 32 columns for one / up to three rows) and bf16 on the 512-bit code
+// emulated, in 16-column tasks.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -118,43 +119,53 @@ void tile_f32(const float* x, int64_t ldx, int64_t r0, const float* panel, int64
 }
 
 #ifdef PC_NARROW_VECTORS
-// The 256-bit build (AVX2 + FMA, no AVX-512): one half-vector pair per row, so 6 rows x 16
-// columns keep 12 accumulators in the 16 ymm registers. Each element still takes one FMA
-// per k in ascending order, the same per-lane operation as the 512-bit tile.
-template <int R>
+// The 256-bit build (AVX2 + FMA, no AVX-512): R rows x NV8 half-vectors (8 columns each) of
+// the panel from vector c0 (16 columns), R * NV8 <= 12 accumulators in the 16 ymm registers.
+// Each element still takes one FMA per k in ascending order, the same per-lane operation as
+// the 512-bit tile, whatever the width: a one-row call reads whole 256-byte panel rows
+// (NV8 = 8), which streams a large weight (the LM head) at the memory's speed.
+template <int R, int NV8>
 void tile_f32_ymm(const float* x, int64_t ldx, int64_t r0, const float* panel, int64_t k,
                   int64_t n, int64_t pn, int c0, const float* bias, float* out, int64_t ldo) {
-  __m256 lo[R], hi[R];
-  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+  __m256 acc[R][NV8];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < NV8; ++c) acc[i][c] = _mm256_setzero_ps();
   const float* rows[R];
   for (int i = 0; i < R; ++i) rows[i] = x + (r0 + i) * ldx;
   const float* b = panel + c0 * 16;
-  for (int64_t j = 0; j < k; ++j, b += NP) {
-    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-    for (int i = 0; i < R; ++i) {
-      const __m256 a = _mm256_broadcast_ss(rows[i] + j);
-      lo[i] = _mm256_fmadd_ps(a, b0, lo[i]);
-      hi[i] = _mm256_fmadd_ps(a, b1, hi[i]);
+  if constexpr (NV8 == 2) {  // the 6 x 16 tile: named registers (gcc spills the array form)
+    __m256 lo[R], hi[R];
+    for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < k; ++j, b += NP) {
+      const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+      for (int i = 0; i < R; ++i) {
+        const __m256 a = _mm256_broadcast_ss(rows[i] + j);
+        lo[i] = _mm256_fmadd_ps(a, b0, lo[i]);
+        hi[i] = _mm256_fmadd_ps(a, b1, hi[i]);
+      }
+    }
+    for (int i = 0; i < R; ++i) acc[i][0] = lo[i], acc[i][1] = hi[i];
+  } else {
+    for (int64_t j = 0; j < k; ++j, b += NP) {
+      __m256 bj[NV8];  // each panel vector loaded once for all rows
+      for (int c = 0; c < NV8; ++c) bj[c] = _mm256_loadu_ps(b + 8 * c);
+      for (int i = 0; i < R; ++i) {
+        const __m256 a = _mm256_broadcast_ss(rows[i] + j);
+        for (int c = 0; c < NV8; ++c) acc[i][c] = _mm256_fmadd_ps(a, bj[c], acc[i][c]);
+      }
     }
   }
   const int64_t col = pn * NP + c0 * 16;
-  const int64_t live = std::min<int64_t>(16, n - col);
+  const int64_t live = std::min<int64_t>(8 * NV8, n - col);
   if (live <= 0) return;
-  float bv[16] = {};
+  float bv[8 * NV8] = {};
   if (bias)
     for (int64_t c = 0; c < live; ++c) bv[c] = bias[col + c];
-  const __m256 bias_lo = _mm256_loadu_ps(bv), bias_hi = _mm256_loadu_ps(bv + 8);
   for (int i = 0; i < R; ++i) {
-    float* dst = out + (r0 + i) * ldo + col;
-    if (live == 16) {
-      _mm256_storeu_ps(dst, _mm256_add_ps(lo[i], bias_lo));
-      _mm256_storeu_ps(dst + 8, _mm256_add_ps(hi[i], bias_hi));
-    } else {
-      float row[16];
-      _mm256_storeu_ps(row, _mm256_add_ps(lo[i], bias_lo));
-      _mm256_storeu_ps(row + 8, _mm256_add_ps(hi[i], bias_hi));
-      std::memcpy(dst, row, live * sizeof(float));
-    }
+    float row[8 * NV8];
+    for (int c = 0; c < NV8; ++c)
+      _mm256_storeu_ps(row + 8 * c, _mm256_add_ps(acc[i][c], _mm256_loadu_ps(bv + 8 * c)));
+    std::memcpy(out + (r0 + i) * ldo + col, row, live * sizeof(float));
   }
 }
 #endif
@@ -180,12 +191,16 @@ struct Split {
   int nv;             // vectors per task: 4 (a panel) or 2 (half)
 };
 
-inline Split split_for(int64_t m, int64_t n, int nthreads) {
+inline Split split_for(int64_t m, int64_t n, int nthreads, bool narrow_f32) {
   const int64_t panels = panels_of(n);
   Split s{m, 4};
   if (m <= MR && panels < 8 * nthreads) s.nv = 2;
 #ifdef PC_NARROW_VECTORS
-  s.nv = 1;
+  // 256-bit fp32: one row takes whole panels, up to 3 rows half panels (<= 12 accumulators);
+  // the emulated 512-bit bf16 tile keeps quarter panels.
+  s.nv = narrow_f32 && m == 1 && panels >= 2 * nthreads ? 4 : narrow_f32 && m <= 3 ? 2 : 1;
+#else
+  (void)narrow_f32;
 #endif
   if (m > MR) {
     // Rows in chunks of 8 tiles: the panel is read from L2 once per chunk.
@@ -197,7 +212,7 @@ inline Split split_for(int64_t m, int64_t n, int nthreads) {
 template <typename T, typename P, typename Tile>
 void run(const T* x, int64_t ldx, int64_t m, const P* packed, int64_t n, int64_t panel_words,
          int nthreads, Tile&& tile) {
-  const Split s = split_for(m, n, nthreads);
+  const Split s = split_for(m, n, nthreads, std::is_same_v<T, float>);
   const int64_t panels = panels_of(n);
   const int64_t parts = 4 / s.nv;
   const int64_t chunks = (m + s.row_chunk - 1) / s.row_chunk;
@@ -276,13 +291,20 @@ void pc_gemm_f32(const float* x, int64_t ldx, int64_t m, const float* packed, in
   run(x, ldx, m, packed, n, panel_words, nthreads,
       [&](int r, int nv, int64_t r0, const float* panel, int64_t pn, int c0) {
         with_rows(r, [&](auto rows) {
+#ifdef PC_NARROW_VECTORS
+          // split_for gives nv 4 only to one row and nv 2 to at most 3
+          if constexpr (rows() == 1) {
+            if (nv == 4) return tile_f32_ymm<1, 8>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
+          }
+          if constexpr (rows() <= 3) {
+            if (nv == 2) return tile_f32_ymm<rows(), 4>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
+          }
+          tile_f32_ymm<rows(), 2>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
+#else
           if (nv == 4)
             tile_f32<rows(), 4>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
           else if (nv == 2)
             tile_f32<rows(), 2>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
-#ifdef PC_NARROW_VECTORS
-          else
-            tile_f32_ymm<rows()>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
 #endif
         });
       });
