@@ -85,53 +85,59 @@ inline float hmax_ymm(__m256 v) {
 }
 
 // Scores of rows row .. row + NR - 1 for keys [0, keys) of the block, scaled, into sbuf[NR]:
-// 32 keys a pass, so NR = 2 rows share each K load (8 accumulators, 4 loads, 2 broadcasts).
-template <int D, int NR>
+// 8 * NC keys a pass, each K load shared by the NR rows (NR * NC accumulators: 2 x 4 or
+// 4 x 2). A score is the same sum in the same order whatever NR and NC.
+template <int D, int NR, int NC>
 void scores_f32_ymm(const float* kf, const float* const* q, int64_t keys, __m256 scale2,
                     float (*sbuf)[kKeyBlock]) {
-  for (int64_t j0 = 0; j0 < keys; j0 += 32) {
-    __m256 s[NR][4];
+  for (int64_t j0 = 0; j0 < keys; j0 += 8 * NC) {
+    __m256 s[NR][NC];
     for (int i = 0; i < NR; ++i)
-      for (int c = 0; c < 4; ++c) s[i][c] = _mm256_setzero_ps();
+      for (int c = 0; c < NC; ++c) s[i][c] = _mm256_setzero_ps();
     const float* kj = kf + j0;
     for (int p = 0; p < D; ++p, kj += kKeyBlock) {
-      __m256 kv[4];
-      for (int c = 0; c < 4; ++c) kv[c] = _mm256_loadu_ps(kj + c * 8);
+      __m256 kv[NC];
+      for (int c = 0; c < NC; ++c) kv[c] = _mm256_loadu_ps(kj + c * 8);
       for (int i = 0; i < NR; ++i) {
         const __m256 qb = _mm256_broadcast_ss(q[i] + p);
-        for (int c = 0; c < 4; ++c) s[i][c] = _mm256_fmadd_ps(qb, kv[c], s[i][c]);
+        for (int c = 0; c < NC; ++c) s[i][c] = _mm256_fmadd_ps(qb, kv[c], s[i][c]);
       }
     }
     for (int i = 0; i < NR; ++i)
-      for (int c = 0; c < 4; ++c)
+      for (int c = 0; c < NC; ++c)
         _mm256_store_ps(sbuf[i] + j0 + c * 8, _mm256_mul_ps(s[i][c], scale2));
   }
 }
 
-// O rows = O * corr + P V over keys [0, keys), 32 columns a pass (a row's P is zero past its
-// own keys, and O + 0 * v is O).
-template <int D, int NR>
+// O rows = O * corr + P V over keys [0, keys), 8 * NC columns a pass (a row's P is zero past
+// its own keys, and O + 0 * v is O).
+template <int D, int NR, int NC>
 void pv_f32_ymm(const float* vf, const float* const* p, const float* corr, int64_t keys,
                 float* const* orow) {
-  for (int c0 = 0; c0 < D; c0 += 32) {
-    __m256 o[NR][4];
+  for (int c0 = 0; c0 < D; c0 += 8 * NC) {
+    __m256 o[NR][NC];
     for (int i = 0; i < NR; ++i) {
       const __m256 cv = _mm256_set1_ps(corr[i]);
-      for (int c = 0; c < 4; ++c) o[i][c] = _mm256_mul_ps(_mm256_loadu_ps(orow[i] + c0 + c * 8), cv);
+      for (int c = 0; c < NC; ++c)
+        o[i][c] = _mm256_mul_ps(_mm256_loadu_ps(orow[i] + c0 + c * 8), cv);
     }
     const float* vj = vf + c0;
     for (int64_t j = 0; j < keys; ++j, vj += D) {
-      __m256 vv[4];
-      for (int c = 0; c < 4; ++c) vv[c] = _mm256_loadu_ps(vj + c * 8);
+      __m256 vv[NC];
+      for (int c = 0; c < NC; ++c) vv[c] = _mm256_loadu_ps(vj + c * 8);
       for (int i = 0; i < NR; ++i) {
         const __m256 pw = _mm256_broadcast_ss(p[i] + j);
-        for (int c = 0; c < 4; ++c) o[i][c] = _mm256_fmadd_ps(pw, vv[c], o[i][c]);
+        for (int c = 0; c < NC; ++c) o[i][c] = _mm256_fmadd_ps(pw, vv[c], o[i][c]);
       }
     }
     for (int i = 0; i < NR; ++i)
-      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(orow[i] + c0 + c * 8, o[i][c]);
+      for (int c = 0; c < NC; ++c) _mm256_storeu_ps(orow[i] + c0 + c * 8, o[i][c]);
   }
 }
+
+// Up to kYmmRows rows share each K and V load: the block (64 keys x D, K and V) is read from
+// cache once per four rows, which at D = 256 (128 KB, past L1) is what bounds the speed.
+constexpr int kYmmRows = 4;
 
 template <int D>
 void attend_packed_f32_ymm(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64_t ra,
@@ -143,27 +149,33 @@ void attend_packed_f32_ymm(const uint32_t* kblk, const uint32_t* vblk, int64_t k
   const float* vf = reinterpret_cast<const float*>(vblk);  // [kKeyBlock][D]
   const __m256 scale2 = _mm256_set1_ps(scale2f);
   const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
-  alignas(32) float sbuf[2][kKeyBlock];
+  alignas(32) float sbuf[kYmmRows][kKeyBlock];
   for (int64_t r0 = ra; r0 < rb;) {
-    // The next one or two rows that see keys of this block.
-    int64_t rows[2], keys[2], nr = 0;
-    for (; r0 < rb && nr < 2; ++r0) {
+    // The next rows (up to kYmmRows) that see keys of this block.
+    int64_t rows[kYmmRows], keys[kYmmRows], nr = 0;
+    for (; r0 < rb && nr < kYmmRows; ++r0) {
       const int64_t valid = limit[r0] - k0, skip = begin ? begin[r0] - k0 : 0;
       if (valid <= 0 || skip >= kKeyBlock) continue;  // O * 1 + 0: unchanged
       rows[nr] = r0;
       keys[nr++] = std::min<int64_t>(valid, kKeyBlock);
     }
     if (nr == 0) break;
-    const int64_t tile_keys = nr == 2 ? std::max(keys[0], keys[1]) : keys[0];
-    const float* q[2] = {reinterpret_cast<const float*>(qw) + rows[0] * D,
-                         reinterpret_cast<const float*>(qw) + rows[nr - 1] * D};
-    if (nr == 2)
-      scores_f32_ymm<D, 2>(kf, q, tile_keys, scale2, sbuf);
+    int64_t tile_keys = 0;
+    const float* q[kYmmRows];
+    for (int64_t i = 0; i < kYmmRows; ++i) {  // a missing row repeats the last (not stored)
+      const int64_t row = rows[std::min<int64_t>(i, nr - 1)];
+      q[i] = reinterpret_cast<const float*>(qw) + row * D;
+      if (i < nr) tile_keys = std::max(tile_keys, keys[i]);
+    }
+    if (nr > 2)
+      scores_f32_ymm<D, 4, 2>(kf, q, tile_keys, scale2, sbuf);
+    else if (nr == 2)
+      scores_f32_ymm<D, 2, 4>(kf, q, tile_keys, scale2, sbuf);
     else
-      scores_f32_ymm<D, 1>(kf, q, tile_keys, scale2, sbuf);
-    float corr[2];
-    const float* prow[2];
-    float* orow[2];
+      scores_f32_ymm<D, 1, 4>(kf, q, tile_keys, scale2, sbuf);
+    float corr[kYmmRows];
+    const float* prow[kYmmRows];
+    float* orow[kYmmRows];
     for (int64_t i = 0; i < nr; ++i) {
       const int64_t row = rows[i], valid = limit[row] - k0;
       const int64_t skip = begin ? begin[row] - k0 : 0;
@@ -189,10 +201,14 @@ void attend_packed_f32_ymm(const uint32_t* kblk, const uint32_t* vblk, int64_t k
       prow[i] = p;
       orow[i] = obuf + row * D;
     }
-    if (nr == 2)
-      pv_f32_ymm<D, 2>(vf, prow, corr, tile_keys, orow);
+    if (nr == 4)
+      pv_f32_ymm<D, 4, 2>(vf, prow, corr, tile_keys, orow);
+    else if (nr == 3)
+      pv_f32_ymm<D, 3, 2>(vf, prow, corr, tile_keys, orow);
+    else if (nr == 2)
+      pv_f32_ymm<D, 2, 4>(vf, prow, corr, tile_keys, orow);
     else
-      pv_f32_ymm<D, 1>(vf, prow, corr, tile_keys, orow);
+      pv_f32_ymm<D, 1, 4>(vf, prow, corr, tile_keys, orow);
   }
 }
 #endif

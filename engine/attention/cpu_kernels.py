@@ -55,6 +55,11 @@ def row_unavailable_reason(cpuinfo: str | None = None) -> str | None:
     return _row_library.unavailable_reason(cpuinfo)
 
 
+def row_target() -> str | None:
+    """The build the batch-invariant kernel loaded (``AVX512_BF16`` / ``AVX2``), None if none."""
+    return None if load_rows() is None or _row_library.target is None else _row_library.target.name
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use; None where it cannot run here."""
     return _library.load()

@@ -107,12 +107,12 @@ inline void fp8_row_to(const KV* src, T* dst) {
 }
 
 // Query rows per register tile: 4 rows x D/16 accumulators must fit 32 vector registers.
-// With PC_NARROW_VECTORS (the AVX2 build: each 512-bit value two of 16 ymm registers) two
-// rows, as attend_packed_f32_ymm pairs them (its bf16 is emulated, at any tile the same
-// speed); a row's arithmetic is the same whatever the tile.
+// With PC_NARROW_VECTORS (the AVX2 build: each 512-bit value two of 16 ymm registers) four
+// rows, as attend_packed_f32_ymm groups them (its bf16 is emulated, at any tile about the
+// same speed); a row's arithmetic is the same whatever the tile.
 #ifdef PC_NARROW_VECTORS
 template <int D>
-constexpr int kTileRows = 2;
+constexpr int kTileRows = 4;
 #else
 template <int D>
 constexpr int kTileRows = D == 128 ? 2 : 4;
