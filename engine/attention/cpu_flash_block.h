@@ -135,8 +135,8 @@ void pv_f32_ymm(const float* vf, const float* const* p, const float* corr, int64
   }
 }
 
-// Up to kYmmRows rows share each K and V load: the block (64 keys x D, K and V) is read from
-// cache once per four rows, which at D = 256 (128 KB, past L1) is what bounds the speed.
+// Up to kYmmRows rows share each K and V load: the block (kKeyBlock keys x D, K and V) is
+// read from cache once per four rows, which at D = 256 (128 KB each, past L1) bounds the speed.
 constexpr int kYmmRows = 4;
 
 template <int D>
