@@ -89,6 +89,10 @@ def shared(loaded: LoadedModel, rng: random.Random, prefix_len: int, n: int) -> 
     }
 
 
+# Prompt lengths of the hit sweep: around one page, the 512-token window and past it.
+LENGTHS = [17, 31, 100, 257, 511, 513, 600, 1000, 2047, 3000]
+
+
 def lengths(loaded: LoadedModel, rng: random.Random, sizes: list[int]) -> dict:
     vocab = loaded.config.vocab_size
     engine = LLMEngine(config(loaded, num_blocks=2048), loaded)
@@ -182,6 +186,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--budget-mib", type=int, default=256)
     parser.add_argument("--capacity-prefix", type=int, default=1024)
+    parser.add_argument(
+        "--max-length", type=int, default=LENGTHS[-1], help="longest prompt of the hit sweep"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     loaded = load_model(args.model, dtype=args.dtype, device="cpu")
@@ -194,7 +201,7 @@ def main() -> None:
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "windows": sorted(set(loaded.config.layer_windows)),
         "shared": shared(loaded, rng, args.prefix, args.requests),
-        "lengths": lengths(loaded, rng, [17, 31, 100, 257, 511, 513, 600, 1000, 2047, 3000]),
+        "lengths": lengths(loaded, rng, [n for n in LENGTHS if n <= args.max_length]),
         "held": held(loaded, rng, args.context),
         "capacity": capacity(loaded, rng, args.budget_mib, args.capacity_prefix),
     }
