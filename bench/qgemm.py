@@ -1,17 +1,19 @@
-"""GGUF weights kept quantized (``kernels/cpu_qgemm``) against the dequantized bf16 GEMM
-(``kernels/cpu_gemm.PackedLinear``), both batch-invariant.
+"""GGUF weights kept quantized (``kernels/cpu_qgemm``) against the dequantized GEMM in the
+same dtype (``kernels/cpu_gemm.PackedLinear``), both batch-invariant.
 
 - gemm: per GGUF type and row count M (``--rows``), one ``[n, k]`` weight (``--shapes``,
   e.g. SmolLM2's gate/up 3072x576 and its tied head 49152x576) of random blocks: ms of the
-  quantized kernel and of bf16 on the same weight dequantized, GB/s of weight bytes read
-  (packed bytes / time), ratio bf16 ms / quantized ms (above 1: quantized is faster);
+  quantized kernel and of the dense GEMM on the same weight dequantized, GB/s of weight bytes
+  read (packed bytes / time), ratio dense ms / quantized ms (above 1: quantized is faster);
 - decode: single-stream greedy decode through ``LLMEngine`` on a GGUF (``--model``, default
   the named ``smollm2``, every block weight Q4_1, embedding Q8_0), quantized and dequantized
   engines in one process, rounds alternated; tok/s of the decode steps (first token excluded).
 
-Medians throughout (the box may be shared).
+``--dtype``: the activations' dtype, bfloat16 (AVX512_BF16 CPUs) or float32 (AVX2 + FMA);
+``auto`` (default) is bfloat16 where the kernel computes it, else float32. Medians throughout
+(the box may be shared).
 
-    .venv/bin/python bench/qgemm.py [--threads 2] [--json]
+    .venv/bin/python bench/qgemm.py [--threads 2] [--dtype auto] [--json]
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ TYPES = {"Q8_0": (34, 32, (0,)), "Q4_1": (20, 32, (0, 2)), "Q5_0": (22, 32, (0,)
 TYPES["Q4_K"] = (144, 256, (0, 2))  # bytes a block, weights a block, fp16 field offsets
 
 
-def random_weight(type_name: str, n: int, k: int) -> tuple[cpu_qgemm.QuantizedWeight, torch.Tensor]:
-    """Random blocks of the type, packed, and the same weight dequantized to bf16."""
+def random_weight(
+    type_name: str, n: int, k: int, dtype: torch.dtype
+) -> tuple[cpu_qgemm.QuantizedWeight, torch.Tensor]:
+    """Random blocks of the type, packed, and the same weight dequantized to ``dtype``."""
     size, per, halves = TYPES[type_name]
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, size=(n, k // per, size), dtype=np.uint8)
@@ -52,7 +56,7 @@ def random_weight(type_name: str, n: int, k: int) -> tuple[cpu_qgemm.QuantizedWe
     if ints.minimum is not None:
         dense = dense + ints.minimum.repeat(32, axis=1)
     packed = cpu_qgemm.QuantizedWeight.pack(ints.q, ints.scale, ints.minimum)
-    return packed, torch.from_numpy(dense).to(torch.bfloat16)
+    return packed, torch.from_numpy(dense).to(dtype)
 
 
 def gemm_rows(args: argparse.Namespace) -> list[dict[str, object]]:
@@ -61,28 +65,28 @@ def gemm_rows(args: argparse.Namespace) -> list[dict[str, object]]:
     cases = [(t, s) for t, s in cases if int(s.split("x")[1]) % TYPES[t][1] == 0]  # whole blocks
     for type_name, shape in progress_iter(cases, "gemm cases"):
         n, k = (int(v) for v in shape.split("x"))
-        packed, dense = random_weight(type_name, n, k)
-        quant, bf16 = cpu_qgemm.QuantizedLinear(packed), cpu_gemm.PackedLinear(dense, None)
+        packed, dense = random_weight(type_name, n, k, args.dtype)
+        quant, plain = cpu_qgemm.QuantizedLinear(packed), cpu_gemm.PackedLinear(dense, None)
         for m in (int(v) for v in args.rows.split(",")):
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(args.dtype)
             calls = max(1, int(args.budget_ms / max(0.01, n * k * m * 2 / 20e9 * 1e3)))
-            q_ms, b_ms = [], []
+            q_ms, d_ms = [], []
             for _ in range(args.repeat):  # interleaved: both see the same load
                 q_ms.append(per_call_ms(lambda x=x, f=quant: f(x), calls, runs=1))
-                b_ms.append(per_call_ms(lambda x=x, f=bf16: f(x), calls, runs=1))
-            q, b = statistics.median(q_ms), statistics.median(b_ms)
+                d_ms.append(per_call_ms(lambda x=x, f=plain: f(x), calls, runs=1))
+            q, d = statistics.median(q_ms), statistics.median(d_ms)
             row = {
                 "type": type_name, "n": n, "k": k, "m": m,
-                "quant_ms": round(q, 4), "bf16_ms": round(b, 4),
+                "quant_ms": round(q, 4), "dense_ms": round(d, 4),
                 "quant_gb_s": round(packed.nbytes / q / 1e6, 2),
-                "bf16_gb_s": round(n * k * 2 / b / 1e6, 2),
-                "ratio": round(b / q, 2),
+                "dense_gb_s": round(n * k * dense.element_size() / d / 1e6, 2),
+                "ratio": round(d / q, 2),
             }  # fmt: skip
             rows.append(row)
             print(
                 f"{type_name:>5} {n}x{k} M={m:<5d} quantized {q:9.3f} ms "
-                f"({row['quant_gb_s']:6.1f} GB/s), bf16 {b:9.3f} ms ({row['bf16_gb_s']:6.1f} GB/s),"
-                f" bf16/quantized {b / q:5.2f}x"
+                f"({row['quant_gb_s']:6.1f} GB/s), dense {d:9.3f} ms "
+                f"({row['dense_gb_s']:6.1f} GB/s), dense/quantized {d / q:5.2f}x"
             )
     return rows
 
@@ -106,7 +110,7 @@ def decode_rows(args: argparse.Namespace) -> dict[str, object]:
         mode: LLMEngine(
             EngineConfig(
                 model=args.model,
-                dtype="bfloat16",
+                dtype=str(args.dtype).removeprefix("torch."),
                 device="cpu",
                 gguf_weights=mode,
                 max_model_len=args.prompt + args.decode_tokens + 16,
@@ -143,16 +147,22 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if cpu_qgemm.computes(torch.bfloat16) else "float32"
+    args.dtype = getattr(torch, args.dtype)
     result: dict[str, object] = {"cpu": cpu_model_name(), "available": cpu_qgemm.available()}
     result["threads"] = torch.get_num_threads()
-    if not result["available"] or not cpu_gemm.available():
-        print("the CPU GEMM kernels do not load here: nothing to compare")
+    result["dtype"] = str(args.dtype).removeprefix("torch.")
+    if not cpu_qgemm.computes(args.dtype) or not cpu_gemm.available():
+        why = cpu_qgemm.dtype_reason(args.dtype) or "the dense GEMM does not load"
+        print(f"the CPU GEMM kernels do not run {result['dtype']} here ({why}): nothing to compare")
     else:
-        print(f"CPU: {result['cpu']}, {result['threads']} threads")
+        print(f"CPU: {result['cpu']}, {result['threads']} threads, {result['dtype']}")
         result["gemm"] = gemm_rows(args)
         result["decode"] = decode_rows(args)
     if args.json:

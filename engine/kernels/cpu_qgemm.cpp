@@ -1,23 +1,29 @@
-// Batch-invariant GEMM over block-quantized weights, dequantized in the kernel (AVX512_BF16):
-// out = x W^T + b with x bf16 and W held as small integers q with per-block fp32 scales.
+// Batch-invariant GEMM over block-quantized weights, dequantized in the kernel:
+// out = x W^T + b with W held as small integers q with per-block fp32 scales, x bf16
+// (AVX512_BF16) or fp32 (AVX2 + FMA, on either build target).
 //
 // Built at first use by cpu_qgemm.py (g++, no torch headers) and called through ctypes.
 // W's k runs in blocks of 32. Two formats:
 //   I8:  w = s * q,      q int8 (GGUF Q8_0, Q5_0, Q4_0 map here);
 //   U4M: w = s * q + mn, q in 0..15 (Q4_1, Q4_K map here).
-// Small integers are exact in bf16, so for each output element and block, one fp32 partial
-// takes the 16 k-pairs of that block by VDPBF16PS in ascending k (a fresh partial per block),
-// then acc = fma(partial, s, acc) (and acc = fma(sum(x over the block), mn, acc) for U4M),
-// blocks in ascending k. That sequence is the same whatever tile, row position, row count or
-// thread computes the element: a row's result never depends on its batch. Whether a tile
-// converts the weights on the fly (few rows) or reads them from a per-task bf16 scratch
-// (many rows) changes where the same bf16 integers come from, not the arithmetic.
+// bf16 x: small integers are exact in bf16, so for each output element and block, one fp32
+// partial takes the 16 k-pairs of that block by VDPBF16PS in ascending k (a fresh partial per
+// block), then acc = fma(partial, s, acc) (and acc = fma(sum(x over the block), mn, acc) for
+// U4M), blocks in ascending k.
+// fp32 x: per block two fresh partials, one over the even k and one over the odd k, each by
+// FMA in ascending k; partial = even + odd; then acc as above (sum(x) in one fixed order).
+// Either sequence is the same whatever tile, row position, row count or thread computes the
+// element: a row's result never depends on its batch. Whether a tile converts the weights on
+// the fly (few rows) or reads them from a per-task scratch (many rows) changes where the same
+// integers come from, not the arithmetic.
 //
-// Packed layout: groups of 16 output columns (one vector); a group is its blocks in k order,
-// each a record of the block's weights then 16 fp32 scales (then 16 fp32 mins for U4M):
+// Packed layout: groups of 16 output columns (one 512-bit vector, two 256-bit ones); a group
+// is its blocks in k order, each a record of the block's weights then 16 fp32 scales (then 16
+// fp32 mins for U4M):
 //   I8:  [16 pairs][16 columns][2] int8 (k = 2p, 2p + 1 of each column side by side);
 //   U4M: [16 pairs][16 columns] bytes, low nibble k = 2p, high nibble k = 2p + 1.
-// Columns past N are zero (scale 0).
+// Columns past N are zero (scale 0). The AVX2 build (PC_NARROW_VECTORS) has the fp32 entry
+// points and the packing only: bf16 there would be emulated.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -43,6 +49,7 @@ inline int64_t qbytes_of(int fmt) { return fmt == I8 ? PAIRS * GC * 2 : PAIRS * 
 inline int64_t rec_bytes_of(int fmt) { return qbytes_of(fmt) + (fmt == I8 ? 64 : 128); }
 inline int64_t groups_of(int64_t n) { return (n + GC - 1) / GC; }
 
+#ifndef PC_NARROW_VECTORS
 inline __mmask16 lane_mask(int64_t n) {
   if (n >= 16) return 0xFFFF;
   if (n <= 0) return 0;
@@ -79,6 +86,8 @@ inline __m512bh pair_weights(const uint8_t* rec, int p, __m512i table) {
   }
 }
 
+#endif  // PC_NARROW_VECTORS
+
 struct QView {
   const uint8_t* packed;
   int64_t n, k, nblocks, rec_bytes, qbytes;
@@ -87,6 +96,7 @@ struct QView {
   }
 };
 
+#ifndef PC_NARROW_VECTORS
 inline void store_bf16(uint16_t* dst, __m512 v, __mmask16 mk) {
   _mm256_mask_storeu_epi16(dst, mk, (__m256i)_mm512_cvtneps_pbh(v));
 }
@@ -218,6 +228,189 @@ void run(const uint16_t* x, int64_t ldx, int64_t m, const QView& w, const float*
   }
 }
 
+#endif  // PC_NARROW_VECTORS
+
+// ---- fp32 activations (256-bit AVX2 + FMA) ----
+
+constexpr int64_t CHUNK_F32 = 48;  // rows per task when the batch is large (scratch reuse), 16 tiles of 3
+
+// Pair p of a block record as fp32, columns [8h, 8h + 8): k = 2p into `even`, 2p + 1 `odd`.
+template <bool U4>
+inline void pair_f32(const uint8_t* rec, int p, int h, __m256& even, __m256& odd) {
+  if constexpr (U4) {
+    const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(rec + p * GC + h * 8)));
+    even = _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(15)));
+    odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4));
+  } else {
+    // 8 columns x 2 k as int16 words (low byte k = 2p), sign-extended to int32
+    const __m256i d =
+        _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i*)(rec + p * GC * 2 + h * 16)));
+    even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(d, 24), 24));
+    odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(d, 8));
+  }
+}
+
+// Rows [r0, r0 + R) x NY 256-bit column vectors from group g0 (vector j: group g0 + j / 2,
+// half j % 2). SCRATCH: weights from `scratch` (fp32, [block][pair][parity][NY][8]), else
+// converted from the records. The 2 R NY FMA chains live in registers (R NY <= 6; the
+// accumulators are in memory, touched once a block), which is why the loops are written out.
+template <int R, int NY, bool U4, bool SCRATCH>
+void qtile_f32(const float* x, int64_t ldx, int64_t r0, const QView& w, int64_t g0,
+               const float* scratch, const float* xsum, const float* bias, float* out,
+               int64_t ldo) {
+  static_assert(R * NY <= 6, "the chains and operands must fit in 16 ymm registers");
+  alignas(32) float acc[R][NY][8] = {};
+  const float* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = x + (r0 + i) * ldx;
+  for (int64_t b = 0; b < w.nblocks; ++b) {
+    const uint8_t* rec[NY];
+    for (int j = 0; j < NY; ++j) rec[j] = w.record(g0 + j / 2, b);
+    __m256 pe[R][NY], po[R][NY];
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < NY; ++j) pe[i][j] = po[i][j] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int p = 0; p < PAIRS; ++p) {
+      if constexpr (SCRATCH) {
+        const float* s = scratch + ((b * PAIRS + p) * 2 * NY) * 8;
+        __m256 xe[R];
+        for (int i = 0; i < R; ++i) xe[i] = _mm256_broadcast_ss(rows[i] + b * QB + 2 * p);
+        for (int j = 0; j < NY; ++j) {
+          const __m256 we = _mm256_loadu_ps(s + j * 8);
+          for (int i = 0; i < R; ++i) pe[i][j] = _mm256_fmadd_ps(xe[i], we, pe[i][j]);
+        }
+        for (int i = 0; i < R; ++i) xe[i] = _mm256_broadcast_ss(rows[i] + b * QB + 2 * p + 1);
+        for (int j = 0; j < NY; ++j) {
+          const __m256 wo = _mm256_loadu_ps(s + (NY + j) * 8);
+          for (int i = 0; i < R; ++i) po[i][j] = _mm256_fmadd_ps(xe[i], wo, po[i][j]);
+        }
+      } else {
+        for (int j = 0; j < NY; ++j) {
+          __m256 we, wo;
+          pair_f32<U4>(rec[j], p, j % 2, we, wo);
+          for (int i = 0; i < R; ++i) {
+            const float* xr = rows[i] + b * QB + 2 * p;
+            pe[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr), we, pe[i][j]);
+            po[i][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 1), wo, po[i][j]);
+          }
+        }
+      }
+    }
+    for (int j = 0; j < NY; ++j) {
+      const float* sc = (const float*)(rec[j] + w.qbytes) + (j % 2) * 8;
+      const __m256 s = _mm256_loadu_ps(sc);
+      for (int i = 0; i < R; ++i) {
+        __m256 a = _mm256_fmadd_ps(_mm256_add_ps(pe[i][j], po[i][j]), s, _mm256_load_ps(acc[i][j]));
+        if constexpr (U4)
+          a = _mm256_fmadd_ps(_mm256_set1_ps(xsum[(r0 + i) * w.nblocks + b]),
+                              _mm256_loadu_ps(sc + 16), a);
+        _mm256_store_ps(acc[i][j], a);
+      }
+    }
+  }
+  for (int j = 0; j < NY; ++j) {
+    const int64_t col = g0 * GC + j * 8;
+    const int64_t live = std::min<int64_t>(8, w.n - col);
+    if (live <= 0) continue;
+    for (int i = 0; i < R; ++i) {
+      float* dst = out + (r0 + i) * ldo + col;
+      for (int l = 0; l < live; ++l) dst[l] = bias ? acc[i][j][l] + bias[col + l] : acc[i][j][l];
+    }
+  }
+}
+
+// sum(x) over each 32-k block of each row: four 8-lane vectors added in order, then the
+// lanes folded in one fixed order (U4M's min term).
+void block_sums_f32(const float* x, int64_t ldx, int64_t m, int64_t nblocks, float* xsum,
+                    int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (m * nblocks > 4096)
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const float* v = x + r * ldx + b * QB;
+      __m256 s = _mm256_loadu_ps(v);
+      s = _mm256_add_ps(s, _mm256_loadu_ps(v + 8));
+      s = _mm256_add_ps(s, _mm256_loadu_ps(v + 16));
+      s = _mm256_add_ps(s, _mm256_loadu_ps(v + 24));
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      xsum[r * nblocks + b] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    }
+}
+
+template <bool U4>
+void run_f32(const float* x, int64_t ldx, int64_t m, const QView& w, const float* xsum,
+             const float* bias, float* out, int64_t ldo, int nthreads) {
+  const int64_t groups = groups_of(w.n);
+  if (m == 1) {  // one row: two groups (4 vectors, 8 FMA chains) a task, streamed once
+    const int64_t tasks = (groups + 1) / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < tasks; ++t) {
+      if (t * 2 + 1 < groups)
+        qtile_f32<1, 4, U4, false>(x, ldx, 0, w, t * 2, nullptr, xsum, bias, out, ldo);
+      else
+        qtile_f32<1, 2, U4, false>(x, ldx, 0, w, t * 2, nullptr, xsum, bias, out, ldo);
+    }
+    return;
+  }
+  const int64_t chunk = m <= 2 ? m : CHUNK_F32;
+  const int64_t chunks = (m + chunk - 1) / chunk;
+  const int64_t tasks = groups * chunks;
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> scratch;  // one group's weights as fp32, [block][pair][parity][2][8]
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t g0 = t / chunks, ch = t % chunks;
+      const int64_t r_begin = ch * chunk, r_end = std::min(m, r_begin + chunk);
+      const bool use_scratch = r_end - r_begin > 2;
+      if (use_scratch) {
+        scratch.resize(w.nblocks * PAIRS * 4 * 8);
+        for (int64_t b = 0; b < w.nblocks; ++b) {
+          const uint8_t* rec = w.record(g0, b);
+          for (int p = 0; p < PAIRS; ++p) {
+            float* s = scratch.data() + (b * PAIRS + p) * 32;
+            for (int h = 0; h < 2; ++h) {
+              __m256 even, odd;
+              pair_f32<U4>(rec, p, h, even, odd);
+              _mm256_storeu_ps(s + h * 8, even);
+              _mm256_storeu_ps(s + (2 + h) * 8, odd);
+            }
+          }
+        }
+      }
+      for (int64_t r0 = r_begin; r0 < r_end;) {
+        const int64_t left = r_end - r0;
+        if (use_scratch && left >= 3) {
+          qtile_f32<3, 2, U4, true>(x, ldx, r0, w, g0, scratch.data(), xsum, bias, out, ldo);
+          r0 += 3;
+        } else if (use_scratch && left == 2) {
+          qtile_f32<2, 2, U4, true>(x, ldx, r0, w, g0, scratch.data(), xsum, bias, out, ldo);
+          r0 += 2;
+        } else if (use_scratch) {
+          qtile_f32<1, 2, U4, true>(x, ldx, r0, w, g0, scratch.data(), xsum, bias, out, ldo);
+          r0 += 1;
+        } else if (left >= 2) {
+          qtile_f32<2, 2, U4, false>(x, ldx, r0, w, g0, nullptr, xsum, bias, out, ldo);
+          r0 += 2;
+        } else {
+          qtile_f32<1, 2, U4, false>(x, ldx, r0, w, g0, nullptr, xsum, bias, out, ldo);
+          r0 += 1;
+        }
+      }
+    }
+  }
+}
+
+// One weight's fp32 value as the dequantizer computes it: s * q, then + mn as its own
+// rounding (no FMA contraction; volatile keeps the product a rounded float).
+inline float dequantized_f32(const uint8_t* rec, int64_t qbytes, int fmt, int64_t lane, int kk) {
+  const float* s = reinterpret_cast<const float*>(rec + qbytes);
+  const int p = kk / 2, j = kk % 2;
+  if (fmt == I8) return s[lane] * static_cast<float>(static_cast<int8_t>(rec[p * GC * 2 + lane * 2 + j]));
+  const uint8_t byte = rec[p * GC + lane];
+  volatile float prod = s[lane] * static_cast<float>(j ? byte >> 4 : byte & 15);
+  return prod + s[16 + lane];
+}
+
 inline uint16_t bf16_rne(float f) {  // finite values: round to nearest even, as torch casts
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof(bits));
@@ -261,6 +454,32 @@ void pc_qgemm_pack(const int8_t* q, const float* scale, const float* mn, int64_t
     }
 }
 
+// out fp32 [m, n] (row stride ldo) = x fp32 [m, k] (row stride ldx) W^T + bias (fp32 or null).
+void pc_qgemm_f32(const float* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n,
+                  int64_t k, int fmt, const float* bias, float* out, int64_t ldo, int nthreads) {
+  const QView w{packed, n, k, k / QB, rec_bytes_of(fmt), qbytes_of(fmt)};
+  if (fmt == U4M) {
+    std::vector<float> xsum(m * w.nblocks);
+    block_sums_f32(x, ldx, m, w.nblocks, xsum.data(), nthreads);
+    run_f32<true>(x, ldx, m, w, xsum.data(), bias, out, ldo, nthreads);
+  } else {
+    run_f32<false>(x, ldx, m, w, nullptr, bias, out, ldo, nthreads);
+  }
+}
+
+// Rows ids[0..m) of W as fp32 into out [m, k]: exactly the dequantizing loader's values.
+void pc_qgemm_gather_f32(const uint8_t* packed, int64_t n, int64_t k, int fmt,
+                         const int64_t* ids, int64_t m, float* out) {
+  const QView w{packed, n, k, k / QB, rec_bytes_of(fmt), qbytes_of(fmt)};
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t col = ids[i], g = col / GC, lane = col % GC;
+    for (int64_t b = 0; b < w.nblocks; ++b)
+      for (int kk = 0; kk < QB; ++kk)
+        out[i * k + b * QB + kk] = dequantized_f32(w.record(g, b), w.qbytes, fmt, lane, kk);
+  }
+}
+
+#ifndef PC_NARROW_VECTORS
 // out bf16 [m, n] (row stride ldo) = x bf16 [m, k] (row stride ldx) W^T + bias (fp32 or null).
 void pc_qgemm_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n,
                    int64_t k, int fmt, const float* bias, uint16_t* out, int64_t ldo,
@@ -300,5 +519,7 @@ void pc_qgemm_gather_bf16(const uint8_t* packed, int64_t n, int64_t k, int fmt,
     }
   }
 }
+
+#endif  // PC_NARROW_VECTORS
 
 }  // extern "C"

@@ -1,11 +1,12 @@
-"""Batch-invariant GEMM over block-quantized weights on AVX512_BF16 CPUs (``cpu_qgemm.cpp``).
+"""Batch-invariant GEMM over block-quantized weights (``cpu_qgemm.cpp``).
 
 The weight stays as small integers with a fp32 scale (and min) per 32 k, dequantized inside
-the kernel: a decode reads 9 (``I8``) or 6 (``U4M``) bits a weight instead of bf16's 16. Each
-output element is one fixed sequence (per block a fresh VDPBF16PS partial over ascending k,
-then scaled into one fp32 accumulator, blocks in ascending k), so a row's result is a
-function of that row alone, as in ``cpu_gemm``. bf16 activations only: fp32 models keep the
-dequantized weights. ``available()`` is false where the library cannot load (``cpu_library``).
+the kernel: a decode reads 9 (``I8``) or 6 (``U4M``) bits a weight instead of bf16's 16 or
+fp32's 32. Each output element is one fixed sequence (per block fresh partials over ascending
+k, then scaled into one fp32 accumulator, blocks in ascending k), so a row's result is a
+function of that row alone, as in ``cpu_gemm``. Activations are bf16 (VDPBF16PS, AVX512_BF16
+CPUs: the native build only) or fp32 (AVX2 + FMA, both builds). ``computes(dtype)`` says
+which run here; ``available()`` is false where the library cannot load (``cpu_library``).
 """
 
 from __future__ import annotations
@@ -32,19 +33,20 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pc_qgemm_packed_bytes.restype = i64
     lib.pc_qgemm_pack.argtypes = [ptr, ptr, ptr, i64, i64, c_int, ptr]
     lib.pc_qgemm_pack.restype = None
-    lib.pc_qgemm_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, c_int, ptr, ptr, i64, c_int]
-    lib.pc_qgemm_bf16.restype = None
-    lib.pc_qgemm_gather_bf16.argtypes = [ptr, i64, i64, c_int, ptr, i64, ptr]
-    lib.pc_qgemm_gather_bf16.restype = None
+    suffixes = ("f32", "bf16") if hasattr(lib, "pc_qgemm_bf16") else ("f32",)  # avx2: fp32
+    for suffix in suffixes:
+        fn = getattr(lib, f"pc_qgemm_{suffix}")
+        fn.argtypes = [ptr, i64, i64, ptr, i64, i64, c_int, ptr, ptr, i64, c_int]
+        fn.restype = None
+        fn = getattr(lib, f"pc_qgemm_gather_{suffix}")
+        fn.argtypes = [ptr, i64, i64, c_int, ptr, i64, ptr]
+        fn.restype = None
 
 
 _library = cpu_library.CpuLibrary(
-    SOURCE,
-    "CPU quantized GEMM",
-    "dequantized GGUF weights",
-    _declare,
-    targets=cpu_library.NATIVE_ONLY,
+    SOURCE, "CPU quantized GEMM", "dequantized GGUF weights", _declare
 )
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def unavailable_reason(cpuinfo: str | None = None) -> str | None:
@@ -55,6 +57,31 @@ def unavailable_reason(cpuinfo: str | None = None) -> str | None:
 def available() -> bool:
     """Whether the kernel is built and loaded (building it on first use, a few seconds)."""
     return _library.load() is not None
+
+
+def dtype_reason(dtype: torch.dtype) -> str | None:
+    """Why the kernel cannot take ``dtype`` activations here (None when it can)."""
+    suffix = _SUFFIXES.get(dtype)
+    if suffix is None:
+        return f"the kernel computes bfloat16 or float32, not {str(dtype).removeprefix('torch.')}"
+    lib = _library.load()
+    if lib is None:
+        return "the CPU quantized GEMM does not load here (see the log)"
+    if not hasattr(lib, f"pc_qgemm_{suffix}"):
+        target = _library.target.name if _library.target else "?"
+        return f"its {target} build computes float32 only (bfloat16 needs AVX512_BF16)"
+    return None
+
+
+def computes(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` activations run here (building the kernel on first use)."""
+    return dtype_reason(dtype) is None
+
+
+def _entry(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
+    reason = dtype_reason(dtype)
+    cpu_library.require(reason is None, f"cpu_qgemm {name} for {dtype}: {reason}")
+    return getattr(_lib(), f"pc_qgemm_{name}{_SUFFIXES[dtype]}")
 
 
 def _lib() -> ctypes.CDLL:
@@ -115,8 +142,8 @@ class QuantizedWeight:
 
 
 class QuantizedLinear:
-    """``x @ W.T + bias`` for a bf16 ``x`` and a ``QuantizedWeight``; ``gather(ids)``: rows
-    of W as bf16 (the tied embedding)."""
+    """``x @ W.T + bias`` for a bf16 or fp32 ``x`` (the output in ``x``'s dtype) and a
+    ``QuantizedWeight``; ``gather(ids, dtype)``: rows of W (the tied embedding)."""
 
     __slots__ = ("bias", "in_features", "out_features", "weight")
 
@@ -128,27 +155,29 @@ class QuantizedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         what = f"QuantizedLinear({self.in_features} -> {self.out_features})"
-        lead, x2 = cpu_library.gemm_rows(x, torch.bfloat16, self.in_features, what)
+        dtype = x.dtype if x.dtype in _SUFFIXES else torch.bfloat16
+        lead, x2 = cpu_library.gemm_rows(x, dtype, self.in_features, what)
         m = x2.shape[0]
-        out = torch.empty(m, self.out_features, dtype=torch.bfloat16)
+        out = torch.empty(m, self.out_features, dtype=dtype)
         if m:
             w = self.weight
-            _lib().pc_qgemm_bf16(
+            _entry("", dtype)(
                 x2.data_ptr(), x2.stride(0), m, w.packed.data_ptr(), w.n, w.k,
                 _FORMAT_CODES[w.fmt], None if self.bias is None else self.bias.data_ptr(),
                 out.data_ptr(), self.out_features, torch.get_num_threads(),
             )  # fmt: skip
         return out.view(*lead, self.out_features)
 
-    def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``ids`` of W, bf16 ``[*ids.shape, k]``: s * q (+ mn) in fp32, rounded once."""
+    def gather(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Rows ``ids`` of W ``[*ids.shape, k]``: s * q (+ mn) in fp32 as the dequantizer
+        computes it, rounded once to ``dtype`` (bf16 or fp32)."""
         flat = ids.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
         w = self.weight
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.n):
             raise IndexError(f"row ids outside [0, {w.n})")
-        out = torch.empty(flat.numel(), w.k, dtype=torch.bfloat16)
+        out = torch.empty(flat.numel(), w.k, dtype=dtype)
         if flat.numel():
-            _lib().pc_qgemm_gather_bf16(
+            _entry("gather_", dtype)(
                 w.packed.data_ptr(), w.n, w.k, _FORMAT_CODES[w.fmt], flat.data_ptr(),
                 flat.numel(), out.data_ptr(),
             )  # fmt: skip

@@ -317,7 +317,7 @@ def load_gguf(
     if config.tie_word_embeddings and gguf_weights.EMBEDDING not in packed:
         model.lm_head.weight = model.model.embed_tokens.weight
     if packed:
-        gguf_weights.install(model, packed, config.tie_word_embeddings)
+        gguf_weights.install(model, packed, config.tie_word_embeddings, dtype)
     if ROPE_FREQS in tensors:  # divides each pair's frequency, as llama.cpp's rope does
         factors = torch.from_numpy(dequantize_tensor(tensors[ROPE_FREQS]).reshape(-1))
         model.model.rotary_emb.inv_freq_cpu = rope_inv_freq(config) / factors

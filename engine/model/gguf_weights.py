@@ -3,7 +3,8 @@
 ``--gguf-weights``: ``dequantized`` (every tensor to the engine dtype at load, as before),
 ``quantized`` (the linears and the embedding whose type ``gguf_blocks`` splits stay packed for
 ``kernels/cpu_qgemm``; other tensors are dequantized) or ``auto`` (quantized where it can run:
-a bf16 CPU model and a kernel that loads; else dequantized). Quantized logits differ from
+a CPU model in a dtype the kernel computes here, bf16 on AVX512_BF16 and fp32 on AVX2 + FMA;
+else dequantized). Quantized logits differ from
 the dequantized ones (rounding), so the mode is part of the model fingerprint.
 """
 
@@ -30,11 +31,7 @@ def quantized_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why quantized weights cannot run here (None when they can)."""
     if device.type != "cpu":
         return f"the kernel runs on CPU, not {device.type}"
-    if dtype != torch.bfloat16:
-        return f"the kernel computes bf16, not {str(dtype).removeprefix('torch.')}"
-    if not cpu_qgemm.available():
-        return "the CPU quantized GEMM does not load here (see the log)"
-    return None
+    return cpu_qgemm.dtype_reason(dtype)
 
 
 def resolve_mode(mode: str, dtype: torch.dtype, device: torch.device) -> bool:
@@ -68,14 +65,17 @@ def pack_tensor(t: Any, row_order: np.ndarray | None = None) -> cpu_qgemm.Quanti
 
 
 def install(
-    model: LlamaForCausalLM, packed: dict[str, cpu_qgemm.QuantizedWeight], tied: bool
+    model: LlamaForCausalLM,
+    packed: dict[str, cpu_qgemm.QuantizedWeight],
+    tied: bool,
+    dtype: torch.dtype,
 ) -> None:
-    """Swap the modules whose weights are in ``packed`` (HF names) for quantized ones; a tied
-    head shares the embedding's packing."""
+    """Swap the modules whose weights are in ``packed`` (HF names) for quantized ones
+    computing in ``dtype``; a tied head shares the embedding's packing."""
     for name, weight in packed.items():
         path = name.removesuffix(".weight")
         if name == EMBEDDING:
-            model.set_submodule(path, QEmbedding(weight))
+            model.set_submodule(path, QEmbedding(weight, dtype))
             continue
         old = model.get_submodule(path)
         model.set_submodule(path, QLinear(weight, getattr(old, "bias", None)))

@@ -2,9 +2,9 @@
 ``nn.Linear`` and ``nn.Embedding``: the loader swaps them in, ``prepare()`` fuses them.
 
 They hold no weight parameter (the state dict keeps biases only): a quantized model is served,
-not trained or saved. ``QEmbedding`` gives exactly the bf16 rows a dequantizing loader gives;
-``QLinear`` computes ``x @ W.T`` from the integers and scales (close to, not bit-equal with,
-the bf16 product of the dequantized weight).
+not trained or saved. ``QEmbedding`` gives exactly the rows (bf16 or fp32) a dequantizing loader gives; ``QLinear``
+computes ``x @ W.T`` in ``x``'s dtype from the integers and scales (close to, not bit-equal
+with, the product of the dequantized weight).
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ class QLinear(nn.Module):
 
 
 class QEmbedding(nn.Module):
-    def __init__(self, weight: QuantizedWeight) -> None:
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight.n, weight.k
         self.kernel = QuantizedLinear(weight)
         self.qweight = weight
+        self.dtype = dtype  # the rows' dtype: the model's
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.kernel.gather(ids)
+        return self.kernel.gather(ids, self.dtype)
 
 
 def fused_kernel(linears: tuple[nn.Module, ...]) -> QuantizedLinear | None:
