@@ -1,5 +1,6 @@
-"""The fused CPU layer ops (AVX512_BF16) give torch's unfused bf16 results bit for bit, and
-the decoder's fused-residual restructure leaves the torch path's results as they were."""
+"""The fused CPU layer ops give torch's unfused results bit for bit, in each dtype they compute
+here (bf16 on AVX512_BF16, fp32 on AVX2 + FMA too), and the decoder's fused-residual
+restructure leaves the torch path's results as they were."""
 
 from __future__ import annotations
 
@@ -12,12 +13,28 @@ from prefixcache.engine.model import layer_ops, llama
 from prefixcache.engine.model.model_config import ModelConfig
 
 REASON = cpu_layer_ops.unavailable_reason()
-needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"CPU layer ops: {REASON}")
+needs_bf16_silu = pytest.mark.skipif(
+    REASON is not None or not cpu_layer_ops.computes_silu_and_mul(torch.bfloat16),
+    reason=f"CPU layer ops' SiLU-and-mul (bf16, AVX512_BF16): {REASON or 'not this build'}",
+)
+DTYPES = [
+    pytest.param(
+        dtype,
+        id=str(dtype).removeprefix("torch."),
+        marks=pytest.mark.skipif(
+            REASON is not None or not cpu_layer_ops.computes(dtype),
+            reason=f"CPU layer ops do not compute {dtype} here ({REASON or 'this build'})",
+        ),
+    )
+    for dtype in (torch.bfloat16, torch.float32)
+]
 
 
-def rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+def rand(
+    *shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,23 +55,26 @@ SHAPES = [(1, 512), (7, 512), (33, 64), (5, 100), (3, 200), (64, 896), (2, 4096)
 SHAPES += [(2049, 512), (300, 2048)]  # over the parallel threshold
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "cols"), SHAPES)
-def test_rms_norm_is_torchs_bit_for_bit(rows: int, cols: int) -> None:
+def test_rms_norm_is_torchs_bit_for_bit(rows: int, cols: int, dtype: torch.dtype) -> None:
     """Odd row counts, hidden sizes off multiples of 8/16/32 (the sum's ragged tails), long
     rows (the sum's ladder of levels), the parallel path; a strided input."""
-    wide = rand(rows, cols + 24, seed=rows * cols, scale=3.0)
+    wide = rand(rows, cols + 24, seed=rows * cols, scale=3.0, dtype=dtype)
     x = wide[:, 5 : 5 + cols]  # rows strided, as a slice of a wider tensor
-    weight = rand(cols, seed=cols)
+    weight = rand(cols, seed=cols, dtype=dtype)
     assert torch.equal(cpu_layer_ops.rms_norm(x, weight, 1e-5), torch_rms_norm(x, weight, 1e-5))
     assert torch.equal(cpu_layer_ops.rms_norm(x, weight, 1e-6), torch_rms_norm(x, weight, 1e-6))
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "cols"), SHAPES)
-def test_fused_add_rms_norm_is_torchs_add_then_norm(rows: int, cols: int) -> None:
-    x, residual = rand(rows, cols, seed=1, scale=2.0), rand(rows, cols, seed=2, scale=5.0)
-    weight = rand(cols, seed=3)
+def test_fused_add_rms_norm_is_torchs_add_then_norm(
+    rows: int, cols: int, dtype: torch.dtype
+) -> None:
+    x = rand(rows, cols, seed=1, scale=2.0, dtype=dtype)
+    residual = rand(rows, cols, seed=2, scale=5.0, dtype=dtype)
+    weight = rand(cols, seed=3, dtype=dtype)
     want_sum = residual + x
     want = torch_rms_norm(want_sum, weight, 1e-5)
     out, new_residual = cpu_layer_ops.fused_add_rms_norm(x, residual, weight, 1e-5)
@@ -63,7 +83,7 @@ def test_fused_add_rms_norm_is_torchs_add_then_norm(rows: int, cols: int) -> Non
     assert torch.equal(out, want)
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("tokens", "hq", "hk", "d"),
     [
@@ -77,7 +97,7 @@ def test_fused_add_rms_norm_is_torchs_add_then_norm(rows: int, cols: int) -> Non
 )
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rotary_in_place_is_rotate_half_bit_for_bit(
-    tokens: int, hq: int, hk: int, d: int, qk_norm: bool
+    tokens: int, hq: int, hk: int, d: int, qk_norm: bool, dtype: torch.dtype
 ) -> None:
     """q and k as views of one fused qkv output (the engine's layout), head dims whose halves
     are not a multiple of 16, llama3-scaled frequencies at long positions; with Qwen3's
@@ -100,12 +120,13 @@ def test_rotary_in_place_is_rotate_half_bit_for_bit(
         )
     )
     positions = torch.randint(0, 100_000, (tokens,), generator=torch.Generator().manual_seed(d))
-    cos, sin = llama.RotaryEmbedding(config)(positions, torch.bfloat16)
-    qkv = rand(tokens, (hq + 2 * hk) * d, seed=tokens, scale=2.0)
+    cos, sin = llama.RotaryEmbedding(config)(positions, dtype)
+    qkv = rand(tokens, (hq + 2 * hk) * d, seed=tokens, scale=2.0, dtype=dtype)
     q = qkv[:, : hq * d].view(tokens, hq, d)
     k = qkv[:, hq * d : (hq + hk) * d].view(tokens, hk, d)
     v_before = qkv[:, (hq + hk) * d :].clone()
-    norms = (rand(d, seed=d + 1), rand(d, seed=d + 2), 1e-6) if qk_norm else None
+    norms = (rand(d, seed=d + 1, dtype=dtype), rand(d, seed=d + 2, dtype=dtype), 1e-6)
+    norms = norms if qk_norm else None
     want_q, want_k = q, k
     if norms is not None:
         want_q, want_k = torch_rms_norm(q, norms[0], 1e-6), torch_rms_norm(k, norms[1], 1e-6)
@@ -115,7 +136,7 @@ def test_rotary_in_place_is_rotate_half_bit_for_bit(
     assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "v untouched"
 
 
-@needs_kernel
+@needs_bf16_silu
 def test_silu_and_mul_is_torchs_for_every_bf16_gate() -> None:
     """Every finite or infinite bf16 gate value, through torch's vectorized rows (32 wide) and
     its scalar path (a one-column, strided gate), times a random up."""
@@ -132,7 +153,7 @@ def test_silu_and_mul_is_torchs_for_every_bf16_gate() -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
-@needs_kernel
+@needs_bf16_silu
 @pytest.mark.parametrize(("rows", "inter"), [(1, 1408), (33, 1408), (5, 100), (3, 7), (2048, 1408)])
 def test_silu_and_mul_shapes(rows: int, inter: int) -> None:
     gate_up = rand(rows, 2 * inter, seed=rows + inter, scale=4.0)
@@ -206,24 +227,30 @@ def test_torch_path_of_the_fused_residual_layout_is_unchanged(
     assert torch.equal(got, want)
 
 
-def test_prepare_fuses_only_bf16_cpu_models() -> None:
-    fp32 = random_model(tiny_config(), torch.float32)
-    fp32.prepare()
-    assert not fp32.fused_ops
-    bf16 = random_model(tiny_config(), torch.bfloat16)
-    bf16.prepare()
-    assert bf16.fused_ops == cpu_layer_ops.available()
+def test_prepare_fuses_the_dtypes_the_ops_compute() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        model = random_model(tiny_config(), dtype)
+        model.prepare()
+        assert model.fused_ops == cpu_layer_ops.computes(dtype)
+        if not model.fused_ops:
+            with pytest.raises(ValueError, match="does not compute"):
+                model.set_fused_ops(True)
+    fp16 = random_model(tiny_config(), torch.float16)
+    fp16.prepare()
+    assert not fp16.fused_ops
+    if cpu_layer_ops.computes(torch.float32):  # fp32: torch's SiLU-and-mul (its exp)
+        assert layer_ops.fused_ops_for(torch.float32) is layer_ops.FUSED_NORMS_OPS
 
 
-@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_bf16_model_on_the_fused_ops_equals_torch_ops(kind: str) -> None:
-    """Whole prepared bf16 models (Qwen3: per-head q/k norms before the rotary): the fused
-    path's hidden states are the torch path's bit for bit, prefill and a decode-sized batch."""
+def test_model_on_the_fused_ops_equals_torch_ops(kind: str, dtype: torch.dtype) -> None:
+    """Whole prepared models (Qwen3: per-head q/k norms before the rotary): the fused path's
+    hidden states are the torch path's bit for bit, prefill and a decode-sized batch."""
     overrides = (
         dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3") if kind == "qwen3" else {}
     )
-    model = random_model(tiny_config(**overrides), torch.bfloat16)
+    model = random_model(tiny_config(**overrides), dtype)
     with torch.inference_mode():
         model.prepare()
         assert model.fused_ops

@@ -1,6 +1,7 @@
 """Gemma's fused norms (cpu_layer_ops) give transformers' Gemma3RMSNorm arithmetic bit for
-bit: ``bf16(x / rms(x) * (1 + w))`` in fp32, the post-norm's residual add rounded where
-torch rounds it, and the per-head q/k norms inside the rotary pass."""
+bit: ``rnd(x / rms(x) * (1 + w))`` in fp32, the post-norm's residual add rounded where
+torch rounds it, and the per-head q/k norms inside the rotary pass; in each dtype the ops
+compute here (bf16 on AVX512_BF16, fp32 on AVX2 + FMA too)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,24 @@ from prefixcache.engine.model import layer_ops
 
 REASON = cpu_layer_ops.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"CPU layer ops: {REASON}")
+DTYPES = [
+    pytest.param(
+        dtype,
+        id=str(dtype).removeprefix("torch."),
+        marks=pytest.mark.skipif(
+            REASON is not None or not cpu_layer_ops.computes(dtype),
+            reason=f"CPU layer ops do not compute {dtype} here",
+        ),
+    )
+    for dtype in (torch.bfloat16, torch.float32)
+]
 
 
-def rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+def rand(
+    *shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
 
 def transformers_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,10 +49,13 @@ def scale_of(weight: torch.Tensor) -> torch.Tensor:
 SHAPES = [(1, 640), (7, 640), (64, 640), (5, 100), (3, 256), (33, 1152), (2112, 640)]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "cols"), SHAPES)
-def test_gemma_rms_norm_is_transformers_bit_for_bit(rows: int, cols: int) -> None:
-    x = rand(rows, cols, seed=rows * cols, scale=4.0)
-    weight = rand(cols, seed=cols, scale=0.5)
+def test_gemma_rms_norm_is_transformers_bit_for_bit(
+    rows: int, cols: int, dtype: torch.dtype
+) -> None:
+    x = rand(rows, cols, seed=rows * cols, scale=4.0, dtype=dtype)
+    weight = rand(cols, seed=cols, scale=0.5, dtype=dtype)
     for eps in (1e-6, 1e-5):
         want = transformers_norm(x, weight, eps)
         assert torch.equal(cpu_layer_ops.gemma_rms_norm(x, scale_of(weight), eps), want)
@@ -52,13 +69,16 @@ def test_gemma_rms_norm_is_transformers_bit_for_bit(rows: int, cols: int) -> Non
     seed=st.integers(0, 2**20),
     scale=st.sampled_from([1e-3, 1.0, 30.0, 3e3]),
 )
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gemma_add_norms_is_add_then_two_norms(
-    rows: int, cols: int, seed: int, scale: float
+    rows: int, cols: int, seed: int, scale: float, dtype: torch.dtype
 ) -> None:
-    """The post-norm of h added to the residual (bf16), then the next pre-norm of the sum,
+    """The post-norm of h added to the residual (rounded), then the next pre-norm of the sum,
     any row count and width (ragged tails, the parallel path), any magnitude."""
-    h, residual = rand(rows, cols, seed=seed, scale=scale), rand(rows, cols, seed=seed + 1)
-    post, pre = rand(cols, seed=seed + 2, scale=0.7), rand(cols, seed=seed + 3, scale=0.7)
+    h = rand(rows, cols, seed=seed, scale=scale, dtype=dtype)
+    residual = rand(rows, cols, seed=seed + 1, dtype=dtype)
+    post = rand(cols, seed=seed + 2, scale=0.7, dtype=dtype)
+    pre = rand(cols, seed=seed + 3, scale=0.7, dtype=dtype)
     want_residual = residual + transformers_norm(h, post, 1e-6)
     want = transformers_norm(want_residual, pre, 1e-6)
     kept = residual.data_ptr()
@@ -69,17 +89,20 @@ def test_gemma_add_norms_is_add_then_two_norms(
     assert torch.equal(got_residual, want_residual) and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("tokens", "hq", "hk", "d"), [(1, 4, 1, 256), (37, 4, 1, 256), (9, 3, 1, 80)]
 )
-def test_rotary_with_gemma_qk_norms(tokens: int, hq: int, hk: int, d: int) -> None:
+def test_rotary_with_gemma_qk_norms(
+    tokens: int, hq: int, hk: int, d: int, dtype: torch.dtype
+) -> None:
     """q and k as views of the QKV output, each head through Gemma's norm, then rotated."""
-    qkv = rand(tokens, (hq + 2 * hk) * d, seed=tokens, scale=3.0)
+    qkv = rand(tokens, (hq + 2 * hk) * d, seed=tokens, scale=3.0, dtype=dtype)
     q = qkv[:, : hq * d].view(tokens, hq, d)
     k = qkv[:, hq * d : (hq + hk) * d].view(tokens, hk, d)
     angles = torch.rand(tokens, 1, d // 2, generator=torch.Generator().manual_seed(d)) * 6.0
-    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
-    q_w, k_w = rand(d, seed=1, scale=0.5), rand(d, seed=2, scale=0.5)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q_w, k_w = rand(d, seed=1, scale=0.5, dtype=dtype), rand(d, seed=2, scale=0.5, dtype=dtype)
     want_q = layer_ops._rotate(transformers_norm(q, q_w, 1e-6), cos, sin)
     want_k = layer_ops._rotate(transformers_norm(k, k_w, 1e-6), cos, sin)
     norms = (scale_of(q_w), scale_of(k_w), 1e-6)
@@ -92,7 +115,14 @@ def test_rotary_with_gemma_qk_norms(tokens: int, hq: int, hk: int, d: int) -> No
 
 
 def test_the_norm_kinds_are_checked() -> None:
-    """Qwen3's bf16 weights are not taken as Gemma's fp32 scales, nor the reverse."""
+    """Qwen3's bf16 weights are not taken as Gemma's fp32 scales, nor the reverse; a bf16
+    scale is refused in fp32 too."""
+    with pytest.raises(ValueError):
+        cpu_layer_ops.gemma_rms_norm(
+            rand(2, 64, seed=5, dtype=torch.float32), rand(64, seed=4), 1e-6
+        )
+    if not cpu_layer_ops.computes(torch.bfloat16):
+        return
     q, k = rand(2, 1, 64, seed=1), rand(2, 1, 64, seed=2)
     cos = sin = rand(2, 1, 32, seed=3)
     bf16_w = rand(64, seed=4)

@@ -1,12 +1,14 @@
-// The decoder layer's elementwise work in bf16 on AVX-512 (built by cpu_layer_ops.py):
-// residual add + RMSNorm (Llama's, and Gemma's 1 + w form with its post-norms), rotary
-// embedding in place on q and k (with per-head q/k norms), SiLU(gate) * up.
+// The decoder layer's elementwise work in one pass each (built by cpu_layer_ops.py): residual
+// add + RMSNorm (Llama's, and Gemma's 1 + w form with its post-norms), rotary embedding in
+// place on q and k (with per-head q/k norms), SiLU(gate) * up. bf16 on AVX-512 (the native
+// build); fp32, all but SiLU-and-mul, on both builds (the AVX2 one through SIMDe).
 //
-// Every bf16 result is rounded where torch's unfused bf16 ops round it (each op computes in
-// fp32 from bf16 operands and rounds its output to bf16, nearest-even), and RMSNorm's sum of
-// squares runs in torch's order, so the outputs are torch's bit for bit. The one fp32 step
-// done differently is the exp inside SiLU (within an fp32 ulp of torch's); a gate is bf16,
-// so the test checks every one of its 65,536 values. Rows are independent and a row's
+// Every result is rounded where torch's unfused ops round it (each op computes in fp32 and
+// rounds its output to the tensor's dtype: bf16 nearest-even, or fp32, where the rounding
+// point is a barrier against FMA contraction), and RMSNorm's sum of squares runs in torch's
+// order, so the outputs are torch's bit for bit. The one fp32 step done differently is the
+// exp inside SiLU (within an fp32 ulp of torch's); a gate is bf16, so the test checks every
+// one of its 65,536 values, and fp32 SiLU stays torch's. Rows are independent and a row's
 // arithmetic never depends on the row or thread count: a row's result is the same alone or
 // in any batch.
 #include <immintrin.h>
@@ -56,6 +58,44 @@ inline void store_bf16_masked(uint16_t* p, __m512 x, __mmask16 m) {
 }
 
 inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+
+// How a tensor's elements load, round and store: bf16 bits, or fp32.
+struct Bf16 {
+    using T = uint16_t;
+    static __m512 load(const T* p) { return load_bf16(p); }
+    static __m512 load(const T* p, __mmask16 m) { return load_bf16_masked(p, m); }
+    static void store(T* p, __m512 x) { store_bf16(p, x); }
+    static void store(T* p, __m512 x, __mmask16 m) { store_bf16_masked(p, x, m); }
+    static __m512 round(__m512 x) { return round_bf16(x); }
+    static float scalar(T v) {
+        uint32_t bits = static_cast<uint32_t>(v) << 16;
+        float a;
+        __builtin_memcpy(&a, &bits, 4);
+        return a;
+    }
+    static __m256 load8(const T* p) {
+        __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+    }
+};
+
+struct F32 {
+    using T = float;
+    static __m512 load(const T* p) { return _mm512_loadu_ps(p); }
+    static __m512 load(const T* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+    static void store(T* p, __m512 x) { _mm512_storeu_ps(p, x); }
+    static void store(T* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
+    // Already fp32: rounding is a no-op, but torch rounds each op's result, so the compiler
+    // must not fuse across it (the AVX2 build compiles with -ffp-contract=off instead).
+    static __m512 round(__m512 x) {
+#ifndef PC_NARROW_VECTORS
+        asm("" : "+v"(x));
+#endif
+        return x;
+    }
+    static float scalar(T v) { return v; }
+    static __m256 load8(const T* p) { return _mm256_loadu_ps(p); }
+};
 
 // e^x in fp32: x = n ln2 + r (ln2 split in two), a polynomial for e^r, scaled by 2^n.
 // Inf above ~88.72, 0 below ~-103.9, NaN stays NaN.
@@ -122,17 +162,15 @@ inline float torch_order_sum(int64_t cols, Vec sq, Tail sq_tail) {
     return result;
 }
 
-// 1 / sqrt(mean(src^2) + eps) over a bf16 row, the mean in torch's order.
-inline float inv_rms(const uint16_t* src, int64_t cols, float eps) {
+// 1 / sqrt(mean(src^2) + eps) over a row, the mean in torch's order.
+template <class E>
+inline float inv_rms(const typename E::T* src, int64_t cols, float eps) {
     auto sq = [src](int64_t v) {
-        __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + v * 8));
-        __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+        __m256 a = E::load8(src + v * 8);
         return _mm256_mul_ps(a, a);
     };
     auto sq_tail = [src](int64_t k) {
-        uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
-        float a;
-        __builtin_memcpy(&a, &bits, 4);
+        const float a = E::scalar(src[k]);
         return a * a;
     };
     float mean = torch_order_sum(cols, sq, sq_tail) / static_cast<float>(cols);
@@ -143,66 +181,68 @@ inline __mmask16 chunk_mask(int64_t cols, int64_t j) {
     return cols - j >= 16 ? static_cast<__mmask16>(0xffff) : tail_mask(cols - j);
 }
 
-// One row: (optionally residual = bf16(x + residual)), then
-// out = bf16(w * bf16(r * rsqrt(mean(r^2) + eps))) over r = the (new) residual, or x.
-inline void rms_norm_row(const uint16_t* x, uint16_t* residual, const uint16_t* w, uint16_t* out,
-                         int64_t cols, float eps) {
-    const uint16_t* src = residual != nullptr ? residual : x;
+// One row: (optionally residual = rnd(x + residual)), then
+// out = rnd(w * rnd(r * rsqrt(mean(r^2) + eps))) over r = the (new) residual, or x.
+template <class E, class T = typename E::T>
+inline void rms_norm_row(const T* x, T* residual, const T* w, T* out, int64_t cols, float eps) {
+    const T* src = residual != nullptr ? residual : x;
     if (residual != nullptr) {
         int64_t j = 0;
         for (; j + 16 <= cols; j += 16)
-            store_bf16(residual + j, round_bf16(_mm512_add_ps(load_bf16(x + j), load_bf16(residual + j))));
+            E::store(residual + j, E::round(_mm512_add_ps(E::load(x + j), E::load(residual + j))));
         if (j < cols) {
             __mmask16 m = tail_mask(cols - j);
-            __m512 a = _mm512_add_ps(load_bf16_masked(x + j, m), load_bf16_masked(residual + j, m));
-            store_bf16_masked(residual + j, round_bf16(a), m);
+            __m512 a = _mm512_add_ps(E::load(x + j, m), E::load(residual + j, m));
+            E::store(residual + j, E::round(a), m);
         }
     }
-    const __m512 scale = _mm512_set1_ps(inv_rms(src, cols, eps));
+    const __m512 scale = _mm512_set1_ps(inv_rms<E>(src, cols, eps));
     for (int64_t j = 0; j < cols; j += 16) {
         __mmask16 m = chunk_mask(cols, j);
-        __m512 a = round_bf16(_mm512_mul_ps(load_bf16_masked(src + j, m), scale));
-        store_bf16_masked(out + j, _mm512_mul_ps(load_bf16_masked(w + j, m), a), m);
+        __m512 a = E::round(_mm512_mul_ps(E::load(src + j, m), scale));
+        E::store(out + j, _mm512_mul_ps(E::load(w + j, m), a), m);
     }
 }
 
-// Gemma's RMSNorm of one row: out = bf16((x * rsqrt(mean(x^2) + eps)) * scale) in fp32,
+// Gemma's RMSNorm of one row: out = rnd((x * rsqrt(mean(x^2) + eps)) * scale) in fp32,
 // scale = 1 + w (fp32), rounded once at the end as transformers' Gemma3RMSNorm does.
-inline void gemma_norm_row(const uint16_t* x, const float* scale, uint16_t* out, int64_t cols,
-                           float eps) {
-    const __m512 r = _mm512_set1_ps(inv_rms(x, cols, eps));
+template <class E, class T = typename E::T>
+inline void gemma_norm_row(const T* x, const float* scale, T* out, int64_t cols, float eps) {
+    const __m512 r = _mm512_set1_ps(inv_rms<E>(x, cols, eps));
     for (int64_t j = 0; j < cols; j += 16) {
         __mmask16 m = chunk_mask(cols, j);
-        __m512 a = _mm512_mul_ps(load_bf16_masked(x + j, m), r);
-        store_bf16_masked(out + j, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, scale + j)), m);
+        __m512 a = F32::round(_mm512_mul_ps(E::load(x + j, m), r));
+        E::store(out + j, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, scale + j)), m);
     }
 }
 
 // Gemma's post-norm residual and the next pre-norm in one pass over a row:
-// residual = bf16(residual + gemma_norm(h, post)), then out = gemma_norm(residual, pre).
-inline void gemma_add_norms_row(const uint16_t* h, uint16_t* residual, const float* post,
-                                const float* pre, uint16_t* out, int64_t cols, float eps) {
-    const __m512 r = _mm512_set1_ps(inv_rms(h, cols, eps));
+// residual = rnd(residual + gemma_norm(h, post)), then out = gemma_norm(residual, pre).
+template <class E, class T = typename E::T>
+inline void gemma_add_norms_row(const T* h, T* residual, const float* post, const float* pre,
+                                T* out, int64_t cols, float eps) {
+    const __m512 r = _mm512_set1_ps(inv_rms<E>(h, cols, eps));
     for (int64_t j = 0; j < cols; j += 16) {
         __mmask16 m = chunk_mask(cols, j);
-        __m512 a = _mm512_mul_ps(load_bf16_masked(h + j, m), r);
-        __m512 n = round_bf16(_mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, post + j)));
-        store_bf16_masked(residual + j, _mm512_add_ps(load_bf16_masked(residual + j, m), n), m);
+        __m512 a = F32::round(_mm512_mul_ps(E::load(h + j, m), r));
+        __m512 n = E::round(_mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, post + j)));
+        E::store(residual + j, _mm512_add_ps(E::load(residual + j, m), n), m);
     }
-    gemma_norm_row(residual, pre, out, cols, eps);
+    gemma_norm_row<E>(residual, pre, out, cols, eps);
 }
 
 // out[i, j] = rotated halves of x (in place), torch's rounding:
-//   x1' = bf16(bf16(x1 c) - bf16(x2 s)),  x2' = bf16(bf16(x2 c) + bf16(x1 s)).
-inline void rotate_head(uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t half) {
+//   x1' = rnd(rnd(x1 c) - rnd(x2 s)),  x2' = rnd(rnd(x2 c) + rnd(x1 s)).
+template <class E, class T = typename E::T>
+inline void rotate_head(T* x, const T* c, const T* s, int64_t half) {
     for (int64_t j = 0; j < half; j += 16) {
         __mmask16 m = half - j >= 16 ? static_cast<__mmask16>(0xffff) : tail_mask(half - j);
-        __m512 x1 = load_bf16_masked(x + j, m), x2 = load_bf16_masked(x + half + j, m);
-        __m512 cv = load_bf16_masked(c + j, m), sv = load_bf16_masked(s + j, m);
-        __m512 a = _mm512_sub_ps(round_bf16(_mm512_mul_ps(x1, cv)), round_bf16(_mm512_mul_ps(x2, sv)));
-        __m512 b = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, cv)), round_bf16(_mm512_mul_ps(x1, sv)));
-        store_bf16_masked(x + j, a, m);
-        store_bf16_masked(x + half + j, b, m);
+        __m512 x1 = E::load(x + j, m), x2 = E::load(x + half + j, m);
+        __m512 cv = E::load(c + j, m), sv = E::load(s + j, m);
+        __m512 a = _mm512_sub_ps(E::round(_mm512_mul_ps(x1, cv)), E::round(_mm512_mul_ps(x2, sv)));
+        __m512 b = _mm512_add_ps(E::round(_mm512_mul_ps(x2, cv)), E::round(_mm512_mul_ps(x1, sv)));
+        E::store(x + j, a, m);
+        E::store(x + half + j, b, m);
     }
 }
 
@@ -225,77 +265,105 @@ inline void for_each_row(int64_t rows, int64_t elements, int num_threads, const 
     for (int64_t i = 0; i < rows; ++i) row(i);
 }
 
-}  // namespace
-
-extern "C" {
-
-// x, out: [rows, cols] bf16 with row strides (elements); residual (nullptr: plain RMSNorm)
-// [rows, cols] bf16, updated in place to bf16(x + residual) and normalised. out may be x.
-int pc_rms_norm_bf16(const uint16_t* x, int64_t x_stride, uint16_t* residual, int64_t res_stride,
-                     const uint16_t* weight, uint16_t* out, int64_t out_stride, int64_t rows,
-                     int64_t cols, float eps, int num_threads) {
+// x, out: [rows, cols] with row strides (elements); residual (nullptr: plain RMSNorm)
+// [rows, cols], updated in place to rnd(x + residual) and normalised. out may be x.
+template <class E, class T = typename E::T>
+int rms_norm(const T* x, int64_t x_stride, T* residual, int64_t res_stride, const T* weight,
+             T* out, int64_t out_stride, int64_t rows, int64_t cols, float eps, int num_threads) {
     if (cols <= 0) return 1;
     auto row = [&](int64_t i) {
-        rms_norm_row(x + i * x_stride, residual != nullptr ? residual + i * res_stride : nullptr,
-                     weight, out + i * out_stride, cols, eps);
+        rms_norm_row<E>(x + i * x_stride, residual != nullptr ? residual + i * res_stride : nullptr,
+                        weight, out + i * out_stride, cols, eps);
     };
     for_each_row(rows, rows * cols, num_threads, row);
     return 0;
 }
 
-// Gemma's norms, [rows, cols] bf16 contiguous, scales fp32 [cols] (1 + w). residual nullptr:
-// out = gemma_norm(h, pre). Otherwise residual = bf16(residual + gemma_norm(h, post)) in place,
+// Gemma's norms, [rows, cols] contiguous, scales fp32 [cols] (1 + w). residual nullptr:
+// out = gemma_norm(h, pre). Otherwise residual = rnd(residual + gemma_norm(h, post)) in place,
 // then out = gemma_norm(residual, pre).
-int pc_gemma_norms_bf16(const uint16_t* h, uint16_t* residual, const float* post, const float* pre,
-                        uint16_t* out, int64_t rows, int64_t cols, float eps, int num_threads) {
+template <class E, class T = typename E::T>
+int gemma_norms(const T* h, T* residual, const float* post, const float* pre, T* out,
+                int64_t rows, int64_t cols, float eps, int num_threads) {
     if (cols <= 0) return 1;
     auto row = [&](int64_t i) {
         const int64_t o = i * cols;
         if (residual == nullptr)
-            gemma_norm_row(h + o, pre, out + o, cols, eps);
+            gemma_norm_row<E>(h + o, pre, out + o, cols, eps);
         else
-            gemma_add_norms_row(h + o, residual + o, post, pre, out + o, cols, eps);
+            gemma_add_norms_row<E>(h + o, residual + o, post, pre, out + o, cols, eps);
     };
     for_each_row(rows, rows * cols, num_threads, row);
     return 0;
 }
 
-// q [tokens, hq, d] and k [tokens, hk, d] bf16 (strides in elements, the last axis
-// contiguous) rotated in place; cos, sin [tokens, d/2] bf16 with row stride cs_stride.
+// q [tokens, hq, d] and k [tokens, hk, d] (strides in elements, the last axis contiguous)
+// rotated in place; cos, sin [tokens, d/2] with row stride cs_stride, in the dtype of q.
 // q_norm / k_norm (per-head RMSNorm weights [d], or nullptr): each head normalised first, in
 // place, as torch's RMSNorm over the head would (its own rounding and sum order). gemma_norms
-// 0: Qwen3's, bf16 weights; 1: Gemma's, fp32 scales 1 + w (gemma_norm_row).
-int pc_rotary_bf16(uint16_t* q, int64_t q_stride_t, int64_t q_stride_h, int64_t hq, uint16_t* k,
-                   int64_t k_stride_t, int64_t k_stride_h, int64_t hk, const uint16_t* cos,
-                   const uint16_t* sin, int64_t cs_stride, int64_t tokens, int64_t head_dim,
-                   const void* q_norm, const void* k_norm, float q_eps, float k_eps,
-                   int gemma_norms, int num_threads) {
+// 0: Qwen3's, weights in q's dtype; 1: Gemma's, fp32 scales 1 + w (gemma_norm_row).
+template <class E, class T = typename E::T>
+int rotary(T* q, int64_t q_stride_t, int64_t q_stride_h, int64_t hq, T* k, int64_t k_stride_t,
+           int64_t k_stride_h, int64_t hk, const T* cos, const T* sin, int64_t cs_stride,
+           int64_t tokens, int64_t head_dim, const void* q_norm, const void* k_norm, float q_eps,
+           float k_eps, int gemma, int num_threads) {
     if (head_dim <= 0 || head_dim % 2 != 0) return 1;
     const int64_t half = head_dim / 2;
-    auto norm = [&](uint16_t* head, const void* w, float eps) {
+    auto norm = [&](T* head, const void* w, float eps) {
         if (w == nullptr) return;
-        if (gemma_norms != 0)
-            gemma_norm_row(head, static_cast<const float*>(w), head, head_dim, eps);
+        if (gemma != 0)
+            gemma_norm_row<E>(head, static_cast<const float*>(w), head, head_dim, eps);
         else
-            rms_norm_row(head, nullptr, static_cast<const uint16_t*>(w), head, head_dim, eps);
+            rms_norm_row<E>(head, static_cast<T*>(nullptr), static_cast<const T*>(w), head, head_dim, eps);
     };
     auto token = [&](int64_t t) {
-        const uint16_t* c = cos + t * cs_stride;
-        const uint16_t* s = sin + t * cs_stride;
+        const T* c = cos + t * cs_stride;
+        const T* s = sin + t * cs_stride;
         for (int64_t h = 0; h < hq; ++h) {
-            uint16_t* head = q + t * q_stride_t + h * q_stride_h;
+            T* head = q + t * q_stride_t + h * q_stride_h;
             norm(head, q_norm, q_eps);
-            rotate_head(head, c, s, half);
+            rotate_head<E>(head, c, s, half);
         }
         for (int64_t h = 0; h < hk; ++h) {
-            uint16_t* head = k + t * k_stride_t + h * k_stride_h;
+            T* head = k + t * k_stride_t + h * k_stride_h;
             norm(head, k_norm, k_eps);
-            rotate_head(head, c, s, half);
+            rotate_head<E>(head, c, s, half);
         }
     };
     for_each_row(tokens, tokens * (hq + hk) * head_dim, num_threads, token);
     return 0;
 }
+
+}  // namespace
+
+extern "C" {
+
+#define PC_LAYER_OPS(SUFFIX, E)                                                                   \
+    int pc_rms_norm_##SUFFIX(const E::T* x, int64_t x_stride, E::T* residual, int64_t res_stride, \
+                             const E::T* weight, E::T* out, int64_t out_stride, int64_t rows,     \
+                             int64_t cols, float eps, int num_threads) {                          \
+        return rms_norm<E>(x, x_stride, residual, res_stride, weight, out, out_stride, rows, cols, \
+                           eps, num_threads);                                                     \
+    }                                                                                             \
+    int pc_gemma_norms_##SUFFIX(const E::T* h, E::T* residual, const float* post,                 \
+                                const float* pre, E::T* out, int64_t rows, int64_t cols,          \
+                                float eps, int num_threads) {                                     \
+        return gemma_norms<E>(h, residual, post, pre, out, rows, cols, eps, num_threads);         \
+    }                                                                                             \
+    int pc_rotary_##SUFFIX(E::T* q, int64_t q_stride_t, int64_t q_stride_h, int64_t hq, E::T* k,  \
+                           int64_t k_stride_t, int64_t k_stride_h, int64_t hk, const E::T* cos,   \
+                           const E::T* sin, int64_t cs_stride, int64_t tokens, int64_t head_dim, \
+                           const void* q_norm, const void* k_norm, float q_eps, float k_eps,      \
+                           int gemma, int num_threads) {                                          \
+        return rotary<E>(q, q_stride_t, q_stride_h, hq, k, k_stride_t, k_stride_h, hk, cos, sin,  \
+                         cs_stride, tokens, head_dim, q_norm, k_norm, q_eps, k_eps, gemma,        \
+                         num_threads);                                                            \
+    }
+
+PC_LAYER_OPS(f32, F32)
+
+#ifndef PC_NARROW_VECTORS  // bf16 there would be emulated: torch's ops are faster
+PC_LAYER_OPS(bf16, Bf16)
 
 // gate_up [rows, 2 * inter] bf16 (row stride in elements: gate then up) -> out [rows, inter].
 int pc_silu_and_mul_bf16(const uint16_t* gate_up, int64_t stride, uint16_t* out,
@@ -314,5 +382,7 @@ int pc_silu_and_mul_bf16(const uint16_t* gate_up, int64_t stride, uint16_t* out,
     for_each_row(rows, rows * inter, num_threads, row);
     return 0;
 }
+
+#endif  // PC_NARROW_VECTORS
 
 }  // extern "C"

@@ -1,10 +1,11 @@
-"""The decoder layer's elementwise ops in one pass each, for bf16 on AVX512_BF16 CPUs
-(``cpu_layer_ops.cpp``): residual add + RMSNorm, Gemma's ``1 + w`` RMSNorm with its post-norm
-residual, rotary in place on q and k (with Qwen3's or Gemma's per-head q/k norms),
-SiLU-and-mul.
+"""The decoder layer's elementwise ops in one pass each (``cpu_layer_ops.cpp``): residual add +
+RMSNorm, Gemma's ``1 + w`` RMSNorm with its post-norm residual, rotary in place on q and k
+(with Qwen3's or Gemma's per-head q/k norms), SiLU-and-mul. bf16 on AVX512_BF16 CPUs (all
+four); fp32 on those and on AVX2 + FMA CPUs (all but SiLU-and-mul, whose exp is not torch's
+to the bit: fp32 models keep torch's there). ``computes(dtype)`` says which run here.
 
 At decode sizes torch's unfused ops cost more in per-op dispatch than in arithmetic (an
-RMSNorm is eight ops); these are one ``ctypes`` call each. Each bf16 output is rounded where
+RMSNorm is eight ops); these are one ``ctypes`` call each. Each output is rounded where
 torch's ops round it and RMSNorm sums in torch's order, so results are torch's bit for bit
 (the tests compare with ``torch.equal``, SiLU over every bf16 gate value). ``available()`` is false
 (and ``llama`` keeps torch's ops) where the CPU lacks the features, no compiler is found or
@@ -23,26 +24,29 @@ from . import cpu_library
 SOURCE = Path(__file__).with_name("cpu_layer_ops.cpp")
 
 
+_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    fn = lib.pc_rms_norm_bf16
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, c_int]
-    fn.restype = c_int
-    fn = lib.pc_rotary_bf16
-    fn.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
-    fn.argtypes += [ptr, ptr, ctypes.c_float, ctypes.c_float, c_int, c_int]
-    fn.restype = c_int
-    fn = lib.pc_gemma_norms_bf16
-    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int]
-    fn.restype = c_int
-    fn = lib.pc_silu_and_mul_bf16
-    fn.argtypes = [ptr, i64, ptr, i64, i64, i64, c_int]
-    fn.restype = c_int
+    for suffix in ("bf16", "f32") if hasattr(lib, "pc_rms_norm_bf16") else ("f32",):
+        fn = getattr(lib, f"pc_rms_norm_{suffix}")
+        fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, c_int]
+        fn.restype = c_int
+        fn = getattr(lib, f"pc_rotary_{suffix}")
+        fn.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64, i64]
+        fn.argtypes += [ptr, ptr, ctypes.c_float, ctypes.c_float, c_int, c_int]
+        fn.restype = c_int
+        fn = getattr(lib, f"pc_gemma_norms_{suffix}")
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, c_int]
+        fn.restype = c_int
+    if hasattr(lib, "pc_silu_and_mul_bf16"):
+        fn = lib.pc_silu_and_mul_bf16
+        fn.argtypes = [ptr, i64, ptr, i64, i64, i64, c_int]
+        fn.restype = c_int
 
 
-_library = cpu_library.CpuLibrary(
-    SOURCE, "CPU layer ops", "torch's elementwise ops", _declare, targets=cpu_library.NATIVE_ONLY
-)
+_library = cpu_library.CpuLibrary(SOURCE, "CPU layer ops", "torch's elementwise ops", _declare)
 
 
 def unavailable_reason(cpuinfo: str | None = None) -> str | None:
@@ -55,9 +59,22 @@ def available() -> bool:
     return _library.load() is not None
 
 
+def computes(dtype: torch.dtype) -> bool:
+    """Whether the norms and rotary take ``dtype`` tensors here (bf16: the AVX512_BF16 build
+    only; fp32: either build)."""
+    lib = _library.load()
+    return (
+        lib is not None and dtype in _SUFFIXES and hasattr(lib, f"pc_rms_norm_{_SUFFIXES[dtype]}")
+    )
+
+
+def computes_silu_and_mul(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and computes(dtype)
+
+
 def supports(t: torch.Tensor) -> bool:
-    """Whether the ops take tensors like ``t`` (CPU bf16) and are loaded."""
-    return t.device.type == "cpu" and t.dtype == torch.bfloat16 and available()
+    """Whether the norms and rotary take tensors like ``t`` (CPU, a dtype ``computes``)."""
+    return t.device.type == "cpu" and computes(t.dtype)
 
 
 def _lib() -> ctypes.CDLL:
@@ -66,16 +83,28 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+def _entry(name: str, t: torch.Tensor) -> ctypes._CFuncPtr:
+    cpu_library.require(computes(t.dtype), f"cpu_layer_ops {name} computes {t.dtype} here")
+    return getattr(_lib(), f"pc_{name}_{_SUFFIXES[t.dtype]}")
+
+
+def _require_same_dtype(*tensors: torch.Tensor) -> None:
+    cpu_library.require(
+        len({t.dtype for t in tensors}) == 1, "the tensors (and weights) share one dtype"
+    )
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * RMSNorm(x)`` over the last axis of ``x`` ``[T, H]`` (bf16, rows strided,
+    """``weight * RMSNorm(x)`` over the last axis of ``x`` ``[T, H]`` (bf16 or fp32, rows strided,
     the last axis contiguous); a new ``[T, H]`` tensor."""
     rows, cols = x.shape
     cpu_library.require(
         x.stride(1) == 1 and weight.is_contiguous() and weight.shape == (cols,),
         "x.stride(1) == 1 and weight.is_contiguous() and weight.shape == (cols,)",
     )
-    out = torch.empty(rows, cols, dtype=torch.bfloat16)
-    _lib().pc_rms_norm_bf16(
+    _require_same_dtype(x, weight)
+    out = torch.empty(rows, cols, dtype=x.dtype)
+    _entry("rms_norm", x)(
         x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(),
         out.data_ptr(), cols, rows, cols, eps, torch.get_num_threads(),
     )  # fmt: skip
@@ -85,8 +114,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual += x`` (bf16), then ``x = weight * RMSNorm(residual)``, both in place
-    (``x`` and ``residual`` ``[T, H]`` contiguous bf16). Returns ``(x, residual)``."""
+    """``residual += x``, then ``x = weight * RMSNorm(residual)``, both in place
+    (``x`` and ``residual`` ``[T, H]`` contiguous, bf16 or fp32). Returns ``(x, residual)``."""
     rows, cols = x.shape
     cpu_library.require(
         x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape,
@@ -96,7 +125,8 @@ def fused_add_rms_norm(
         weight.is_contiguous() and weight.shape == (cols,),
         "weight.is_contiguous() and weight.shape == (cols,)",
     )
-    _lib().pc_rms_norm_bf16(
+    _require_same_dtype(x, residual, weight)
+    _entry("rms_norm", x)(
         x.data_ptr(), cols, residual.data_ptr(), cols, weight.data_ptr(),
         x.data_ptr(), cols, rows, cols, eps, torch.get_num_threads(),
     )  # fmt: skip
@@ -111,13 +141,13 @@ def _require_scale(scale: torch.Tensor, cols: int) -> None:
 
 
 def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm, ``bf16(x / rms(x) * scale)`` in fp32 over ``x`` ``[T, H]`` (bf16,
+    """Gemma's RMSNorm, ``x / rms(x) * scale`` in fp32 over ``x`` ``[T, H]`` (bf16 or fp32,
     contiguous), ``scale = 1 + weight`` (fp32 ``[H]``); a new ``[T, H]`` tensor."""
     rows, cols = x.shape
     cpu_library.require(x.is_contiguous(), "x.is_contiguous()")
     _require_scale(scale, cols)
-    out = torch.empty(rows, cols, dtype=torch.bfloat16)
-    _lib().pc_gemma_norms_bf16(
+    out = torch.empty(rows, cols, dtype=x.dtype)
+    _entry("gemma_norms", x)(
         x.data_ptr(), None, None, scale.data_ptr(), out.data_ptr(), rows, cols, eps,
         torch.get_num_threads(),
     )  # fmt: skip
@@ -128,8 +158,8 @@ def gemma_add_norms(
     h: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, pre: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gemma's sublayer exit and the next entry in one pass: ``residual += norm(h, post)``
-    (bf16, in place), then ``norm(residual, pre)``, a new tensor (``h``, ``residual``
-    ``[T, H]`` contiguous bf16; ``post``, ``pre`` fp32 ``1 + weight``). Returns
+    (in place), then ``norm(residual, pre)``, a new tensor (``h``, ``residual``
+    ``[T, H]`` contiguous, bf16 or fp32; ``post``, ``pre`` fp32 ``1 + weight``). Returns
     ``(normed, residual)``."""
     rows, cols = h.shape
     cpu_library.require(
@@ -138,8 +168,9 @@ def gemma_add_norms(
     )
     _require_scale(post, cols)
     _require_scale(pre, cols)
-    out = torch.empty(rows, cols, dtype=torch.bfloat16)
-    _lib().pc_gemma_norms_bf16(
+    _require_same_dtype(h, residual)
+    out = torch.empty(rows, cols, dtype=h.dtype)
+    _entry("gemma_norms", h)(
         h.data_ptr(), residual.data_ptr(), post.data_ptr(), pre.data_ptr(), out.data_ptr(),
         rows, cols, eps, torch.get_num_threads(),
     )  # fmt: skip
@@ -154,10 +185,10 @@ def rotary_(
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     gemma_norms: bool = False,
 ) -> None:
-    """Rotate-half RoPE in place on ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` (bf16,
-    strided, the last axis contiguous) with ``cos``/``sin`` ``[T, 1, D/2]`` (bf16).
+    """Rotate-half RoPE in place on ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` (bf16 or
+    fp32, strided, the last axis contiguous) with ``cos``/``sin`` ``[T, 1, D/2]`` (the same).
     ``qk_norm`` (q weight ``[D]``, k weight ``[D]``, eps): a per-head RMSNorm of q and k
-    first, in the same pass: Qwen3's (bf16 weights), or with ``gemma_norms`` Gemma's (fp32
+    first, in the same pass: Qwen3's (weights in q's dtype), or with ``gemma_norms`` Gemma's (fp32
     scales ``1 + weight``, as ``gemma_rms_norm``)."""
     t, hq, d = q.shape
     hk = k.shape[1]
@@ -181,12 +212,13 @@ def rotary_(
             q_weight.is_contiguous() and k_weight.is_contiguous(),
             "q_weight.is_contiguous() and k_weight.is_contiguous()",
         )
-        want = torch.float32 if gemma_norms else torch.bfloat16
+        want = torch.float32 if gemma_norms else q.dtype
         cpu_library.require(
             q_weight.dtype == k_weight.dtype == want, "q/k norm weights of the norm's dtype"
         )
         q_w, k_w = q_weight.data_ptr(), k_weight.data_ptr()
-    rc = _lib().pc_rotary_bf16(
+    _require_same_dtype(q, k, cos, sin)
+    rc = _entry("rotary", q)(
         q.data_ptr(), q.stride(0), q.stride(1), hq,
         k.data_ptr(), k.stride(0), k.stride(1), hk,
         cos.data_ptr(), sin.data_ptr(), cos.stride(0), t, d,
@@ -205,6 +237,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up.stride(1) == 1 and width == 2 * inter,
         "gate_up.stride(1) == 1 and width == 2 * inter",
     )
+    cpu_library.require(computes_silu_and_mul(gate_up.dtype), "silu_and_mul computes bf16 only")
     out = torch.empty(rows, inter, dtype=torch.bfloat16)
     _lib().pc_silu_and_mul_bf16(
         gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, rows, inter,

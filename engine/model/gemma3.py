@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layer_ops import FUSED_OPS, TORCH_OPS, TorchLayerOps
+from .layer_ops import TORCH_OPS, TorchLayerOps
 from .llama import (
     MLP,
     AttendFn,
@@ -221,10 +221,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def set_fused_ops(self, fused: bool) -> None:
         """The norms (with their residual adds) and the rotary with the q/k norms run fused
-        on bf16 CPU; the GeGLU is torch's."""
+        on CPU (bf16, or fp32); the GeGLU is torch's."""
         if fused and not self.prepared:
             raise ValueError("the fused ops run on prepare()d layers (the rotary is in place)")
-        ops = FUSED_OPS if fused else TORCH_OPS
+        ops = self.fused_layer_ops() if fused else TORCH_OPS
         self.model.ops = ops
         for layer in self.model.layers:
             layer.ops = ops

@@ -1,6 +1,7 @@
 """The decoder layer's elementwise ops, as one object chosen once per model: torch's ops, or
-``kernels/cpu_layer_ops`` (bf16 on AVX512_BF16 CPUs, bit-identical to torch's, one pass
-each). The model's forward calls ``ops.<op>`` and never branches on which it holds."""
+``kernels/cpu_layer_ops`` (bit-identical to torch's, one pass each: bf16 on AVX512_BF16
+CPUs, fp32 on AVX2 + FMA ones, SiLU-and-mul there staying torch's). The model's forward
+calls ``ops.<op>`` and never branches on which it holds; ``fused_ops_for(dtype)`` picks."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ class TorchLayerOps:
 
 
 class FusedLayerOps(TorchLayerOps):
-    """``cpu_layer_ops``: bf16 CPU tensors only (``cpu_layer_ops.supports``)."""
+    """``cpu_layer_ops``: CPU tensors of a dtype it computes (``cpu_layer_ops.supports``)."""
 
     __slots__ = ()
     fused = True
@@ -132,5 +133,23 @@ class FusedLayerOps(TorchLayerOps):
         return q, k
 
 
+class FusedNormsLayerOps(FusedLayerOps):
+    """``cpu_layer_ops``' norms and rotary, torch's SiLU-and-mul (fp32)."""
+
+    __slots__ = ()
+
+    def silu_and_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        return TorchLayerOps.silu_and_mul(self, gate_up, intermediate)
+
+
 TORCH_OPS = TorchLayerOps()
 FUSED_OPS = FusedLayerOps()
+FUSED_NORMS_OPS = FusedNormsLayerOps()
+
+
+def fused_ops_for(dtype: torch.dtype) -> TorchLayerOps | None:
+    """The fused ops for a CPU model of ``dtype`` (None where ``cpu_layer_ops`` does not
+    compute it here)."""
+    if not cpu_layer_ops.computes(dtype):
+        return None
+    return FUSED_OPS if cpu_layer_ops.computes_silu_and_mul(dtype) else FUSED_NORMS_OPS

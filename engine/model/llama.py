@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_gemm, cpu_layer_ops, torch_private
-from .layer_ops import FUSED_OPS, TORCH_OPS, TorchLayerOps
+from .layer_ops import TORCH_OPS, TorchLayerOps, fused_ops_for
 from .model_config import ModelConfig
 from .quantized_linear import QLinear, fused_kernel
 
@@ -349,8 +349,9 @@ class LlamaForCausalLM(nn.Module):
     def prepare(self, batch_invariant: bool = True) -> None:
         """For serving, once the weights are loaded: fused QKV and gate/up GEMMs (fewer, larger
         matmuls per layer), weights pre-packed (see ``Gemm``; ``batch_invariant``: on the
-        kernel whose rows do not depend on their batch), and for bf16 on CPU the norms,
-        rotary and SiLU-and-mul in ``cpu_layer_ops`` where it loads. Idempotent."""
+        kernel whose rows do not depend on their batch), and on CPU the norms, rotary (and
+        for bf16 SiLU-and-mul) in ``cpu_layer_ops`` where it computes the model's dtype.
+        Idempotent."""
         if self.prepared:
             return
         self.prepared = True
@@ -358,10 +359,18 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.prepare(batch_invariant)
             layer.mlp.prepare(batch_invariant)
         self.head = fused_projection((self.lm_head,), batch_invariant)
+        dtype = self.model.norm.weight.dtype
         self.set_fused_ops(
             cpu_layer_ops.supports(self.model.norm.weight)
-            and all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in self.parameters())
+            and all(p.dtype == dtype and p.device.type == "cpu" for p in self.parameters())
         )
+
+    def fused_layer_ops(self) -> TorchLayerOps:
+        """The fused ops for this model's dtype; a clear error where none compute it."""
+        ops = fused_ops_for(self.model.norm.weight.dtype)
+        if ops is None:
+            raise ValueError(f"cpu_layer_ops does not compute {self.model.norm.weight.dtype} here")
+        return ops
 
     def link_projections(self) -> None:
         """The unfused projections over the current modules, after a loader swapped some for
@@ -372,12 +381,12 @@ class LlamaForCausalLM(nn.Module):
         self.head = _Concat(self.lm_head)
 
     def set_fused_ops(self, fused: bool) -> None:
-        """Norms, rotary and SiLU-and-mul on ``cpu_layer_ops`` (bf16 CPU models, where it
-        loads) or on torch's ops, for every layer at once. ``prepare()`` chooses; benches and
-        tests switch to compare."""
+        """Norms, rotary and SiLU-and-mul on ``cpu_layer_ops`` (``fused_layer_ops``) or on
+        torch's ops, for every layer at once. ``prepare()`` chooses; benches and tests switch
+        to compare."""
         if fused and not self.prepared:
             raise ValueError("the fused ops run on prepare()d layers (the rotary is in place)")
-        ops = FUSED_OPS if fused else TORCH_OPS
+        ops = self.fused_layer_ops() if fused else TORCH_OPS
         modules = [self.model.norm]
         for layer in self.model.layers:
             modules += [layer.input_layernorm, layer.post_attention_layernorm]
