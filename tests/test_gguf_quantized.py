@@ -17,7 +17,7 @@ from test_gguf import PROMPT, Q, demo_vocab, random_checkpoint, run_logits, writ
 
 from prefixcache.engine.config import EngineConfig  # noqa: E402
 from prefixcache.engine.engine import LLMEngine  # noqa: E402
-from prefixcache.engine.kernels import cpu_gemm, cpu_qgemm  # noqa: E402
+from prefixcache.engine.kernels import cpu_gemm, cpu_layer_ops, cpu_qgemm  # noqa: E402
 from prefixcache.engine.model import gguf_weights  # noqa: E402
 from prefixcache.engine.model.llama import Gemm, _Concat, fused_projection  # noqa: E402
 from prefixcache.engine.model.loader import ModelLoadError, load_model  # noqa: E402
@@ -69,7 +69,7 @@ def test_quantized_model_matches_the_dequantized_one(gguf_file: Path, dtype: str
     scale = ref.abs().max()
     unprepared = run_logits(quant, PROMPT)
     model.prepare()
-    assert model.fused_ops == (dtype == "bfloat16")  # the fused layer ops are bf16 only
+    assert model.fused_ops == cpu_layer_ops.computes(getattr(torch, dtype))
     assert isinstance(model.model.layers[0].self_attn.qkv, cpu_qgemm.QuantizedLinear)
     prepared = run_logits(quant, PROMPT)
     assert torch.equal(prepared, unprepared)  # fusing changes no element's arithmetic

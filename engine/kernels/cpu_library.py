@@ -11,11 +11,12 @@ build them:
   ``-ffp-contract=off`` keeps every multiply-add where the source wrote it, so the kernels'
   batch invariance holds there too; ``PC_NARROW_VECTORS`` selects the GEMM's 256-bit tile.
   bf16 arithmetic is emulated there, 4-14x slower than torch's (bench/gemm_invariance.py,
-  bench/cpu_attention.py): the libraries that exist only for bf16 speed (layer ops, the
-  quantized GEMM, the non-invariant attention kernel) list ``NATIVE_ONLY`` and leave such
-  CPUs to torch; the batch-invariant GEMM and attention take both, since on AVX2 they are
-  what keeps a batched bf16 run equal to a lone one (fp32, the default dtype there, runs at
-  torch's speed or better).
+  bench/cpu_attention.py): the library that exists only for bf16 speed (the non-invariant
+  attention kernel) lists ``NATIVE_ONLY`` and leaves such CPUs to torch; the layer ops and
+  the quantized GEMM build there for fp32 only (their bf16 entry points sit under
+  ``#ifndef PC_NARROW_VECTORS``); the batch-invariant GEMM and attention take both dtypes,
+  since on AVX2 they are what keeps a batched bf16 run equal to a lone one (fp32, the
+  default dtype there, runs at torch's speed or better).
 
 ``PREFIXCACHE_CPU_KERNELS=avx2`` builds every library for the second, bf16 included, even
 where the first could run (how the emulation's bits are checked on an AVX-512 machine).

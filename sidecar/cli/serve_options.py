@@ -142,10 +142,11 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "quantized", "dequantized"],
         default="dequantized",
         help="GGUF files: keep Q8_0/Q4_0/Q4_1/Q5_0/Q4_K weights quantized in memory, computed "
-        "by a dequantize-in-kernel GEMM (bf16 on AVX512_BF16 CPUs), or dequantize every tensor "
-        "at load (the default: faster for batches of 8+ and prefill); auto: quantized where that "
-        "kernel runs. Quantized is faster for a single stream (1.44x decode on SmolLM2) and "
-        "holds 2.5x less weight memory",
+        "by a dequantize-in-kernel GEMM (bf16 on AVX512_BF16 CPUs, fp32 on AVX2 + FMA ones), or "
+        "dequantize every tensor at load (the default: faster for prefill and, in bf16, for "
+        "batches of 8+); auto: quantized where that kernel runs. Quantized is faster for a "
+        "single stream (SmolLM2 decode: 1.44x in bf16 on AVX-512, about 2x in fp32 on AVX2) "
+        "and holds 2.5x (bf16) or 5x (fp32) less weight memory",
     )
     parser.add_argument(
         "--engine",
