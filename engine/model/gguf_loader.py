@@ -1,7 +1,9 @@
 """load_gguf(): a llama.cpp GGUF file -> GGUFModel, dequantized to the engine dtype (or with
 its block-quantized linears and embedding kept quantized: ``gguf_weights``).
 
-The file is memory-mapped by the ``gguf`` package's reader; tensors are dequantized one at a
+The header is parsed by the ``gguf`` package's reader on a file's first load and kept
+(``gguf_index``: metadata, tensor table, rebuilt tokenizer); the tensors are memory-mapped
+from the file and dequantized one at a
 time (``gguf.dequantize``, float32) and cast to the engine dtype, so the process holds the
 model once plus one float32 tensor, never two copies of the weights. Config comes from the
 ``<arch>.*`` metadata, the tokenizer from ``tokenizer.*`` (engine/text/gguf_tokenizer.py).
@@ -22,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 import torch
 
 from ..text.tokenizer import Tokenizer
-from . import gguf_weights
+from . import gguf_index, gguf_weights
 from .llama import LlamaForCausalLM, rope_inv_freq
 from .model_config import ModelConfig, UnsupportedModelError
 from .progress import progress_bar
@@ -246,10 +249,21 @@ def dequantize_tensor(t: Any) -> np.ndarray:
     return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
 
 
-def check_tensor_types(reader: GGUFReader, path: Path) -> None:
-    bad = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_TENSOR_TYPES))
+def check_extents(index: gguf_index.GGUFIndex, path: Path) -> None:
+    """Every tensor inside the file (``open_gguf``'s check, for an index read from cache)."""
+    size = path.stat().st_size
+    for t in index.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise GGUFLoadError(
+                f"{path}: truncated: tensor {t.name} needs bytes up to "
+                f"{t.data_offset + t.n_bytes} but the file has {size}"
+            )
+
+
+def check_tensor_types(tensors: list[Any], path: Path) -> None:
+    bad = sorted({t.tensor_type.name for t in tensors} - set(SUPPORTED_TENSOR_TYPES))
     if bad:
-        names = [t.name for t in reader.tensors if t.tensor_type.name in bad][:3]
+        names = [t.name for t in tensors if t.tensor_type.name in bad][:3]
         raise UnsupportedModelError(
             f"{path.name}: unsupported GGUF tensor type {', '.join(bad)} (e.g. {', '.join(names)}):"
             f" prefixcache dequantizes {', '.join(SUPPORTED_TENSOR_TYPES)}"
@@ -261,13 +275,21 @@ def load_gguf(
 ) -> GGUFModel:
     """``weights``: ``gguf_weights.WEIGHT_MODES``."""
     quantize = gguf_weights.resolve_mode(weights, dtype, device)
-    reader = open_gguf(path)
-    meta = read_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    if not path.is_file():
+        raise GGUFLoadError(f"GGUF file {str(path)!r} not found")
+    index = gguf_index.open_index(path, open_gguf)
+    check_extents(index, path)
+    meta = index.metadata
+    tensors = {t.name: t for t in gguf_index.tensor_views(index, path)}
     raw_config = config_from_metadata(meta, set(tensors))
     config = ModelConfig.from_dict(raw_config)
-    check_tensor_types(reader, path)
-    tokenizer = Tokenizer.from_gguf(meta, extra_eos_ids=config.eos_token_ids)
+    check_tensor_types(list(tensors.values()), path)
+    if index.tokenizer is None:  # raises why the metadata's tokenizer cannot be built
+        tokenizer = Tokenizer.from_gguf(meta, extra_eos_ids=config.eos_token_ids)
+    else:
+        spec = index.tokenizer
+        eos = spec.eos_token_ids + list(config.eos_token_ids)
+        tokenizer = Tokenizer.from_spec(msgspec.structs.replace(spec, eos_token_ids=eos))
 
     arch = raw_config["model_type"]
     with torch.device("meta"):
@@ -322,7 +344,7 @@ def load_gguf(
         factors = torch.from_numpy(dequantize_tensor(tensors[ROPE_FREQS]).reshape(-1))
         model.model.rotary_emb.inv_freq_cpu = rope_inv_freq(config) / factors
     model.eval().requires_grad_(False)
-    fingerprint = gguf_fingerprint(path, reader, raw_config)
+    fingerprint = gguf_fingerprint(path, index.data_offset, raw_config)
     if packed:
         fingerprint = gguf_weights.quantized_fingerprint(fingerprint)
     return GGUFModel(model, config, tokenizer, fingerprint, quantized=bool(packed))
@@ -338,13 +360,12 @@ def _row_order(gguf_name: str, rows: int, config: ModelConfig) -> np.ndarray | N
     return None
 
 
-def gguf_fingerprint(path: Path, reader: GGUFReader, raw_config: dict[str, Any]) -> str:
+def gguf_fingerprint(path: Path, data_start: int, raw_config: dict[str, Any]) -> str:
     """sha256 over the derived config, the file's name and size, its whole header (metadata
     and tensor table) and the first and last MiB of tensor data."""
     h = hashlib.sha256(json.dumps(raw_config, sort_keys=True).encode())
     size = path.stat().st_size
     h.update(f"{path.name}:{size}".encode())
-    data_start = int(reader.data_offset)
     with open(path, "rb") as fh:
         h.update(fh.read(data_start))
         h.update(fh.read(_FINGERPRINT_SAMPLE))
