@@ -1,4 +1,4 @@
-"""The GGUF header index (``engine/model/gguf_index.py``): a file's second load reads no header
+"""The GGUF header index (``engine/text/gguf_index.py``): a file's second load reads no header
 with the ``gguf`` reader and gives the same model, tokenizer and fingerprints as its first; a
 changed file, a corrupt entry or a full cache folder never serve a stale or broken index."""
 
@@ -23,8 +23,9 @@ from test_gguf import (  # noqa: E402
     write_gguf,
 )
 
-from prefixcache.engine.model import gguf_index, gguf_loader  # noqa: E402
+from prefixcache.engine.model import gguf_loader  # noqa: E402
 from prefixcache.engine.model.loader import ModelLoadError, load_model  # noqa: E402
+from prefixcache.engine.text import gguf_index  # noqa: E402
 from prefixcache.engine.text.tokenizer import Tokenizer  # noqa: E402
 
 

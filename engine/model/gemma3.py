@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layer_ops import TORCH_OPS, TorchLayerOps
+from .layer_ops import TORCH_OPS, TorchLayerOps, require_fused_ops
 from .llama import (
     MLP,
     AttendFn,
@@ -224,7 +224,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         on CPU (bf16, or fp32); the GeGLU is torch's."""
         if fused and not self.prepared:
             raise ValueError("the fused ops run on prepare()d layers (the rotary is in place)")
-        ops = self.fused_layer_ops() if fused else TORCH_OPS
+        ops = require_fused_ops(self.model.norm.weight.dtype) if fused else TORCH_OPS
         self.model.ops = ops
         for layer in self.model.layers:
             layer.ops = ops

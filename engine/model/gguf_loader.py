@@ -28,8 +28,9 @@ import msgspec
 import numpy as np
 import torch
 
+from ..text import gguf_index
 from ..text.tokenizer import Tokenizer
-from . import gguf_index, gguf_weights
+from . import gguf_weights
 from .llama import LlamaForCausalLM, rope_inv_freq
 from .model_config import ModelConfig, UnsupportedModelError
 from .progress import progress_bar

@@ -153,3 +153,11 @@ def fused_ops_for(dtype: torch.dtype) -> TorchLayerOps | None:
     if not cpu_layer_ops.computes(dtype):
         return None
     return FUSED_OPS if cpu_layer_ops.computes_silu_and_mul(dtype) else FUSED_NORMS_OPS
+
+
+def require_fused_ops(dtype: torch.dtype) -> TorchLayerOps:
+    """``fused_ops_for(dtype)``, or a clear error where none compute it here."""
+    ops = fused_ops_for(dtype)
+    if ops is None:
+        raise ValueError(f"cpu_layer_ops does not compute {dtype} here")
+    return ops

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_gemm, cpu_layer_ops, torch_private
-from .layer_ops import TORCH_OPS, TorchLayerOps, fused_ops_for
+from .layer_ops import TORCH_OPS, TorchLayerOps, require_fused_ops
 from .model_config import ModelConfig
 from .quantized_linear import QLinear, fused_kernel
 
@@ -365,13 +365,6 @@ class LlamaForCausalLM(nn.Module):
             and all(p.dtype == dtype and p.device.type == "cpu" for p in self.parameters())
         )
 
-    def fused_layer_ops(self) -> TorchLayerOps:
-        """The fused ops for this model's dtype; a clear error where none compute it."""
-        ops = fused_ops_for(self.model.norm.weight.dtype)
-        if ops is None:
-            raise ValueError(f"cpu_layer_ops does not compute {self.model.norm.weight.dtype} here")
-        return ops
-
     def link_projections(self) -> None:
         """The unfused projections over the current modules, after a loader swapped some for
         ``QLinear``s (``gguf_loader``)."""
@@ -381,12 +374,12 @@ class LlamaForCausalLM(nn.Module):
         self.head = _Concat(self.lm_head)
 
     def set_fused_ops(self, fused: bool) -> None:
-        """Norms, rotary and SiLU-and-mul on ``cpu_layer_ops`` (``fused_layer_ops``) or on
+        """Norms, rotary and SiLU-and-mul on ``cpu_layer_ops`` (``layer_ops.require_fused_ops``) or on
         torch's ops, for every layer at once. ``prepare()`` chooses; benches and tests switch
         to compare."""
         if fused and not self.prepared:
             raise ValueError("the fused ops run on prepare()d layers (the rotary is in place)")
-        ops = self.fused_layer_ops() if fused else TORCH_OPS
+        ops = require_fused_ops(self.model.norm.weight.dtype) if fused else TORCH_OPS
         modules = [self.model.norm]
         for layer in self.model.layers:
             modules += [layer.input_layernorm, layer.post_attention_layernorm]

@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 
 from .. import settings
-from ..text.tokenizer import Tokenizer, TokenizerError, TokenizerSpec
+from .tokenizer import Tokenizer, TokenizerError, TokenizerSpec
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
