@@ -133,6 +133,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     reason = cpu_layer_ops.unavailable_reason()
+    if reason is None and cpu_layer_ops.available() and not cpu_layer_ops.computes(torch.bfloat16):
+        reason = "this build computes fp32 only (the bf16 ops need AVX512_BF16)"
     if reason is not None or not cpu_layer_ops.available():
         print(f"CPU layer ops unavailable here: {reason or 'build failed'}")
         if args.json:
