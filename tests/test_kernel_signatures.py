@@ -4,7 +4,9 @@ is declared in Python, with the same number and kinds of arguments and the same 
 A kernel's signature lives in its C++ definition; the Python side declares ``argtypes`` for
 ctypes. An argument added on one side only would pass garbage (or truncate a pointer) without
 any error, so this reads each definition from the source and checks the loaded library's
-declarations against it.
+declarations against it. Definitions under ``#ifndef PC_NARROW_VECTORS`` exist in the native
+build only: the AVX2 build must leave them out (the Python side asks ``hasattr`` to learn
+which dtypes a build computes).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from prefixcache.engine.attention import cpu_kernels
-from prefixcache.engine.kernels import cpu_gemm, cpu_layer_ops
+from prefixcache.engine.kernels import cpu_gemm, cpu_layer_ops, cpu_library, cpu_qgemm
 
 # C parameter type (without const and the name) -> the ctypes type it must be declared as.
 C_TO_CTYPES = {
@@ -27,10 +29,33 @@ C_TO_CTYPES = {
 DEFINITION = re.compile(r"^(int|void|int64_t)\s+(pc_\w+)\(([^)]*)\)\s*\{", re.MULTILINE)
 
 
-def c_signatures(source: Path) -> dict[str, tuple[str, list[str]]]:
-    """``name -> (return type, parameter types)`` of the ``extern "C"`` definitions."""
+MACRO = re.compile(r"^#define (PC_\w+)\(([^)]*)\)((?:.*\\\n)*.*)$", re.MULTILINE)
+NATIVE_BLOCK = re.compile(r"^#ifndef PC_NARROW_VECTORS\b.*?^#endif", re.MULTILINE | re.DOTALL)
+
+
+def entry_block(source: Path) -> str:
+    """The source's ``extern "C"`` block, with its ``PC_`` macros expanded where invoked (one
+    macro may define an entry point per dtype)."""
     text = source.read_text(encoding="utf-8")
     block = text[text.index('extern "C" {') :]
+    for name, params, body in MACRO.findall(block):
+        block = block.replace(MACRO.search(block).group(0), "", 1)
+        names = [p.strip() for p in params.split(",")]
+        body = "\n".join(line.rstrip(" \\").strip() for line in body.splitlines())
+
+        def expand(call: re.Match[str], names: list[str] = names, body: str = body) -> str:
+            out = body
+            for param, arg in zip(names, call.group(1).split(","), strict=True):
+                out = re.sub(rf"\b{param}\b", arg.strip(), out)
+            return out.replace("##", "")
+
+        block = re.sub(rf"^{name}\(([^)]*)\)$", expand, block, flags=re.MULTILINE)
+    return block
+
+
+def c_signatures(source: Path) -> dict[str, tuple[str, list[str]]]:
+    """``name -> (return type, parameter types)`` of the ``extern "C"`` definitions."""
+    block = entry_block(source)
     found = {}
     for ret, name, params in DEFINITION.findall(block):
         kinds = []
@@ -42,25 +67,44 @@ def c_signatures(source: Path) -> dict[str, tuple[str, list[str]]]:
     return found
 
 
-def library_cases() -> list[tuple[str, Path, object]]:
+def native_only_names(source: Path) -> set[str]:
+    """The ``extern "C"`` definitions the AVX2 build compiles out."""
+    block = entry_block(source)
+    return {
+        name
+        for guarded in NATIVE_BLOCK.findall(block)
+        for _, name, _ in DEFINITION.findall(guarded)
+    }
+
+
+def library_cases() -> list[tuple[str, Path, cpu_library.CpuLibrary]]:
     return [
-        ("attention", cpu_kernels.SOURCE, cpu_kernels.load),
-        ("row attention", cpu_kernels.ROW_SOURCE, cpu_kernels.load_rows),
-        ("gemm", cpu_gemm.SOURCE, lambda: cpu_gemm._library.load()),
-        ("layer ops", cpu_layer_ops.SOURCE, lambda: cpu_layer_ops._library.load()),
+        ("attention", cpu_kernels.SOURCE, cpu_kernels._library),
+        ("row attention", cpu_kernels.ROW_SOURCE, cpu_kernels._row_library),
+        ("gemm", cpu_gemm.SOURCE, cpu_gemm._library),
+        ("layer ops", cpu_layer_ops.SOURCE, cpu_layer_ops._library),
+        ("quantized gemm", cpu_qgemm.SOURCE, cpu_qgemm._library),
     ]
 
 
-@pytest.mark.parametrize(("label", "source", "load"), library_cases(), ids=lambda c: str(c))
+@pytest.mark.parametrize(
+    ("label", "source", "library"), library_cases(), ids=[c[0] for c in library_cases()]
+)
 def test_every_entry_point_is_declared_as_the_cpp_defines_it(
-    label: str, source: Path, load: object
+    label: str, source: Path, library: cpu_library.CpuLibrary
 ) -> None:
     signatures = c_signatures(source)
     assert signatures, f'no extern "C" definitions found in {source.name}'
-    lib = load()  # type: ignore[operator]
+    lib = library.load()
     if lib is None:
-        pytest.skip(f"the {label} kernel cannot load here: {cpu_kernels.unavailable_reason()}")
+        pytest.skip(f"the {label} kernel cannot load here: {library.unavailable_reason()}")
+    assert library.target is not None
+    narrow = "-DPC_NARROW_VECTORS" in library.target.flags
+    compiled_out = native_only_names(source) if narrow else set()
     for name, (ret, kinds) in signatures.items():
+        if name in compiled_out:
+            assert not hasattr(lib, name), f"{name}: native-only, yet the narrow build has it"
+            continue
         fn = getattr(lib, name)
         declared = fn.argtypes
         assert declared is not None, f"{name}: no argtypes declared (ctypes would guess ints)"
@@ -77,6 +121,15 @@ def test_every_entry_point_is_declared_as_the_cpp_defines_it(
 def test_the_parser_sees_every_definition() -> None:
     """A guard for the test itself: the regex finds each ``pc_`` symbol the sources define."""
     for _, source, _ in library_cases():
-        text = source.read_text(encoding="utf-8")
-        names = set(re.findall(r"\b(pc_\w+)\(", text[text.index('extern "C" {') :]))
+        names = set(re.findall(r"\b(pc_\w+)\(", entry_block(source)))
         assert names == set(c_signatures(source)), source.name
+        assert native_only_names(source) <= names, source.name
+
+
+def test_the_guard_parser_sees_the_bf16_only_entry_points() -> None:
+    """The AVX2 build leaves bf16 SiLU-and-mul and the bf16 quantized GEMM out."""
+    assert "pc_silu_and_mul_bf16" in native_only_names(cpu_layer_ops.SOURCE)
+    assert {"pc_qgemm_bf16", "pc_qgemm_gather_bf16"} <= native_only_names(cpu_qgemm.SOURCE)
+    assert "pc_rms_norm_bf16" in native_only_names(cpu_layer_ops.SOURCE)
+    assert {"pc_rms_norm_f32", "pc_rotary_f32"} <= set(c_signatures(cpu_layer_ops.SOURCE))
+    assert not native_only_names(cpu_layer_ops.SOURCE) & {"pc_rms_norm_f32", "pc_rotary_f32"}
