@@ -7,34 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from layer_ops_cases import DTYPES, REASON, rand
 
 from prefixcache.engine.kernels import cpu_layer_ops
 from prefixcache.engine.model import layer_ops, llama
 from prefixcache.engine.model.model_config import ModelConfig
 
-REASON = cpu_layer_ops.unavailable_reason()
 needs_bf16_silu = pytest.mark.skipif(
     REASON is not None or not cpu_layer_ops.computes_silu_and_mul(torch.bfloat16),
     reason=f"CPU layer ops' SiLU-and-mul (bf16, AVX512_BF16): {REASON or 'not this build'}",
 )
-DTYPES = [
-    pytest.param(
-        dtype,
-        id=str(dtype).removeprefix("torch."),
-        marks=pytest.mark.skipif(
-            REASON is not None or not cpu_layer_ops.computes(dtype),
-            reason=f"CPU layer ops do not compute {dtype} here ({REASON or 'this build'})",
-        ),
-    )
-    for dtype in (torch.bfloat16, torch.float32)
-]
-
-
-def rand(
-    *shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16
-) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

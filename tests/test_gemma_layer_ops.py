@@ -9,30 +9,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from layer_ops_cases import DTYPES, REASON, rand
 
 from prefixcache.engine.kernels import cpu_layer_ops
 from prefixcache.engine.model import layer_ops
 
-REASON = cpu_layer_ops.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"CPU layer ops: {REASON}")
-DTYPES = [
-    pytest.param(
-        dtype,
-        id=str(dtype).removeprefix("torch."),
-        marks=pytest.mark.skipif(
-            REASON is not None or not cpu_layer_ops.computes(dtype),
-            reason=f"CPU layer ops do not compute {dtype} here",
-        ),
-    )
-    for dtype in (torch.bfloat16, torch.float32)
-]
-
-
-def rand(
-    *shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16
-) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
 
 def transformers_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
