@@ -189,9 +189,15 @@ def main() -> None:
     parser.add_argument(
         "--max-length", type=int, default=LENGTHS[-1], help="longest prompt of the hit sweep"
     )
+    parser.add_argument(
+        "--gguf-weights",
+        choices=["auto", "quantized", "dequantized"],
+        default="dequantized",
+        help="as `prefixcache serve --gguf-weights` (model/gguf_weights.py)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    loaded = load_model(args.model, dtype=args.dtype, device="cpu")
+    loaded = load_model(args.model, dtype=args.dtype, device="cpu", gguf_weights=args.gguf_weights)
     if not loaded.config.is_hybrid:
         raise SystemExit(f"{args.model} has no sliding-window layers")
     rng = random.Random(0)
@@ -199,6 +205,7 @@ def main() -> None:
         "cpu": cpu_model_name(),
         "model": args.model,
         "dtype": str(loaded.dtype).removeprefix("torch."),
+        "gguf_weights": args.gguf_weights,
         "windows": sorted(set(loaded.config.layer_windows)),
         "shared": shared(loaded, rng, args.prefix, args.requests),
         "lengths": lengths(loaded, rng, [n for n in LENGTHS if n <= args.max_length]),

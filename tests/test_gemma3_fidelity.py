@@ -27,6 +27,8 @@ from hypothesis import strategies as st
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
+import hf_reference  # noqa: E402
+from hf_reference import Reference  # noqa: E402
 from test_gemma3 import run_chunks  # noqa: E402
 
 from prefixcache.engine.config import EngineConfig  # noqa: E402
@@ -92,23 +94,30 @@ def hf_model(gguf_path: Path):
 
 
 @pytest.fixture(scope="module")
-def reference(hf_tokenizer, hf_model) -> tuple[list[list[int]], list[list[int]]]:
-    """transformers on the same GGUF: prompt ids and greedy continuations."""
-    tok, model = hf_tokenizer, hf_model
-    prompts, answers = [], []
-    for text in PROMPTS:
-        ids = tok(text)["input_ids"]
-        prompts.append(list(ids))
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_NEW_TOKENS,
-                min_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-            )
-        answers.append(out[0, len(ids) :].tolist())
-    return prompts, answers
+def reference(gguf_path: Path, request: pytest.FixtureRequest) -> Reference:
+    """transformers on the same GGUF: prompt ids and greedy continuations (kept once computed,
+    tests/hf_reference.py)."""
+
+    def compute() -> Reference:
+        tok = request.getfixturevalue("hf_tokenizer")
+        model = request.getfixturevalue("hf_model")
+        prompts, answers = [], []
+        for text in PROMPTS:
+            ids = tok(text)["input_ids"]
+            prompts.append(list(ids))
+            with torch.no_grad():
+                out = model.generate(
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    max_new_tokens=MAX_NEW_TOKENS,
+                    min_new_tokens=MAX_NEW_TOKENS,
+                    do_sample=False,
+                )
+            answers.append(out[0, len(ids) :].tolist())
+        return prompts, answers
+
+    inputs = {"prompts": PROMPTS, "max_new_tokens": MAX_NEW_TOKENS, "min_new_tokens": True}
+    return hf_reference.memoized("gemma3-fidelity", gguf_path, inputs, compute)
 
 
 def engine(loaded: LoadedModel, **overrides: object) -> LLMEngine:
@@ -159,9 +168,7 @@ def shared_tokens(loaded: LoadedModel) -> int:
 
 
 @pytest.mark.timeout(900)  # its set-up loads both models and runs transformers' generate
-def test_prompt_token_ids_equal_transformers(
-    loaded: LoadedModel, reference: tuple[list[list[int]], list[list[int]]]
-) -> None:
+def test_prompt_token_ids_equal_transformers(loaded: LoadedModel, reference: Reference) -> None:
     prompts, _ = reference
     ours = [r.prompt_token_ids for r in requests(loaded, "ids")]
     for i, (mine, theirs) in enumerate(zip(ours, prompts, strict=True)):
@@ -172,7 +179,7 @@ def test_prompt_token_ids_equal_transformers(
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_continuations_equal_transformers(
-    loaded: LoadedModel, reference: tuple[list[list[int]], list[list[int]]], mode: str
+    loaded: LoadedModel, reference: Reference, mode: str
 ) -> None:
     _, answers = reference
     tok = loaded.tokenizer

@@ -18,6 +18,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
+import hf_reference  # noqa: E402
+from hf_reference import Reference  # noqa: E402
+
 from prefixcache.engine.config import EngineConfig  # noqa: E402
 from prefixcache.engine.engine import LLMEngine  # noqa: E402
 from prefixcache.engine.model.loader import LoadedModel, load_model  # noqa: E402
@@ -91,28 +94,34 @@ def loaded(gguf_path: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def reference(gguf_path: Path) -> tuple[list[list[int]], list[list[int]]]:
-    """transformers on the same GGUF: prompt ids and greedy answers (eos included)."""
-    folder, name = str(gguf_path.parent), gguf_path.name
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32
-    ).eval()
-    prompts, answers = [], []
-    for messages in CONVERSATIONS:
-        ids = tok.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        prompts.append(list(ids))
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
+def reference(gguf_path: Path) -> Reference:
+    """transformers on the same GGUF: prompt ids and greedy answers (eos included), kept once
+    computed (tests/hf_reference.py)."""
+
+    def compute() -> Reference:
+        folder, name = str(gguf_path.parent), gguf_path.name
+        tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32
+        ).eval()
+        prompts, answers = [], []
+        for messages in CONVERSATIONS:
+            ids = tok.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
-        answers.append(out[0, len(ids) :].tolist())
-    return prompts, answers
+            prompts.append(list(ids))
+            with torch.no_grad():
+                out = model.generate(
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    max_new_tokens=MAX_NEW_TOKENS,
+                    do_sample=False,
+                )
+            answers.append(out[0, len(ids) :].tolist())
+        return prompts, answers
+
+    inputs = {"conversations": CONVERSATIONS, "max_new_tokens": MAX_NEW_TOKENS}
+    return hf_reference.memoized("smollm2-chat", gguf_path, inputs, compute)
 
 
 def engine(loaded: LoadedModel, caching: bool = True) -> LLMEngine:
@@ -137,7 +146,7 @@ def requests(loaded: LoadedModel, tag: str) -> list[EngineRequest]:
 
 @pytest.mark.timeout(600)  # its set-up loads both models and runs transformers' generate
 def test_prompt_token_ids_equal_transformers_apply_chat_template(
-    loaded: LoadedModel, reference: tuple[list[list[int]], list[list[int]]]
+    loaded: LoadedModel, reference: Reference
 ) -> None:
     prompts, _ = reference
     ours = [r.prompt_token_ids for r in requests(loaded, "ids")]
@@ -147,9 +156,7 @@ def test_prompt_token_ids_equal_transformers_apply_chat_template(
 
 
 @pytest.mark.timeout(600)  # a shared 2-vCPU box can be several times slower than idle
-def test_greedy_answers_equal_transformers_cold(
-    loaded: LoadedModel, reference: tuple[list[list[int]], list[list[int]]]
-) -> None:
+def test_greedy_answers_equal_transformers_cold(loaded: LoadedModel, reference: Reference) -> None:
     _, answers = reference
     tok = loaded.tokenizer
     assert "Paris" in tok.decode(answers[9])  # the reference itself answers
@@ -162,7 +169,7 @@ def test_greedy_answers_equal_transformers_cold(
 
 @pytest.mark.timeout(600)
 def test_greedy_answers_equal_transformers_warm_with_the_document_cached(
-    loaded: LoadedModel, reference: tuple[list[list[int]], list[list[int]]]
+    loaded: LoadedModel, reference: Reference
 ) -> None:
     _, answers = reference
     tok = loaded.tokenizer
@@ -180,7 +187,7 @@ def test_greedy_answers_equal_transformers_warm_with_the_document_cached(
 
 @pytest.mark.timeout(600)
 def test_greedy_answers_equal_transformers_batched(
-    loaded: LoadedModel, reference: tuple[list[list[int]], list[list[int]]]
+    loaded: LoadedModel, reference: Reference
 ) -> None:
     _, answers = reference
     tok = loaded.tokenizer
