@@ -165,13 +165,19 @@ inline float torch_order_sum(int64_t cols, Vec sq, Tail sq_tail) {
 // 1 / sqrt(mean(src^2) + eps) over a row, the mean in torch's order.
 template <class E>
 inline float inv_rms(const typename E::T* src, int64_t cols, float eps) {
+    // Each square rounded before it is added, as torch's pow(2) then sum rounds it: without
+    // the barriers the native build (-ffp-contract=fast) fuses the two into an FMA.
     auto sq = [src](int64_t v) {
         __m256 a = E::load8(src + v * 8);
-        return _mm256_mul_ps(a, a);
+        a = _mm256_mul_ps(a, a);
+        asm("" : "+x"(a));
+        return a;
     };
     auto sq_tail = [src](int64_t k) {
-        const float a = E::scalar(src[k]);
-        return a * a;
+        float a = E::scalar(src[k]);
+        a *= a;
+        asm("" : "+x"(a));
+        return a;
     };
     float mean = torch_order_sum(cols, sq, sq_tail) / static_cast<float>(cols);
     return 1.0f / std::sqrt(mean + eps);
