@@ -123,10 +123,18 @@ inline __m512 exp_ps(__m512 x) {
 // vectors here), so that RMSNorm's mean of squares is torch's bit for bit: the vectors taken
 // four at a time into four accumulators, folded up a ladder of four levels every 2^p steps;
 // the last odd vectors into the first accumulator; the four added in order; then the scalar
-// tail summed and the 8 lanes added to it one by one. ``sq(v)`` yields the v-th vector of
+// tail summed and the 8 lanes added to it one by one (a row shorter than a vector: four
+// scalar accumulators, k % 4, the rest into the first). ``sq(v)`` yields the v-th vector of
 // squares, ``sq_tail(k)`` the k-th square past them.
 template <class Vec, class Tail>
 inline float torch_order_sum(int64_t cols, Vec sq, Tail sq_tail) {
+    if (cols < 8) {  // shorter than a vector: torch's scalar row sum, four accumulators
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const int64_t full = cols / 4 * 4;
+        for (int64_t k = 0; k < full; ++k) part[k % 4] += sq_tail(k);
+        for (int64_t k = full; k < cols; ++k) part[0] += sq_tail(k);
+        return ((part[0] + part[1]) + part[2]) + part[3];
+    }
     const int64_t num_vec = cols / 8;
     const int64_t groups = num_vec / 4;
     __m256 acc[4][4];  // [level][accumulator]
