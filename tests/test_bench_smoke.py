@@ -114,6 +114,10 @@ CASES = {
         + ["--gib", "0.05", "--gemm", "128"],
         {"dram_gb_per_s", "gemm_gflop_per_s", "decode_over_floor", "prefill_over_floor"},
     ),
+    "step_overhead.py": (
+        ["--model", "demo", "--tokens", "4", "--rounds", "1", "--gib", "0.02"],
+        {"cpu", "real_step_ms", "fixed_step_ms", "fixed_share", "real_over_floor"},
+    ),
     "sidecar_overhead.py": (
         ["--requests", "3", "--warmup", "1", "--streams", "4", "--stream-tokens", "2"],
         {"http_added_outside_engine_p50_ms", "http_added_p50_ms", "stream_errors"},

@@ -115,7 +115,7 @@ def test_kernel_reads_strided_views_of_a_fused_projection() -> None:
 @needs_kernel
 @pytest.mark.parametrize(
     ("invariant", "kernels"),
-    [(True, ("row_attention",)), (False, ("attention", "paged_decode"))],
+    [(True, ("attend_rows",)), (False, ("attention", "paged_decode"))],
 )
 def test_bf16_engine_caching_never_changes_greedy_outputs(
     monkeypatch: pytest.MonkeyPatch, invariant: bool, kernels: tuple[str, ...]

@@ -36,6 +36,7 @@ class CpuKernelBackend(AttentionBackend):
         self._groups = torch.empty(0, 3, dtype=torch.int64)
         self._scale = 1.0
         self._window = 0
+        self._rows = cpu_kernels.plan_rows(self._tables, self._qo, self._kv_lens, self._groups)
 
     @staticmethod
     def supports(shape: AttentionShape, device: torch.device) -> bool:
@@ -80,6 +81,9 @@ class CpuKernelBackend(AttentionBackend):
         ).view(-1, 3)
         self._scale = shape.scale
         self._window = meta.window  # no groups then (AttentionMetadata.build)
+        self._rows = cpu_kernels.plan_rows(
+            self._tables, self._qo, self._kv_lens, self._groups, self._window
+        )
 
     @torch.inference_mode()
     def forward(
@@ -88,13 +92,4 @@ class CpuKernelBackend(AttentionBackend):
         if self._reference is not None:
             return self._reference.forward(q, k, v, kv_layer)
         write_kv(kv_layer, self._write_rows, k, v)
-        return cpu_kernels.row_attention(
-            q,
-            kv_layer,
-            self._tables,
-            self._qo,
-            self._kv_lens,
-            self._scale,
-            self._groups,
-            self._window,
-        )
+        return cpu_kernels.attend_rows(self._rows, q, kv_layer, self._scale)

@@ -11,6 +11,7 @@ also builds for AVX2 (fp32 at torch's speed, bf16 emulated). Where a library can
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -92,6 +93,9 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def _declare_rows(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.pc_write_kv.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64]
+    lib.pc_write_kv.argtypes += [i64]
+    lib.pc_write_kv.restype = ctypes.c_int
     for name in ("pc_row_attention_bf16", "pc_row_attention_f32"):
         for suffix in ("", *_FP8_SUFFIX.values()):  # pages in q's dtype, then fp8 pages
             fn = getattr(lib, name + suffix)
@@ -232,6 +236,115 @@ def paged_decode(
 _NO_GROUPS = torch.zeros(0, 3, dtype=torch.int64)
 
 
+def write_kv(kv_layer: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """``backend.write_kv`` in one call where it applies (the row kernel loaded, pages in k's
+    dtype, bf16 or fp32, head rows contiguous): K of token t into row ``rows[t]`` of the layer
+    viewed as ``[num_blocks * 2 * bs, Hk, D]``, its V ``bs`` rows further. False: not
+    applicable here, nothing written (the caller takes torch's ``index_copy_``)."""
+    if not kv_layer.is_cpu:
+        return False
+    lib = load_rows()
+    if (
+        lib is None
+        or kv_layer.dtype not in ROW_DTYPES
+        or not (k.dtype == v.dtype == kv_layer.dtype)
+        or k.stride(2) != 1
+        or v.stride(2) != 1
+    ):
+        return False
+    num_blocks, _, bs, hk, d = kv_layer.shape
+    t = k.shape[0]
+    cpu_library.require(
+        kv_layer.is_contiguous()
+        and k.shape == v.shape == (t, hk, d)
+        and rows.dtype == torch.int64
+        and rows.is_contiguous()
+        and rows.numel() == t,
+        "contiguous pages, k and v [T, Hk, D], rows int64 [T]",
+    )
+    rc = lib.pc_write_kv(
+        kv_layer.data_ptr(), num_blocks * 2 * bs,
+        k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+        rows.data_ptr(), t, bs, hk, d, kv_layer.element_size(),
+    )  # fmt: skip
+    cpu_library.require(rc == 0, "every KV row inside the layer's pages")
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """A step's sequences for ``attend_rows``, checked once (``plan_rows``): every layer's
+    call reuses them. See ``row_attention`` for what each tensor holds."""
+
+    tables: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_lens: torch.Tensor
+    groups: torch.Tensor
+    window: int
+
+
+def plan_rows(
+    tables: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+    groups: torch.Tensor | None = None,
+    window: int = 0,
+) -> RowPlan:
+    groups = _NO_GROUPS if groups is None else groups
+    cpu_library.require(
+        tables.dtype == torch.int32 and tables.is_contiguous(), "tables must be int32"
+    )
+    nseq = kv_lens.numel()
+    cpu_library.require(
+        qo_indptr.dtype == kv_lens.dtype == groups.dtype == torch.int64
+        and qo_indptr.is_contiguous()
+        and kv_lens.is_contiguous()
+        and qo_indptr.numel() == nseq + 1
+        and tables.shape[0] == nseq
+        and groups.is_contiguous()
+        and groups.shape[-1] == 3,
+        "qo_indptr [S+1], kv_lens [S] and groups [G, 3] must be int64",
+    )
+    return RowPlan(tables, qo_indptr, kv_lens, groups, window)
+
+
+def attend_rows(
+    plan: RowPlan, q: torch.Tensor, kv_layer: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``row_attention`` over a ``plan_rows`` plan: the per-layer call."""
+    lib = load_rows()
+    if lib is None:
+        raise RuntimeError("row_attention needs the CPU batch-invariant attention kernel")
+    t, hq, d = q.shape
+    _, _, bs, hk, _ = kv_layer.shape
+    cpu_library.require(
+        kv_layer.is_contiguous()
+        and q.stride(-1) == 1
+        and kv_layer.dtype in (q.dtype, *_FP8_SUFFIX)
+        and q.dtype in ROW_DTYPES,
+        "q must be bf16 or fp32, kv_layer alike or fp8, with contiguous rows",
+    )
+    out = torch.empty(t, hq, d, dtype=q.dtype)
+    fn = _ROW_ENTRIES.get((q.dtype, kv_layer.dtype))
+    if fn is None:
+        name = "pc_row_attention_bf16" if q.dtype == torch.bfloat16 else "pc_row_attention_f32"
+        fn = getattr(lib, name + _FP8_SUFFIX.get(kv_layer.dtype, ""))
+        _ROW_ENTRIES[(q.dtype, kv_layer.dtype)] = fn
+    tables, groups = plan.tables, plan.groups
+    rc = fn(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        kv_layer.data_ptr(), bs, tables.data_ptr(), tables.stride(0),
+        plan.qo_indptr.data_ptr(), plan.kv_lens.data_ptr(), plan.kv_lens.numel(),
+        groups.data_ptr(), groups.shape[0], out.data_ptr(),
+        hq, hk, d, scale, plan.window, torch.get_num_threads(),
+    )  # fmt: skip
+    _check(rc, d)
+    return out
+
+
+_ROW_ENTRIES: dict[tuple[torch.dtype, torch.dtype], ctypes._CFuncPtr] = {}
+
+
 def row_attention(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -246,48 +359,14 @@ def row_attention(
     one arithmetic whatever the step holds (see ``cpu_row_attention.cpp``); with ``window`` > 0
     (no groups), the row at position p over keys ``max(0, p - window + 1) .. p`` only.
 
-    ``q`` ``[T, Hq, D]`` bf16 or fp32 (``kv_layer`` alike, or fp8 for any q), rows of sequence s at ``qo_indptr[s]:qo_indptr[s+1]``, its
-    last query seeing ``kv_lens[s]`` keys (bottom-right causal); ``kv_layer`` ``[num_blocks,
-    2, bs, Hk, D]`` bf16 with the step's K/V already written; ``tables`` int32 ``[S, W]``;
-    ``groups`` int64 ``[G, 3]`` (first sequence, end, leading keys they share in the same
-    pages), ascending and disjoint. Returns ``[T, Hq, D]`` in q's dtype."""
-    lib = load_rows()
-    if lib is None:
-        raise RuntimeError("row_attention needs the CPU batch-invariant attention kernel")
-    t, hq, d = q.shape
-    _, _, bs, hk, _ = kv_layer.shape
-    groups = _NO_GROUPS if groups is None else groups
-    cpu_library.require(
-        kv_layer.is_contiguous()
-        and q.stride(-1) == 1
-        and kv_layer.dtype in (q.dtype, *_FP8_SUFFIX)
-        and q.dtype in ROW_DTYPES,
-        "q must be bf16 or fp32, kv_layer alike or fp8, with contiguous rows",
-    )
-    cpu_library.require(
-        tables.dtype == torch.int32 and tables.is_contiguous(), "tables must be int32"
-    )
-    nseq = kv_lens.numel()
-    cpu_library.require(
-        qo_indptr.dtype == kv_lens.dtype == groups.dtype == torch.int64
-        and qo_indptr.numel() == nseq + 1
-        and tables.shape[0] == nseq
-        and groups.is_contiguous()
-        and groups.shape[-1] == 3,
-        "qo_indptr [S+1], kv_lens [S] and groups [G, 3] must be int64",
-    )
-    out = torch.empty(t, hq, d, dtype=q.dtype)
-    name = "pc_row_attention_bf16" if q.dtype == torch.bfloat16 else "pc_row_attention_f32"
-    fn = getattr(lib, name + _FP8_SUFFIX.get(kv_layer.dtype, ""))
-    rc = fn(
-        q.data_ptr(), q.stride(0), q.stride(1),
-        kv_layer.data_ptr(), bs, tables.data_ptr(), tables.stride(0),
-        qo_indptr.data_ptr(), kv_lens.data_ptr(), nseq,
-        groups.data_ptr(), groups.shape[0], out.data_ptr(),
-        hq, hk, d, scale, window, torch.get_num_threads(),
-    )  # fmt: skip
-    _check(rc, d)
-    return out
+    ``q`` ``[T, Hq, D]`` bf16 or fp32 (``kv_layer`` alike, or fp8 for any q), rows of sequence
+    s at ``qo_indptr[s]:qo_indptr[s+1]``, its last query seeing ``kv_lens[s]`` keys
+    (bottom-right causal); ``kv_layer`` ``[num_blocks, 2, bs, Hk, D]`` with the step's K/V
+    already written; ``tables`` int32 ``[S, W]``; ``groups`` int64 ``[G, 3]`` (first sequence,
+    end, leading keys they share in the same pages), ascending and disjoint. Returns
+    ``[T, Hq, D]`` in q's dtype. A step's layers share one ``plan_rows`` (what the CPU backend
+    does); this is both in one call."""
+    return attend_rows(plan_rows(tables, qo_indptr, kv_lens, groups, window), q, kv_layer, scale)
 
 
 def merge_states(

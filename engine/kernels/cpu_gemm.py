@@ -64,7 +64,8 @@ class PackedLinear:
     panels (the packed copy replaces oneDNN's; the original weight stays for the state
     dict)."""
 
-    __slots__ = ("bias", "dtype", "in_features", "out_features", "packed")
+    __slots__ = ("_bias_ptr", "_fn", "_packed_ptr", "bias", "dtype", "in_features")
+    __slots__ += ("out_features", "packed")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         if not supports(weight):
@@ -84,19 +85,28 @@ class PackedLinear:
             self.packed.data_ptr(),
         )  # fmt: skip
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        # Resolved once: a decode step makes one call per projection, where a few
+        # microseconds of lookups are a measurable share (bench/call_overhead.py).
+        self._fn = lib.pc_gemm_bf16 if bf16 else lib.pc_gemm_f32
+        self._packed_ptr = self.packed.data_ptr()
+        self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        what = f"PackedLinear({self.in_features} -> {self.out_features}, {self.dtype})"
-        lead, x2 = cpu_library.gemm_rows(x, self.dtype, self.in_features, what)
+        k, n = self.in_features, self.out_features
+        if x.dtype != self.dtype or not x.is_cpu or x.shape[-1] != k:
+            raise ValueError(
+                f"PackedLinear({k} -> {n}, {self.dtype}) got {tuple(x.shape)} {x.dtype} "
+                f"on {x.device}"
+            )
+        flat = x.dim() == 2
+        x2 = x if flat else x.reshape(-1, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
         m = x2.shape[0]
-        out = torch.empty(m, self.out_features, dtype=self.dtype)
+        out = torch.empty(m, n, dtype=self.dtype)
         if m:
-            lib = _lib()
-            fn = lib.pc_gemm_bf16 if self.dtype == torch.bfloat16 else lib.pc_gemm_f32
-            fn(
-                x2.data_ptr(), x2.stride(0), m, self.packed.data_ptr(),
-                self.out_features, self.in_features,
-                None if self.bias is None else self.bias.data_ptr(),
-                out.data_ptr(), self.out_features, torch.get_num_threads(),
+            self._fn(
+                x2.data_ptr(), x2.stride(0), m, self._packed_ptr, n, k, self._bias_ptr,
+                out.data_ptr(), n, torch.get_num_threads(),
             )  # fmt: skip
-        return out.view(*lead, self.out_features)
+        return out if flat else out.view(*x.shape[:-1], n)

@@ -84,8 +84,14 @@ def _lib() -> ctypes.CDLL:
 
 
 def _entry(name: str, t: torch.Tensor) -> ctypes._CFuncPtr:
-    cpu_library.require(computes(t.dtype), f"cpu_layer_ops {name} computes {t.dtype} here")
-    return getattr(_lib(), f"pc_{name}_{_SUFFIXES[t.dtype]}")
+    fn = _ENTRIES.get((name, t.dtype))  # checked once: the per-call lookups cost microseconds
+    if fn is None:
+        cpu_library.require(computes(t.dtype), f"cpu_layer_ops {name} computes {t.dtype} here")
+        fn = _ENTRIES[(name, t.dtype)] = getattr(_lib(), f"pc_{name}_{_SUFFIXES[t.dtype]}")
+    return fn
+
+
+_ENTRIES: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
 
 
 def _require_same_dtype(*tensors: torch.Tensor) -> None:

@@ -39,13 +39,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .. import settings
 from .cpu_features import cpu_flags
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger("prefixcache.engine")
 
@@ -159,17 +155,6 @@ def require(ok: bool, what: str) -> None:
     wrong pointer, length or dtype there is memory corruption, not an exception."""
     if not ok:
         raise ValueError(f"kernel call refused: {what}")
-
-
-def gemm_rows(
-    x: torch.Tensor, dtype: torch.dtype, in_features: int, what: str
-) -> tuple[torch.Size, torch.Tensor]:
-    """``x`` ``[..., in_features]`` as the 2-D rows a CPU GEMM kernel takes (last axis
-    contiguous), and its leading shape; a clear error for another dtype, device or width."""
-    if x.dtype != dtype or x.device.type != "cpu" or x.shape[-1] != in_features:
-        raise ValueError(f"{what} got {tuple(x.shape)} {x.dtype} on {x.device}")
-    rows = x.reshape(-1, in_features)
-    return x.shape[:-1], rows if rows.stride(1) == 1 else rows.contiguous()
 
 
 def compiler() -> str | None:

@@ -79,9 +79,15 @@ def computes(dtype: torch.dtype) -> bool:
 
 
 def _entry(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
-    reason = dtype_reason(dtype)
-    cpu_library.require(reason is None, f"cpu_qgemm {name} for {dtype}: {reason}")
-    return getattr(_lib(), f"pc_qgemm_{name}{_SUFFIXES[dtype]}")
+    fn = _ENTRIES.get((name, dtype))  # checked once: the per-call lookups cost microseconds
+    if fn is None:
+        reason = dtype_reason(dtype)
+        cpu_library.require(reason is None, f"cpu_qgemm {name} for {dtype}: {reason}")
+        fn = _ENTRIES[(name, dtype)] = getattr(_lib(), f"pc_qgemm_{name}{_SUFFIXES[dtype]}")
+    return fn
+
+
+_ENTRIES: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
 
 
 def _lib() -> ctypes.CDLL:
@@ -154,19 +160,26 @@ class QuantizedLinear:
         cpu_library.require(self.bias is None or self.bias.numel() == weight.n, "bias of n")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        what = f"QuantizedLinear({self.in_features} -> {self.out_features})"
-        dtype = x.dtype if x.dtype in _SUFFIXES else torch.bfloat16
-        lead, x2 = cpu_library.gemm_rows(x, dtype, self.in_features, what)
+        k, n = self.in_features, self.out_features
+        dtype = x.dtype
+        if dtype not in _SUFFIXES or not x.is_cpu or x.shape[-1] != k:
+            raise ValueError(
+                f"QuantizedLinear({k} -> {n}) got {tuple(x.shape)} {x.dtype} on {x.device}"
+            )
+        flat = x.dim() == 2
+        x2 = x if flat else x.reshape(-1, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
         m = x2.shape[0]
-        out = torch.empty(m, self.out_features, dtype=dtype)
+        out = torch.empty(m, n, dtype=dtype)
         if m:
             w = self.weight
             _entry("", dtype)(
                 x2.data_ptr(), x2.stride(0), m, w.packed.data_ptr(), w.n, w.k,
                 _FORMAT_CODES[w.fmt], None if self.bias is None else self.bias.data_ptr(),
-                out.data_ptr(), self.out_features, torch.get_num_threads(),
+                out.data_ptr(), n, torch.get_num_threads(),
             )  # fmt: skip
-        return out.view(*lead, self.out_features)
+        return out if flat else out.view(*x.shape[:-1], n)
 
     def gather(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Rows ``ids`` of W ``[*ids.shape, k]``: s * q (+ mn) in fp32 as the dequantizer

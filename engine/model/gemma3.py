@@ -77,9 +77,7 @@ class Gemma3Attention(Attention):
         t = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
-        q = qkv[:, : hq * d].view(t, hq, d)
-        k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
-        v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+        q, k, v = qkv.view(t, hq + 2 * hk, d).split((hq, hk, hk), dim=1)  # views, one op
         cos, sin = rotation
         norms = (self.q_norm.scale, self.k_norm.scale, self.q_norm.eps)
         q, k = self.ops.gemma_rotary(q, k, cos, sin, norms)
@@ -130,14 +128,14 @@ class Gemma3DecoderLayer(nn.Module):
         that each post-norm, its residual add and the next pre-norm are one pass. ``normed``:
         ``x`` through this layer's input norm. ``rows``: only those tokens go on past
         attention (every token's K/V is still written)."""
-        h = self.self_attn(normed, rotation, attend, rows)
+        h = self.self_attn.forward(normed, rotation, attend, rows)  # no hooks: see llama.py
         if rows is not None:
             x = x.index_select(0, rows)
             if rows.numel() == 0:
                 return x, x
         post, pre = self.post_attention_layernorm.scale, self.pre_feedforward_layernorm.scale
         normed, x = self.ops.gemma_add_norms(h, x, post, pre, self.eps)
-        h = self.mlp(normed)
+        h = self.mlp.forward(normed)
         post = self.post_feedforward_layernorm.scale
         normed, x = self.ops.gemma_add_norms(h, x, post, next_scale, self.eps)
         return x, normed
@@ -186,7 +184,7 @@ class Gemma3Model(nn.Module):
         for i, layer in enumerate(layers):
             last = i == len(layers) - 1
             next_norm = self.norm if last else layers[i + 1].input_layernorm
-            x, normed = layer(
+            x, normed = layer.forward(
                 x,
                 normed,
                 rotations[layer.sliding],

@@ -165,9 +165,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv(x)
-        q = qkv[:, : hq * d].view(t, hq, d)
-        k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
-        v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+        q, k, v = qkv.view(t, hq + 2 * hk, d).split((hq, hk, hk), dim=1)  # views, one op
         cos, sin = rotation  # applied before K is written to the cache
         q, k = self.ops.rotary(q, k, cos, sin, self._qk_norms())
         o = attend(self.layer_idx, q, k, v).reshape(t, hq * d)
@@ -285,13 +283,15 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, rotation, attend, rows)
+        # .forward: a layer's submodules have no hooks, and nn.Module's call costs about 2 us,
+        # a measurable share of a batch-1 decode step (bench/step_overhead.py)
+        h = self.self_attn.forward(h, rotation, attend, rows)
         if rows is not None:
             residual = residual.index_select(0, rows)
             if rows.numel() == 0:
                 return h, residual
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp.forward(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -314,7 +314,8 @@ class LlamaModel(nn.Module):
         residual = None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, rotation, attend, out_rows if i == last else None)
+            rows = out_rows if i == last else None
+            x, residual = layer.forward(x, residual, rotation, attend, rows)  # as above
         if residual is None:  # no layers
             return self.norm(x if out_rows is None else x.index_select(0, out_rows))
         if x.shape[0] == 0:
