@@ -100,7 +100,11 @@ def test_gather_equals_the_dequantizing_loader(type_name: str, dtype: torch.dtyp
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("type_name", QUANTIZABLE_TYPES)
-@pytest.mark.parametrize(("m", "n"), [(1, 48), (1, 100), (2, 40), (3, 100), (9, 32), (70, 77)])
+# (1, 240) and (2, 272): a few rows over 15 and 17 groups take four groups a task (3 and 1 at
+# the tail); the others two
+@pytest.mark.parametrize(
+    ("m", "n"), [(1, 48), (1, 100), (2, 40), (3, 100), (9, 32), (70, 77), (1, 240), (2, 272)]
+)
 def test_product_matches_float64(type_name: str, m: int, n: int, dtype: torch.dtype) -> None:
     k = 512
     lin, ref = linear_of(type_name, n, k, seed=3)
@@ -120,7 +124,7 @@ def test_product_matches_float64(type_name: str, m: int, n: int, dtype: torch.dt
 @given(
     type_name=st.sampled_from(["Q8_0", "Q4_1", "Q5_0", "Q4_K"]),
     m=st.integers(1, 70),
-    n=st.sampled_from([16, 40, 80, 100]),
+    n=st.sampled_from([16, 40, 80, 100, 240, 272]),  # 240, 272: four groups a task at m <= 2
     data=st.data(),
     threads=st.integers(1, 3),
 )

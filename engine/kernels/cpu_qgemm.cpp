@@ -184,7 +184,11 @@ template <bool U4>
 void run(const uint16_t* x, int64_t ldx, int64_t m, const QView& w, const float* xsum,
          const float* bias, uint16_t* out, int64_t ldo, int nthreads) {
   const int64_t groups = groups_of(w.n);
-  const int64_t tiles = (groups + 1) / 2;  // two groups (32 columns) per task
+  // Columns per task: two groups (32), or four for one or two rows where there are enough:
+  // each group's partial is a chain of 16 dependent VDPBF16PS a block, so a lone row's tile
+  // runs at that latency unless it keeps four chains in flight.
+  const int64_t per_task = m <= 2 && groups >= 8 * nthreads ? 4 : 2;
+  const int64_t tiles = (groups + per_task - 1) / per_task;
   const int64_t chunk = m <= MR ? m : CHUNK;
   const int64_t chunks = (m + chunk - 1) / chunk;
   const int64_t tasks = tiles * chunks;
@@ -193,8 +197,8 @@ void run(const uint16_t* x, int64_t ldx, int64_t m, const QView& w, const float*
     std::vector<uint32_t> scratch;  // 16 words (32 bf16) a pair and group
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t g0 = (t / chunks) * 2, ch = t % chunks;
-      const int nv = static_cast<int>(std::min<int64_t>(2, groups - g0));
+      const int64_t g0 = (t / chunks) * per_task, ch = t % chunks;
+      const int nv = static_cast<int>(std::min<int64_t>(per_task, groups - g0));
       const int64_t r_begin = ch * chunk, r_end = std::min(m, r_begin + chunk);
       const bool use_scratch = r_end - r_begin > MR;
       if (use_scratch) {  // the task's weights as bf16 once, read by every row tile
@@ -212,6 +216,16 @@ void run(const uint16_t* x, int64_t ldx, int64_t m, const QView& w, const float*
         const int r = static_cast<int>(std::min<int64_t>(MR, r_end - r0));
         with_rows(r, [&](auto rows) {
           constexpr int R = decltype(rows)::value;
+          if constexpr (R <= 2) {  // four groups a task (no scratch below MR rows)
+            if (nv == 4) {
+              qtile<R, 4, U4, false>(x, ldx, r0, w, g0, nullptr, xsum, bias, out, ldo);
+              return;
+            }
+            if (nv == 3) {
+              qtile<R, 3, U4, false>(x, ldx, r0, w, g0, nullptr, xsum, bias, out, ldo);
+              return;
+            }
+          }
           if (use_scratch) {
             if (nv == 2)
               qtile<R, 2, U4, true>(x, ldx, r0, w, g0, scratch.data(), xsum, bias, out, ldo);
