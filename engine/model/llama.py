@@ -283,8 +283,7 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        # .forward: a layer's submodules have no hooks, and nn.Module's call costs about 2 us,
-        # a measurable share of a batch-1 decode step (bench/step_overhead.py)
+        # .forward: no hooks here, and nn.Module's call costs ~2 us (bench/step_overhead.py)
         h = self.self_attn.forward(h, rotation, attend, rows)
         if rows is not None:
             residual = residual.index_select(0, rows)
@@ -315,7 +314,7 @@ class LlamaModel(nn.Module):
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             rows = out_rows if i == last else None
-            x, residual = layer.forward(x, residual, rotation, attend, rows)  # as above
+            x, residual = layer.forward(x, residual, rotation, attend, rows)
         if residual is None:  # no layers
             return self.norm(x if out_rows is None else x.index_select(0, out_rows))
         if x.shape[0] == 0:
