@@ -191,3 +191,27 @@ def test_benchmark_runs_and_reports(name: str, tmp_path: Path) -> None:
     if name == "burst.py":
         assert result["prompt_tokens_computed"] == result["ideal_tokens"]
         assert result["peak_blocks"] <= result["ideal_blocks"] + 6
+
+
+def test_the_context_plot_reads_the_sweeps_records(tmp_path: Path) -> None:
+    """bench/plot_context.py over records shaped as bench/context_sweep.sh writes them."""
+    lines = []
+    for server, scale in (("llamacpp", 2.0), ("prefixcache", 1.0)):
+        for context in (1000, 4000):
+            ttft = {"A_cold_ms": scale * context, "B_warm_ms": scale * 20.0}
+            lines.append(json.dumps({"label": f"{server}/ttft/{context}", **ttft}))
+            itl = {"itl_mean_ms": scale * (8 + context / 1000)}
+            lines.append(json.dumps({"label": f"{server}/decode/{context}", **itl}))
+    records = tmp_path / "sweep.jsonl"
+    records.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "context.png"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "plot_context.py"), str(records), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert out.stat().st_size > 1000
+    assert "prefixcache: 1000: 1000.0 (0.50x), 4000: 4000.0 (0.50x)" in proc.stdout

