@@ -51,15 +51,18 @@ def test_write_kv_matches_index_copy(
     assert torch.equal(got, want)
 
 
-def test_a_row_outside_the_pages_is_refused_and_nothing_written() -> None:
+def test_a_row_outside_the_pages_or_not_a_k_row_is_refused_and_nothing_written() -> None:
     kv = torch.zeros(2, 2, BS, 1, 32)
     k = v = torch.ones(2, 1, 32)
     last_k_row = 2 * 2 * BS - BS  # block 1's V starts here: K rows end one below
-    with pytest.raises(ValueError, match="inside the layer's pages"):
+    with pytest.raises(ValueError, match="a K row inside the layer's pages"):
         cpu_kernels.write_kv(kv, torch.tensor([0, last_k_row]), k, v)
     assert not kv.any()
-    with pytest.raises(ValueError, match="inside the layer's pages"):
+    with pytest.raises(ValueError, match="a K row inside the layer's pages"):
         cpu_kernels.write_kv(kv, torch.tensor([0, -1]), k, v)
+    assert not kv.any()
+    with pytest.raises(ValueError, match="a K row inside the layer's pages"):
+        cpu_kernels.write_kv(kv, torch.tensor([0, BS]), k, v)  # block 0's first V row
     assert not kv.any()
 
 

@@ -267,7 +267,7 @@ def write_kv(kv_layer: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: tor
         k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
         rows.data_ptr(), t, bs, hk, d, kv_layer.element_size(),
     )  # fmt: skip
-    cpu_library.require(rc == 0, "every KV row inside the layer's pages")
+    cpu_library.require(rc == 0, "every KV row a K row inside the layer's pages")
     return True
 
 

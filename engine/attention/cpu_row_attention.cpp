@@ -532,12 +532,12 @@ int pc_row_attention_f32_e5m2(const float* q, int64_t q_tok, int64_t q_head, con
 // [num_rows, hk, d] of `elem`-byte elements (num_rows = num_blocks * 2 * bs); token t's K
 // goes to row rows[t], its V to rows[t] + bs. k, v [T, hk, d] with strides in elements
 // (token, head; d contiguous). Every row is checked first: 1 (nothing written) where one
-// falls outside the pages.
+// falls outside the pages or is not a K row (slot bs..2bs-1 of a block holds V).
 int pc_write_kv(void* kv, int64_t num_rows, const void* k, int64_t k_tok, int64_t k_head,
                 const void* v, int64_t v_tok, int64_t v_head, const int64_t* rows, int64_t t,
                 int64_t bs, int64_t hk, int64_t d, int64_t elem) {
   for (int64_t i = 0; i < t; ++i)
-    if (rows[i] < 0 || rows[i] + bs >= num_rows) return 1;
+    if (rows[i] < 0 || rows[i] + bs >= num_rows || rows[i] % (2 * bs) >= bs) return 1;
   char* pages = static_cast<char*>(kv);
   const char* kb = static_cast<const char*>(k);
   const char* vb = static_cast<const char*>(v);

@@ -86,7 +86,7 @@ class PackedLinear:
         )  # fmt: skip
         self.bias = None if bias is None else bias.detach().float().contiguous()
         # Resolved once: a decode step makes one call per projection, where a few
-        # microseconds of lookups are a measurable share (bench/call_overhead.py).
+        # microseconds of lookups are a measurable share (bench/step_overhead.py).
         self._fn = lib.pc_gemm_bf16 if bf16 else lib.pc_gemm_f32
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
