@@ -13,6 +13,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from plot_serving import save_figure
+
 from prefixcache.engine.model.progress import progress_iter
 
 PANELS = (  # (label kind, JSON key, title)
@@ -71,12 +73,7 @@ def main() -> None:
         ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
     axes[0].legend()
-    if args.title:
-        fig.suptitle(args.title)
-    fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out}")
+    save_figure(fig, args.out, args.title)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from prefixcache.engine.model.progress import progress_iter
 
@@ -52,12 +53,17 @@ def main() -> None:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend()
-    if args.title:
-        fig.suptitle(args.title)
+    save_figure(fig, args.out, args.title)
+
+
+def save_figure(fig: Any, out: Path, title: str) -> None:
+    """The figure titled (if ``title``), laid out and written to ``out`` as a PNG."""
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=110)
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -30,13 +30,12 @@ class CpuKernelBackend(AttentionBackend):
     def __init__(self) -> None:
         self._reference: TorchBackend | None = None  # set by prepare() for shapes we lack
         self._write_rows = torch.empty(0, dtype=torch.int64)
-        self._tables = torch.empty(0, 0, dtype=torch.int32)
-        self._qo = torch.zeros(1, dtype=torch.int64)
-        self._kv_lens = torch.empty(0, dtype=torch.int64)
-        self._groups = torch.empty(0, 3, dtype=torch.int64)
         self._scale = 1.0
-        self._window = 0
-        self._rows = cpu_kernels.plan_rows(self._tables, self._qo, self._kv_lens, self._groups)
+        self._rows = cpu_kernels.plan_rows(  # the step's tables, set by plan()
+            torch.empty(0, 0, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int64),
+            torch.empty(0, dtype=torch.int64),
+        )
 
     @staticmethod
     def supports(shape: AttentionShape, device: torch.device) -> bool:
@@ -70,19 +69,18 @@ class CpuKernelBackend(AttentionBackend):
         for i, n in enumerate(pages):  # the step's pages, one padded row per sequence
             tables[i, :n] = meta.kv_indices[start : start + n]
             start += n
-        self._tables = tables
-        self._qo = meta.qo_indptr.long()
-        self._kv_lens = torch.tensor([s.kv_len for s in meta.seqs], dtype=torch.int64)
         groups = sorted(
             [*meta.prefill_groups, *meta.cascade_groups], key=lambda g: g.begin
         )  # disjoint: prefill groups hold prefills, cascade groups decodes
-        self._groups = torch.tensor(
-            [[g.begin, g.end, g.num_shared_blocks * bs] for g in groups], dtype=torch.int64
-        ).view(-1, 3)
         self._scale = shape.scale
-        self._window = meta.window  # no groups then (AttentionMetadata.build)
         self._rows = cpu_kernels.plan_rows(
-            self._tables, self._qo, self._kv_lens, self._groups, self._window
+            tables,
+            meta.qo_indptr.long(),
+            torch.tensor([s.kv_len for s in meta.seqs], dtype=torch.int64),
+            torch.tensor(
+                [[g.begin, g.end, g.num_shared_blocks * bs] for g in groups], dtype=torch.int64
+            ).view(-1, 3),
+            meta.window,  # no groups then (AttentionMetadata.build)
         )
 
     @torch.inference_mode()

@@ -64,7 +64,7 @@ class PackedLinear:
     panels (the packed copy replaces oneDNN's; the original weight stays for the state
     dict)."""
 
-    __slots__ = ("_bias_ptr", "_fn", "_packed_ptr", "bias", "dtype", "in_features")
+    __slots__ = ("_bias_ptr", "_fn", "_packed_ptr", "_what", "bias", "dtype", "in_features")
     __slots__ += ("out_features", "packed")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -90,18 +90,11 @@ class PackedLinear:
         self._fn = lib.pc_gemm_bf16 if bf16 else lib.pc_gemm_f32
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
+        self._what = f"PackedLinear({self.in_features} -> {self.out_features}, {self.dtype})"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         k, n = self.in_features, self.out_features
-        if x.dtype != self.dtype or not x.is_cpu or x.shape[-1] != k:
-            raise ValueError(
-                f"PackedLinear({k} -> {n}, {self.dtype}) got {tuple(x.shape)} {x.dtype} "
-                f"on {x.device}"
-            )
-        flat = x.dim() == 2
-        x2 = x if flat else x.reshape(-1, k)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
+        x2 = cpu_library.gemm_rows(x, (self.dtype,), k, self._what)
         m = x2.shape[0]
         out = torch.empty(m, n, dtype=self.dtype)
         if m:
@@ -109,4 +102,4 @@ class PackedLinear:
                 x2.data_ptr(), x2.stride(0), m, self._packed_ptr, n, k, self._bias_ptr,
                 out.data_ptr(), n, torch.get_num_threads(),
             )  # fmt: skip
-        return out if flat else out.view(*x.shape[:-1], n)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

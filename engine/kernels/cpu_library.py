@@ -39,9 +39,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import settings
 from .cpu_features import cpu_flags
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("prefixcache.engine")
 
@@ -155,6 +159,18 @@ def require(ok: bool, what: str) -> None:
     wrong pointer, length or dtype there is memory corruption, not an exception."""
     if not ok:
         raise ValueError(f"kernel call refused: {what}")
+
+
+def gemm_rows(
+    x: torch.Tensor, dtypes: tuple[torch.dtype, ...], in_features: int, what: str
+) -> torch.Tensor:
+    """``x`` ``[..., in_features]`` as the 2-D rows a GEMM kernel takes (last axis contiguous);
+    a clear error for another dtype, device or width (``what`` names the layer). Kept to a few
+    attribute reads: it runs once per projection of every decode step."""
+    if x.dtype not in dtypes or not x.is_cpu or x.shape[-1] != in_features:
+        raise ValueError(f"{what} got {tuple(x.shape)} {x.dtype} on {x.device}")
+    rows = x if x.dim() == 2 else x.reshape(-1, in_features)
+    return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
 def compiler() -> str | None:

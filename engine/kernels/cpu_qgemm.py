@@ -47,6 +47,7 @@ _library = cpu_library.CpuLibrary(
     SOURCE, "CPU quantized GEMM", "dequantized GGUF weights", _declare
 )
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_DTYPES = tuple(_SUFFIXES)  # what the activations may be
 
 
 def unavailable_reason(cpuinfo: str | None = None) -> str | None:
@@ -151,25 +152,18 @@ class QuantizedLinear:
     """``x @ W.T + bias`` for a bf16 or fp32 ``x`` (the output in ``x``'s dtype) and a
     ``QuantizedWeight``; ``gather(ids, dtype)``: rows of W (the tied embedding)."""
 
-    __slots__ = ("bias", "in_features", "out_features", "weight")
+    __slots__ = ("_what", "bias", "in_features", "out_features", "weight")
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.out_features, self.in_features = weight.n, weight.k
+        self._what = f"QuantizedLinear({weight.k} -> {weight.n})"
         self.bias = None if bias is None else bias.detach().float().contiguous()
         cpu_library.require(self.bias is None or self.bias.numel() == weight.n, "bias of n")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        k, n = self.in_features, self.out_features
-        dtype = x.dtype
-        if dtype not in _SUFFIXES or not x.is_cpu or x.shape[-1] != k:
-            raise ValueError(
-                f"QuantizedLinear({k} -> {n}) got {tuple(x.shape)} {x.dtype} on {x.device}"
-            )
-        flat = x.dim() == 2
-        x2 = x if flat else x.reshape(-1, k)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
+        k, n, dtype = self.in_features, self.out_features, x.dtype
+        x2 = cpu_library.gemm_rows(x, _DTYPES, k, self._what)
         m = x2.shape[0]
         out = torch.empty(m, n, dtype=dtype)
         if m:
@@ -179,7 +173,7 @@ class QuantizedLinear:
                 _FORMAT_CODES[w.fmt], None if self.bias is None else self.bias.data_ptr(),
                 out.data_ptr(), n, torch.get_num_threads(),
             )  # fmt: skip
-        return out if flat else out.view(*x.shape[:-1], n)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
     def gather(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Rows ``ids`` of W ``[*ids.shape, k]``: s * q (+ mn) in fp32 as the dequantizer
