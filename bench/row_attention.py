@@ -46,6 +46,7 @@ CASES = [
     ("decode", 32, 1, 1100, 9, 3, 64),
     ("decode", 1, 1, 16000, 9, 3, 64),
     ("decode", 16, 1, 2048, 4, 1, 256),
+    ("decode", 1, 1, 8000, 4, 1, 256),  # one KV head: its key partitions split over threads
 ]
 
 

@@ -7,8 +7,13 @@
 # Environment: VLLM_VENV (default /work/vllm-venv; set it up as docs/benchmarks.md says),
 # MODEL (default /tmp/bench-llama55m, made by bench/make_bench_model.py if missing),
 # DTYPE (default bfloat16; "auto" compares the defaults), SERVERS (default "vllm prefixcache"),
-# WORKLOADS (default "shared decode ttft sweep"). Each workload has its own seed, so no run
-# hits what an earlier one cached.
+# WORKLOADS (default "shared decode ttft sweep"; "long" is issue 28's long-context set, run
+# with MAX_MODEL_LEN=32768), LONG_CONTEXTS (default "16000 32000"). Each workload has its own
+# seed, so no run hits what an earlier one cached.
+#
+# long, at each context C: the ttft workload (a cold C-token prompt, one sharing its first
+# C - 100 tokens, medians of 3 rounds); one stream decoding 64 tokens after a C-token prompt;
+# 8 streams decoding 64 tokens each over one shared (C - 200)-token prefix, all in flight.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/serving.jsonl}
@@ -17,6 +22,8 @@ MODEL=${MODEL:-/tmp/bench-llama55m}
 DTYPE=${DTYPE:-bfloat16}
 SERVERS=${SERVERS:-vllm prefixcache}
 WORKLOADS=${WORKLOADS:-shared decode ttft sweep}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-8192}
+LONG_CONTEXTS=${LONG_CONTEXTS:-16000 32000}
 PY=.venv/bin/python
 PORT=8100
 [ -f "$MODEL/config.json" ] || $PY bench/make_bench_model.py --out "$MODEL"
@@ -26,7 +33,7 @@ start_vllm() {
   HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
   "$VLLM_VENV"/bin/python -m vllm.entrypoints.openai.api_server --model "$MODEL" \
     --served-model-name m --host 127.0.0.1 --port $PORT --dtype "$DTYPE" \
-    --max-model-len 8192 --enable-prefix-caching >/tmp/serving-vllm.log 2>&1 &
+    --max-model-len "$MAX_MODEL_LEN" --enable-prefix-caching >/tmp/serving-vllm.log 2>&1 &
   echo $!
 }
 
@@ -34,7 +41,8 @@ start_prefixcache() {
   local flags=(--engine "${ENGINE:-process}")  # how the figures in docs/benchmarks.md ran
   [ "$DTYPE" = auto ] || flags+=(--dtype "$DTYPE")
   $PY -m prefixcache.sidecar.cli serve --model "$MODEL" --served-model-name m \
-    --host 127.0.0.1 --port $PORT "${flags[@]}" >/tmp/serving-prefixcache.log 2>&1 &
+    --host 127.0.0.1 --port $PORT --max-model-len "$MAX_MODEL_LEN" "${flags[@]}" \
+    >/tmp/serving-prefixcache.log 2>&1 &
   echo $!
 }
 
@@ -50,6 +58,14 @@ workload() {  # server, workload name
               --output 128 --concurrency 32 --seed 2000 ;;
     ttft) bench "$server/ttft" --workload ttft --seed 3000 ;;
     sweep) for c in 1 4 16 32; do bench "$server" --concurrency $c --seed $((4000 + c)); done ;;
+    long) for c in $LONG_CONTEXTS; do
+            bench "$server/long-ttft/$c" --workload ttft --prompt "$c" --shared $((c - 100)) \
+              --seed $((5000 + c))
+            bench "$server/long-decode/$c" --groups 1 --per-group 2 --system "$c" --question 16 \
+              --output 64 --concurrency 1 --seed $((6000 + c))
+            bench "$server/long-shared/$c" --groups 1 --per-group 8 --system $((c - 200)) \
+              --question 64 --output 64 --concurrency 8 --seed $((7000 + c))
+          done ;;
   esac
 }
 

@@ -3,12 +3,15 @@
 // Built at first use by cpu_kernels.py (g++, no torch headers) and called through ctypes.
 // Every query row (a token x a query head) attends to keys [0, limit) of its sequence, read
 // from the KV pages, in key blocks of BK aligned to absolute key positions (block kb holds
-// keys [kb*BK, kb*BK + BK)), with one online-softmax update per block and one rounding of
-// the output at the end. Prefill chunks, rows after cached pages, decodes, and members of a
-// group that shares leading pages all run this same sequence of operations per row, so a
-// row's result depends only on its query and its keys: not on how much of the prompt was
-// cached, where chunked prefill cut, or which rows share the call. Rows that share pages (a
-// group) take each fully shared key block packed once.
+// keys [kb*BK, kb*BK + BK)), with one online-softmax update per block, partitions of
+// kPartBlocks blocks (also aligned to absolute positions) each from a fresh state, their
+// states folded in ascending order, and one rounding of the output at the end. Prefill
+// chunks, rows after cached pages, decodes (whose partitions may run on several threads),
+// and members of a group that shares leading pages all run this same sequence of operations
+// per row, so a row's result depends only on its query and its keys: not on how much of
+// the prompt was cached, where chunked prefill cut, which rows share the call, or how many
+// threads ran it. Rows that share pages (a group) take each fully shared key block packed
+// once.
 //
 // A sliding window (window > 0; never with groups): the row at position p sees keys
 // [max(0, p - window + 1), p], in the same absolute blocks from the one holding its first key.
@@ -257,54 +260,105 @@ struct RowTask {
 
 constexpr int64_t kTaskRows = 64;  // rows (tokens x folded heads) per task, about
 
-template <int D, int R, typename T, typename KV>
-void run_row_task(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segment* segs,
-                  const RowTask& task, int64_t h,
-                  std::vector<uint32_t>& qw, std::vector<int64_t>& limit, std::vector<int64_t>& begin,
-                  std::vector<float>& m, std::vector<float>& l, std::vector<float>& obuf,
-                  std::vector<float>& pbuf, uint32_t* kbuf, uint32_t* vbuf) {
+// Key blocks per partition. A row's keys are attended partition by partition (partition i
+// holds absolute keys [i * kPartKeys, (i + 1) * kPartKeys)), each from a fresh online-softmax
+// state, and the partitions' states are folded in ascending order (fold_partition). The
+// partitions of a task may then run on different threads (a long decode at batch 1) with the
+// very same arithmetic as on one.
+constexpr int64_t kPartBlocks = 8;
+constexpr int64_t kPartKeys = kPartBlocks * BK;
+
+// Per-row state over some keys: running max (base 2), sum of exponentials, unscaled output.
+struct RowStates {
+  std::vector<float> m, l, o;
+  void reset(int64_t rows, int64_t d) {
+    m.assign(static_cast<size_t>(rows), -INFINITY);
+    l.assign(static_cast<size_t>(rows), 0.0f);
+    o.assign(static_cast<size_t>(rows * d), 0.0f);
+  }
+};
+
+// Folds one partition's state (m, l, o) of a row into its running state (M, L, O): a row's
+// first partition with keys is copied; a later one is rescaled to the larger max. Written
+// with explicit multiplies and FMAs, so every build and caller rounds the same way.
+template <int D>
+inline void fold_partition(float& M, float& L, float* O, float m, float l, const float* o) {
+  if (m == -INFINITY) return;  // the row saw none of the partition's keys
+  if (M == -INFINITY) {
+    M = m;
+    L = l;
+    std::memcpy(O, o, sizeof(float) * D);
+    return;
+  }
+  const float mx = std::max(M, m);
+  const float a = std::exp2(M - mx), b = std::exp2(m - mx);
+  L = std::fma(l, b, L * a);
+  const __m512 av = _mm512_set1_ps(a), bv = _mm512_set1_ps(b);
+  for (int c = 0; c < D; c += 16)
+    _mm512_storeu_ps(O + c, _mm512_fmadd_ps(_mm512_loadu_ps(o + c), bv,
+                                            _mm512_mul_ps(_mm512_loadu_ps(O + c), av)));
+  M = mx;
+}
+
+// A task's rows for kv head h: their queries as words, the keys each sees ([begin, limit)).
+struct TaskRows {
+  std::vector<uint32_t> qw;
+  std::vector<int64_t> limit, begin;
+  int64_t rows = 0, max_limit = 0, min_begin = 0;
+};
+
+template <int D, typename T, typename KV>
+void load_task_rows(const RowBatch<T, KV>& rb, const Segment* segs, const RowTask& task,
+                    int64_t h, TaskRows& tr) {
   constexpr int KW = D * static_cast<int>(sizeof(T)) / 4;  // words per query / key row
-  constexpr int64_t WORDS = kBlockWords<D, T>;
-  const int64_t g = rb.hq / rb.hk, row_elems = rb.hk * D, v_offset = rb.bs * row_elems;
+  const int64_t g = rb.hq / rb.hk;
   int64_t rows = 0;
   for (int64_t si = task.seg_begin; si < task.seg_end; ++si) rows += (segs[si].t1 - segs[si].t0) * g;
-  qw.resize(static_cast<size_t>(rows * KW));
-  limit.resize(static_cast<size_t>(rows));
-  begin.resize(static_cast<size_t>(rows));
-  m.assign(static_cast<size_t>(rows), -INFINITY);
-  l.assign(static_cast<size_t>(rows), 0.0f);
-  obuf.assign(static_cast<size_t>(rows * D), 0.0f);
-  int64_t r = 0, max_limit = 0, min_begin = INT64_MAX;
+  tr.qw.resize(static_cast<size_t>(rows * KW));
+  tr.limit.resize(static_cast<size_t>(rows));
+  tr.begin.resize(static_cast<size_t>(rows));
+  tr.rows = rows;
+  tr.max_limit = 0;
+  tr.min_begin = INT64_MAX;
+  int64_t r = 0;
   for (int64_t si = task.seg_begin; si < task.seg_end; ++si) {
     const Segment& sg = segs[si];
     const int64_t n = rb.qo[sg.s + 1] - rb.qo[sg.s], first = rb.kv_lens[sg.s] - n;
     for (int64_t t = sg.t0; t < sg.t1; ++t)
       for (int64_t j = 0; j < g; ++j, ++r) {
-        std::memcpy(&qw[r * KW], rb.q + t * rb.q_tok + (h * g + j) * rb.q_head,
+        std::memcpy(&tr.qw[r * KW], rb.q + t * rb.q_tok + (h * g + j) * rb.q_head,
                     sizeof(T) * D);
-        limit[r] = first + (t - rb.qo[sg.s]) + 1;
-        begin[r] = rb.window > 0 ? std::max<int64_t>(0, limit[r] - rb.window) : 0;
-        max_limit = std::max(max_limit, limit[r]);
-        min_begin = std::min(min_begin, begin[r]);
+        tr.limit[r] = first + (t - rb.qo[sg.s]) + 1;
+        tr.begin[r] = rb.window > 0 ? std::max<int64_t>(0, tr.limit[r] - rb.window) : 0;
+        tr.max_limit = std::max(tr.max_limit, tr.limit[r]);
+        tr.min_begin = std::min(tr.min_begin, tr.begin[r]);
       }
   }
-  const int64_t nkb = (max_limit + BK - 1) / BK;
-  const int64_t* row_begin = rb.window > 0 ? begin.data() : nullptr;
-  for (int64_t kb = min_begin / BK; kb < nkb; ++kb) {
+}
+
+// Key blocks [kb_from, kb_to) for every row of the task, into st (online softmax).
+template <int D, int R, typename T, typename KV>
+void attend_blocks(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segment* segs,
+                   const RowTask& task, int64_t h, const TaskRows& tr, int64_t kb_from,
+                   int64_t kb_to, RowStates& st, float* pbuf, uint32_t* kbuf, uint32_t* vbuf) {
+  constexpr int64_t WORDS = kBlockWords<D, T>;
+  const int64_t g = rb.hq / rb.hk, row_elems = rb.hk * D, v_offset = rb.bs * row_elems;
+  const int64_t* row_begin = rb.window > 0 ? tr.begin.data() : nullptr;
+  for (int64_t kb = kb_from; kb < kb_to; ++kb) {
     const int64_t k0 = kb * BK;
     if (k0 + BK <= task.shared) {  // every segment's sequence holds these keys in the same pages
       const int64_t s = segs[task.seg_begin].s;
       pack_block<D, T>(rb.kv, rb.tables + s * rb.table_stride, rb.bs, row_elems, h, k0, 0,
                     rb.kv_lens[s], v_offset, kbuf, vbuf);
-      attend_packed<D, R, T>(kbuf, vbuf, k0, 0, rows, qw.data(), limit.data(), nullptr, m.data(),
-                             l.data(), obuf.data(), pbuf.data(), rb.scale2);
+      attend_packed<D, R, T>(kbuf, vbuf, k0, 0, tr.rows, tr.qw.data(), tr.limit.data(), nullptr,
+                             st.m.data(), st.l.data(), st.o.data(), pbuf, rb.scale2);
       continue;
     }
     int64_t ra = 0;
     for (int64_t si = task.seg_begin; si < task.seg_end; ++si) {
       const Segment& sg = segs[si];
       const int64_t seg_rows = (sg.t1 - sg.t0) * g;
-      const int64_t seg_max = limit[ra + seg_rows - 1], seg_begin = begin[ra];
+      const int64_t seg_max = tr.limit[ra + seg_rows - 1], seg_begin = tr.begin[ra];
       if (seg_max > k0 && seg_begin < k0 + BK) {
         const uint32_t *kb_words = kbuf, *vb_words = vbuf;
         if (pre.offset[sg.s] >= 0) {
@@ -314,19 +368,41 @@ void run_row_task(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segment
           vb_words = pre.v.data() + pre.offset[sg.s] + (h * nb + kb - kb0) * WORDS;
         } else {
           const int32_t* table = rb.tables + sg.s * rb.table_stride;
-          if (k0 + BK < seg_max)
+          if (k0 + BK < seg_max && kb + 1 < kb_to)
             prefetch_block<D>(rb.kv, table, rb.bs, row_elems, h, k0 + BK, seg_max, v_offset);
           pack_block<D, T>(rb.kv, table, rb.bs, row_elems, h, k0, seg_begin, seg_max, v_offset,
                         kbuf, vbuf);
         }
-        attend_packed<D, R, T>(kb_words, vb_words, k0, ra, ra + seg_rows, qw.data(), limit.data(),
-                               row_begin, m.data(), l.data(), obuf.data(), pbuf.data(),
-                               rb.scale2);
+        attend_packed<D, R, T>(kb_words, vb_words, k0, ra, ra + seg_rows, tr.qw.data(),
+                               tr.limit.data(), row_begin, st.m.data(), st.l.data(),
+                               st.o.data(), pbuf, rb.scale2);
       }
       ra += seg_rows;
     }
   }
-  r = 0;
+}
+
+// The partitions a task's rows see: [first, end).
+inline int64_t first_part(const TaskRows& tr) { return tr.min_begin / kPartKeys; }
+inline int64_t end_part(const TaskRows& tr) { return (tr.max_limit + kPartKeys - 1) / kPartKeys; }
+
+// Partition p for every row of the task, from a fresh state.
+template <int D, int R, typename T, typename KV>
+void attend_partition(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segment* segs,
+                      const RowTask& task, int64_t h, const TaskRows& tr, int64_t p,
+                      RowStates& st, float* pbuf, uint32_t* kbuf, uint32_t* vbuf) {
+  st.reset(tr.rows, D);
+  const int64_t kb_from = std::max(p * kPartBlocks, tr.min_begin / BK);
+  const int64_t kb_to = std::min((p + 1) * kPartBlocks, (tr.max_limit + BK - 1) / BK);
+  attend_blocks<D, R, T, KV>(rb, pre, segs, task, h, tr, kb_from, kb_to, st, pbuf, kbuf, vbuf);
+}
+
+// Each row's output: its folded state normalized, in T.
+template <int D, typename T, typename KV>
+void store_rows(const RowBatch<T, KV>& rb, const Segment* segs, const RowTask& task, int64_t h,
+                const float* l, const float* obuf) {
+  const int64_t g = rb.hq / rb.hk;
+  int64_t r = 0;
   for (int64_t si = task.seg_begin; si < task.seg_end; ++si) {
     const Segment& sg = segs[si];
     for (int64_t t = sg.t0; t < sg.t1; ++t)
@@ -344,6 +420,27 @@ void run_row_task(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segment
         }
       }
   }
+}
+
+// A whole task on one thread: its partitions in ascending order, folded as they finish.
+template <int D, int R, typename T, typename KV>
+void run_row_task(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segment* segs,
+                  const RowTask& task, int64_t h, TaskRows& tr, RowStates& part, RowStates& acc,
+                  float* pbuf, uint32_t* kbuf, uint32_t* vbuf) {
+  load_task_rows<D, T, KV>(rb, segs, task, h, tr);
+  const int64_t p0 = first_part(tr), p1 = end_part(tr);
+  if (p1 - p0 == 1) {  // one partition: its state is the rows' (a fold would copy it)
+    attend_partition<D, R, T, KV>(rb, pre, segs, task, h, tr, p0, acc, pbuf, kbuf, vbuf);
+  } else {
+    acc.reset(tr.rows, D);
+    for (int64_t p = p0; p < p1; ++p) {
+      attend_partition<D, R, T, KV>(rb, pre, segs, task, h, tr, p, part, pbuf, kbuf, vbuf);
+      for (int64_t r = 0; r < tr.rows; ++r)
+        fold_partition<D>(acc.m[r], acc.l[r], &acc.o[r * D], part.m[r], part.l[r],
+                          &part.o[r * D]);
+    }
+  }
+  store_rows<D, T, KV>(rb, segs, task, h, acc.l.data(), acc.o.data());
 }
 
 // Segments and tasks: a sequence outside the groups is split into tasks of about kTaskRows
@@ -430,20 +527,93 @@ void row_run(const RowBatch<T, KV>& rb, int64_t nseq, const int64_t* groups, int
                     pre.v.data() + at);
     }
   }
-  const int64_t ntasks = static_cast<int64_t>(tasks.size()) * rb.hk;
+  // Work items: (task, head), or where there are too few of them to keep the threads busy
+  // (a long decode at batch 1), (task, head, partition) for tasks that span partitions,
+  // whose states are folded afterwards in ascending order: the same arithmetic either way.
+  const int64_t nitems = static_cast<int64_t>(tasks.size()) * rb.hk;
+  struct Item {
+    int64_t task, h, part;  // part -1: the whole task
+  };
+  struct SplitTask {
+    int64_t task, h, p0, p1, rows, at;  // partitions [p0, p1); states from `at` in parts
+  };
+  std::vector<Item> items;
+  std::vector<SplitTask> splits;
+  std::vector<int64_t> split_of;  // per (task, head): index into splits, or -1
+  const bool split = nthreads > 1 && nitems < 2 * static_cast<int64_t>(nthreads);
+  int64_t part_rows = 0;
+  if (split) {
+    split_of.assign(static_cast<size_t>(nitems), -1);
+    const int64_t g = rb.hq / rb.hk;
+    for (int64_t i = 0; i < nitems; ++i) {
+      const int64_t ti = static_cast<int64_t>(tasks.size()) - 1 - i / rb.hk, h = i % rb.hk;
+      const RowTask& task = tasks[ti];
+      int64_t rows = 0, max_limit = 0, min_begin = INT64_MAX;
+      for (int64_t si = task.seg_begin; si < task.seg_end; ++si) {
+        const Segment& sg = segs[si];
+        const int64_t n = rb.qo[sg.s + 1] - rb.qo[sg.s], first = rb.kv_lens[sg.s] - n;
+        rows += (sg.t1 - sg.t0) * g;
+        const int64_t lo = first + (sg.t0 - rb.qo[sg.s]) + 1, hi = first + (sg.t1 - rb.qo[sg.s]);
+        max_limit = std::max(max_limit, hi);
+        min_begin = std::min(min_begin, rb.window > 0 ? std::max<int64_t>(0, lo - rb.window) : 0);
+      }
+      const int64_t p0 = min_begin / kPartKeys, p1 = (max_limit + kPartKeys - 1) / kPartKeys;
+      if (p1 - p0 < 2) {
+        items.push_back({ti, h, -1});
+        continue;
+      }
+      split_of[ti * rb.hk + h] = static_cast<int64_t>(splits.size());
+      splits.push_back({ti, h, p0, p1, rows, part_rows});
+      part_rows += (p1 - p0) * rows;
+      for (int64_t p = p0; p < p1; ++p) items.push_back({ti, h, p});
+    }
+  } else {
+    for (int64_t i = 0; i < nitems; ++i)  // largest tasks (the latest query rows) first
+      items.push_back({static_cast<int64_t>(tasks.size()) - 1 - i / rb.hk, i % rb.hk, -1});
+  }
+  RowStates parts;  // split tasks' partition states: [part_rows] (and [part_rows * D])
+  if (part_rows > 0) {
+    parts.m.resize(static_cast<size_t>(part_rows));
+    parts.l.resize(static_cast<size_t>(part_rows));
+    parts.o.resize(static_cast<size_t>(part_rows * D));
+  }
+  const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<uint32_t> qw;
-    std::vector<int64_t> limit, begin;
-    std::vector<float> m, l, obuf;
+    TaskRows tr;
+    RowStates part, acc;
     std::vector<float> pbuf(R * BK);
     std::vector<uint32_t> kbuf(WORDS), vbuf(WORDS);  // a key block packed on the fly
-    // Largest tasks (the latest query rows) first.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < ntasks; ++i) {
-      const int64_t ti = static_cast<int64_t>(tasks.size()) - 1 - i / rb.hk, h = i % rb.hk;
-      run_row_task<D, R, T, KV>(rb, pre, segs.data(), tasks[ti], h, qw, limit, begin, m, l, obuf,
-                            pbuf, kbuf.data(), vbuf.data());
+    for (int64_t i = 0; i < n_items; ++i) {
+      const Item& it = items[i];
+      if (it.part < 0) {
+        run_row_task<D, R, T, KV>(rb, pre, segs.data(), tasks[it.task], it.h, tr, part, acc,
+                                  pbuf.data(), kbuf.data(), vbuf.data());
+        continue;
+      }
+      const SplitTask& sp = splits[split_of[it.task * rb.hk + it.h]];
+      load_task_rows<D, T, KV>(rb, segs.data(), tasks[it.task], it.h, tr);
+      attend_partition<D, R, T, KV>(rb, pre, segs.data(), tasks[it.task], it.h, tr, it.part,
+                                    part, pbuf.data(), kbuf.data(), vbuf.data());
+      const int64_t at = sp.at + (it.part - sp.p0) * sp.rows;
+      std::memcpy(&parts.m[at], part.m.data(), sizeof(float) * sp.rows);
+      std::memcpy(&parts.l[at], part.l.data(), sizeof(float) * sp.rows);
+      std::memcpy(&parts.o[at * D], part.o.data(), sizeof(float) * sp.rows * D);
+    }
+    // The split tasks' partitions folded in ascending order, then stored.
+    const int64_t n_splits = static_cast<int64_t>(splits.size());
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_splits; ++i) {
+      const SplitTask& sp = splits[i];
+      acc.reset(sp.rows, D);
+      for (int64_t p = sp.p0; p < sp.p1; ++p) {
+        const int64_t at = sp.at + (p - sp.p0) * sp.rows;
+        for (int64_t r = 0; r < sp.rows; ++r)
+          fold_partition<D>(acc.m[r], acc.l[r], &acc.o[r * D], parts.m[at + r], parts.l[at + r],
+                            &parts.o[(at + r) * D]);
+      }
+      store_rows<D, T, KV>(rb, segs.data(), tasks[sp.task], sp.h, acc.l.data(), acc.o.data());
     }
   }
 }
