@@ -66,6 +66,12 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/bench-llama55m")
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--max-positions",
+        type=int,
+        default=8192,
+        help="max_position_embeddings (32768: long context)",
+    )
     args = ap.parse_args()
 
     import torch
@@ -88,7 +94,7 @@ def main() -> None:
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=8192,
+        max_position_embeddings=args.max_positions,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=False,

@@ -5,7 +5,8 @@
 #   bench/serving_vs_vllm.sh [OUT.jsonl]
 #
 # Environment: VLLM_VENV (default /work/vllm-venv; set it up as docs/benchmarks.md says),
-# MODEL (default /tmp/bench-llama55m, made by bench/make_bench_model.py if missing),
+# MODEL (default /tmp/bench-llama55m, or /tmp/bench-llama55m-32k where MAX_MODEL_LEN > 8192;
+# made by bench/make_bench_model.py if missing, with max(MAX_MODEL_LEN, 8192) positions),
 # DTYPE (default bfloat16; "auto" compares the defaults), SERVERS (default "vllm prefixcache"),
 # WORKLOADS (default "shared decode ttft sweep"; "long" is issue 28's long-context set, run
 # with MAX_MODEL_LEN=32768), LONG_CONTEXTS (default "16000 32000"). Each workload has its own
@@ -18,15 +19,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/serving.jsonl}
 VLLM_VENV=${VLLM_VENV:-/work/vllm-venv}
-MODEL=${MODEL:-/tmp/bench-llama55m}
 DTYPE=${DTYPE:-bfloat16}
 SERVERS=${SERVERS:-vllm prefixcache}
 WORKLOADS=${WORKLOADS:-shared decode ttft sweep}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-8192}
 LONG_CONTEXTS=${LONG_CONTEXTS:-16000 32000}
+if [ "$MAX_MODEL_LEN" -gt 8192 ]; then MODEL=${MODEL:-/tmp/bench-llama55m-32k}; fi
+MODEL=${MODEL:-/tmp/bench-llama55m}
 PY=.venv/bin/python
 PORT=8100
-[ -f "$MODEL/config.json" ] || $PY bench/make_bench_model.py --out "$MODEL"
+[ -f "$MODEL/config.json" ] || $PY bench/make_bench_model.py --out "$MODEL" \
+  --max-positions "$((MAX_MODEL_LEN > 8192 ? MAX_MODEL_LEN : 8192))"
 
 start_vllm() {
   VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2 \
