@@ -42,7 +42,12 @@ class Sequences:
         self.lens = lens
 
     def attend(
-        self, q: torch.Tensor, rows: list[int], threads: int, window: int = 0
+        self,
+        q: torch.Tensor,
+        rows: list[int],
+        threads: int,
+        window: int = 0,
+        groups: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Sequence i's last rows[i] queries (q's rows in order) over its keys."""
         qo = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int64)
@@ -52,7 +57,7 @@ class Sequences:
         torch.set_num_threads(threads)
         try:
             return cpu_kernels.row_attention(
-                q, self.kv, self.tables, qo, kv_lens, scale, window=window
+                q, self.kv, self.tables, qo, kv_lens, scale, groups=groups, window=window
             )
         finally:
             torch.set_num_threads(before)
@@ -161,17 +166,8 @@ def test_a_cascade_groups_decodes_match_their_plain_decodes(
     seqs = Sequences([shared + t for t in tails], hk, d, dtype, seed)
     seqs.tables[1:, :shared_blocks] = seqs.tables[0, :shared_blocks]
     q = queries(len(tails), hq, d, dtype, seed + 1)
-    qo = torch.arange(len(tails) + 1, dtype=torch.int64)
-    kv_lens = torch.tensor(seqs.lens, dtype=torch.int64)
     groups = torch.tensor([[0, len(tails), shared]], dtype=torch.int64)
     plain = seqs.attend(q, [1] * len(tails), threads=1)
-    before = torch.get_num_threads()
     for threads in (1, 2, 3):
-        torch.set_num_threads(threads)
-        try:
-            got = cpu_kernels.row_attention(
-                q, seqs.kv, seqs.tables, qo, kv_lens, d**-0.5, groups=groups
-            )
-        finally:
-            torch.set_num_threads(before)
+        got = seqs.attend(q, [1] * len(tails), threads=threads, groups=groups)
         assert torch.equal(got, plain), f"grouped on {threads} threads != plain"

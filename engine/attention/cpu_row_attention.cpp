@@ -300,6 +300,13 @@ inline void fold_partition(float& M, float& L, float* O, float m, float l, const
   M = mx;
 }
 
+// Each of `rows` rows' partition state (m, l, o) folded into acc (fold_partition).
+template <int D>
+void fold_rows(RowStates& acc, const float* m, const float* l, const float* o, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r)
+    fold_partition<D>(acc.m[r], acc.l[r], &acc.o[r * D], m[r], l[r], &o[r * D]);
+}
+
 // A task's rows for kv head h: their queries as words, the keys each sees ([begin, limit)).
 struct TaskRows {
   std::vector<uint32_t> qw;
@@ -435,9 +442,7 @@ void run_row_task(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segment
     acc.reset(tr.rows, D);
     for (int64_t p = p0; p < p1; ++p) {
       attend_partition<D, R, T, KV>(rb, pre, segs, task, h, tr, p, part, pbuf, kbuf, vbuf);
-      for (int64_t r = 0; r < tr.rows; ++r)
-        fold_partition<D>(acc.m[r], acc.l[r], &acc.o[r * D], part.m[r], part.l[r],
-                          &part.o[r * D]);
+      fold_rows<D>(acc, part.m.data(), part.l.data(), part.o.data(), tr.rows);
     }
   }
   store_rows<D, T, KV>(rb, segs, task, h, acc.l.data(), acc.o.data());
@@ -544,27 +549,18 @@ void row_run(const RowBatch<T, KV>& rb, int64_t nseq, const int64_t* groups, int
   int64_t part_rows = 0;
   if (split) {
     split_of.assign(static_cast<size_t>(nitems), -1);
-    const int64_t g = rb.hq / rb.hk;
+    TaskRows tr;  // few tasks here: loading each one's rows to read its span is cheap
     for (int64_t i = 0; i < nitems; ++i) {
       const int64_t ti = static_cast<int64_t>(tasks.size()) - 1 - i / rb.hk, h = i % rb.hk;
-      const RowTask& task = tasks[ti];
-      int64_t rows = 0, max_limit = 0, min_begin = INT64_MAX;
-      for (int64_t si = task.seg_begin; si < task.seg_end; ++si) {
-        const Segment& sg = segs[si];
-        const int64_t n = rb.qo[sg.s + 1] - rb.qo[sg.s], first = rb.kv_lens[sg.s] - n;
-        rows += (sg.t1 - sg.t0) * g;
-        const int64_t lo = first + (sg.t0 - rb.qo[sg.s]) + 1, hi = first + (sg.t1 - rb.qo[sg.s]);
-        max_limit = std::max(max_limit, hi);
-        min_begin = std::min(min_begin, rb.window > 0 ? std::max<int64_t>(0, lo - rb.window) : 0);
-      }
-      const int64_t p0 = min_begin / kPartKeys, p1 = (max_limit + kPartKeys - 1) / kPartKeys;
+      load_task_rows<D, T, KV>(rb, segs.data(), tasks[ti], h, tr);
+      const int64_t p0 = first_part(tr), p1 = end_part(tr);
       if (p1 - p0 < 2) {
         items.push_back({ti, h, -1});
         continue;
       }
       split_of[ti * rb.hk + h] = static_cast<int64_t>(splits.size());
-      splits.push_back({ti, h, p0, p1, rows, part_rows});
-      part_rows += (p1 - p0) * rows;
+      splits.push_back({ti, h, p0, p1, tr.rows, part_rows});
+      part_rows += (p1 - p0) * tr.rows;
       for (int64_t p = p0; p < p1; ++p) items.push_back({ti, h, p});
     }
   } else {
@@ -609,9 +605,7 @@ void row_run(const RowBatch<T, KV>& rb, int64_t nseq, const int64_t* groups, int
       acc.reset(sp.rows, D);
       for (int64_t p = sp.p0; p < sp.p1; ++p) {
         const int64_t at = sp.at + (p - sp.p0) * sp.rows;
-        for (int64_t r = 0; r < sp.rows; ++r)
-          fold_partition<D>(acc.m[r], acc.l[r], &acc.o[r * D], parts.m[at + r], parts.l[at + r],
-                            &parts.o[(at + r) * D]);
+        fold_rows<D>(acc, &parts.m[at], &parts.l[at], &parts.o[at * D], sp.rows);
       }
       store_rows<D, T, KV>(rb, segs.data(), tasks[sp.task], sp.h, acc.l.data(), acc.o.data());
     }
