@@ -407,3 +407,38 @@ def test_the_default_config_keeps_a_real_global_pool_for_gemma3_sizes() -> None:
     assert num_blocks >= config.kv_memory_bytes // (3 * page + 0.5 * 15 * page) - 4
     one_sequence = ceil_div(511, 16) + 2 + 2048 // 16 + 1
     assert one_sequence <= num_local == int(0.5 * num_blocks) + 1
+
+
+def test_a_partial_hit_source_evicted_for_the_same_table_frees_its_local_page() -> None:
+    """The copy source of a partial hit is the only idle block, so the table's later blocks
+    evict it: its local page must not be held then (the state machine found this once)."""
+    m = manager(window=4, num_local=17, num_blocks=4)
+    cached = list(range(8))
+    m.free(fill(m, cached))
+    prompt = cached[:6] + list(range(100, 110))  # block 0 whole, 2 tokens of block 1
+    match = m.match(prompt, "", len(prompt) - 1)
+    assert match.num_tokens == 6 and match.partial_block is not None
+    source = match.partial_block
+    assert m.can_allocate(match, len(prompt))
+    t = m.allocate(prompt, "", match, len(prompt))  # 4 blocks: two free, then evicts source
+    assert t.num_cached_tokens == 6 and source in t.block_ids[2:]
+    m.check_invariants()
+    m.commit(t, prompt, len(prompt))
+    m.free(t)
+    m.check_invariants()
+
+
+def test_a_partial_hit_without_room_for_its_copy_ends_at_the_full_blocks() -> None:
+    """Only the source itself is left to take: the copy is dropped and the hit refitted."""
+    m = manager(window=4, num_local=17, num_blocks=2)
+    cached = list(range(8))
+    m.free(fill(m, cached))
+    prompt = cached[:6] + [100, 101]
+    match = m.match(prompt, "", len(prompt) - 1)
+    assert match.num_tokens == 6
+    assert m.can_allocate(match, len(prompt))
+    t = m.allocate(prompt, "", match, len(prompt))
+    assert t.num_cached_tokens == 4 == m.honoured(match).num_tokens
+    m.check_invariants()
+    m.free(t)
+    m.check_invariants()

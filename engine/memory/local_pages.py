@@ -298,7 +298,21 @@ class HybridBlockManager(BlockManager):
 
     # ---- capacity: every new block takes a local page too
 
+    def honoured(self, match: PrefixMatch) -> PrefixMatch:
+        """The hit ``allocate`` gives: the base allocate drops a partial block's copy when the
+        source is the last page it could take (ref'd for the copy), so the hit ends at the full
+        blocks, refitted to a complete window."""
+        src = match.partial_block if match.partial_tokens else None
+        if src is None:
+            return match
+        ref = self._pool.ref_count
+        idle = sum(1 for b in match.blocks if ref[b] == 0) + (ref[src] == 0)
+        if self._pool.num_available - idle > 0:
+            return match
+        return self.fit(PrefixMatch(match.blocks, None, 0, self.block_size))
+
     def can_allocate(self, match: PrefixMatch, num_tokens: int) -> bool:
+        match = self.honoured(match)
         if not super().can_allocate(match, num_tokens):
             return False
         holders = self.local.holders
@@ -315,14 +329,13 @@ class HybridBlockManager(BlockManager):
     ) -> BlockTable:
         if not self.can_allocate(match, num_tokens):
             raise OutOfBlocksError(f"cannot allocate {num_tokens} tokens")
+        match = self.honoured(match)
         window = self._window_blocks(match)
         assert all(self.local.page_of[b] for b in window), "a hit with an incomplete window"
         for block in window:  # held before any page is taken: none of them is detached
             self.local.hold(block)
-        table = super().allocate(token_ids, namespace, match, num_tokens)
-        assert table.num_cached_tokens == match.num_tokens
-        if match.partial_tokens and match.partial_block is not None:
-            self.local.release(match.partial_block)  # the copy source: its copy is held
+        table = super().allocate(token_ids, namespace, match, num_tokens)  # copies a partial:
+        assert table.num_cached_tokens == match.num_tokens  # _copy_both released its source
         table.num_released_blocks = self.window_start(table.num_cached_tokens)
         table.num_interior_blocks = self.window_start(len(token_ids))
         return table
@@ -334,6 +347,10 @@ class HybridBlockManager(BlockManager):
         assert local_src != NULL_PAGE and local_dst != NULL_PAGE
         if self._copy_local is not None:
             self._copy_local(local_src, local_dst, num_tokens)
+        # The source's hold (allocate's, so that taking dst's page could not detach it) ends
+        # now: the table holds the copy, and the source may be evicted for the table's
+        # later blocks, which frees a page only when no one holds it.
+        self.local.release(src)
 
     # ---- progress: commit, slide, free
 
