@@ -14,7 +14,8 @@
 #
 # long, at each context C: the ttft workload (a cold C-token prompt, one sharing its first
 # C - 100 tokens, medians of 3 rounds); one stream decoding 64 tokens after a C-token prompt;
-# 8 streams decoding 64 tokens each over one shared (C - 200)-token prefix, all in flight.
+# 8 streams decoding 64 tokens each over one shared (C - 200)-token prefix, all in flight,
+# the prefix sent alone first (untimed, --prewarm), so the figure is the warm streams' own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/serving.jsonl}
@@ -67,7 +68,7 @@ workload() {  # server, workload name
             bench "$server/long-decode/$c" --groups 1 --per-group 2 --system "$c" --question 16 \
               --output 64 --concurrency 1 --seed $((6000 + c))
             bench "$server/long-shared/$c" --groups 1 --per-group 8 --system $((c - 200)) \
-              --question 64 --output 64 --concurrency 8 --seed $((7000 + c))
+              --question 64 --output 64 --concurrency 8 --seed $((7000 + c)) --prewarm
           done ;;
   esac
 }
