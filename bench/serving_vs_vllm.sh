@@ -9,8 +9,9 @@
 # made by bench/make_bench_model.py if missing, with max(MAX_MODEL_LEN, 8192) positions),
 # DTYPE (default bfloat16; "auto" compares the defaults), SERVERS (default "vllm prefixcache"),
 # WORKLOADS (default "shared decode ttft sweep"; "long" is issue 28's long-context set, run
-# with MAX_MODEL_LEN=32768), LONG_CONTEXTS (default "16000 32000"). Each workload has its own
-# seed, so no run hits what an earlier one cached.
+# with MAX_MODEL_LEN=32768; "long-shared" is its shared-prefix part alone), LONG_CONTEXTS
+# (default "16000 32000"). Each workload has its own seed, so no run hits what an earlier one
+# cached.
 #
 # long, at each context C: the ttft workload (a cold C-token prompt, one sharing its first
 # C - 100 tokens, medians of 3 rounds); one stream decoding 64 tokens after a C-token prompt;
@@ -67,10 +68,15 @@ workload() {  # server, workload name
               --seed $((5000 + c))
             bench "$server/long-decode/$c" --groups 1 --per-group 2 --system "$c" --question 16 \
               --output 64 --concurrency 1 --seed $((6000 + c))
-            bench "$server/long-shared/$c" --groups 1 --per-group 8 --system $((c - 200)) \
-              --question 64 --output 64 --concurrency 8 --seed $((7000 + c)) --prewarm
+            long_shared "$server" "$c"
           done ;;
+    long-shared) for c in $LONG_CONTEXTS; do long_shared "$server" "$c"; done ;;
   esac
+}
+
+long_shared() {  # server, context
+  bench "$1/long-shared/$2" --groups 1 --per-group 8 --system $(($2 - 200)) \
+    --question 64 --output 64 --concurrency 8 --seed $((7000 + $2)) --prewarm
 }
 
 run_servers
