@@ -270,6 +270,11 @@ class HybridBlockManager(BlockManager):
 
     def fit(self, match: PrefixMatch) -> PrefixMatch:
         """The longest prefix of ``match`` whose window blocks all have a local page."""
+        fitted = self._fitted(match)
+        self.shrunk_tokens += match.num_tokens - fitted.num_tokens
+        return fitted
+
+    def _fitted(self, match: PrefixMatch) -> PrefixMatch:
         bs, page_of, blocks = self.block_size, self.local.page_of, match.blocks
         partial = match.partial_block if match.partial_tokens else None
         n = match.num_tokens
@@ -286,7 +291,6 @@ class HybridBlockManager(BlockManager):
             n = missing * bs  # every shorter hit ending after block `missing` still sees it
         if n == match.num_tokens:
             return match
-        self.shrunk_tokens += match.num_tokens - n
         return PrefixMatch(blocks[: n // bs], None, 0, bs)
 
     def _window_blocks(self, match: PrefixMatch) -> list[int]:
@@ -309,7 +313,7 @@ class HybridBlockManager(BlockManager):
         idle = sum(1 for b in match.blocks if ref[b] == 0) + (ref[src] == 0)
         if self._pool.num_available - idle > 0:
             return match
-        return self.fit(PrefixMatch(match.blocks, None, 0, self.block_size))
+        return self._fitted(PrefixMatch(match.blocks, None, 0, self.block_size))
 
     def can_allocate(self, match: PrefixMatch, num_tokens: int) -> bool:
         match = self.honoured(match)
