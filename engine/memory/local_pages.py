@@ -1,15 +1,10 @@
 """Hybrid models (sliding-window + global layers): the local pages and the manager over them.
 
-Global layers keep the block manager's pages (block id = global page: tree, refcounts,
-eviction, pins, events). Sliding layers get a smaller pool of *local pages* (page 0 is the
-null page). ``LocalPages`` maps block id -> local page (0: none). A block gets a local page
-when its global page is taken; a table *holds* the local pages of its blocks from
-``table.num_released_blocks`` on (those a query at ``num_computed`` can still see); a page no
-table holds is idle: an LRU entry, still attached to its block so later hits can use it, and
-the first thing taken (detached) when the local pool is short. When a block's global page is
-freed or evicted its local page is freed. A hit of length L needs the local pages of the
-blocks covering keys [L - w + 1, L - 1]; ``HybridBlockManager.fit`` shrinks L until they are
-there (docs/architecture.md, "Hybrid models").
+Global layers keep the block manager's pages (block id = global page). Sliding layers get a
+smaller pool of *local pages* (page 0: the null page), one per block while its global page
+lives; a table *holds* those of its window, an idle one stays attached (LRU) until the pool
+is short. A hit of length L needs the local pages covering keys [L - w + 1, L - 1]
+(``HybridBlockManager.fit``). Design and invariants: docs/architecture.md, "Hybrid models".
 """
 
 from __future__ import annotations
@@ -132,7 +127,7 @@ class LocalPages:
 
     def block_freed(self, block: int) -> int:
         """The block's global page went back to the free list: free its local page. Returns
-        the page instead when a table still holds it (a commit's dedupe; ``adopt`` it)."""
+        the page instead when a table still holds it (a commit's dedupe; ``rehome`` it)."""
         page = self.page_of[block]
         if page == NULL_PAGE:
             return NULL_PAGE
@@ -143,14 +138,15 @@ class LocalPages:
         self._free.append(page)
         return NULL_PAGE
 
-    def adopt(self, page: int, block: int) -> None:
-        """Attach a held page whose block was freed to ``block`` (same tokens, same KV)."""
-        assert self.page_of[block] == NULL_PAGE and self.block_of[page] == -1
-        self.page_of[block], self.block_of[page] = page, block
-
-    def drop(self, page: int) -> None:
-        """Release a held page whose block was freed (its single holder moved elsewhere)."""
-        assert self.block_of[page] == -1 and self.holders[page] == 1
+    def rehome(self, page: int, block: int) -> None:
+        """A held page whose block was freed, its holder now on ``block`` (same tokens, same
+        KV): ``block`` takes the page, or keeps its own and the hold moves there."""
+        assert self.block_of[page] == -1
+        if self.page_of[block] == NULL_PAGE:
+            self.page_of[block], self.block_of[page] = page, block
+            return
+        assert self.holders[page] == 1
+        self.hold(block)
         self.holders[page] = 0
         self._free.append(page)
 
@@ -303,9 +299,8 @@ class HybridBlockManager(BlockManager):
     # ---- capacity: every new block takes a local page too
 
     def honoured(self, match: PrefixMatch) -> PrefixMatch:
-        """The hit ``allocate`` gives: the base allocate drops a partial block's copy when the
-        source is the last page it could take (ref'd for the copy), so the hit ends at the full
-        blocks, refitted to a complete window."""
+        """The hit ``allocate`` gives: with the partial's source the last page to take (ref'd
+        for its copy), the copy is dropped and the full blocks refitted to a complete window."""
         src = match.partial_block if match.partial_tokens else None
         if src is None:
             return match
@@ -351,10 +346,8 @@ class HybridBlockManager(BlockManager):
         assert local_src != NULL_PAGE and local_dst != NULL_PAGE
         if self._copy_local is not None:
             self._copy_local(local_src, local_dst, num_tokens)
-        # The source's hold (allocate's, so that taking dst's page could not detach it) ends
-        # now: the table holds the copy, and the source may be evicted for the table's
-        # later blocks, which frees a page only when no one holds it.
-        self.local.release(src)
+        # allocate's hold on the source (so dst's page could not be it) ends before the
+        self.local.release(src)  # table's later blocks are taken: they may evict the source
 
     # ---- progress: commit, slide, free
 
@@ -367,13 +360,8 @@ class HybridBlockManager(BlockManager):
                 new = table.block_ids[start + i]
                 if new != old:
                     page = self._orphans.pop(old, NULL_PAGE)
-                    if page == NULL_PAGE:
-                        continue  # out of the window already: its page was not held
-                    if self.local.page_of[new] != NULL_PAGE:
-                        self.local.hold(new)
-                        self.local.drop(page)
-                    else:
-                        self.local.adopt(page, new)
+                    if page != NULL_PAGE:  # else out of the window already: it was not held
+                        self.local.rehome(page, new)
             assert not self._orphans
         self.slide(table, num_computed)
 
