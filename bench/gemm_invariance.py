@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from prefixcache.engine.kernels import cpu_gemm
-from prefixcache.engine.kernels.cpu_features import cpu_flags
+from prefixcache.engine.kernels.cpu_features import cpu_flags, cpu_model_name
 from prefixcache.engine.model.llama import Gemm
 
 SHAPES = [(576, 1728), (1536, 576), (576, 49152), (512, 1920), (1408, 512)]  # (in, out)
@@ -52,9 +52,9 @@ def main() -> None:
     if not cpu_gemm.available():
         raise SystemExit("cpu_gemm does not load here (needs AVX512_BF16 and g++)")
     flags = cpu_flags()
-    print(
-        f"CPU: {'AVX512_BF16' if 'avx512_bf16' in flags else 'AVX-512'}; threads {torch.get_num_threads()}"
-    )
+    isa = "AVX512_BF16" if "avx512_bf16" in flags else "AVX-512"
+    amx = "AMX on" if cpu_gemm.amx_available() else "AMX off"
+    print(f"CPU: {cpu_model_name()}, {isa}, {amx}; threads {torch.get_num_threads()}")
     rows = []
     gen = torch.Generator().manual_seed(0)
     for k, n in SHAPES:
@@ -66,6 +66,7 @@ def main() -> None:
             row = {
                 "shape": f"{k}x{n}",
                 "dtype": str(dtype).removeprefix("torch."),
+                "kernel": ours.kernel,
                 "torch_varying_M": varying_row_counts(theirs, x),
                 "ours_varying_M": varying_row_counts(ours, x),
             }
@@ -75,7 +76,7 @@ def main() -> None:
             rows.append(row)
             times = "  ".join(f"M={m} {row[f'M{m}']['ratio']:.2f}x" for m in (1, 8, 64, 512))
             print(
-                f"{row['shape']:>10} {row['dtype']:>8}  M with a varying row: torch "
+                f"{row['shape']:>10} {row['dtype']:>8} ({ours.kernel:>6})  M with a varying row: torch "
                 f"{row['torch_varying_M']:2d}/{len(ROW_COUNTS)}, ours {row['ours_varying_M']}  "
                 f"| ours/torch time {times}",
                 flush=True,

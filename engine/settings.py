@@ -11,6 +11,8 @@ standard library only, no torch.
   ``0``/``off``/``false``/``no`` never, anything else (or unset): when stderr is a terminal.
 - ``PREFIXCACHE_CPU_KERNELS``: ``0`` turns the engine's C++ kernels off; ``avx2`` builds them
   for AVX2 (through SIMDe) even where AVX512_BF16 is present; else each CPU gets its best.
+- ``PREFIXCACHE_CPU_AMX``: ``0`` keeps the bf16 GEMM on AVX512_BF16 where the CPU has AMX
+  (whose kernel is the default there); how the two kernels are compared on one machine.
 - ``CXX``: the C++ compiler that builds those kernels (else ``g++``, else ``c++``).
 """
 
@@ -23,6 +25,7 @@ HOME_ENV = "PREFIXCACHE_HOME"
 MODELS_ENV = "PREFIXCACHE_MODELS"
 PROGRESS_ENV = "PREFIXCACHE_PROGRESS"
 CPU_KERNELS_ENV = "PREFIXCACHE_CPU_KERNELS"
+CPU_AMX_ENV = "PREFIXCACHE_CPU_AMX"
 CXX_ENV = "CXX"
 
 _ON = ("1", "on", "true", "yes")
@@ -64,6 +67,11 @@ def cpu_kernels_forced_avx2() -> bool:
     """True when ``$PREFIXCACHE_CPU_KERNELS`` is ``avx2`` (the portable build, also where
     AVX-512 is present: how its bits are checked on such a machine)."""
     return os.environ.get(CPU_KERNELS_ENV, "").strip().lower() == "avx2"
+
+
+def cpu_amx_enabled() -> bool:
+    """False when ``$PREFIXCACHE_CPU_AMX`` is ``0``/``off``/``false``/``no``."""
+    return os.environ.get(CPU_AMX_ENV, "1").strip().lower() not in _OFF
 
 
 def compiler_override() -> str | None:

@@ -59,7 +59,7 @@ def c_signatures(source: Path) -> dict[str, tuple[str, list[str]]]:
     found = {}
     for ret, name, params in DEFINITION.findall(block):
         kinds = []
-        for param in params.split(","):
+        for param in filter(str.strip, params.split(",")):
             words = param.replace("const", " ").split()
             kind = " ".join(words[:-1]).replace(" *", "*")
             kinds.append("pointer" if "*" in param else kind)
@@ -82,6 +82,7 @@ def library_cases() -> list[tuple[str, Path, cpu_library.CpuLibrary]]:
         ("attention", cpu_kernels.SOURCE, cpu_kernels._library),
         ("row attention", cpu_kernels.ROW_SOURCE, cpu_kernels._row_library),
         ("gemm", cpu_gemm.SOURCE, cpu_gemm._library),
+        ("gemm on amx", cpu_gemm.AMX_SOURCE, cpu_gemm._amx_library),
         ("layer ops", cpu_layer_ops.SOURCE, cpu_layer_ops._library),
         ("quantized gemm", cpu_qgemm.SOURCE, cpu_qgemm._library),
     ]

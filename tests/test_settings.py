@@ -63,6 +63,10 @@ def test_cpu_kernels_and_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not settings.cpu_kernels_forced_avx2()
     monkeypatch.setenv(settings.CPU_KERNELS_ENV, " AVX2")
     assert settings.cpu_kernels_enabled() and settings.cpu_kernels_forced_avx2()
+    monkeypatch.setenv(settings.CPU_AMX_ENV, "off")
+    assert not settings.cpu_amx_enabled()
+    monkeypatch.delenv(settings.CPU_AMX_ENV)
+    assert settings.cpu_amx_enabled()
     monkeypatch.setenv(settings.CXX_ENV, "")
     assert settings.compiler_override() is None
     monkeypatch.setenv(settings.CXX_ENV, "clang++")

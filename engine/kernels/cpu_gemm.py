@@ -6,18 +6,28 @@ the call, of the row's place, or of the thread split. oneDNN's and MKL's GEMMs p
 and tail paths by M, and a row's bits change with its batch (bench/gemm_invariance.py shows
 where). ``available()`` is false (callers keep torch's GEMM) where the library cannot load;
 see ``cpu_library``.
+
+Where the CPU has AMX (AMX-TILE, AMX-BF16), bf16 weights whose K is a multiple of 32 run
+``cpu_gemm_amx.cpp`` instead, on the same packed panels: 8-13x the AVX-512 kernel's rate from
+8 rows up (bench/gemm_invariance.py), as batch-invariant, with other bits. A weight takes one
+kernel for its life, at every M, so no row ever mixes the two (``$PREFIXCACHE_CPU_AMX=0``
+keeps AVX-512).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
 
+from .. import settings
 from . import cpu_library
 
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
+AMX_SOURCE = Path(__file__).with_name("cpu_gemm_amx.cpp")
+AMX_K_STEP = 32  # the AMX kernel's k per tile step; other K keep the AVX-512 kernel
 DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -35,9 +45,21 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = None
 
 
+def _declare_amx(lib: ctypes.CDLL) -> None:
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.pc_amx_enable.argtypes = []
+    lib.pc_amx_enable.restype = c_int
+    lib.pc_gemm_bf16_amx.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int]
+    lib.pc_gemm_bf16_amx.restype = None
+
+
 _library = cpu_library.CpuLibrary(
     SOURCE, "CPU GEMM", "torch's GEMM (not batch-invariant)", _declare
 )
+_amx_library = cpu_library.CpuLibrary(
+    AMX_SOURCE, "CPU GEMM on AMX", "the AVX-512 GEMM", _declare_amx,
+    targets=(cpu_library.AMX_BF16,),
+)  # fmt: skip
 
 
 def available() -> bool:
@@ -52,6 +74,29 @@ def supports(weight: torch.Tensor) -> bool:
     )
 
 
+@functools.cache
+def _amx_lib() -> ctypes.CDLL | None:
+    """The AMX kernel where it may run: the setting on, the native AVX-512 build loaded (not
+    the AVX2 one a setting forced), the CPU's AMX flags, the library built and the kernel's
+    grant of the tile state. Decided once per process, so every weight agrees."""
+    if not settings.cpu_amx_enabled() or not available():
+        return None
+    if _library.target is not cpu_library.AVX512_BF16:
+        return None
+    lib = _amx_library.load()
+    if lib is None:
+        return None
+    if lib.pc_amx_enable() != 0:
+        cpu_library.log.info("CPU GEMM on AMX off: the kernel refused the AMX tile state")
+        return None
+    return lib
+
+
+def amx_available() -> bool:
+    """Whether bf16 weights with K a multiple of 32 run on AMX here (building on first use)."""
+    return _amx_lib() is not None
+
+
 def _lib() -> ctypes.CDLL:
     lib = _library.load()
     if lib is None:
@@ -62,10 +107,10 @@ def _lib() -> ctypes.CDLL:
 class PackedLinear:
     """``x @ weight.T + bias`` for a weight fixed at load, packed once into the kernel's
     panels (the packed copy replaces oneDNN's; the original weight stays for the state
-    dict)."""
+    dict). ``kernel`` names the one it runs for life: ``amx``, ``avx512`` or ``f32``."""
 
     __slots__ = ("_bias_ptr", "_fn", "_packed_ptr", "_what", "bias", "dtype", "in_features")
-    __slots__ += ("out_features", "packed")
+    __slots__ += ("kernel", "out_features", "packed")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         if not supports(weight):
@@ -88,6 +133,10 @@ class PackedLinear:
         # Resolved once: a decode step makes one call per projection, where a few
         # microseconds of lookups are a measurable share (bench/step_overhead.py).
         self._fn = lib.pc_gemm_bf16 if bf16 else lib.pc_gemm_f32
+        amx = _amx_lib() if bf16 and self.in_features % AMX_K_STEP == 0 else None
+        self.kernel = "amx" if amx is not None else "avx512" if bf16 else "f32"
+        if amx is not None:
+            self._fn = amx.pc_gemm_bf16_amx
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
         self._what = f"PackedLinear({self.in_features} -> {self.out_features}, {self.dtype})"

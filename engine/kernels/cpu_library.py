@@ -5,7 +5,8 @@ into ``$PREFIXCACHE_HOME/kernels``, keyed by source, compiler, target and CPU, a
 ``ctypes`` releases the GIL for each call. The sources are written for AVX-512; two targets
 build them:
 
-- ``avx512_bf16``: natively, where the CPU has AVX-512 (F, BW, VL) and AVX512_BF16;
+- ``avx512_bf16``: natively, where the CPU has AVX-512 (F, BW, VL) and AVX512_BF16 (and
+  ``amx_bf16``, the same build, for a source written for AMX where the CPU also has it);
 - ``avx2``: on AVX2 + FMA + F16C CPUs, through SIMDe (``libsimde-dev``), which maps each 512-bit
   intrinsic onto 256-bit ones, with ``avx512_on_avx2.h`` supplying the few it lacks.
   ``-ffp-contract=off`` keeps every multiply-add where the source wrote it, so the kernels'
@@ -98,6 +99,8 @@ AVX2 = Target(
     (SHIM,),
     needs_simde=True,
 )
+# The same build where the CPU also has AMX: for the AMX kernels, used only there.
+AMX_BF16 = Target("amx_bf16", REQUIRED_FLAGS | {"amx_tile", "amx_bf16"}, CXX_FLAGS)
 TARGETS = (AVX512_BF16, AVX2)
 NATIVE_ONLY = (AVX512_BF16,)  # for libraries that compute bf16 only
 

@@ -1,0 +1,168 @@
+// The batch-invariant bf16 GEMM on Intel AMX (AMX-TILE + AMX-BF16): out = x W^T + b, with W
+// packed by cpu_gemm.cpp's pc_gemm_pack_bf16 ([N/64][K/2][64] words of k-pairs).
+//
+// Built and loaded by cpu_gemm.py beside cpu_gemm.cpp, used for every bf16 call of a weight
+// whose K is a multiple of 32 where the CPU has AMX and the kernel grants its use. Each
+// output element is one fp32 tile accumulator: TDPBF16PS over the ascending 32-wide k steps,
+// from zero, then + bias and one rounding to bf16. A row is always computed by that sequence
+// whatever the tile holds beside it (rows past M are zero padding in a scratch tile), so a
+// row's result is a function of that row alone, as in the AVX-512 kernel. The two kernels'
+// bits differ from each other, so one weight always takes the same one (cpu_gemm.py).
+//
+// Tiles: 0-3 the 2 x 2 blocks of C (16 rows x 16 fp32), 4-5 two A blocks (16 rows x 32 bf16,
+// read in place from x, or from a zero-padded scratch for the last rows), 6-7 two B blocks
+// (16 k-pairs x 16 columns, read in place from the packed panel at its 256-byte row stride).
+
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t NP = 64;         // columns per panel (cpu_gemm.cpp's layout)
+constexpr int64_t KSTEP = 32;      // k per tile step (16 pairs)
+constexpr int64_t ROW_CHUNK = 256;  // rows per task: a half panel's B stays in L2 for them
+
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+#define PC_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+PC_AMX void configure_tiles() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+inline __mmask16 lane_mask(int64_t n) {
+  if (n >= 16) return 0xFFFF;
+  if (n <= 0) return 0;
+  return static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// C block (16 x 16 fp32, row stride 64 B) + bias, rounded to bf16, into out's valid rows/cols.
+PC_AMX void store_block(const float* c, int rows, int64_t col, int64_t n, const float* bias,
+                        uint16_t* out, int64_t ldo) {
+  const __mmask16 mk = lane_mask(n - col);
+  if (mk == 0) return;
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + col) : _mm512_setzero_ps();
+  for (int i = 0; i < rows; ++i) {
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + 16 * i), bv);
+    _mm256_mask_storeu_epi16(out + i * ldo + col, mk, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// Rows [r0, r0 + 16 * MT) (those below m) x the 32 columns of panel `pn` from column c0.
+// `pad` is a 2 x 16 x 32 bf16 scratch whose rows past m stay zero.
+template <int MT>
+PC_AMX void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m, const uint32_t* panel,
+                  int64_t k, int64_t n, int64_t pn, int64_t c0, const float* bias,
+                  uint16_t* out, int64_t ldo, uint16_t* pad) {
+  const int64_t live[2] = {std::min<int64_t>(16, m - r0),
+                           MT == 2 ? std::min<int64_t>(16, m - r0 - 16) : 0};
+  const bool in_place[2] = {live[0] == 16, live[1] == 16};
+  for (int a = 0; a < MT; ++a)
+    if (!in_place[a]) std::memset(pad + a * 16 * KSTEP, 0, 16 * KSTEP * sizeof(uint16_t));
+  _tile_zero(0);
+  _tile_zero(1);
+  if (MT == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const uint32_t* b = panel + c0;
+  for (int64_t k0 = 0; k0 < k; k0 += KSTEP, b += (KSTEP / 2) * NP) {
+    _tile_loadd(6, b, NP * 4);
+    _tile_loadd(7, b + 16, NP * 4);
+    for (int a = 0; a < MT; ++a) {
+      const uint16_t* rows = x + (r0 + 16 * a) * ldx + k0;
+      const void* src = rows;
+      int64_t stride = ldx * 2;
+      if (!in_place[a]) {
+        uint16_t* p = pad + a * 16 * KSTEP;
+        for (int64_t i = 0; i < live[a]; ++i)
+          std::memcpy(p + i * KSTEP, rows + i * ldx, KSTEP * sizeof(uint16_t));
+        src = p;
+        stride = KSTEP * 2;
+      }
+      if (a == 0) {
+        _tile_loadd(4, src, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      } else {
+        _tile_loadd(5, src, stride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+  }
+  alignas(64) float c[16 * 16];
+  const int64_t col = pn * NP + c0;
+  uint16_t* o0 = out + r0 * ldo;
+  _tile_stored(0, c, 64);
+  store_block(c, static_cast<int>(live[0]), col, n, bias, o0, ldo);
+  _tile_stored(1, c, 64);
+  store_block(c, static_cast<int>(live[0]), col + 16, n, bias, o0, ldo);
+  if (MT == 2) {
+    _tile_stored(2, c, 64);
+    store_block(c, static_cast<int>(live[1]), col, n, bias, o0 + 16 * ldo, ldo);
+    _tile_stored(3, c, 64);
+    store_block(c, static_cast<int>(live[1]), col + 16, n, bias, o0 + 16 * ldo, ldo);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Asks the kernel for the AMX tile state (Linux's ARCH_REQ_XCOMP_PERM for XTILEDATA): 0 when
+// granted, else the errno-style failure (then the caller keeps the AVX-512 kernel).
+int pc_amx_enable() {
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : 1;
+}
+
+// Same contract as pc_gemm_bf16 (cpu_gemm.cpp), for k a multiple of 32.
+PC_AMX
+void pc_gemm_bf16_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t* packed,
+                      int64_t n, int64_t k, const float* bias, uint16_t* out, int64_t ldo,
+                      int nthreads) {
+  const int64_t panel_words = k / 2 * NP;
+  const int64_t panels = (n + NP - 1) / NP;
+  const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
+  const int64_t tasks = panels * 2 * chunks;  // (panel, half, row chunk), panel-major
+#pragma omp parallel num_threads(nthreads)
+  {
+    configure_tiles();
+    alignas(64) uint16_t pad[2 * 16 * KSTEP];
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t pn = t / (2 * chunks), half = (t / chunks) % 2, chunk = t % chunks;
+      const uint32_t* panel = packed + pn * panel_words;
+      const int64_t r_end = std::min(m, (chunk + 1) * ROW_CHUNK);
+      for (int64_t r0 = chunk * ROW_CHUNK; r0 < r_end; r0 += 32) {
+        if (r_end - r0 > 16)
+          block<2>(x, ldx, r0, m, panel, k, n, pn, half * 32, bias, out, ldo, pad);
+        else
+          block<1>(x, ldx, r0, m, panel, k, n, pn, half * 32, bias, out, ldo, pad);
+      }
+    }
+    _tile_release();
+  }
+}
+
+}  // extern "C"

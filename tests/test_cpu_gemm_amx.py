@@ -1,0 +1,99 @@
+"""The bf16 GEMM on AMX (``cpu_gemm_amx.cpp``): each row is a function of that row alone, at
+every M, offset, width and row stride; close to a float64 reference; and a weight keeps the
+kernel it was given. Skipped where the CPU has no AMX (the AVX-512 kernel's own tests run
+there, in test_batch_invariance.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixcache.engine import settings as engine_settings
+from prefixcache.engine.kernels import cpu_gemm
+
+pytestmark = pytest.mark.skipif(
+    not cpu_gemm.amx_available(), reason="no AMX here (or its kernel cannot load)"
+)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ w.double().T
+    return out if bias is None else out + bias.double()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31),
+    k_steps=st.integers(1, 40),
+    n=st.integers(1, 200),
+    m=st.integers(1, 90),
+    with_bias=st.booleans(),
+    extra_stride=st.integers(0, 40),
+)
+def test_amx_rows_do_not_depend_on_their_batch(
+    seed: int, k_steps: int, n: int, m: int, with_bias: bool, extra_stride: int
+) -> None:
+    k = cpu_gemm.AMX_K_STEP * k_steps
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    bias = (torch.randn(n, generator=gen) * 0.1).bfloat16() if with_bias else None
+    gemm = cpu_gemm.PackedLinear(w, bias)
+    assert gemm.kernel == "amx"
+    # rows of a wider buffer: the kernel reads x at its row stride, not k
+    x = torch.randn(m, k + extra_stride, generator=gen).bfloat16()[:, :k]
+    whole = gemm(x)
+    alone = torch.cat([gemm(x[i : i + 1]) for i in range(m)])
+    assert torch.equal(whole, alone)
+    for cut in {1, m // 2, m - 1} - {0}:
+        assert torch.equal(gemm(x[cut:]), alone[cut:])
+        assert torch.equal(gemm(x[:cut]), alone[:cut])
+    # one bf16 rounding of an fp32 sum: within a few bf16 ulps of the exact value
+    exact = reference(x, w, bias)
+    torch.testing.assert_close(whole.double(), exact, atol=0.02, rtol=0.02)
+
+
+def test_amx_matches_the_reference_at_the_serving_shapes() -> None:
+    gen = torch.Generator().manual_seed(7)
+    for k, n in [(576, 1728), (1536, 576), (512, 2203), (640, 4096)]:
+        w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+        gemm = cpu_gemm.PackedLinear(w, None)
+        x = torch.randn(300, k, generator=gen).bfloat16()
+        exact = reference(x, w, None)
+        got = gemm(x).double()
+        # the rounding to bf16 is the only loss: at most half an ulp beyond the fp32 sum
+        ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)
+        assert ((got - exact).abs() <= ulp + 1e-3).float().mean() > 0.999, (k, n)
+
+
+def test_a_row_of_infinities_leaves_the_other_rows_alone() -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 96, generator=gen).bfloat16()
+    gemm = cpu_gemm.PackedLinear(w, None)
+    x = torch.randn(20, 96, generator=gen).bfloat16()
+    clean = gemm(x)
+    x[5] = float("inf")
+    dirty = gemm(x)
+    keep = [i for i in range(20) if i != 5]
+    assert torch.equal(dirty[keep], clean[keep])
+
+
+def test_a_weight_keeps_its_kernel_and_other_widths_keep_avx512(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert cpu_gemm.PackedLinear(torch.zeros(8, 48, dtype=torch.bfloat16), None).kernel == (
+        "avx512"
+    )
+    assert cpu_gemm.PackedLinear(torch.zeros(8, 64), None).kernel == "f32"
+    gemm = cpu_gemm.PackedLinear(torch.ones(8, 64, dtype=torch.bfloat16), None)
+    monkeypatch.setenv(engine_settings.CPU_AMX_ENV, "0")
+    cpu_gemm._amx_lib.cache_clear()
+    try:
+        assert not cpu_gemm.amx_available()
+        off = cpu_gemm.PackedLinear(torch.ones(8, 64, dtype=torch.bfloat16), None)
+        assert off.kernel == "avx512" and gemm.kernel == "amx"
+        x = torch.ones(3, 64, dtype=torch.bfloat16)
+        assert torch.equal(gemm(x), off(x))  # exact sums here: both kernels give 64
+    finally:
+        cpu_gemm._amx_lib.cache_clear()
