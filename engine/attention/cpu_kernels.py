@@ -20,7 +20,8 @@ from ..kernels import cpu_library
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 ROW_SOURCE = Path(__file__).with_name("cpu_row_attention.cpp")
-HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_simd.h", "cpu_flash_block.h"))
+_LOCAL_HEADERS = ("cpu_simd.h", "cpu_flash_block.h", "cpu_flash_block_amx.h")
+HEADERS = (*(Path(__file__).with_name(h) for h in _LOCAL_HEADERS), cpu_library.AMX_HEADER)
 HEAD_DIMS = frozenset({32, 64, 128, 256})
 ROW_DTYPES = (torch.bfloat16, torch.float32)  # what row_attention takes (q and output)
 # Pages row_attention reads besides q's dtype: fp8, read through exactly (kv_dtype.py)
@@ -38,12 +39,10 @@ _library = cpu_library.CpuLibrary(
     targets=cpu_library.NATIVE_ONLY,  # bf16 only, for speed: emulated bf16 is slower
 )
 _row_library = cpu_library.CpuLibrary(
-    ROW_SOURCE,
-    "CPU batch-invariant attention kernel",
-    "the torch reference backend",
-    lambda lib: _declare_rows(lib),
-    HEADERS,
-)
+    ROW_SOURCE, "CPU batch-invariant attention kernel", "the torch reference backend",
+    lambda lib: _declare_rows(lib), HEADERS,
+)  # fmt: skip
+_rows_amx: list[bool] = []  # decided once, at the row kernel's load
 
 
 def unavailable_reason(cpuinfo: str | None = None) -> str | None:
@@ -59,6 +58,12 @@ def row_unavailable_reason(cpuinfo: str | None = None) -> str | None:
 def row_target() -> str | None:
     """The build the batch-invariant kernel loaded (``AVX512_BF16`` / ``AVX2``), None if none."""
     return None if load_rows() is None or _row_library.target is None else _row_library.target.name
+
+
+def rows_on_amx() -> bool:
+    """Whether the row kernel runs bf16 rows (head dims 64-256) on AMX tiles: decided once, at
+    load (``cpu_library.amx_wanted()``, the native build, the kernel's grant)."""
+    return load_rows() is not None and _rows_amx[0]
 
 
 def load() -> ctypes.CDLL | None:
@@ -102,6 +107,9 @@ def _declare_rows(lib: ctypes.CDLL) -> None:
             fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr]
             fn.argtypes += [i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
             fn.restype = ctypes.c_int
+    lib.pc_row_enable_amx.argtypes, lib.pc_row_enable_amx.restype = [], ctypes.c_int
+    # refused by the AVX2 build, and where the kernel withholds the tile state
+    _rows_amx.append(cpu_library.amx_wanted() and lib.pc_row_enable_amx() == 0)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

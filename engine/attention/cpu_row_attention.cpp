@@ -35,12 +35,46 @@
 
 #include "cpu_flash_block.h"
 #include "cpu_simd.h"
+#ifndef PC_NARROW_VECTORS
+#include "cpu_flash_block_amx.h"
+#endif
 
 namespace {
 
 using namespace pc;
 
 constexpr int64_t BK = kKeyBlock;
+
+// bf16 rows on AMX tiles (cpu_flash_block_amx.h), for head dims that are multiples of 64:
+// set once, by pc_row_enable_amx before the first call, so every row of the process takes
+// the same arithmetic.
+bool use_amx = false;
+
+template <int D, typename T>
+inline bool amx_rows() {
+#ifndef PC_NARROW_VECTORS
+  return !kF32<T> && D % 64 == 0 && use_amx;
+#else
+  return false;
+#endif
+}
+
+// One key block for rows [ra, rb): attend_packed, or its AMX twin where amx_rows.
+template <int D, int R, typename T>
+inline void attend_block(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64_t ra,
+                         int64_t rb, const uint32_t* qw, const int64_t* limit,
+                         const int64_t* begin, float* m, float* l, float* obuf, float* pbuf,
+                         float scale2) {
+#ifndef PC_NARROW_VECTORS
+  if constexpr (!kF32<T> && D % 64 == 0) {
+    if (use_amx) {
+      attend_packed_amx<D>(kblk, vblk, k0, ra, rb, qw, limit, begin, m, l, obuf, scale2);
+      return;
+    }
+  }
+#endif
+  attend_packed<D, R, T>(kblk, vblk, k0, ra, rb, qw, limit, begin, m, l, obuf, pbuf, scale2);
+}
 
 // The 16 x 16 dwords at rows[0..16) + col (row-major; a null row reads as zeros) transposed
 // into dst[c * stride + r].
@@ -357,8 +391,8 @@ void attend_blocks(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segmen
       const int64_t s = segs[task.seg_begin].s;
       pack_block<D, T>(rb.kv, rb.tables + s * rb.table_stride, rb.bs, row_elems, h, k0, 0,
                     rb.kv_lens[s], v_offset, kbuf, vbuf);
-      attend_packed<D, R, T>(kbuf, vbuf, k0, 0, tr.rows, tr.qw.data(), tr.limit.data(), nullptr,
-                             st.m.data(), st.l.data(), st.o.data(), pbuf, rb.scale2);
+      attend_block<D, R, T>(kbuf, vbuf, k0, 0, tr.rows, tr.qw.data(), tr.limit.data(), nullptr,
+                            st.m.data(), st.l.data(), st.o.data(), pbuf, rb.scale2);
       continue;
     }
     int64_t ra = 0;
@@ -380,9 +414,9 @@ void attend_blocks(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segmen
           pack_block<D, T>(rb.kv, table, rb.bs, row_elems, h, k0, seg_begin, seg_max, v_offset,
                         kbuf, vbuf);
         }
-        attend_packed<D, R, T>(kb_words, vb_words, k0, ra, ra + seg_rows, tr.qw.data(),
-                               tr.limit.data(), row_begin, st.m.data(), st.l.data(),
-                               st.o.data(), pbuf, rb.scale2);
+        attend_block<D, R, T>(kb_words, vb_words, k0, ra, ra + seg_rows, tr.qw.data(),
+                              tr.limit.data(), row_begin, st.m.data(), st.l.data(), st.o.data(),
+                              pbuf, rb.scale2);
       }
       ra += seg_rows;
     }
@@ -580,6 +614,9 @@ void row_run(const RowBatch<T, KV>& rb, int64_t nseq, const int64_t* groups, int
     RowStates part, acc;
     std::vector<float> pbuf(R * BK);
     std::vector<uint32_t> kbuf(WORDS), vbuf(WORDS);  // a key block packed on the fly
+#ifndef PC_NARROW_VECTORS
+    if (amx_rows<D, T>()) pc_amx::configure();  // per thread; others load their own between
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
       const Item& it = items[i];
@@ -609,6 +646,9 @@ void row_run(const RowBatch<T, KV>& rb, int64_t nseq, const int64_t* groups, int
       }
       store_rows<D, T, KV>(rb, segs.data(), tasks[sp.task], sp.h, acc.l.data(), acc.o.data());
     }
+#ifndef PC_NARROW_VECTORS
+    if (amx_rows<D, T>()) pc_amx::release();
+#endif
   }
 }
 
@@ -630,6 +670,19 @@ int row_entry(const T* q, int64_t q_tok, int64_t q_head, const void* kv, int64_t
 }  // namespace
 
 extern "C" {
+
+// Puts every later bf16 call (head dims that are multiples of 64) on AMX tiles: 0 when the
+// kernel granted the tile state (the caller has checked the CPU's AMX flags), else 1 and
+// nothing changes. Call it once, before the first attention call, or never.
+int pc_row_enable_amx() {
+#ifndef PC_NARROW_VECTORS
+  if (!pc_amx::request()) return 1;
+  use_amx = true;
+  return 0;
+#else
+  return 1;
+#endif
+}
 
 // The batch-invariant attention (see row_run): q [T, hq, d] (d contiguous); kv_layer
 // [num_blocks, 2, bs, hk, d]; tables int32 [nseq, table_stride]; qo int64 [nseq + 1]; kv_lens

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from .. import settings
 from . import cpu_library
 
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
@@ -57,7 +56,7 @@ _library = cpu_library.CpuLibrary(
     SOURCE, "CPU GEMM", "torch's GEMM (not batch-invariant)", _declare
 )
 _amx_library = cpu_library.CpuLibrary(
-    AMX_SOURCE, "CPU GEMM on AMX", "the AVX-512 GEMM", _declare_amx,
+    AMX_SOURCE, "CPU GEMM on AMX", "the AVX-512 GEMM", _declare_amx, (cpu_library.AMX_HEADER,),
     targets=(cpu_library.AMX_BF16,),
 )  # fmt: skip
 
@@ -76,10 +75,10 @@ def supports(weight: torch.Tensor) -> bool:
 
 @functools.cache
 def _amx_lib() -> ctypes.CDLL | None:
-    """The AMX kernel where it may run: the setting on, the native AVX-512 build loaded (not
-    the AVX2 one a setting forced), the CPU's AMX flags, the library built and the kernel's
-    grant of the tile state. Decided once per process, so every weight agrees."""
-    if not settings.cpu_amx_enabled() or not available():
+    """The AMX kernel where it may run: ``cpu_library.amx_wanted()``, the native AVX-512 build
+    loaded (not the AVX2 one a setting forced), the library built and the kernel's grant of
+    the tile state. Decided once per process, so every weight agrees."""
+    if not cpu_library.amx_wanted() or not available():
         return None
     if _library.target is not cpu_library.AVX512_BF16:
         return None

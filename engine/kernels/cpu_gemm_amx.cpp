@@ -9,45 +9,24 @@
 // row's result is a function of that row alone, as in the AVX-512 kernel. The two kernels'
 // bits differ from each other, so one weight always takes the same one (cpu_gemm.py).
 //
-// Tiles: 0-3 the 2 x 2 blocks of C (16 rows x 16 fp32), 4-5 two A blocks (16 rows x 32 bf16,
+// Tiles (cpu_amx.h's configuration): 0-3 the 2 x 2 blocks of C (16 rows x 16 fp32), 4-5 two A blocks (16 rows x 32 bf16,
 // read in place from x, or from a zero-padded scratch for the last rows), 6-7 two B blocks
 // (16 k-pairs x 16 columns, read in place from the packed panel at its 256-byte row stride).
 
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#include "cpu_amx.h"
 
 namespace {
 
 constexpr int64_t NP = 64;         // columns per panel (cpu_gemm.cpp's layout)
 constexpr int64_t KSTEP = 32;      // k per tile step (16 pairs)
 constexpr int64_t ROW_CHUNK = 256;  // rows per task: a half panel's B stays in L2 for them
-
-struct alignas(64) TileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-#define PC_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-
-PC_AMX void configure_tiles() {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 inline __mmask16 lane_mask(int64_t n) {
   if (n >= 16) return 0xFFFF;
@@ -86,8 +65,8 @@ PC_AMX void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m, const u
   }
   const uint32_t* b = panel + c0;
   for (int64_t k0 = 0; k0 < k; k0 += KSTEP, b += (KSTEP / 2) * NP) {
-    _tile_loadd(6, b, NP * 4);
-    _tile_loadd(7, b + 16, NP * 4);
+    PC_TILE_LOAD(6, b, NP * 4);
+    PC_TILE_LOAD(7, b + 16, NP * 4);
     for (int a = 0; a < MT; ++a) {
       const uint16_t* rows = x + (r0 + 16 * a) * ldx + k0;
       const void* src = rows;
@@ -100,11 +79,11 @@ PC_AMX void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m, const u
         stride = KSTEP * 2;
       }
       if (a == 0) {
-        _tile_loadd(4, src, stride);
+        PC_TILE_LOAD(4, src, stride);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
       } else {
-        _tile_loadd(5, src, stride);
+        PC_TILE_LOAD(5, src, stride);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
       }
@@ -113,14 +92,14 @@ PC_AMX void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m, const u
   alignas(64) float c[16 * 16];
   const int64_t col = pn * NP + c0;
   uint16_t* o0 = out + r0 * ldo;
-  _tile_stored(0, c, 64);
+  PC_TILE_STORE(0, c, 64);
   store_block(c, static_cast<int>(live[0]), col, n, bias, o0, ldo);
-  _tile_stored(1, c, 64);
+  PC_TILE_STORE(1, c, 64);
   store_block(c, static_cast<int>(live[0]), col + 16, n, bias, o0, ldo);
   if (MT == 2) {
-    _tile_stored(2, c, 64);
+    PC_TILE_STORE(2, c, 64);
     store_block(c, static_cast<int>(live[1]), col, n, bias, o0 + 16 * ldo, ldo);
-    _tile_stored(3, c, 64);
+    PC_TILE_STORE(3, c, 64);
     store_block(c, static_cast<int>(live[1]), col + 16, n, bias, o0 + 16 * ldo, ldo);
   }
 }
@@ -131,10 +110,7 @@ extern "C" {
 
 // Asks the kernel for the AMX tile state (Linux's ARCH_REQ_XCOMP_PERM for XTILEDATA): 0 when
 // granted, else the errno-style failure (then the caller keeps the AVX-512 kernel).
-int pc_amx_enable() {
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : 1;
-}
+int pc_amx_enable() { return pc_amx::request() ? 0 : 1; }
 
 // Same contract as pc_gemm_bf16 (cpu_gemm.cpp), for k a multiple of 32.
 PC_AMX
@@ -147,7 +123,7 @@ void pc_gemm_bf16_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t*
   const int64_t tasks = panels * 2 * chunks;  // (panel, half, row chunk), panel-major
 #pragma omp parallel num_threads(nthreads)
   {
-    configure_tiles();
+    pc_amx::configure();
     alignas(64) uint16_t pad[2 * 16 * KSTEP];
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
@@ -161,7 +137,7 @@ void pc_gemm_bf16_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t*
           block<1>(x, ldx, r0, m, panel, k, n, pn, half * 32, bias, out, ldo, pad);
       }
     }
-    _tile_release();
+    pc_amx::release();
   }
 }
 

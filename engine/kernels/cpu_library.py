@@ -64,6 +64,7 @@ CXX_FLAGS = (
     "-shared",
 )
 SHIM = Path(__file__).with_name("avx512_on_avx2.h")
+AMX_HEADER = Path(__file__).with_name("cpu_amx.h")  # for the sources with an AMX path
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +156,12 @@ def unavailable_reason(
     """Why the engine's CPU kernels cannot run here (None when they can be tried)."""
     chosen = select_target(cpuinfo, targets)
     return chosen if isinstance(chosen, str) else None
+
+
+def amx_wanted(cpuinfo: str | None = None) -> bool:
+    """Whether kernels with an AMX path should take it: the CPU has AMX-TILE and AMX-BF16 and
+    ``$PREFIXCACHE_CPU_AMX`` is not off (the kernel's grant of the tile state is asked later)."""
+    return settings.cpu_amx_enabled() and AMX_BF16.needs <= cpu_flags(cpuinfo)
 
 
 def require(ok: bool, what: str) -> None:

@@ -1,9 +1,15 @@
-"""The bf16 GEMM on AMX (``cpu_gemm_amx.cpp``): each row is a function of that row alone, at
-every M, offset, width and row stride; close to a float64 reference; and a weight keeps the
-kernel it was given. Skipped where the CPU has no AMX (the AVX-512 kernel's own tests run
-there, in test_batch_invariance.py)."""
+"""The AMX paths. The bf16 GEMM (``cpu_gemm_amx.cpp``): each row is a function of that row
+alone, at every M, offset, width and row stride; close to a float64 reference; a weight keeps
+the kernel it was given. The row attention's AMX step agrees with its AVX-512 step (the
+bitwise invariance of either is test_row_partitions.py's, on whichever this CPU runs).
+Skipped where the CPU has no AMX."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +103,49 @@ def test_a_weight_keeps_its_kernel_and_other_widths_keep_avx512(
         assert torch.equal(gemm(x), off(x))  # exact sums here: both kernels give 64
     finally:
         cpu_gemm._amx_lib.cache_clear()
+
+
+# Row attention with the AMX step off, in a child process (the choice is made once per
+# process): the same inputs as `_row_case`, the output saved for the parent to compare.
+_ROW_CHILD = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from test_cpu_amx import _row_case
+from prefixcache.engine.attention import cpu_kernels
+assert not cpu_kernels.rows_on_amx()
+torch.save(cpu_kernels.row_attention(*_row_case()), sys.argv[1])
+"""
+
+
+def _row_case() -> tuple[torch.Tensor, ...]:
+    """Two sequences (a 700-token prefill chunk after 300 cached keys, and a decode over 2,100
+    keys), 8 query / 2 KV heads of 64, bf16, pages of 16 in shuffled order."""
+    gen = torch.Generator().manual_seed(11)
+    bs, hk, hq, d, lens, rows = 16, 2, 8, 64, [1000, 2100], [700, 1]
+    blocks = [(n + bs - 1) // bs for n in lens]
+    kv = torch.randn(sum(blocks), 2, bs, hk, d, generator=gen).bfloat16()
+    order = torch.randperm(sum(blocks), generator=gen).to(torch.int32)
+    tables = torch.zeros(2, max(blocks), dtype=torch.int32)
+    tables[0, : blocks[0]], tables[1, : blocks[1]] = order[: blocks[0]], order[blocks[0] :]
+    q = torch.randn(sum(rows), hq, d, generator=gen).bfloat16()
+    qo = torch.tensor([0, rows[0], sum(rows)], dtype=torch.int64)
+    return q, kv, tables, qo, torch.tensor(lens, dtype=torch.int64), d**-0.5
+
+
+def test_row_attention_on_amx_agrees_with_the_avx512_step(tmp_path: Path) -> None:
+    from prefixcache.engine.attention import cpu_kernels
+
+    if not cpu_kernels.rows_on_amx():
+        pytest.skip("the row kernel does not run on AMX here")
+    case = _row_case()
+    amx = cpu_kernels.row_attention(*case)
+    saved = tmp_path / "avx512.pt"
+    env = {**os.environ, engine_settings.CPU_AMX_ENV: "0"}
+    subprocess.run(
+        [sys.executable, "-c", _ROW_CHILD, str(saved), str(Path(__file__).parent)],
+        env=env, check=True, timeout=300,
+    )  # fmt: skip
+    avx512 = torch.load(saved)
+    # Two roundings of P and O in bf16 either way: the steps agree to a few bf16 ulps.
+    torch.testing.assert_close(amx.float(), avx512.float(), atol=2e-2, rtol=2e-2)
+    assert (amx.float() - avx512.float()).abs().mean() < 1e-3

@@ -1,0 +1,58 @@
+// Intel AMX (AMX-TILE, AMX-BF16) for the kernels that use it: the tile state's permission and
+// the one tile configuration they share (8 tiles of 16 rows x 64 bytes).
+//
+// Compiled only in the native AVX-512 build, in functions marked PC_AMX, and called only after
+// pc_amx_request() granted the state and the CPU reported AMX. The configuration is per thread
+// and other libraries (oneDNN) load their own between our calls, so each parallel region of
+// ours loads it on every thread first (amx_configure) and releases it at the end.
+#pragma once
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+
+#define PC_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// Tile loads and stores that tell the compiler they read / write memory: gcc 12's _tile_loadd
+// and _tile_stored are asm statements without memory operands or a clobber, so the stores
+// that fill a scratch tile (or the loads after a tile store) may be dropped or moved past them.
+#define PC_TILE_LOAD(tile, base, stride)                                                 \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tile ::"r"(static_cast<const void*>(base)), \
+                   "r"(static_cast<long>(stride))                                         \
+                   : "memory")
+#define PC_TILE_STORE(tile, base, stride)                                           \
+  __asm__ volatile("tilestored %%tmm" #tile ", (%0,%1,1)" ::"r"(static_cast<void*>(base)), \
+                   "r"(static_cast<long>(stride))                                    \
+                   : "memory")
+
+namespace pc_amx {
+
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Every tile 16 rows x 64 bytes: C 16 x 16 fp32, A 16 rows x 32 bf16, B 16 pair-rows x 16
+// columns of pairs.
+inline constexpr TileConfig kConfig = {
+    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+// The whole 64-byte configuration as the asm's operand: gcc 12's _tile_loadconfig names only
+// its first byte, so stores to the rest of a local configuration may be dropped as dead.
+PC_AMX inline void configure() { __asm__ volatile("ldtilecfg %0" ::"m"(kConfig)); }
+
+PC_AMX inline void release() { _tile_release(); }
+
+// Linux's ARCH_REQ_XCOMP_PERM for XTILEDATA (per process): true when granted.
+inline bool request() {
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+}  // namespace pc_amx
