@@ -288,6 +288,25 @@ def test_gemm_rows_do_not_depend_on_their_batch(dtype: torch.dtype, k: int, n: i
     torch.testing.assert_close(gemm(x).float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize(("k", "n"), [(576, 1728), (64, 96), (48, 100)])
+def test_gemm_float_out_is_the_sums_the_bf16_output_rounds(k: int, n: int) -> None:
+    """The LM head's fp32 logits: the same sums, per row whatever the batch, which the bf16
+    output is the rounding of (K = 48 takes the AVX-512 kernel where the others take AMX)."""
+    gen = torch.Generator().manual_seed(k + n)
+    w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    bias = (torch.randn(n, generator=gen) * 0.1).bfloat16()
+    rounded, exact = cpu_gemm.PackedLinear(w, bias), cpu_gemm.PackedLinear(w, bias, True)
+    assert exact.kernel == rounded.kernel
+    x = torch.randn(70, k, generator=gen).bfloat16()
+    sums = exact(x)
+    assert sums.dtype == torch.float32 and sums.shape == (70, n)
+    assert torch.equal(sums.bfloat16(), rounded(x))
+    assert not torch.equal(sums, sums.bfloat16().float())  # really unrounded
+    for m in (1, 17, 33):
+        assert torch.equal(exact(x[:m]), sums[:m])
+    assert torch.equal(exact(x[5:9]), sums[5:9])
+
+
 @settings(
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

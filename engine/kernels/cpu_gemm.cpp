@@ -47,14 +47,20 @@ inline uint32_t x_pair(const uint16_t* row, int64_t p, int64_t k) {
   return row[2 * p];
 }
 
-inline void store_bf16(uint16_t* dst, __m512 v, __mmask16 mk) {
-  _mm256_mask_storeu_epi16(dst, mk, (__m256i)_mm512_cvtneps_pbh(v));
+// Row i's 16 columns from col: rounded to bf16, or (f32_out) the fp32 sums themselves.
+inline void store_out(uint16_t* out, int64_t i, int64_t ldo, int64_t col, __m512 v, __mmask16 mk,
+                      bool f32_out) {
+  if (f32_out)
+    _mm512_mask_storeu_ps(reinterpret_cast<float*>(out) + i * ldo + col, mk, v);
+  else
+    _mm256_mask_storeu_epi16(out + i * ldo + col, mk, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // Rows [r0, r0 + R) x the NV vectors of panel `pn` starting at vector c0.
 template <int R, int NV>
 void tile_bf16(const uint16_t* x, int64_t ldx, int64_t r0, const uint32_t* panel, int64_t k,
-               int64_t n, int64_t pn, int c0, const float* bias, uint16_t* out, int64_t ldo) {
+               int64_t n, int64_t pn, int c0, const float* bias, uint16_t* out, int64_t ldo,
+               bool f32_out) {
   const int64_t pairs = (k + 1) / 2, full = k / 2;
   __m512 acc[R][NV];
   for (int i = 0; i < R; ++i)
@@ -88,7 +94,7 @@ void tile_bf16(const uint16_t* x, int64_t ldx, int64_t r0, const uint32_t* panel
     if (mk == 0) continue;
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + col) : _mm512_setzero_ps();
     for (int i = 0; i < R; ++i)
-      store_bf16(out + (r0 + i) * ldo + col, _mm512_add_ps(acc[i][c], bv), mk);
+      store_out(out, r0 + i, ldo, col, _mm512_add_ps(acc[i][c], bv), mk, f32_out);
   }
 }
 
@@ -266,20 +272,21 @@ void pc_gemm_pack_f32(const float* w, int64_t ldw, int64_t n, int64_t k, float* 
 }
 
 // out bf16 [m, n] (row stride ldo) = x bf16 [m, k] (row stride ldx) W^T + bias (fp32 [n] or
-// null), W packed by pc_gemm_pack_bf16.
+// null), W packed by pc_gemm_pack_bf16; with f32_out, out is fp32 [m, n]: the sums unrounded.
 void pc_gemm_bf16(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t* packed, int64_t n,
-                  int64_t k, const float* bias, uint16_t* out, int64_t ldo, int nthreads) {
+                  int64_t k, const float* bias, uint16_t* out, int64_t ldo, int f32_out,
+                  int nthreads) {
   const int64_t panel_words = (k + 1) / 2 * NP;
   run(x, ldx, m, packed, n, panel_words, nthreads,
       [&](int r, int nv, int64_t r0, const uint32_t* panel, int64_t pn, int c0) {
         with_rows(r, [&](auto rows) {
           if (nv == 4)
-            tile_bf16<rows(), 4>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
+            tile_bf16<rows(), 4>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo, f32_out);
           else if (nv == 2)
-            tile_bf16<rows(), 2>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
+            tile_bf16<rows(), 2>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo, f32_out);
 #ifdef PC_NARROW_VECTORS
           else
-            tile_bf16<rows(), 1>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo);
+            tile_bf16<rows(), 1>(x, ldx, r0, panel, k, n, pn, c0, bias, out, ldo, f32_out);
 #endif
         });
       });

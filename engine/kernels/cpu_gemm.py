@@ -38,17 +38,16 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.argtypes = [ptr, i64, i64, i64, ptr]
         fn.restype = None
-    for name in ("pc_gemm_bf16", "pc_gemm_f32"):
-        fn = getattr(lib, name)
-        fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int]
-        fn.restype = None
+    lib.pc_gemm_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int, c_int]
+    lib.pc_gemm_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int]
+    lib.pc_gemm_bf16.restype = lib.pc_gemm_f32.restype = None
 
 
 def _declare_amx(lib: ctypes.CDLL) -> None:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.pc_amx_enable.argtypes = []
     lib.pc_amx_enable.restype = c_int
-    lib.pc_gemm_bf16_amx.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int]
+    lib.pc_gemm_bf16_amx.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int, c_int]
     lib.pc_gemm_bf16_amx.restype = None
 
 
@@ -106,12 +105,16 @@ def _lib() -> ctypes.CDLL:
 class PackedLinear:
     """``x @ weight.T + bias`` for a weight fixed at load, packed once into the kernel's
     panels (the packed copy replaces oneDNN's; the original weight stays for the state
-    dict). ``kernel`` names the one it runs for life: ``amx``, ``avx512`` or ``f32``."""
+    dict). ``kernel`` names the one it runs for life: ``amx``, ``avx512`` or ``f32``.
+    ``float_out``: a bf16 weight's outputs are the fp32 sums, not rounded to bf16 (the LM
+    head: logits a bf16 rounding would tie at the argmax)."""
 
-    __slots__ = ("_bias_ptr", "_fn", "_packed_ptr", "_what", "bias", "dtype", "in_features")
-    __slots__ += ("kernel", "out_features", "packed")
+    __slots__ = ("_bias_ptr", "_f32_out", "_fn", "_packed_ptr", "_what", "bias", "dtype")
+    __slots__ += ("in_features", "kernel", "out_dtype", "out_features", "packed")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False
+    ) -> None:
         if not supports(weight):
             raise ValueError("PackedLinear needs a 2-D bf16 or fp32 CPU weight and the kernel")
         lib = _lib()
@@ -136,6 +139,8 @@ class PackedLinear:
         self.kernel = "amx" if amx is not None else "avx512" if bf16 else "f32"
         if amx is not None:
             self._fn = amx.pc_gemm_bf16_amx
+        self.out_dtype = torch.float32 if float_out else self.dtype
+        self._f32_out = (int(float_out),) if bf16 else ()  # the bf16 entries' flag
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
         self._what = f"PackedLinear({self.in_features} -> {self.out_features}, {self.dtype})"
@@ -144,10 +149,10 @@ class PackedLinear:
         k, n = self.in_features, self.out_features
         x2 = cpu_library.gemm_rows(x, (self.dtype,), k, self._what)
         m = x2.shape[0]
-        out = torch.empty(m, n, dtype=self.dtype)
+        out = torch.empty(m, n, dtype=self.out_dtype)
         if m:
             self._fn(
                 x2.data_ptr(), x2.stride(0), m, self._packed_ptr, n, k, self._bias_ptr,
-                out.data_ptr(), n, torch.get_num_threads(),
+                out.data_ptr(), n, *self._f32_out, torch.get_num_threads(),
             )  # fmt: skip
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

@@ -73,18 +73,23 @@ class Gemm:
     ``batch_invariant`` (the default) runs ``cpu_gemm``'s kernel where it loads: a row's
     result is then the same whatever else shares the call. Otherwise bf16 weights on CPU are
     reordered once into oneDNN's blocked layout (1.4x faster than a plain bf16 ``linear`` at
-    32 rows, 2.5x at one, which reorders the weight on every call), and fp32 runs MKL."""
+    32 rows, 2.5x at one, which reorders the weight on every call), and fp32 runs MKL.
+    ``float_out`` (the LM head): the invariant kernel returns its fp32 sums unrounded."""
 
     __slots__ = ("bias", "invariant", "packed", "weight")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, batch_invariant: bool = True
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        batch_invariant: bool = True,
+        float_out: bool = False,
     ) -> None:
         self.weight, self.bias = weight, bias
         self.invariant: cpu_gemm.PackedLinear | None = None
         self.packed: torch.Tensor | None = None
         if batch_invariant and cpu_gemm.supports(weight):
-            self.invariant = cpu_gemm.PackedLinear(weight, bias)
+            self.invariant = cpu_gemm.PackedLinear(weight, bias, float_out)
         elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _MKLDNN:
             self.packed = torch_private.onednn_pack_weight(weight, _PACK_ROWS_HINT)
 
@@ -220,12 +225,15 @@ class _Concat:
         return torch.cat([lin(x) for lin in self.linears], dim=-1)
 
 
-def fused_projection(linears: tuple[nn.Module, ...], batch_invariant: bool) -> Projection:
+def fused_projection(
+    linears: tuple[nn.Module, ...], batch_invariant: bool, float_out: bool = False
+) -> Projection:
     """Linears applied side by side as one GEMM: ``Gemm`` over the concatenated weights, or
     for GGUF-quantized ones (``QLinear``, batch-invariant always) one quantized kernel where
-    their packings concatenate, else each on its own kernel."""
+    their packings concatenate, else each on its own kernel. ``float_out``: one linear (the
+    LM head) whose batch-invariant GEMM keeps its fp32 sums (``Gemm``)."""
     if len(linears) == 1 and isinstance(linears[0], nn.Linear):
-        return Gemm(linears[0].weight, linears[0].bias, batch_invariant)
+        return Gemm(linears[0].weight, linears[0].bias, batch_invariant, float_out)
     if all(isinstance(lin, nn.Linear) for lin in linears):
         weight, bias = _fuse_linears(*linears)  # type: ignore[arg-type]
         return Gemm(weight, bias, batch_invariant)
@@ -358,7 +366,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.prepare(batch_invariant)
             layer.mlp.prepare(batch_invariant)
-        self.head = fused_projection((self.lm_head,), batch_invariant)
+        # fp32 logits: a bf16 rounding of the head's sums ties the argmax between tokens that
+        # the sums tell apart (SmolLM2 at bf16, tests/test_real_model.py's tenth question)
+        self.head = fused_projection((self.lm_head,), batch_invariant, float_out=True)
         dtype = self.model.norm.weight.dtype
         self.set_fused_ops(
             cpu_layer_ops.supports(self.model.norm.weight)
