@@ -21,7 +21,7 @@ import torch
 
 from prefixcache.engine.kernels import cpu_gemm
 from prefixcache.engine.kernels.cpu_features import cpu_flags, cpu_model_name
-from prefixcache.engine.model.llama import Gemm
+from prefixcache.engine.kernels.linear import Gemm
 
 SHAPES = [(576, 1728), (1536, 576), (576, 49152), (512, 1920), (1408, 512)]  # (in, out)
 ROW_COUNTS = [*range(2, 70), 127, 128, 129, 255, 256, 257, 512, 1000, 2048]

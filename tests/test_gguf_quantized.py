@@ -18,8 +18,9 @@ from test_gguf import PROMPT, Q, demo_vocab, random_checkpoint, run_logits, writ
 from prefixcache.engine.config import EngineConfig  # noqa: E402
 from prefixcache.engine.engine import LLMEngine  # noqa: E402
 from prefixcache.engine.kernels import cpu_gemm, cpu_layer_ops, cpu_qgemm  # noqa: E402
+from prefixcache.engine.kernels.linear import Gemm  # noqa: E402
 from prefixcache.engine.model import gguf_weights  # noqa: E402
-from prefixcache.engine.model.llama import Gemm, _Concat, fused_projection  # noqa: E402
+from prefixcache.engine.model.llama import _Concat, fused_projection  # noqa: E402
 from prefixcache.engine.model.loader import ModelLoadError, load_model  # noqa: E402
 from prefixcache.engine.model.quantized_linear import QEmbedding, QLinear  # noqa: E402
 from prefixcache.engine.request import EngineRequest, SamplingParams  # noqa: E402

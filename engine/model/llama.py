@@ -11,10 +11,10 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu_gemm, cpu_layer_ops, torch_private
+from ..kernels import cpu_layer_ops
+from ..kernels.linear import Gemm
 from .layer_ops import TORCH_OPS, TorchLayerOps, require_fused_ops
 from .model_config import ModelConfig
 from .quantized_linear import QLinear, fused_kernel
@@ -65,44 +65,6 @@ class RotaryEmbedding(nn.Module):
 
 
 Rotation = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) from RotaryEmbedding
-
-
-class Gemm:
-    """``x @ weight.T + bias`` for a weight fixed at load.
-
-    ``batch_invariant`` (the default) runs ``cpu_gemm``'s kernel where it loads: a row's
-    result is then the same whatever else shares the call. Otherwise bf16 weights on CPU are
-    reordered once into oneDNN's blocked layout (1.4x faster than a plain bf16 ``linear`` at
-    32 rows, 2.5x at one, which reorders the weight on every call), and fp32 runs MKL.
-    ``float_out`` (the LM head): the invariant kernel returns its fp32 sums unrounded."""
-
-    __slots__ = ("bias", "invariant", "packed", "weight")
-
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        batch_invariant: bool = True,
-        float_out: bool = False,
-    ) -> None:
-        self.weight, self.bias = weight, bias
-        self.invariant: cpu_gemm.PackedLinear | None = None
-        self.packed: torch.Tensor | None = None
-        if batch_invariant and cpu_gemm.supports(weight):
-            self.invariant = cpu_gemm.PackedLinear(weight, bias, float_out)
-        elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _MKLDNN:
-            self.packed = torch_private.onednn_pack_weight(weight, _PACK_ROWS_HINT)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.invariant is not None:
-            return self.invariant(x)
-        if self.packed is not None:
-            return torch_private.onednn_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
-_MKLDNN = torch_private.onednn_linear_available()
-_PACK_ROWS_HINT = 32  # oneDNN's layout choice; any row count runs on it
 
 
 class RMSNorm(nn.Module):
