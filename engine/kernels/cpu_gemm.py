@@ -8,10 +8,10 @@ where). ``available()`` is false (callers keep torch's GEMM) where the library c
 see ``cpu_library``.
 
 Where the CPU has AMX (AMX-TILE, AMX-BF16), bf16 weights whose K is a multiple of 32 run
-``cpu_gemm_amx.cpp`` instead, on the same packed panels: 8-13x the AVX-512 kernel's rate from
-8 rows up (bench/gemm_invariance.py), as batch-invariant, with other bits. A weight takes one
-kernel for its life, at every M, so no row ever mixes the two (``$PREFIXCACHE_CPU_AMX=0``
-keeps AVX-512).
+``cpu_gemm_amx.cpp`` instead, on the same packed panels: 4x the AVX-512 kernel's rate at 8
+rows, 12-14x from 64 (bench/gemm_invariance.py), as batch-invariant, with other bits. A
+weight takes one kernel for its life, at every M, so no row ever mixes the two
+(``$PREFIXCACHE_CPU_AMX=0`` keeps AVX-512).
 """
 
 from __future__ import annotations
