@@ -9,7 +9,7 @@ see ``cpu_library``.
 
 Where the CPU has AMX (AMX-TILE, AMX-BF16), bf16 weights whose K is a multiple of 32 run
 ``cpu_gemm_amx.cpp`` instead, on the same packed panels: 4x the AVX-512 kernel's rate at 8
-rows, 12-14x from 64 (bench/gemm_invariance.py), as batch-invariant, with other bits. A
+rows, 6-13x from 64 (bench/gemm_invariance.py), as batch-invariant, with other bits. A
 weight takes one kernel for its life, at every M, so no row ever mixes the two
 (``$PREFIXCACHE_CPU_AMX=0`` keeps AVX-512).
 """
