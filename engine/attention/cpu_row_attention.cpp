@@ -66,8 +66,8 @@ inline void attend_block(const uint32_t* kblk, const uint32_t* vblk, int64_t k0,
                          const int64_t* begin, float* m, float* l, float* obuf, float* pbuf,
                          float scale2) {
 #ifndef PC_NARROW_VECTORS
-  if constexpr (!kF32<T> && D % 64 == 0) {
-    if (use_amx) {
+  if constexpr (!kF32<T> && D % 64 == 0) {  // the only instantiations the AMX step has
+    if (amx_rows<D, T>()) {
       attend_packed_amx<D>(kblk, vblk, k0, ra, rb, qw, limit, begin, m, l, obuf, scale2);
       return;
     }
