@@ -171,3 +171,36 @@ def test_a_cascade_groups_decodes_match_their_plain_decodes(
     for threads in (1, 2, 3):
         got = seqs.attend(q, [1] * len(tails), threads=threads, groups=groups)
         assert torch.equal(got, plain), f"grouped on {threads} threads != plain"
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lens=st.lists(st.integers(1, 700).filter(lambda n: n % BS), min_size=1, max_size=3),
+    new=st.sampled_from([1, 2, 5]),
+    junk=st.sampled_from([math.nan, math.inf, -math.inf, 3e38]),
+    shape=st.sampled_from(SHAPES),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_page_slots_past_a_sequences_end_are_never_seen(
+    lens: list[int],
+    new: int,
+    junk: float,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    seed: int,
+) -> None:
+    """The slots of a last page past its sequence's end hold whatever an earlier owner left
+    (the decode step on AMX reads whole 16-key tiles from the pages in place): NaN, infinities
+    or huge values there change no output bit."""
+    hq, hk, d = shape
+    seqs = Sequences(lens, hk, d, dtype, seed)
+    q = queries(sum(min(new, n) for n in lens), hq, d, dtype, seed + 1)
+    rows = [min(new, n) for n in lens]
+    clean = seqs.attend(q, rows, threads=2)
+    for i, n in enumerate(lens):
+        page = seqs.tables[i, (n - 1) // BS].long()
+        seqs.kv[page, :, n % BS :] = junk  # K and V of the unused slots
+    dirty = seqs.attend(q, rows, threads=2)
+    assert not dirty.isnan().any()
+    assert torch.equal(dirty, clean)

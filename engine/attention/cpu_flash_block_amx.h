@@ -59,10 +59,86 @@ PC_AMX inline void store_two_by_two(float* c, int64_t stride, bool two) {
   }
 }
 
+// The online-softmax update of rows [r0, r0 + nr) (nr <= 32) from their scores for the block
+// at k0 (sbuf, raw: unscaled, query-major, keys [0, tile_keys) of each row written), then
+// O = O * corr + P V with V packed as pairs of keys: attend_packed's arithmetic on tiles.
+// Every way of computing the scores (attend_packed_amx, the decode step that reads K in
+// place) ends here, so a row's bits do not depend on which one ran.
+template <int D>
+PC_AMX void update_rows_amx(const float (*sbuf)[kKeyBlock], const uint32_t* vblk, int64_t k0,
+                            int64_t r0, int nr, int64_t tile_keys, const int64_t* limit,
+                            const int64_t* begin, float* m, float* l, float* obuf,
+                            float scale2f) {
+  constexpr int64_t BK = kKeyBlock;
+  const bool two = nr > 16;
+  const int rows = two ? 32 : 16;  // rows the tiles compute (those past nr are zeros)
+  const __m512 scale2 = _mm512_set1_ps(scale2f);
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  alignas(64) uint16_t pbf[32][BK];
+  alignas(64) float pv[32][D];
+  // The online-softmax update per row, as attend_packed; P in bf16, zero past the row's keys.
+  const int64_t nvec = (tile_keys + 15) / 16;
+  const int64_t pv_keys = (tile_keys + 31) / 32 * 32;  // keys the P V pass reads
+  float corr[32];
+  for (int i = 0; i < rows; ++i) {
+    uint16_t* p = pbf[i];
+    const int64_t row = r0 + i;
+    const int64_t valid = i < nr ? limit[row] - k0 : 0;
+    const int64_t skip = i < nr && begin ? begin[row] - k0 : 0;
+    if (valid <= 0 || skip >= BK) {
+      corr[i] = 1.0f;
+      std::memset(p, 0, sizeof(uint16_t) * pv_keys);
+      continue;
+    }
+    // The max of the raw scores, then scaled: rounding a product by scale2 > 0 keeps the
+    // order, so it is the max of the scaled scores, one multiply per row, not per key.
+    __m512 vmax = neg_inf;
+    for (int64_t c = 0; c < nvec; ++c)
+      vmax = _mm512_max_ps(
+          vmax, _mm512_mask_mov_ps(neg_inf, seen(valid, skip, c), _mm512_load_ps(&sbuf[i][c * 16])));
+    const float m_new = std::max(m[row], _mm512_reduce_max_ps(vmax) * scale2f);
+    const __m512 mv = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nvec; ++c) {
+      const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(&sbuf[i][c * 16]), scale2, mv);
+      const __m512 e = _mm512_maskz_mov_ps(seen(valid, skip, c), exp2_ps(x));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(p + c * 16), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    if (nvec * 16 < pv_keys) std::memset(p + nvec * 16, 0, sizeof(uint16_t) * 16);
+    corr[i] = std::exp2(m[row] - m_new);  // m[row] = -inf at first: 0
+    l[row] = l[row] * corr[i] + _mm512_reduce_add_ps(sum);
+    m[row] = m_new;
+  }
+  // P V from zero on the tiles, 32 columns a pass, key pairs in ascending 32-key steps;
+  // then O = O * corr + P V per row in one FMA (a tile loaded from O just written by vector
+  // code waits for those stores: the round trip cost more than the P V itself).
+  for (int64_t c0 = 0; c0 < D; c0 += 32) {
+    zero_four();
+    for (int64_t ks = 0; ks < pv_keys / 32; ++ks)
+      dp_two_by_two(&pbf[0][ks * 32], &pbf[16][ks * 32], BK * 2, vblk + ks * 16 * D + c0,
+                    D * 4, two);
+    store_two_by_two(&pv[0][c0], D * 4, two);
+  }
+  for (int i = 0; i < nr; ++i) {
+    float* o = obuf + (r0 + i) * D;
+    const __m512 cv = _mm512_set1_ps(corr[i]);
+    for (int c = 0; c < D; c += 16)
+      _mm512_storeu_ps(o + c, _mm512_fmadd_ps(_mm512_loadu_ps(o + c), cv, _mm512_load_ps(&pv[i][c])));
+  }
+}
+
+// Keys of the block at k0 that any of rows [r0, r0 + nr) sees, at most kKeyBlock.
+inline int64_t keys_seen(const int64_t* limit, int64_t k0, int64_t r0, int nr) {
+  int64_t keys = 0;
+  for (int i = 0; i < nr; ++i) keys = std::max(keys, std::min<int64_t>(limit[r0 + i] - k0, kKeyBlock));
+  return keys;
+}
+
 // One key block [k0, k0 + kKeyBlock) for rows [ra, rb): attend_packed's contract (bf16), the
 // tile configuration loaded on this thread. Rows go 32 at a time (two row tiles, the last
-// group one where 16 rows remain): scores and P V as 2 x 2 tile products, each K or V tile
-// loaded once for both row tiles. D >= 64 (a multiple of 64).
+// group one where 16 rows remain): scores as 2 x 2 tile products, each K tile loaded once
+// for both row tiles, then update_rows_amx. D >= 64 (a multiple of 64).
 template <int D>
 PC_AMX void attend_packed_amx(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64_t ra,
                               int64_t rb, const uint32_t* qw, const int64_t* limit,
@@ -71,19 +147,13 @@ PC_AMX void attend_packed_amx(const uint32_t* kblk, const uint32_t* vblk, int64_
   static_assert(D % 64 == 0, "the AMX step takes 32 columns of O a pass");
   constexpr int64_t KW = D / 2;  // words per query row
   constexpr int64_t BK = kKeyBlock;
-  const __m512 scale2 = _mm512_set1_ps(scale2f);
-  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   alignas(64) uint32_t qpad[32 * KW];
   alignas(64) float sbuf[32][BK];
-  alignas(64) uint16_t pbf[32][BK];
-  alignas(64) float pv[32][D];
   for (int64_t r0 = ra; r0 < rb; r0 += 32) {
     const int nr = static_cast<int>(std::min<int64_t>(32, rb - r0));
     const bool two = nr > 16;
-    const int rows = two ? 32 : 16;  // rows the tiles compute (those past nr are zeros)
-    int64_t tile_keys = 0;  // keys of this block any row of the group sees
-    for (int i = 0; i < nr; ++i)
-      tile_keys = std::max(tile_keys, std::min<int64_t>(limit[r0 + i] - k0, BK));
+    const int rows = two ? 32 : 16;
+    const int64_t tile_keys = keys_seen(limit, k0, r0, nr);
     if (tile_keys <= 0) continue;
     const uint32_t* q = qw + r0 * KW;
     if (nr < rows) {
@@ -99,56 +169,7 @@ PC_AMX void attend_packed_amx(const uint32_t* kblk, const uint32_t* vblk, int64_
                       BK * 4, two);
       store_two_by_two(&sbuf[0][kp * 32], BK * 4, two);
     }
-    // The online-softmax update per row, as attend_packed; P in bf16, zero past the row's keys.
-    const int64_t nvec = (tile_keys + 15) / 16;
-    const int64_t pv_keys = (tile_keys + 31) / 32 * 32;  // keys the P V pass reads
-    float corr[32];
-    for (int i = 0; i < rows; ++i) {
-      uint16_t* p = pbf[i];
-      const int64_t row = r0 + i;
-      const int64_t valid = i < nr ? limit[row] - k0 : 0;
-      const int64_t skip = i < nr && begin ? begin[row] - k0 : 0;
-      if (valid <= 0 || skip >= BK) {
-        corr[i] = 1.0f;
-        std::memset(p, 0, sizeof(uint16_t) * pv_keys);
-        continue;
-      }
-      // The max of the raw scores, then scaled: rounding a product by scale2 > 0 keeps the
-      // order, so it is the max of the scaled scores, one multiply per row, not per key.
-      __m512 vmax = neg_inf;
-      for (int64_t c = 0; c < nvec; ++c)
-        vmax = _mm512_max_ps(
-            vmax, _mm512_mask_mov_ps(neg_inf, seen(valid, skip, c), _mm512_load_ps(&sbuf[i][c * 16])));
-      const float m_new = std::max(m[row], _mm512_reduce_max_ps(vmax) * scale2f);
-      const __m512 mv = _mm512_set1_ps(m_new);
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t c = 0; c < nvec; ++c) {
-        const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(&sbuf[i][c * 16]), scale2, mv);
-        const __m512 e = _mm512_maskz_mov_ps(seen(valid, skip, c), exp2_ps(x));
-        sum = _mm512_add_ps(sum, e);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(p + c * 16), (__m256i)_mm512_cvtneps_pbh(e));
-      }
-      if (nvec * 16 < pv_keys) std::memset(p + nvec * 16, 0, sizeof(uint16_t) * 16);
-      corr[i] = std::exp2(m[row] - m_new);  // m[row] = -inf at first: 0
-      l[row] = l[row] * corr[i] + _mm512_reduce_add_ps(sum);
-      m[row] = m_new;
-    }
-    // P V from zero on the tiles, 32 columns a pass, key pairs in ascending 32-key steps;
-    // then O = O * corr + P V per row in one FMA (a tile loaded from O just written by vector
-    // code waits for those stores: the round trip cost more than the P V itself).
-    for (int64_t c0 = 0; c0 < D; c0 += 32) {
-      zero_four();
-      for (int64_t ks = 0; ks < pv_keys / 32; ++ks)
-        dp_two_by_two(&pbf[0][ks * 32], &pbf[16][ks * 32], BK * 2, vblk + ks * 16 * D + c0,
-                      D * 4, two);
-      store_two_by_two(&pv[0][c0], D * 4, two);
-    }
-    for (int i = 0; i < nr; ++i) {
-      float* o = obuf + (r0 + i) * D;
-      const __m512 cv = _mm512_set1_ps(corr[i]);
-      for (int c = 0; c < D; c += 16)
-        _mm512_storeu_ps(o + c, _mm512_fmadd_ps(_mm512_loadu_ps(o + c), cv, _mm512_load_ps(&pv[i][c])));
-    }
+    update_rows_amx<D>(sbuf, vblk, k0, r0, nr, tile_keys, limit, begin, m, l, obuf, scale2f);
   }
 }
 

@@ -150,7 +150,8 @@ void pack_rows_f32(const float* const* krow, int64_t v_offset, uint32_t* kbuf, u
 }
 #endif
 
-template <int D, typename T>
+// with_k false: V alone (kbuf untouched), for the decode step that reads K in place.
+template <int D, typename T, bool with_k = true>
 void pack_rows(const T* const* krow, int64_t v_offset, uint32_t* kbuf, uint32_t* vbuf) {
 #ifdef PC_NARROW_VECTORS
   if constexpr (kF32<T>) {
@@ -159,7 +160,7 @@ void pack_rows(const T* const* krow, int64_t v_offset, uint32_t* kbuf, uint32_t*
   }
 #endif
   constexpr int KW = D * static_cast<int>(sizeof(T)) / 4;
-  for (int64_t j0 = 0; j0 < BK; j0 += 16) {
+  for (int64_t j0 = 0; with_k && j0 < BK; j0 += 16) {
     const uint32_t* rows[16];
     for (int i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const uint32_t*>(krow[j0 + i]);
     for (int64_t p0 = 0; p0 < KW; p0 += 16) transpose16(rows, p0, kbuf + p0 * BK + j0, BK);
@@ -193,7 +194,7 @@ void pack_rows(const T* const* krow, int64_t v_offset, uint32_t* kbuf, uint32_t*
 
 // Keys [k0, k0 + BK) of one sequence (those in [kv_begin, kv_end); the rest zero, unread),
 // kv head h, read from pages of KV (T itself, or fp8 converted to T once) and packed.
-template <int D, typename T, typename KV>
+template <int D, typename T, typename KV, bool with_k = true>
 void pack_block(const KV* kv, const int32_t* table, int64_t bs, int64_t row_elems, int64_t h,
                 int64_t k0, int64_t kv_begin, int64_t kv_end, int64_t v_offset, uint32_t* kbuf,
                 uint32_t* vbuf) {
@@ -217,9 +218,9 @@ void pack_block(const KV* kv, const int32_t* table, int64_t bs, int64_t row_elem
     }
   }
   if constexpr (std::is_same_v<KV, T>) {
-    pack_rows<D, T>(krow, v_offset, kbuf, vbuf);
+    pack_rows<D, T, with_k>(krow, v_offset, kbuf, vbuf);
   } else {
-    static_assert(kFp8<KV>, "pages hold T or fp8");
+    static_assert(kFp8<KV> && with_k, "pages hold T or fp8");
     // Each K and V row converted once into [BK][2][D] of T, then the same packing.
     thread_local std::vector<T> conv;
     conv.resize(static_cast<size_t>(BK * 2 * D));
@@ -341,12 +342,25 @@ void fold_rows(RowStates& acc, const float* m, const float* l, const float* o, i
     fold_partition<D>(acc.m[r], acc.l[r], &acc.o[r * D], m[r], l[r], &o[r * D]);
 }
 
-// A task's rows for kv head h: their queries as words, the keys each sees ([begin, limit)).
+// A task's rows for kv head h: their queries as words, the keys each sees ([begin, limit)),
+// and for each segment that takes the in-place step (reads_k_in_place) its queries as the B
+// operand (qt_at: first word in qt, or -1).
 struct TaskRows {
-  std::vector<uint32_t> qw;
-  std::vector<int64_t> limit, begin;
+  std::vector<uint32_t> qw, qt;
+  std::vector<int64_t> limit, begin, qt_at;
   int64_t rows = 0, max_limit = 0, min_begin = 0;
 };
+
+// Segments of at most this many rows (a decode's query heads of one kv head) read K in place.
+constexpr int64_t kInPlaceRows = 16;
+
+// Whether a call's decode-shaped segments may read K rows from the pages as AMX tiles: bf16
+// pages (not fp8), no sliding window (its first pages may be a null page), and pages of a
+// multiple of 16 slots (a 16-key tile then lies in one page).
+template <int D, typename T, typename KV>
+inline bool reads_k_in_place(const RowBatch<T, KV>& rb) {
+  return amx_rows<D, T>() && std::is_same_v<KV, T> && rb.window == 0 && rb.bs % 16 == 0;
+}
 
 template <int D, typename T, typename KV>
 void load_task_rows(const RowBatch<T, KV>& rb, const Segment* segs, const RowTask& task,
@@ -375,7 +389,79 @@ void load_task_rows(const RowBatch<T, KV>& rb, const Segment* segs, const RowTas
         tr.min_begin = std::min(tr.min_begin, tr.begin[r]);
       }
   }
+  // Queries of small segments transposed once into pairs along D (tile s: [16 pairs][16
+  // rows], rows past the segment zero), the operand the in-place step multiplies K rows by.
+  tr.qt_at.assign(static_cast<size_t>(task.seg_end - task.seg_begin), -1);
+  if (!reads_k_in_place<D>(rb)) return;
+  int64_t words = 0;
+  for (int64_t si = task.seg_begin; si < task.seg_end; ++si)
+    if ((segs[si].t1 - segs[si].t0) * g <= kInPlaceRows) {
+      tr.qt_at[si - task.seg_begin] = words;
+      words += KW * 16;
+    }
+  tr.qt.resize(static_cast<size_t>(words));
+  r = 0;
+  for (int64_t si = task.seg_begin; si < task.seg_end; ++si) {
+    const int64_t n = (segs[si].t1 - segs[si].t0) * g, at = tr.qt_at[si - task.seg_begin];
+    if (at >= 0) {
+      const uint32_t* rows[16];
+      for (int64_t i = 0; i < 16; ++i) rows[i] = i < n ? &tr.qw[(r + i) * KW] : nullptr;
+      for (int64_t c = 0; c < KW; c += 16) transpose16(rows, c, &tr.qt[at + c * 16], 16);
+    }
+    r += n;
+  }
 }
+
+#ifndef PC_NARROW_VECTORS
+// Rows [ra, ra + nr) (nr <= 16) of one sequence against keys [k0, k0 + BK) of kv head h,
+// with K read from the pages in place: each 16-key tile of K rows is the A operand and the
+// rows' queries (qt, pairs along D) the B operand, so the product is the scores transposed.
+// TDPBF16PS gives each element the same dot product over the same pairs in the same order
+// whichever operand holds which factor, so these are attend_packed_amx's score bits (checked
+// by tests/test_cpu_amx.py against the packed step), without transposing K. The scores are
+// turned query-major (16 x 16 transposes: one per 16 keys, not D / 32 as packing K takes),
+// then update_rows_amx does the rest with V packed as ever.
+template <int D>
+PC_AMX void attend_in_place_amx(const uint16_t* kv, const int32_t* table, int64_t bs,
+                                int64_t row_elems, int64_t h, int64_t k0, int64_t ra, int nr,
+                                const uint32_t* qt, const uint32_t* vblk, const int64_t* limit,
+                                float* m, float* l, float* obuf, float scale2f) {
+  const int64_t tile_keys = keys_seen(limit, k0, ra, nr);
+  if (tile_keys <= 0) return;
+  alignas(64) float sbuf[16][BK];
+  alignas(64) float st[2][16][16];  // two tiles of scores, key-major
+  const int64_t stride = row_elems * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t ntiles = (tile_keys + 15) / 16;
+  auto k_tile = [&](int64_t t) {  // K rows of keys k0 + 16t .. k0 + 16t + 15, in one page
+    const int64_t key = k0 + 16 * t;
+    return kv + (static_cast<int64_t>(table[key / bs]) * 2 * bs + key % bs) * row_elems + h * D;
+  };
+  for (int64_t t = 0; t < ntiles; t += 2) {
+    const bool two = t + 1 < ntiles;
+    const uint16_t* ka = k_tile(t);
+    const uint16_t* kb = two ? k_tile(t + 1) : nullptr;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t s = 0; s < D / 32; ++s) {
+      PC_TILE_LOAD(6, qt + s * 256, 64);
+      PC_TILE_LOAD(4, ka + s * 32, stride);
+      _tile_dpbf16ps(0, 4, 6);
+      if (two) {
+        PC_TILE_LOAD(5, kb + s * 32, stride);
+        _tile_dpbf16ps(1, 5, 6);
+      }
+    }
+    PC_TILE_STORE(0, st[0], 64);
+    if (two) PC_TILE_STORE(1, st[1], 64);
+    for (int64_t u = 0; u < (two ? 2 : 1); ++u) {
+      const uint32_t* rows[16];
+      for (int i = 0; i < 16; ++i) rows[i] = reinterpret_cast<const uint32_t*>(st[u][i]);
+      transpose16(rows, 0, reinterpret_cast<uint32_t*>(&sbuf[0][(t + u) * 16]), BK);
+    }
+  }
+  update_rows_amx<D>(sbuf, vblk, k0, ra, nr, tile_keys, limit, nullptr, m, l, obuf, scale2f);
+}
+#endif
 
 // Key blocks [kb_from, kb_to) for every row of the task, into st (online softmax).
 template <int D, int R, typename T, typename KV>
@@ -411,6 +497,21 @@ void attend_blocks(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segmen
           const int32_t* table = rb.tables + sg.s * rb.table_stride;
           if (k0 + BK < seg_max && kb + 1 < kb_to)
             prefetch_block<D>(rb.kv, table, rb.bs, row_elems, h, k0 + BK, seg_max, v_offset);
+#ifndef PC_NARROW_VECTORS
+          if constexpr (std::is_same_v<KV, T> && !kF32<T> && D % 64 == 0) {
+            const int64_t qt_at = tr.qt_at[si - task.seg_begin];
+            if (qt_at >= 0) {
+              pack_block<D, T, KV, false>(rb.kv, table, rb.bs, row_elems, h, k0, seg_begin,
+                                          seg_max, v_offset, kbuf, vbuf);
+              attend_in_place_amx<D>(rb.kv, table, rb.bs, row_elems, h, k0, ra,
+                                     static_cast<int>(seg_rows), tr.qt.data() + qt_at, vbuf,
+                                     tr.limit.data(), st.m.data(), st.l.data(), st.o.data(),
+                                     rb.scale2);
+              ra += seg_rows;
+              continue;
+            }
+          }
+#endif
           pack_block<D, T>(rb.kv, table, rb.bs, row_elems, h, k0, seg_begin, seg_max, v_offset,
                         kbuf, vbuf);
         }
