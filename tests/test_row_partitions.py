@@ -178,6 +178,7 @@ def test_a_cascade_groups_decodes_match_their_plain_decodes(
     lens=st.lists(st.integers(1, 700).filter(lambda n: n % BS), min_size=1, max_size=3),
     new=st.sampled_from([1, 2, 5]),
     junk=st.sampled_from([math.nan, math.inf, -math.inf, 3e38]),
+    window=st.sampled_from([0, 0, 40, 300]),
     shape=st.sampled_from(SHAPES),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**16),
@@ -186,21 +187,25 @@ def test_page_slots_past_a_sequences_end_are_never_seen(
     lens: list[int],
     new: int,
     junk: float,
+    window: int,
     shape: tuple[int, int, int],
     dtype: torch.dtype,
     seed: int,
 ) -> None:
     """The slots of a last page past its sequence's end hold whatever an earlier owner left
-    (the decode step on AMX reads whole 16-key tiles from the pages in place): NaN, infinities
-    or huge values there change no output bit."""
+    (the decode step on AMX reads whole 16-key tiles from the pages in place), as do pages a
+    sliding window has left: NaN, infinities or huge values there change no output bit."""
     hq, hk, d = shape
     seqs = Sequences(lens, hk, d, dtype, seed)
     q = queries(sum(min(new, n) for n in lens), hq, d, dtype, seed + 1)
     rows = [min(new, n) for n in lens]
-    clean = seqs.attend(q, rows, threads=2)
+    clean = seqs.attend(q, rows, threads=2, window=window)
     for i, n in enumerate(lens):
         page = seqs.tables[i, (n - 1) // BS].long()
         seqs.kv[page, :, n % BS :] = junk  # K and V of the unused slots
-    dirty = seqs.attend(q, rows, threads=2)
+        if window:  # and pages wholly before the first query's window (a sliding layer's)
+            first = max(0, n - rows[i] + 1 - window)
+            seqs.kv[seqs.tables[i, : first // BS].long()] = junk
+    dirty = seqs.attend(q, rows, threads=2, window=window)
     assert not dirty.isnan().any()
     assert torch.equal(dirty, clean)

@@ -131,7 +131,8 @@ PC_AMX void update_rows_amx(const float (*sbuf)[kKeyBlock], const uint32_t* vblk
 // Keys of the block at k0 that any of rows [r0, r0 + nr) sees, at most kKeyBlock.
 inline int64_t keys_seen(const int64_t* limit, int64_t k0, int64_t r0, int nr) {
   int64_t keys = 0;
-  for (int i = 0; i < nr; ++i) keys = std::max(keys, std::min<int64_t>(limit[r0 + i] - k0, kKeyBlock));
+  for (int i = 0; i < nr; ++i)
+    keys = std::max(keys, std::min<int64_t>(limit[r0 + i] - k0, kKeyBlock));
   return keys;
 }
 

@@ -355,11 +355,10 @@ struct TaskRows {
 constexpr int64_t kInPlaceRows = 16;
 
 // Whether a call's decode-shaped segments may read K rows from the pages as AMX tiles: bf16
-// pages (not fp8), no sliding window (its first pages may be a null page), and pages of a
-// multiple of 16 slots (a 16-key tile then lies in one page).
+// pages (not fp8), and pages of a multiple of 16 slots (a 16-key tile then lies in one page).
 template <int D, typename T, typename KV>
 inline bool reads_k_in_place(const RowBatch<T, KV>& rb) {
-  return amx_rows<D, T>() && std::is_same_v<KV, T> && rb.window == 0 && rb.bs % 16 == 0;
+  return amx_rows<D, T>() && std::is_same_v<KV, T> && rb.bs % 16 == 0;
 }
 
 template <int D, typename T, typename KV>
@@ -413,9 +412,11 @@ void load_task_rows(const RowBatch<T, KV>& rb, const Segment* segs, const RowTas
 }
 
 #ifndef PC_NARROW_VECTORS
-// Rows [ra, ra + nr) (nr <= 16) of one sequence against keys [k0, k0 + BK) of kv head h,
-// with K read from the pages in place: each 16-key tile of K rows is the A operand and the
-// rows' queries (qt, pairs along D) the B operand, so the product is the scores transposed.
+// Rows [ra, ra + nr) (nr <= 16) of one sequence against keys [k0, k0 + BK) of kv head h
+// (from kv_begin on: a sliding window's tiles wholly before it are never read, their page may
+// be a null page), with K read from the pages in place: each 16-key tile of K rows is the A
+// operand and the rows' queries (qt, pairs along D) the B operand, so the product is the
+// scores transposed.
 // TDPBF16PS gives each element the same dot product over the same pairs in the same order
 // whichever operand holds which factor, so these are attend_packed_amx's score bits (checked
 // by tests/test_cpu_amx.py against the packed step), without transposing K. The scores are
@@ -423,20 +424,22 @@ void load_task_rows(const RowBatch<T, KV>& rb, const Segment* segs, const RowTas
 // then update_rows_amx does the rest with V packed as ever.
 template <int D>
 PC_AMX void attend_in_place_amx(const uint16_t* kv, const int32_t* table, int64_t bs,
-                                int64_t row_elems, int64_t h, int64_t k0, int64_t ra, int nr,
-                                const uint32_t* qt, const uint32_t* vblk, const int64_t* limit,
-                                float* m, float* l, float* obuf, float scale2f) {
+                                int64_t row_elems, int64_t h, int64_t k0, int64_t kv_begin,
+                                int64_t ra, int nr, const uint32_t* qt, const uint32_t* vblk,
+                                const int64_t* limit, const int64_t* begin, float* m, float* l,
+                                float* obuf, float scale2f) {
   const int64_t tile_keys = keys_seen(limit, k0, ra, nr);
   if (tile_keys <= 0) return;
   alignas(64) float sbuf[16][BK];
   alignas(64) float st[2][16][16];  // two tiles of scores, key-major
   const int64_t stride = row_elems * static_cast<int64_t>(sizeof(uint16_t));
   const int64_t ntiles = (tile_keys + 15) / 16;
+  const int64_t t0 = std::max<int64_t>(0, kv_begin - k0) / 16;  // tiles before: unread, unseen
   auto k_tile = [&](int64_t t) {  // K rows of keys k0 + 16t .. k0 + 16t + 15, in one page
     const int64_t key = k0 + 16 * t;
     return kv + (static_cast<int64_t>(table[key / bs]) * 2 * bs + key % bs) * row_elems + h * D;
   };
-  for (int64_t t = 0; t < ntiles; t += 2) {
+  for (int64_t t = t0; t < ntiles; t += 2) {
     const bool two = t + 1 < ntiles;
     const uint16_t* ka = k_tile(t);
     const uint16_t* kb = two ? k_tile(t + 1) : nullptr;
@@ -459,7 +462,7 @@ PC_AMX void attend_in_place_amx(const uint16_t* kv, const int32_t* table, int64_
       transpose16(rows, 0, reinterpret_cast<uint32_t*>(&sbuf[0][(t + u) * 16]), BK);
     }
   }
-  update_rows_amx<D>(sbuf, vblk, k0, ra, nr, tile_keys, limit, nullptr, m, l, obuf, scale2f);
+  update_rows_amx<D>(sbuf, vblk, k0, ra, nr, tile_keys, limit, begin, m, l, obuf, scale2f);
 }
 #endif
 
@@ -503,10 +506,10 @@ void attend_blocks(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segmen
             if (qt_at >= 0) {
               pack_block<D, T, KV, false>(rb.kv, table, rb.bs, row_elems, h, k0, seg_begin,
                                           seg_max, v_offset, kbuf, vbuf);
-              attend_in_place_amx<D>(rb.kv, table, rb.bs, row_elems, h, k0, ra,
+              attend_in_place_amx<D>(rb.kv, table, rb.bs, row_elems, h, k0, seg_begin, ra,
                                      static_cast<int>(seg_rows), tr.qt.data() + qt_at, vbuf,
-                                     tr.limit.data(), st.m.data(), st.l.data(), st.o.data(),
-                                     rb.scale2);
+                                     tr.limit.data(), row_begin, st.m.data(), st.l.data(),
+                                     st.o.data(), rb.scale2);
               ra += seg_rows;
               continue;
             }
