@@ -33,15 +33,6 @@ PORT=8100
 [ -f "$MODEL/config.json" ] || $PY bench/make_bench_model.py --out "$MODEL" \
   --max-positions "$((MAX_MODEL_LEN > 8192 ? MAX_MODEL_LEN : 8192))"
 
-start_vllm() {
-  VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2 \
-  HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
-  "$VLLM_VENV"/bin/python -m vllm.entrypoints.openai.api_server --model "$MODEL" \
-    --served-model-name m --host 127.0.0.1 --port $PORT --dtype "$DTYPE" \
-    --max-model-len "$MAX_MODEL_LEN" --enable-prefix-caching >/tmp/serving-vllm.log 2>&1 &
-  echo $!
-}
-
 start_prefixcache() {
   local flags=(--engine "${ENGINE:-process}")  # how the figures in docs/benchmarks.md ran
   [ "$DTYPE" = auto ] || flags+=(--dtype "$DTYPE")

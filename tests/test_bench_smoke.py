@@ -196,7 +196,7 @@ def test_benchmark_runs_and_reports(name: str, tmp_path: Path) -> None:
 def test_the_context_plot_reads_the_sweeps_records(tmp_path: Path) -> None:
     """bench/plot_context.py over records shaped as bench/context_sweep.sh writes them."""
     lines = []
-    for server, scale in (("llamacpp", 2.0), ("prefixcache", 1.0)):
+    for server, scale in (("llamacpp", 2.0), ("vllm", 1.5), ("prefixcache", 1.0)):
         for context in (1000, 4000):
             ttft = {"A_cold_ms": scale * context, "B_warm_ms": scale * 20.0}
             lines.append(json.dumps({"label": f"{server}/ttft/{context}", **ttft}))
@@ -215,3 +215,4 @@ def test_the_context_plot_reads_the_sweeps_records(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert out.stat().st_size > 1000
     assert "prefixcache: 1000: 1000.0 (0.50x), 4000: 4000.0 (0.50x)" in proc.stdout
+    assert "vllm: 1000: 1500.0 (0.75x), 4000: 6000.0 (0.75x)" in proc.stdout

@@ -554,3 +554,38 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_bench_export_writes_the_gguf_as_a_checkpoint_transformers_serves(
+    tmp_path: Path, tied: bool
+) -> None:
+    """bench/export_hf.py (the folder vLLM serves in bench/context_sweep.sh): transformers
+    loads it with no GGUF in sight, and its logits, token ids and chat prompt are the GGUF's
+    through our loader."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "export_hf", Path(__file__).resolve().parent.parent / "bench" / "export_hf.py"
+    )
+    assert spec is not None and spec.loader is not None
+    export_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export_hf)
+
+    model = random_checkpoint(tmp_path / "hf", len(demo_vocab()[0]), tied=tied)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, Q.Q8_0)
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    out = tmp_path / "export"
+    export_hf.export(loaded, out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    with torch.no_grad():
+        got = hf(torch.tensor([PROMPT])).logits[0]
+    assert torch.allclose(got, run_logits(loaded, PROMPT), atol=1e-5, rtol=1e-5)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    for text in TEXTS:
+        assert tok(text, add_special_tokens=False).input_ids == loaded.tokenizer.encode(text)
+    messages = [{"role": "user", "content": "Hi!"}]
+    assert tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    ) == loaded.tokenizer.apply_chat_template(messages)
