@@ -30,11 +30,25 @@ bench() {  # label, then serving.py flags
   tail -1 "$OUT" | $PY -c 'import json,sys; r=json.loads(sys.stdin.read()); print(r["label"], r["workload"], r["args"]["concurrency"], {k: round(v, 1) for k, v in r.items() if isinstance(v, float)})'
 }
 
+port_answers() {  # anything listening on $PORT (curl exits 7 where nothing is)
+  curl -s -o /dev/null --max-time 2 "http://127.0.0.1:$PORT/"
+}
+
 run_servers() {  # one server at a time: start, wait, every workload, stop
   for server in $SERVERS; do
+    # A server left on the port would answer the health wait and every request in place of
+    # the one started here (which dies unable to bind), under this one's label.
+    if port_answers; then
+      echo "port $PORT already answers (a server left running?): stop it first" >&2
+      exit 1
+    fi
     pid=$(start_"$server")
     trap 'kill $pid 2>/dev/null || true' EXIT
     wait_healthy
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "$server exited after the port answered: see its log in /tmp" >&2
+      exit 1
+    fi
     for w in $WORKLOADS; do workload "$server" "$w"; done
     kill "$pid"; wait "$pid" 2>/dev/null || true
     trap - EXIT
