@@ -418,8 +418,9 @@ void load_task_rows(const RowBatch<T, KV>& rb, const Segment* segs, const RowTas
 // operand and the rows' queries (qt, pairs along D) the B operand, so the product is the
 // scores transposed.
 // TDPBF16PS gives each element the same dot product over the same pairs in the same order
-// whichever operand holds which factor, so these are attend_packed_amx's score bits (checked
-// by tests/test_cpu_amx.py against the packed step), without transposing K. The scores are
+// whichever operand holds which factor, so these are attend_packed_amx's score bits (held bit
+// for bit by tests/test_row_partitions.py: a decode row against the same row inside a packed
+// prefill chunk), without transposing K. The scores are
 // turned query-major (16 x 16 transposes: one per 16 keys, not D / 32 as packing K takes),
 // then update_rows_amx does the rest with V packed as ever.
 template <int D>
