@@ -28,11 +28,13 @@ SHAPES = [(9, 3, 64), (4, 1, 256), (8, 2, 64)]  # SmolLM2's, Gemma 3's, the benc
 class Sequences:
     """Sequences of keys in scattered pages of one layer, and their queries."""
 
-    def __init__(self, lens: list[int], hk: int, d: int, dtype: torch.dtype, seed: int) -> None:
+    def __init__(
+        self, lens: list[int], hk: int, d: int, dtype: torch.dtype, seed: int, bs: int = BS
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
-        blocks = [-(-n // BS) for n in lens]
+        blocks = [-(-n // bs) for n in lens]
         total = sum(blocks) + 1
-        self.kv = torch.randn(total, 2, BS, hk, d, generator=gen).to(dtype)
+        self.kv = torch.randn(total, 2, bs, hk, d, generator=gen).to(dtype)
         order = torch.randperm(total - 1, generator=gen) + 1
         self.tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
         at = 0
@@ -209,3 +211,26 @@ def test_page_slots_past_a_sequences_end_are_never_seen(
     dirty = seqs.attend(q, rows, threads=2, window=window)
     assert not dirty.isnan().any()
     assert torch.equal(dirty, clean)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(1, 2600),
+    bs=st.sampled_from([8, 32, 48]),
+    window=st.sampled_from([0, 0, 200]),
+    shape=st.sampled_from(SHAPES),
+    seed=st.integers(0, 2**16),
+)
+def test_a_decode_row_is_its_chunks_row_at_other_page_sizes(
+    n: int, bs: int, window: int, shape: tuple[int, int, int], seed: int
+) -> None:
+    """bf16 pages of 8, 32 or 48 slots (where a 16-key tile lies in one page, decode reads K in
+    place on AMX; at 8 it cannot and packs): a sequence's last row decoded alone equals the
+    same row inside a 40-row chunk, bit for bit."""
+    hq, hk, d = shape
+    new = min(40, n)
+    seqs = Sequences([n], hk, d, torch.bfloat16, seed, bs=bs)
+    q = queries(new, hq, d, torch.bfloat16, seed + 1)
+    chunk = seqs.attend(q, [new], threads=2, window=window)
+    alone = seqs.attend(q[-1:], [1], threads=2, window=window)
+    assert torch.equal(alone, chunk[-1:])
