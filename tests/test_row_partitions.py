@@ -213,23 +213,25 @@ def test_page_slots_past_a_sequences_end_are_never_seen(
     assert torch.equal(dirty, clean)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(1, 2600),
-    bs=st.sampled_from([8, 32, 48]),
+    bs=st.sampled_from([8, 16, 32, 48]),
+    pages=st.sampled_from([torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]),
     window=st.sampled_from([0, 0, 200]),
     shape=st.sampled_from(SHAPES),
     seed=st.integers(0, 2**16),
 )
 def test_a_decode_row_is_its_chunks_row_at_other_page_sizes(
-    n: int, bs: int, window: int, shape: tuple[int, int, int], seed: int
+    n: int, bs: int, pages: torch.dtype, window: int, shape: tuple[int, int, int], seed: int
 ) -> None:
-    """bf16 pages of 8, 32 or 48 slots (where a 16-key tile lies in one page, decode reads K in
-    place on AMX; at 8 it cannot and packs): a sequence's last row decoded alone equals the
-    same row inside a 40-row chunk, bit for bit."""
+    """bf16 queries over bf16 pages of 8, 16, 32 or 48 slots (where a 16-key tile lies in one
+    page, decode reads K in place on AMX; at 8 it cannot and packs) or fp8 pages (converted
+    as each block is packed): a sequence's last row decoded alone equals the same row inside a
+    40-row chunk, bit for bit."""
     hq, hk, d = shape
     new = min(40, n)
-    seqs = Sequences([n], hk, d, torch.bfloat16, seed, bs=bs)
+    seqs = Sequences([n], hk, d, pages, seed, bs=bs)
     q = queries(new, hq, d, torch.bfloat16, seed + 1)
     chunk = seqs.attend(q, [new], threads=2, window=window)
     alone = seqs.attend(q[-1:], [1], threads=2, window=window)
