@@ -363,7 +363,7 @@ inline bool reads_k_in_place(const RowBatch<T, KV>& rb) {
 
 template <int D, typename T, typename KV>
 void load_task_rows(const RowBatch<T, KV>& rb, const Segment* segs, const RowTask& task,
-                    int64_t h, TaskRows& tr) {
+                    int64_t h, TaskRows& tr, bool for_attention = true) {
   constexpr int KW = D * static_cast<int>(sizeof(T)) / 4;  // words per query / key row
   const int64_t g = rb.hq / rb.hk;
   int64_t rows = 0;
@@ -391,7 +391,7 @@ void load_task_rows(const RowBatch<T, KV>& rb, const Segment* segs, const RowTas
   // Queries of small segments transposed once into pairs along D (tile s: [16 pairs][16
   // rows], rows past the segment zero), the operand the in-place step multiplies K rows by.
   tr.qt_at.assign(static_cast<size_t>(task.seg_end - task.seg_begin), -1);
-  if (!reads_k_in_place<D>(rb)) return;
+  if (!for_attention || !reads_k_in_place<D>(rb)) return;  // (planning reads spans only)
   int64_t words = 0;
   for (int64_t si = task.seg_begin; si < task.seg_end; ++si)
     if ((segs[si].t1 - segs[si].t0) * g <= kInPlaceRows) {
@@ -691,7 +691,7 @@ void row_run(const RowBatch<T, KV>& rb, int64_t nseq, const int64_t* groups, int
     TaskRows tr;  // few tasks here: loading each one's rows to read its span is cheap
     for (int64_t i = 0; i < nitems; ++i) {
       const int64_t ti = static_cast<int64_t>(tasks.size()) - 1 - i / rb.hk, h = i % rb.hk;
-      load_task_rows<D, T, KV>(rb, segs.data(), tasks[ti], h, tr);
+      load_task_rows<D, T, KV>(rb, segs.data(), tasks[ti], h, tr, false);
       const int64_t p0 = first_part(tr), p1 = end_part(tr);
       if (p1 - p0 < 2) {
         items.push_back({ti, h, -1});
