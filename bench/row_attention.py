@@ -1,6 +1,6 @@
 """The batch-invariant row attention kernel against the torch path it replaces, per dtype.
 
-The row kernel (``cpu_kernels.row_attention``) is what the engine runs at its default dtype on
+The row kernel (``row_kernels.row_attention``) is what the engine runs at its default dtype on
 every CPU it builds for, fp32 included (the AVX2 build's native 256-bit path). The baseline is
 what ``PREFIXCACHE_CPU_KERNELS=0`` runs for the same step (the torch reference backend's ops):
 
@@ -27,7 +27,7 @@ import math
 import torch
 from row_decode import per_call_ms
 
-from prefixcache.engine.attention import cpu_kernels
+from prefixcache.engine.attention import row_kernels
 from prefixcache.engine.attention.torch_ops import (
     dense_attention,
     merge_states,
@@ -77,7 +77,7 @@ def measure(
     sm = 1.0 / math.sqrt(d)
 
     def row() -> object:
-        return cpu_kernels.row_attention(q, kv, tables, qo, lens, sm)
+        return row_kernels.row_attention(q, kv, tables, qo, lens, sm)
 
     # A prefill's new K/V come from the step itself (contiguous); only cached pages are gathered.
     all_k, all_v = gather(kv, tables.reshape(-1))
@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="calls per timed run")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if (reason := cpu_kernels.row_unavailable_reason()) or cpu_kernels.load_rows() is None:
+    if (reason := row_kernels.row_unavailable_reason()) or row_kernels.load_rows() is None:
         print(f"batch-invariant attention kernel unavailable here: {reason or 'build failed'}")
         if args.json:
             print(json.dumps({"available": False, "cpu": cpu_model_name()}))
@@ -153,7 +153,7 @@ def main() -> None:
                     "available": True,
                     "cpu": cpu_model_name(),
                     "avx512_bf16": native_bf16,
-                    "target": cpu_kernels.row_target(),
+                    "target": row_kernels.row_target(),
                     "threads": args.threads,
                     "rows": rows,
                 }

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from prefixcache.engine.attention import cpu_kernels
+from prefixcache.engine.attention import cpu_kernels, row_kernels
 
 CASES = [(1, 16000, 8, 2), (16, 1100, 9, 3), (32, 4000, 8, 2)]  # (sequences, keys, hq, hk)
 
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if cpu_kernels.load() is None or cpu_kernels.load_rows() is None:
+    if cpu_kernels.load() is None or row_kernels.load_rows() is None:
         raise SystemExit(f"the CPU kernels do not load here: {cpu_kernels.unavailable_reason()}")
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -57,7 +57,7 @@ def main() -> None:
             lambda q=q, kv=kv, t=tables, n=lens: cpu_kernels.paged_decode(q, kv, t, n, 0.125)
         )
         row = per_call_ms(
-            lambda q=q, kv=kv, t=tables, o=qo, n=lens: cpu_kernels.row_attention(
+            lambda q=q, kv=kv, t=tables, o=qo, n=lens: row_kernels.row_attention(
                 q, kv, t, o, n, 0.125
             )
         )

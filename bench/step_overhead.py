@@ -10,7 +10,9 @@ step is compared with the memory floor too (the weights it reads once, over the 
 ``torch.sum`` streams at here).
 
 Prints the medians and ``fixed / real`` (the share of a step that is not arithmetic or
-weight reads) and ``real / floor``.
+weight reads) and ``real / floor``; each with the step replayed (``step/step_replay.py``, the
+default where it applies) and eager (every kernel called from Python), and ``replayed /
+eager``.
 
     .venv/bin/python bench/step_overhead.py [--model smollm2] [--gguf-weights dequantized]
         [--tokens 128] [--rounds 3] [--threads N] [--json]
@@ -112,11 +114,14 @@ def main() -> None:
     twin = skinny_twin(loaded)
     engines = {}
     for name, model in (("real", loaded), ("fixed", twin)):
-        config = EngineConfig(
-            model=args.model, dtype=str(loaded.dtype).removeprefix("torch."), device="cpu",
-            max_model_len=args.tokens + 128, gguf_weights=args.gguf_weights,
-        )  # fmt: skip
-        engines[name] = LLMEngine(config, model)
+        for mode in ("", "eager_"):
+            config = EngineConfig(
+                model=args.model, dtype=str(loaded.dtype).removeprefix("torch."), device="cpu",
+                max_model_len=args.tokens + 128, gguf_weights=args.gguf_weights,
+            )  # fmt: skip
+            engine = engines[mode + name] = LLMEngine(config, model)
+            if mode:
+                engine.runner.replay = None
     prompt = list(range(100, 164))
     medians: dict[str, list[float]] = {name: [] for name in engines}
     for r in progress_iter(range(args.rounds), "rounds"):
@@ -124,6 +129,8 @@ def main() -> None:
             engine.evict_all()
             medians[name].append(statistics.median(step_times(engine, prompt, args.tokens, f"{r}")))
     real, fixed = statistics.median(medians["real"]), statistics.median(medians["fixed"])
+    eager_real = statistics.median(medians["eager_real"])
+    eager_fixed = statistics.median(medians["eager_fixed"])
     gb_s = bandwidth_gb_s(args.gib)
     weights = weight_bytes(engines["real"].runner.model)
     floor = weights / (gb_s * 1e9)
@@ -143,6 +150,11 @@ def main() -> None:
         "floor_ms": round(floor * 1e3, 3),
         "real_over_floor": round(real / floor, 2),
         "tok_s": round(1 / real, 1),
+        "replayed": engines["real"].runner.replay is not None,
+        "replay_off_reason": engines["real"].runner.replay_off_reason,
+        "eager_real_step_ms": round(eager_real * 1e3, 3),
+        "eager_fixed_step_ms": round(eager_fixed * 1e3, 3),
+        "replayed_over_eager": round(real / eager_real, 3),
     }
     if args.json:
         print(json.dumps(result))
@@ -152,6 +164,11 @@ def main() -> None:
         f"decode step, batch 1: real {real * 1e3:.2f} ms ({1 / real:.1f} tok/s), skinny twin "
         f"{fixed * 1e3:.2f} ms ({result['fixed_per_layer_us']} us a layer): fixed / real "
         f"{fixed / real:.2f}"
+    )
+    print(
+        f"eager (every kernel called from Python): real {eager_real * 1e3:.2f} ms, twin "
+        f"{eager_fixed * 1e3:.2f} ms; replayed / eager {real / eager_real:.2f}"
+        + ("" if result["replayed"] else f" (replay off: {result['replay_off_reason']})")
     )
     print(
         f"floor: {weights / 1e6:.0f} MB of weights at {gb_s:.1f} GB/s = {floor * 1e3:.2f} ms; "

@@ -17,7 +17,13 @@ from collections.abc import Callable
 import torch
 from row_decode import per_call_ms
 
-from prefixcache.engine.attention import AttentionMetadata, AttentionShape, SeqSpec, cpu_kernels
+from prefixcache.engine.attention import (
+    AttentionMetadata,
+    AttentionShape,
+    SeqSpec,
+    cpu_kernels,
+    row_kernels,
+)
 from prefixcache.engine.attention.backend import AttentionBackend
 from prefixcache.engine.attention.cpu_backend import CpuKernelBackend
 from prefixcache.engine.attention.split_backend import SplitKernelBackend
@@ -62,7 +68,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     backends: list[tuple[str, Callable[[], AttentionBackend]]] = [("torch", TorchBackend)]
-    if cpu_kernels.load_rows() is not None:
+    if row_kernels.load_rows() is not None:
         backends.insert(0, ("cpu (row kernel)", CpuKernelBackend))
     if cpu_kernels.load() is not None:
         backends.insert(1, ("cpu-split", SplitKernelBackend))

@@ -13,6 +13,8 @@ standard library only, no torch.
   for AVX2 (through SIMDe) even where AVX512_BF16 is present; else each CPU gets its best.
 - ``PREFIXCACHE_CPU_AMX``: ``0`` keeps the bf16 GEMM on AVX512_BF16 where the CPU has AMX
   (whose kernel is the default there); how the two kernels are compared on one machine.
+- ``PREFIXCACHE_STEP_REPLAY``: ``0`` runs every step's kernels one Python call at a time, never
+  as a recorded program (``step/step_replay.py``); how the two are compared.
 - ``CXX``: the C++ compiler that builds those kernels (else ``g++``, else ``c++``).
 """
 
@@ -26,6 +28,7 @@ MODELS_ENV = "PREFIXCACHE_MODELS"
 PROGRESS_ENV = "PREFIXCACHE_PROGRESS"
 CPU_KERNELS_ENV = "PREFIXCACHE_CPU_KERNELS"
 CPU_AMX_ENV = "PREFIXCACHE_CPU_AMX"
+STEP_REPLAY_ENV = "PREFIXCACHE_STEP_REPLAY"
 CXX_ENV = "CXX"
 
 _ON = ("1", "on", "true", "yes")
@@ -72,6 +75,11 @@ def cpu_kernels_forced_avx2() -> bool:
 def cpu_amx_enabled() -> bool:
     """False when ``$PREFIXCACHE_CPU_AMX`` is ``0``/``off``/``false``/``no``."""
     return os.environ.get(CPU_AMX_ENV, "1").strip().lower() not in _OFF
+
+
+def step_replay_enabled() -> bool:
+    """False when ``$PREFIXCACHE_STEP_REPLAY`` is ``0``/``off``/``false``/``no``."""
+    return os.environ.get(STEP_REPLAY_ENV, "1").strip().lower() not in _OFF
 
 
 def compiler_override() -> str | None:

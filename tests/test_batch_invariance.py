@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixcache.engine.attention import cpu_kernels, create_backend
+from prefixcache.engine.attention import create_backend, row_kernels
 from prefixcache.engine.attention.cpu_backend import CpuKernelBackend
 from prefixcache.engine.kernels import cpu_gemm
 from prefixcache.engine.memory.kv_cache import KVCache
@@ -31,8 +31,8 @@ NUM_BLOCKS = 640
 
 pytestmark = [
     pytest.mark.skipif(
-        cpu_kernels.load_rows() is None or not cpu_gemm.available(),
-        reason=f"no batch-invariant CPU kernels here ({cpu_kernels.row_unavailable_reason()})",
+        row_kernels.load_rows() is None or not cpu_gemm.available(),
+        reason=f"no batch-invariant CPU kernels here ({row_kernels.row_unavailable_reason()})",
     ),
     # A hang bound, not a speed bound: emulated bf16 on an AVX2 box beside two busy loops took
     # 212 s for one hypothesis test (68 s quiet), near the suite's 300 s default.

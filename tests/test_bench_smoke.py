@@ -116,7 +116,14 @@ CASES = {
     ),
     "step_overhead.py": (
         ["--model", "demo", "--tokens", "4", "--rounds", "1", "--gib", "0.02"],
-        {"cpu", "real_step_ms", "fixed_step_ms", "fixed_share", "real_over_floor"},
+        {
+            "cpu",
+            "real_step_ms",
+            "fixed_step_ms",
+            "fixed_share",
+            "real_over_floor",
+            "replayed_over_eager",
+        },
     ),
     "sidecar_overhead.py": (
         ["--requests", "3", "--warmup", "1", "--streams", "4", "--stream-tokens", "2"],

@@ -111,9 +111,9 @@ _ROW_CHILD = """
 import sys, torch
 sys.path.insert(0, sys.argv[2])
 from test_cpu_amx import _row_case
-from prefixcache.engine.attention import cpu_kernels
-assert not cpu_kernels.rows_on_amx()
-torch.save(cpu_kernels.row_attention(*_row_case()), sys.argv[1])
+from prefixcache.engine.attention import row_kernels
+assert not row_kernels.rows_on_amx()
+torch.save(row_kernels.row_attention(*_row_case()), sys.argv[1])
 """
 
 
@@ -133,12 +133,12 @@ def _row_case() -> tuple[torch.Tensor, ...]:
 
 
 def test_row_attention_on_amx_agrees_with_the_avx512_step(tmp_path: Path) -> None:
-    from prefixcache.engine.attention import cpu_kernels
+    from prefixcache.engine.attention import row_kernels
 
-    if not cpu_kernels.rows_on_amx():
+    if not row_kernels.rows_on_amx():
         pytest.skip("the row kernel does not run on AMX here")
     case = _row_case()
-    amx = cpu_kernels.row_attention(*case)
+    amx = row_kernels.row_attention(*case)
     saved = tmp_path / "avx512.pt"
     env = {**os.environ, engine_settings.CPU_AMX_ENV: "0"}
     subprocess.run(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from prefixcache.engine import settings
-from prefixcache.engine.attention import cpu_kernels
+from prefixcache.engine.attention import cpu_kernels, row_kernels
 from prefixcache.engine.kernels import cpu_gemm, cpu_layer_ops, cpu_library, cpu_qgemm
 
 AVX512 = "flags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16\n"
@@ -53,7 +53,7 @@ def test_the_bf16_only_libraries_leave_avx2_to_torch(simde: list[bool]) -> None:
     # batch invariance on AVX2; the layer ops and quantized GEMM build there for fp32 only
     for library in (
         cpu_gemm._library,
-        cpu_kernels._row_library,
+        row_kernels._row_library,
         cpu_layer_ops._library,
         cpu_qgemm._library,
     ):

@@ -1,4 +1,4 @@
-"""The row kernel's KV write (``cpu_kernels.write_kv``) puts every token's K and V where
+"""The row kernel's KV write (``row_kernels.write_kv``) puts every token's K and V where
 torch's ``index_copy_`` does, from strided views of a QKV output, and refuses a row outside
 the pages before writing anything."""
 
@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.engine.attention import backend, cpu_kernels
+from prefixcache.engine.attention import backend, row_kernels
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernels.load_rows() is None,
-    reason=f"no row kernel here ({cpu_kernels.row_unavailable_reason()})",
+    row_kernels.load_rows() is None,
+    reason=f"no row kernel here ({row_kernels.row_unavailable_reason()})",
 )
 BS = 16
 
@@ -46,7 +46,7 @@ def test_write_kv_matches_index_copy(
     rows = (places // BS) * (2 * BS) + places % BS
     got = torch.randn(num_blocks, 2, BS, hk, d, generator=gen).to(dtype)
     want = got.clone()
-    assert cpu_kernels.write_kv(got, rows, k, v)
+    assert row_kernels.write_kv(got, rows, k, v)
     torch_write(want, rows, k, v)
     assert torch.equal(got, want)
 
@@ -56,13 +56,13 @@ def test_a_row_outside_the_pages_or_not_a_k_row_is_refused_and_nothing_written()
     k = v = torch.ones(2, 1, 32)
     last_k_row = 2 * 2 * BS - BS  # block 1's V starts here: K rows end one below
     with pytest.raises(ValueError, match="a K row inside the layer's pages"):
-        cpu_kernels.write_kv(kv, torch.tensor([0, last_k_row]), k, v)
+        row_kernels.write_kv(kv, torch.tensor([0, last_k_row]), k, v)
     assert not kv.any()
     with pytest.raises(ValueError, match="a K row inside the layer's pages"):
-        cpu_kernels.write_kv(kv, torch.tensor([0, -1]), k, v)
+        row_kernels.write_kv(kv, torch.tensor([0, -1]), k, v)
     assert not kv.any()
     with pytest.raises(ValueError, match="a K row inside the layer's pages"):
-        cpu_kernels.write_kv(kv, torch.tensor([0, BS]), k, v)  # block 0's first V row
+        row_kernels.write_kv(kv, torch.tensor([0, BS]), k, v)  # block 0's first V row
     assert not kv.any()
 
 
@@ -70,6 +70,6 @@ def test_pages_of_another_dtype_take_torchs_path() -> None:
     """fp8 pages (and k in another dtype) are not the kernel's: backend.write_kv rounds there."""
     kv = torch.zeros(2, 2, BS, 1, 32, dtype=torch.float8_e4m3fn)
     k = v = torch.full((1, 1, 32), 0.3, dtype=torch.bfloat16)
-    assert not cpu_kernels.write_kv(kv, torch.tensor([3]), k, v)
+    assert not row_kernels.write_kv(kv, torch.tensor([3]), k, v)
     backend.write_kv(kv, torch.tensor([3]), k, v)
     assert kv.view(-1, 1, 32)[3].float().eq(k.float().to(torch.float8_e4m3fn).float()).all()

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.engine.attention import cpu_kernels
-from prefixcache.engine.kernels import cpu_gemm, cpu_layer_ops, cpu_library, cpu_qgemm
+from prefixcache.engine.attention import cpu_kernels, row_kernels
+from prefixcache.engine.kernels import cpu_gemm, cpu_layer_ops, cpu_library, cpu_qgemm, cpu_replay
 
 # C parameter type (without const and the name) -> the ctypes type it must be declared as.
 C_TO_CTYPES = {
@@ -80,11 +80,12 @@ def native_only_names(source: Path) -> set[str]:
 def library_cases() -> list[tuple[str, Path, cpu_library.CpuLibrary]]:
     return [
         ("attention", cpu_kernels.SOURCE, cpu_kernels._library),
-        ("row attention", cpu_kernels.ROW_SOURCE, cpu_kernels._row_library),
+        ("row attention", cpu_kernels.ROW_SOURCE, row_kernels._row_library),
         ("gemm", cpu_gemm.SOURCE, cpu_gemm._library),
         ("gemm on amx", cpu_gemm.AMX_SOURCE, cpu_gemm._amx_library),
         ("layer ops", cpu_layer_ops.SOURCE, cpu_layer_ops._library),
         ("quantized gemm", cpu_qgemm.SOURCE, cpu_qgemm._library),
+        ("replay", cpu_replay.SOURCE, cpu_replay._library),
     ]
 
 

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.engine.attention import cpu_kernels, kv_dtype
+from prefixcache.engine.attention import kv_dtype, row_kernels
 from prefixcache.engine.attention.backend import AttentionShape
 from prefixcache.engine.attention.metadata import AttentionMetadata, SeqSpec
 from prefixcache.engine.attention.torch_backend import TorchBackend
@@ -142,8 +142,8 @@ def test_the_torch_reference_reads_fp8_pages_as_dense_attention_over_rounded_kv(
 # differs in its last fp32 bit between two GEMM shapes can round to the neighbouring fp8 value
 # (6 % away), so fp8 amplifies that backend's noise and there is nothing exact to compare.
 @pytest.mark.skipif(
-    cpu_kernels.load_rows() is None or not cpu_gemm.available(),
-    reason=f"no batch-invariant CPU kernels here ({cpu_kernels.row_unavailable_reason()})",
+    row_kernels.load_rows() is None or not cpu_gemm.available(),
+    reason=f"no batch-invariant CPU kernels here ({row_kernels.row_unavailable_reason()})",
 )
 @settings(max_examples=5, deadline=None)
 @given(
@@ -194,7 +194,7 @@ def test_cache_files_keep_fp8_pages_and_refuse_another_dtype(loaded, tmp_path: P
             engine_for(loaded, kv, num_blocks=64).load_pinned(path)
 
 
-@pytest.mark.skipif(cpu_kernels.load_rows() is None, reason="no AVX512_BF16 kernels here")
+@pytest.mark.skipif(row_kernels.load_rows() is None, reason="no AVX512_BF16 kernels here")
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("window", [0, 40])
@@ -210,5 +210,5 @@ def test_the_row_kernel_reads_fp8_pages_as_the_same_values_widened(
     qo = torch.tensor([0, 70, 71], dtype=torch.int64)  # a prefill chunk and a decode
     q = torch.randn(71, hq, d).to(compute)
     args = (tables, qo, kv_lens, d**-0.5, None, window)
-    got = cpu_kernels.row_attention(q, layer, *args)
-    assert torch.equal(got, cpu_kernels.row_attention(q, wide, *args))
+    got = row_kernels.row_attention(q, layer, *args)
+    assert torch.equal(got, row_kernels.row_attention(q, wide, *args))

@@ -13,11 +13,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixcache.engine.attention import cpu_kernels
+from prefixcache.engine.attention import row_kernels
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernels.load_rows() is None,
-    reason=f"no batch-invariant CPU kernel here ({cpu_kernels.row_unavailable_reason()})",
+    row_kernels.load_rows() is None,
+    reason=f"no batch-invariant CPU kernel here ({row_kernels.row_unavailable_reason()})",
 )
 
 BS = 16
@@ -58,7 +58,7 @@ class Sequences:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return cpu_kernels.row_attention(
+            return row_kernels.row_attention(
                 q, self.kv, self.tables, qo, kv_lens, scale, groups=groups, window=window
             )
         finally:

@@ -30,6 +30,7 @@ from prefixcache.engine.attention import (
     AttentionShape,
     SeqSpec,
     cpu_kernels,
+    row_kernels,
 )
 from prefixcache.engine.attention.cpu_backend import CpuKernelBackend
 from prefixcache.engine.attention.flashinfer_backend import FlashInferBackend
@@ -50,7 +51,7 @@ BACKENDS: dict[str, tuple[Callable[[], AttentionBackend], tuple[torch.dtype, ...
     "cpu-rows": (
         CpuKernelBackend,
         (torch.bfloat16, torch.float32),
-        cpu_kernels.load_rows() is not None,
+        row_kernels.load_rows() is not None,
     ),
     "cpu-split": (SplitKernelBackend, (torch.bfloat16,), cpu_kernels.load() is not None),
     "flashinfer-standin": (_flashinfer, (torch.bfloat16, torch.float32), True),

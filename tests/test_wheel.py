@@ -124,13 +124,14 @@ def test_the_wheel_holds_every_tracked_file(built: Built) -> None:
 PROBE = """
 import importlib.resources, json, sys
 import prefixcache.engine
-from prefixcache.engine.kernels import cpu_gemm, cpu_layer_ops, cpu_qgemm
-from prefixcache.engine.attention import cpu_kernels
+from prefixcache.engine.kernels import cpu_gemm, cpu_layer_ops, cpu_qgemm, cpu_replay
+from prefixcache.engine.attention import cpu_kernels, row_kernels
 cpps = json.loads(sys.argv[1])
 libraries = {
     "layer ops": cpu_layer_ops._library, "attention": cpu_kernels._library,
-    "row attention": cpu_kernels._row_library, "gemm": cpu_gemm._library,
+    "row attention": row_kernels._row_library, "gemm": cpu_gemm._library,
     "quantized gemm": cpu_qgemm._library, "gemm on amx": cpu_gemm._amx_library,
+    "replay": cpu_replay._library,
 }
 report = {
     "engine_file": prefixcache.engine.__file__,
@@ -172,7 +173,7 @@ def test_the_installed_wheel_loads_every_kernel_library(probe: dict[str, object]
     """Each library that can run on this machine builds and loads from the installed wheel
     (its sources and the headers they include, the AVX2 build's shim among them)."""
     libraries = probe["libraries"]
-    assert isinstance(libraries, dict) and len(libraries) == 6
+    assert isinstance(libraries, dict) and len(libraries) == 7
     runnable = {name: lib for name, lib in libraries.items() if lib["reason"] is None}
     if not runnable:
         reasons = sorted({lib["reason"] for lib in libraries.values()})

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_kernels
+from . import row_kernels
 from .kv_dtype import to_kv
 from .metadata import AttentionMetadata
 
@@ -65,7 +65,7 @@ def write_rows(meta: AttentionMetadata) -> torch.Tensor:
 def write_kv(kv_layer: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Write the step's new K/V ``[T, Hk, D]`` into the layer's pages at ``write_rows()``
     (rounded to fp8 there when the pages hold fp8)."""
-    if cpu_kernels.write_kv(kv_layer, rows, k, v):  # one call, no index tensors (CPU pages)
+    if row_kernels.write_kv(kv_layer, rows, k, v):  # one call, no index tensors (CPU pages)
         return
     num_blocks, _, bs, hk, d = kv_layer.shape
     k, v = to_kv(k, kv_layer.dtype), to_kv(v, kv_layer.dtype)

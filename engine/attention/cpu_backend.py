@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_kernels
+from ..kernels.cpu_replay import KernelCall
+from . import cpu_kernels, row_kernels
 from .backend import AttentionBackend, AttentionShape, write_kv, write_rows
 from .kv_dtype import is_fp8
 from .metadata import AttentionMetadata
@@ -31,7 +32,7 @@ class CpuKernelBackend(AttentionBackend):
         self._reference: TorchBackend | None = None  # set by prepare() for shapes we lack
         self._write_rows = torch.empty(0, dtype=torch.int64)
         self._scale = 1.0
-        self._rows = cpu_kernels.plan_rows(  # the step's tables, set by plan()
+        self._rows = row_kernels.plan_rows(  # the step's tables, set by plan()
             torch.empty(0, 0, dtype=torch.int32),
             torch.zeros(1, dtype=torch.int64),
             torch.empty(0, dtype=torch.int64),
@@ -44,7 +45,7 @@ class CpuKernelBackend(AttentionBackend):
             and shape.dtype in cpu_kernels.ROW_DTYPES
             and (shape.page_dtype == shape.dtype or is_fp8(shape.page_dtype))
             and shape.head_dim in cpu_kernels.HEAD_DIMS
-            and cpu_kernels.load_rows() is not None
+            and row_kernels.load_rows() is not None
         )
 
     @property
@@ -53,6 +54,7 @@ class CpuKernelBackend(AttentionBackend):
         return self._reference is None
 
     def prepare(self, shape: AttentionShape, device: torch.device) -> None:
+        self._scale = shape.scale
         if not self.supports(shape, device):
             self._reference = TorchBackend()
             self._reference.prepare(shape, device)
@@ -73,7 +75,7 @@ class CpuKernelBackend(AttentionBackend):
             [*meta.prefill_groups, *meta.cascade_groups], key=lambda g: g.begin
         )  # disjoint: prefill groups hold prefills, cascade groups decodes
         self._scale = shape.scale
-        self._rows = cpu_kernels.plan_rows(
+        self._rows = row_kernels.plan_rows(
             tables,
             meta.qo_indptr.long(),
             torch.tensor([s.kv_len for s in meta.seqs], dtype=torch.int64),
@@ -83,6 +85,29 @@ class CpuKernelBackend(AttentionBackend):
             meta.window,  # no groups then (AttentionMetadata.build)
         )
 
+    def record_layer(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        out: torch.Tensor,
+    ) -> list[KernelCall] | None:
+        """``forward``'s kernel calls into ``out``, their per-step values left to the registers
+        ``step_registers()`` fills, for a recorded step; None where this
+        backend cannot (it fell back, or the pages are not in q's dtype)."""
+        if self._reference is not None:
+            return None
+        write = row_kernels.write_kv_call(kv_layer, row_kernels.WRITE_ROWS_REG, k, v)
+        if write is None:
+            return None
+        attend = row_kernels.attend_call(row_kernels.ROW_PLAN_REGS, q, kv_layer, out, self._scale)
+        return [write, attend]
+
+    def step_registers(self) -> tuple[int, ...]:
+        """The registers of the calls ``record_layer`` made, for the step ``plan()`` planned."""
+        return (*self._rows.registers(), self._write_rows.data_ptr())
+
     @torch.inference_mode()
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
@@ -90,4 +115,4 @@ class CpuKernelBackend(AttentionBackend):
         if self._reference is not None:
             return self._reference.forward(q, k, v, kv_layer)
         write_kv(kv_layer, self._write_rows, k, v)
-        return cpu_kernels.attend_rows(self._rows, q, kv_layer, self._scale)
+        return row_kernels.attend_rows(self._rows, q, kv_layer, self._scale)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_library
+from . import cpu_library, cpu_replay
 
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 AMX_SOURCE = Path(__file__).with_name("cpu_gemm_amx.cpp")
@@ -145,14 +145,26 @@ class PackedLinear:
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
         self._what = f"PackedLinear({self.in_features} -> {self.out_features}, {self.dtype})"
 
+    def call(self, x2: torch.Tensor, out: torch.Tensor) -> cpu_replay.KernelCall:
+        """The kernel's call for ``x2`` ``[M, K]`` (``cpu_library.gemm_rows``) into ``out``
+        ``[M, N]`` (``out_dtype``, the last axis contiguous)."""
+        m, n = x2.shape[0], self.out_features
+        cpu_library.require(
+            out.shape == (m, n) and out.stride(1) == 1 and out.dtype == self.out_dtype,
+            "out [M, N] of the kernel's out dtype, the last axis contiguous",
+        )
+        kind = cpu_replay.GEMM_BF16 if self._f32_out else cpu_replay.GEMM_F32
+        return cpu_replay.KernelCall(
+            kind, self._fn,
+            (x2.data_ptr(), x2.stride(0), m, self._packed_ptr, n, self.in_features,
+             self._bias_ptr, out.data_ptr(), out.stride(0), *self._f32_out,
+             torch.get_num_threads()),
+        )  # fmt: skip
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        k, n = self.in_features, self.out_features
-        x2 = cpu_library.gemm_rows(x, (self.dtype,), k, self._what)
-        m = x2.shape[0]
-        out = torch.empty(m, n, dtype=self.out_dtype)
-        if m:
-            self._fn(
-                x2.data_ptr(), x2.stride(0), m, self._packed_ptr, n, k, self._bias_ptr,
-                out.data_ptr(), n, *self._f32_out, torch.get_num_threads(),
-            )  # fmt: skip
+        n = self.out_features
+        x2 = cpu_library.gemm_rows(x, (self.dtype,), self.in_features, self._what)
+        out = torch.empty(x2.shape[0], n, dtype=self.out_dtype)
+        if x2.shape[0]:
+            self.call(x2, out)()
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

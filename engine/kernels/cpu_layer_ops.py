@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_library
+from . import cpu_library, cpu_replay
 
 SOURCE = Path(__file__).with_name("cpu_layer_ops.cpp")
 
@@ -100,20 +100,45 @@ def _require_same_dtype(*tensors: torch.Tensor) -> None:
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * RMSNorm(x)`` over the last axis of ``x`` ``[T, H]`` (bf16 or fp32, rows strided,
-    the last axis contiguous); a new ``[T, H]`` tensor."""
+def norm_call(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    residual: torch.Tensor | None = None,
+) -> cpu_replay.KernelCall:
+    """``out = weight * RMSNorm(x)`` over the last axis of ``x`` ``[T, H]`` (bf16 or fp32, rows
+    strided, the last axis contiguous); with ``residual`` (``x`` and it contiguous),
+    ``residual += x`` first and the norm of that sum."""
     rows, cols = x.shape
     cpu_library.require(
         x.stride(1) == 1 and weight.is_contiguous() and weight.shape == (cols,),
         "x.stride(1) == 1 and weight.is_contiguous() and weight.shape == (cols,)",
     )
-    _require_same_dtype(x, weight)
-    out = torch.empty(rows, cols, dtype=x.dtype)
-    _entry("rms_norm", x)(
-        x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(),
-        out.data_ptr(), cols, rows, cols, eps, torch.get_num_threads(),
+    cpu_library.require(
+        out.shape == x.shape and out.stride(1) == 1, "out.shape == x.shape and out.stride(1) == 1"
+    )
+    res_ptr, res_stride = None, 0
+    if residual is not None:
+        cpu_library.require(
+            x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape,
+            "x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape",
+        )
+        _require_same_dtype(x, residual)
+        res_ptr, res_stride = residual.data_ptr(), residual.stride(0)
+    _require_same_dtype(x, weight, out)
+    return cpu_replay.KernelCall(
+        cpu_replay.NORM,
+        _entry("rms_norm", x),
+        (x.data_ptr(), x.stride(0), res_ptr, res_stride, weight.data_ptr(), out.data_ptr(),
+         out.stride(0), rows, cols, eps, torch.get_num_threads()),
     )  # fmt: skip
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``norm_call`` into a new ``[T, H]`` tensor."""
+    out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype)
+    norm_call(x, weight, eps, out)()
     return out
 
 
@@ -122,20 +147,7 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual += x``, then ``x = weight * RMSNorm(residual)``, both in place
     (``x`` and ``residual`` ``[T, H]`` contiguous, bf16 or fp32). Returns ``(x, residual)``."""
-    rows, cols = x.shape
-    cpu_library.require(
-        x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape,
-        "x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape",
-    )
-    cpu_library.require(
-        weight.is_contiguous() and weight.shape == (cols,),
-        "weight.is_contiguous() and weight.shape == (cols,)",
-    )
-    _require_same_dtype(x, residual, weight)
-    _entry("rms_norm", x)(
-        x.data_ptr(), cols, residual.data_ptr(), cols, weight.data_ptr(),
-        x.data_ptr(), cols, rows, cols, eps, torch.get_num_threads(),
-    )  # fmt: skip
+    norm_call(x, weight, eps, x, residual)()
     return x, residual
 
 
@@ -146,17 +158,48 @@ def _require_scale(scale: torch.Tensor, cols: int) -> None:
     )
 
 
+def gemma_norms_call(
+    h: torch.Tensor,
+    residual: torch.Tensor | None,
+    post: torch.Tensor | None,
+    pre: torch.Tensor,
+    out: torch.Tensor,
+    eps: float,
+) -> cpu_replay.KernelCall:
+    """Gemma's RMSNorm entry (``h``, ``residual``, ``out`` ``[T, H]`` contiguous, bf16 or fp32;
+    scales fp32 ``1 + weight``): ``out = norm(h, pre)``, or with ``residual`` and ``post``
+    ``residual += norm(h, post)`` (in place) first and ``out = norm(residual, pre)``."""
+    rows, cols = h.shape
+    cpu_library.require(
+        h.is_contiguous() and out.is_contiguous() and out.shape == h.shape,
+        "h.is_contiguous() and out.is_contiguous() and out.shape == h.shape",
+    )
+    _require_scale(pre, cols)
+    _require_same_dtype(h, out)
+    if residual is not None or post is not None:
+        cpu_library.require(
+            residual is not None and post is not None, "a residual and its post-norm together"
+        )
+        cpu_library.require(
+            residual.is_contiguous() and residual.shape == h.shape,  # type: ignore[union-attr]
+            "residual.is_contiguous() and residual.shape == h.shape",
+        )
+        _require_scale(post, cols)  # type: ignore[arg-type]
+        _require_same_dtype(h, residual)  # type: ignore[arg-type]
+    return cpu_replay.KernelCall(
+        cpu_replay.GEMMA_NORMS,
+        _entry("gemma_norms", h),
+        (h.data_ptr(), None if residual is None else residual.data_ptr(),
+         None if post is None else post.data_ptr(), pre.data_ptr(), out.data_ptr(), rows, cols,
+         eps, torch.get_num_threads()),
+    )  # fmt: skip
+
+
 def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm, ``x / rms(x) * scale`` in fp32 over ``x`` ``[T, H]`` (bf16 or fp32,
     contiguous), ``scale = 1 + weight`` (fp32 ``[H]``); a new ``[T, H]`` tensor."""
-    rows, cols = x.shape
-    cpu_library.require(x.is_contiguous(), "x.is_contiguous()")
-    _require_scale(scale, cols)
-    out = torch.empty(rows, cols, dtype=x.dtype)
-    _entry("gemma_norms", x)(
-        x.data_ptr(), None, None, scale.data_ptr(), out.data_ptr(), rows, cols, eps,
-        torch.get_num_threads(),
-    )  # fmt: skip
+    out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype)
+    gemma_norms_call(x, None, None, scale, out, eps)()
     return out
 
 
@@ -167,35 +210,20 @@ def gemma_add_norms(
     (in place), then ``norm(residual, pre)``, a new tensor (``h``, ``residual``
     ``[T, H]`` contiguous, bf16 or fp32; ``post``, ``pre`` fp32 ``1 + weight``). Returns
     ``(normed, residual)``."""
-    rows, cols = h.shape
-    cpu_library.require(
-        h.is_contiguous() and residual.is_contiguous() and residual.shape == h.shape,
-        "h.is_contiguous() and residual.is_contiguous() and residual.shape == h.shape",
-    )
-    _require_scale(post, cols)
-    _require_scale(pre, cols)
-    _require_same_dtype(h, residual)
-    out = torch.empty(rows, cols, dtype=h.dtype)
-    _entry("gemma_norms", h)(
-        h.data_ptr(), residual.data_ptr(), post.data_ptr(), pre.data_ptr(), out.data_ptr(),
-        rows, cols, eps, torch.get_num_threads(),
-    )  # fmt: skip
+    out = torch.empty(h.shape[0], h.shape[1], dtype=h.dtype)
+    gemma_norms_call(h, residual, post, pre, out, eps)()
     return out, residual
 
 
-def rotary_(
+def rotary_call(
     q: torch.Tensor,
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     gemma_norms: bool = False,
-) -> None:
-    """Rotate-half RoPE in place on ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` (bf16 or
-    fp32, strided, the last axis contiguous) with ``cos``/``sin`` ``[T, 1, D/2]`` (the same).
-    ``qk_norm`` (q weight ``[D]``, k weight ``[D]``, eps): a per-head RMSNorm of q and k
-    first, in the same pass: Qwen3's (weights in q's dtype), or with ``gemma_norms`` Gemma's (fp32
-    scales ``1 + weight``, as ``gemma_rms_norm``)."""
+) -> cpu_replay.KernelCall:
+    """``rotary_``'s entry (it returns nonzero for an odd head dim)."""
     t, hq, d = q.shape
     hk = k.shape[1]
     cpu_library.require(
@@ -224,19 +252,36 @@ def rotary_(
         )
         q_w, k_w = q_weight.data_ptr(), k_weight.data_ptr()
     _require_same_dtype(q, k, cos, sin)
-    rc = _entry("rotary", q)(
-        q.data_ptr(), q.stride(0), q.stride(1), hq,
-        k.data_ptr(), k.stride(0), k.stride(1), hk,
-        cos.data_ptr(), sin.data_ptr(), cos.stride(0), t, d,
-        q_w, k_w, eps, eps, int(gemma_norms), torch.get_num_threads(),
+    return cpu_replay.KernelCall(
+        cpu_replay.ROTARY,
+        _entry("rotary", q),
+        (q.data_ptr(), q.stride(0), q.stride(1), hq,
+         k.data_ptr(), k.stride(0), k.stride(1), hk,
+         cos.data_ptr(), sin.data_ptr(), cos.stride(0), t, d,
+         q_w, k_w, eps, eps, int(gemma_norms), torch.get_num_threads()),
     )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"rotary needs an even head dim, not {d}")
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up`` ``[T, 2I]`` (bf16, gate then up, rows strided, the
-    last axis contiguous); a new ``[T, I]`` tensor."""
+def rotary_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    gemma_norms: bool = False,
+) -> None:
+    """Rotate-half RoPE in place on ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` (bf16 or
+    fp32, strided, the last axis contiguous) with ``cos``/``sin`` ``[T, 1, D/2]`` (the same).
+    ``qk_norm`` (q weight ``[D]``, k weight ``[D]``, eps): a per-head RMSNorm of q and k
+    first, in the same pass: Qwen3's (weights in q's dtype), or with ``gemma_norms`` Gemma's (fp32
+    scales ``1 + weight``, as ``gemma_rms_norm``)."""
+    if rotary_call(q, k, cos, sin, qk_norm, gemma_norms)() != 0:
+        raise ValueError(f"rotary needs an even head dim, not {q.shape[2]}")
+
+
+def silu_call(gate_up: torch.Tensor, out: torch.Tensor) -> cpu_replay.KernelCall:
+    """``out = silu(gate) * up`` for ``gate_up`` ``[T, 2I]`` (bf16, gate then up, rows strided,
+    the last axis contiguous) into ``out`` ``[T, I]`` (bf16, the last axis contiguous)."""
     rows, width = gate_up.shape
     inter = width // 2
     cpu_library.require(
@@ -244,9 +289,20 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         "gate_up.stride(1) == 1 and width == 2 * inter",
     )
     cpu_library.require(computes_silu_and_mul(gate_up.dtype), "silu_and_mul computes bf16 only")
-    out = torch.empty(rows, inter, dtype=torch.bfloat16)
-    _lib().pc_silu_and_mul_bf16(
-        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, rows, inter,
-        torch.get_num_threads(),
+    cpu_library.require(
+        out.shape == (rows, inter) and out.stride(1) == 1 and out.dtype == torch.bfloat16,
+        "out bf16 [T, I], the last axis contiguous",
+    )
+    return cpu_replay.KernelCall(
+        cpu_replay.SILU,
+        _lib().pc_silu_and_mul_bf16,
+        (gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, inter,
+         torch.get_num_threads()),
     )  # fmt: skip
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` ``[T, 2I]`` (``silu_call``); a new ``[T, I]`` tensor."""
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.bfloat16)
+    silu_call(gate_up, out)()
     return out

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import cpu_library
+from . import cpu_library, cpu_replay
 
 SOURCE = Path(__file__).with_name("cpu_qgemm.cpp")
 BLOCK = 32  # k per scale
@@ -161,18 +161,27 @@ class QuantizedLinear:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         cpu_library.require(self.bias is None or self.bias.numel() == weight.n, "bias of n")
 
+    def call(self, x2: torch.Tensor, out: torch.Tensor) -> cpu_replay.KernelCall:
+        """The kernel's call for ``x2`` ``[M, K]`` (``cpu_library.gemm_rows``) into ``out``
+        ``[M, N]`` (x's dtype, the last axis contiguous)."""
+        m, n, w = x2.shape[0], self.out_features, self.weight
+        cpu_library.require(
+            out.shape == (m, n) and out.stride(1) == 1 and out.dtype == x2.dtype,
+            "out [M, N] of x's dtype, the last axis contiguous",
+        )
+        return cpu_replay.KernelCall(
+            cpu_replay.QGEMM, _entry("", x2.dtype),
+            (x2.data_ptr(), x2.stride(0), m, w.packed.data_ptr(), w.n, w.k,
+             _FORMAT_CODES[w.fmt], None if self.bias is None else self.bias.data_ptr(),
+             out.data_ptr(), out.stride(0), torch.get_num_threads()),
+        )  # fmt: skip
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        k, n, dtype = self.in_features, self.out_features, x.dtype
-        x2 = cpu_library.gemm_rows(x, _DTYPES, k, self._what)
-        m = x2.shape[0]
-        out = torch.empty(m, n, dtype=dtype)
-        if m:
-            w = self.weight
-            _entry("", dtype)(
-                x2.data_ptr(), x2.stride(0), m, w.packed.data_ptr(), w.n, w.k,
-                _FORMAT_CODES[w.fmt], None if self.bias is None else self.bias.data_ptr(),
-                out.data_ptr(), n, torch.get_num_threads(),
-            )  # fmt: skip
+        n = self.out_features
+        x2 = cpu_library.gemm_rows(x, _DTYPES, self.in_features, self._what)
+        out = torch.empty(x2.shape[0], n, dtype=x.dtype)
+        if x2.shape[0]:
+            self.call(x2, out)()
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
     def gather(self, ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

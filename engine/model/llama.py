@@ -115,7 +115,7 @@ class Attention(nn.Module):
         self.qkv = fused_projection((self.q_proj, self.k_proj, self.v_proj), batch_invariant)
         self.out = fused_projection((self.o_proj,), batch_invariant)
 
-    def _qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    def qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         if self.q_norm is None or self.k_norm is None:
             return None
         return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
@@ -134,7 +134,7 @@ class Attention(nn.Module):
         qkv = self.qkv(x)
         q, k, v = qkv.view(t, hq + 2 * hk, d).split((hq, hk, hk), dim=1)  # views, one op
         cos, sin = rotation  # applied before K is written to the cache
-        q, k = self.ops.rotary(q, k, cos, sin, self._qk_norms())
+        q, k = self.ops.rotary(q, k, cos, sin, self.qk_norms())
         o = attend(self.layer_idx, q, k, v).reshape(t, hq * d)
         if rows is not None:
             if rows.numel() == 0:

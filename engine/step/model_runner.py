@@ -15,9 +15,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention import AttentionBackend, AttentionMetadata, AttentionShape, SeqSpec, kv_dtype
+from ..attention.cpu_backend import CpuKernelBackend
 from ..attention.metadata import find_prefill_groups, plan_step_order
 from ..memory.kv_cache import KVCache
 from ..model.loader import LoadedModel
+from . import step_replay
+from .step_replay import StepReplay
 
 if TYPE_CHECKING:
     from ..memory.block_types import BlockTable
@@ -96,6 +99,11 @@ class ModelRunner:
         ):
             raise ValueError("KV cache spec does not match the model (layers, kv heads, head dim)")
         self.on_plan = on_plan
+        self.replay: StepReplay | None = None
+        self.replay_off_reason = step_replay.unsupported_reason(self.model, backend, spec.dtype)
+        if self.replay_off_reason is None and not kv_cache.local_layers:
+            assert isinstance(backend, CpuKernelBackend)  # unsupported_reason checked it
+            self.replay = StepReplay(self.model, backend, kv_cache.layers)  # type: ignore[arg-type]
         self.window = 0
         self.local_backend = local_backend
         self._layer_backends = [backend] * cfg.num_layers
@@ -156,7 +164,12 @@ class ModelRunner:
         rows = [row_of[i] for i, e in enumerate(batch) if e.compute_logits]
         index = torch.tensor(rows, dtype=torch.int64, device=self.device)
         every_row = len(rows) == len(ids) and rows == sorted(rows)  # a decode-only step
-        hidden = self.model(input_ids, meta.positions, attend, None if every_row else index)
+        if self.replay is not None and len(ids) <= self.replay.max_tokens:
+            hidden = self.replay.forward(input_ids, meta.positions)
+            if not every_row:
+                hidden = hidden.index_select(0, index)
+        else:
+            hidden = self.model(input_ids, meta.positions, attend, None if every_row else index)
         if not rows:
             return torch.empty(0, self.loaded.config.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden)

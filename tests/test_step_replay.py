@@ -1,0 +1,194 @@
+"""A replayed step (``step/step_replay.py``) gives every logit and every K/V byte of the eager
+step, bit for bit: over random schedules of prefill chunks, decodes and shared prefixes
+(hypothesis), for Llama, Qwen2 (biases), Qwen3 (q/k norms) and GGUF-quantized weights; and
+it stays off, with a reason, wherever one of its kernels is not the one that would run."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixcache.engine.attention import create_backend
+from prefixcache.engine.kernels import cpu_layer_ops, cpu_replay
+from prefixcache.engine.memory.kv_cache import KVCache
+from prefixcache.engine.model.loader import LoadedModel, load_model
+from prefixcache.engine.model.registry import causal_lm_class
+from prefixcache.engine.step import step_replay
+from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
+
+BLOCK = 16
+REASON = cpu_layer_ops.unavailable_reason()
+if REASON is None and not cpu_layer_ops.computes_silu_and_mul(torch.bfloat16):
+    REASON = "bf16 layer ops need AVX512_BF16"
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"step replay: {REASON}")
+
+
+@pytest.fixture(scope="module")
+def demo_bf16() -> LoadedModel:
+    return load_model("demo", dtype="bfloat16", device="cpu")
+
+
+def variant(loaded: LoadedModel, model_type: str) -> LoadedModel:
+    """The demo's shape as ``model_type`` (qwen2: q/k/v biases; qwen3: q/k norms), random
+    weights."""
+    config = dataclasses.replace(
+        loaded.config, model_type=model_type, attention_bias=model_type == "qwen2"
+    )
+    torch.manual_seed(1)
+    model = causal_lm_class(config)(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    return dataclasses.replace(loaded, model=model, config=config, fingerprint=model_type)
+
+
+def runner_pair(loaded: LoadedModel, blocks: int = 48) -> tuple[ModelRunner, ModelRunner]:
+    """Two runners on one model: the eager one (replay dropped) and the replaying one."""
+    runners = []
+    for _ in range(2):
+        cache = KVCache(loaded.kv_cache_spec(BLOCK), blocks)
+        runners.append(ModelRunner(loaded, cache, create_backend("auto", "cpu")))
+    eager, replayed = runners
+    assert replayed.replay is not None, replayed.replay_off_reason
+    eager.replay = None
+    return eager, replayed
+
+
+def schedule(seed: int, vocab: int, blocks: int) -> list[list[BatchEntry]]:
+    """Steps of prefill chunks and decodes for 1-4 sequences, the second reusing the first's
+    leading full pages where it can (so cascade groups form), some steps over 64 tokens (the
+    replaying runner takes the eager path there)."""
+    rng = random.Random(seed)
+    nseq = rng.randint(1, 4)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 70))] for _ in range(nseq)]
+    tables, next_block = [], 1
+    shared = 0
+    for i, prompt in enumerate(prompts):
+        need = -(-(len(prompt) + 8) // BLOCK)
+        if i == 1 and len(prompts[0]) >= BLOCK and rng.random() < 0.6:
+            shared = rng.randint(1, len(prompts[0]) // BLOCK)
+            prompt[: shared * BLOCK] = prompts[0][: shared * BLOCK]
+            tables.append(tables[0][:shared] + list(range(next_block, next_block + need)))
+            next_block += need
+            continue
+        tables.append(list(range(next_block, next_block + need)))
+        next_block += need
+    assert next_block <= blocks
+    done = [shared * BLOCK if i == 1 else 0 for i in range(nseq)]
+    decodes = [rng.randint(0, 6) for _ in range(nseq)]
+    steps: list[list[BatchEntry]] = []
+    while any(d < len(p) for d, p in zip(done, prompts, strict=True)) or any(decodes):
+        step = []
+        for i, prompt in enumerate(prompts):
+            if i == 1 and shared and done[0] < len(prompts[0]):
+                continue  # the shared pages are written first
+            if done[i] < len(prompt):
+                n = rng.randint(1, len(prompt) - done[i])
+                tokens = prompt[done[i] : done[i] + n]
+            elif decodes[i]:
+                decodes[i] -= 1
+                tokens = [rng.randrange(3, vocab)]
+                prompt.append(tokens[0])
+            else:
+                continue
+            end = done[i] + len(tokens)
+            step.append(BatchEntry(tokens, done[i], tables[i], compute_logits=end == len(prompt)))
+            done[i] = end
+        if step:
+            steps.append(step)
+    return steps
+
+
+def assert_same(loaded: LoadedModel, steps: list[list[BatchEntry]], blocks: int = 48) -> int:
+    """Run ``steps`` eagerly and replayed: equal logits every step, equal pages at the end.
+    Returns how many steps replayed."""
+    eager, replayed = runner_pair(loaded, blocks)
+    replayed_steps = 0
+    for step in steps:
+        a, b = eager.execute(step), replayed.execute(step)
+        assert torch.equal(a, b), [len(e.token_ids) for e in step]
+        replayed_steps += sum(len(e.token_ids) for e in step) <= step_replay.MAX_TOKENS
+    for x, y in zip(eager.kv_cache.layers, replayed.kv_cache.layers, strict=True):
+        assert torch.equal(x, y)
+    return replayed_steps
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_replayed_steps_equal_eager_ones(demo_bf16: LoadedModel, seed: int) -> None:
+    steps = schedule(seed, demo_bf16.config.vocab_size, 48)
+    assert_same(demo_bf16, steps)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_biases_and_qk_norms_replay_exactly(demo_bf16: LoadedModel, model_type: str) -> None:
+    loaded = variant(demo_bf16, model_type)
+    steps = schedule(7, loaded.config.vocab_size, 48) + schedule(11, loaded.config.vocab_size, 48)
+    assert assert_same(loaded, steps[: len(steps) // 2]) > 0
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_quantized_weights_replay_exactly(tmp_path: Path, qtype: str) -> None:
+    test_gguf = pytest.importorskip("test_gguf")
+    folder = tmp_path / qtype
+    folder.mkdir()
+    model = test_gguf.random_checkpoint(folder, len(test_gguf.demo_vocab()[0]), tied=True)
+    path = folder / "tiny.gguf"
+    test_gguf.write_gguf(path, model, getattr(test_gguf.Q, qtype))
+    loaded = load_model(str(path), dtype="bfloat16", device="cpu", gguf_weights="quantized")
+    assert assert_same(loaded, schedule(3, loaded.config.vocab_size, 48)) > 0
+
+
+def test_programs_are_recorded_per_token_and_thread_count(demo_bf16: LoadedModel) -> None:
+    eager, replayed = runner_pair(demo_bf16)
+    threads = torch.get_num_threads()
+    steps = [
+        [BatchEntry([5, 6, 7], 0, [1])],
+        [BatchEntry([8], 3, [1])],
+        [BatchEntry([9], 4, [1])],  # the 1-token program again
+        [BatchEntry([10, 11], 5, [1])],  # on one thread
+    ]
+    try:
+        for i, step in enumerate(steps):
+            torch.set_num_threads(1 if i == 3 else threads)
+            assert torch.equal(eager.execute(step), replayed.execute(step))
+    finally:
+        torch.set_num_threads(threads)
+    assert replayed.replay is not None
+    assert set(replayed.replay._programs) == {(3, threads), (1, threads), (2, 1)}
+
+
+def test_replay_stays_off_where_a_kernel_would_differ(
+    demo_bf16: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def reason(loaded: LoadedModel, backend: str = "auto", pages: torch.dtype | None = None):
+        cache = KVCache(loaded.kv_cache_spec(BLOCK, kv_dtype=pages), 8)
+        runner = ModelRunner(loaded, cache, create_backend(backend, "cpu"))
+        assert (runner.replay is None) == (runner.replay_off_reason is not None)
+        return runner.replay_off_reason
+
+    assert reason(demo_bf16) is None
+    assert "float32" in reason(load_model("demo", dtype="float32", device="cpu"))
+    assert "float8" in reason(demo_bf16, pages=torch.float8_e4m3fn)
+    assert "torch" in reason(demo_bf16, backend="torch")
+    monkeypatch.setenv("PREFIXCACHE_STEP_REPLAY", "0")
+    assert "PREFIXCACHE_STEP_REPLAY" in reason(demo_bf16)
+
+
+def test_a_failing_call_stops_the_program_with_its_index(demo_bf16: LoadedModel) -> None:
+    _, replayed = runner_pair(demo_bf16)
+    replayed.execute([BatchEntry([5, 6, 7], 0, [1])])
+    assert replayed.replay is not None
+    program = replayed.replay._programs[(3, torch.get_num_threads())]
+    bad = torch.full((3,), 1 << 40, dtype=torch.int64)  # K rows far outside the pages
+    registers = list(replayed.backend.step_registers())  # type: ignore[attr-defined]
+    registers[-1] = bad.data_ptr()
+    with pytest.raises(ValueError, match=rf"call 3 \(kind {cpu_replay.WRITE_KV}\) returned 1"):
+        program.run(registers)
