@@ -115,14 +115,15 @@ def test_kernel_reads_strided_views_of_a_fused_projection() -> None:
 @needs_kernel
 @pytest.mark.parametrize(
     ("invariant", "kernels"),
-    [(True, ("attend_rows",)), (False, ("attention", "paged_decode"))],
+    [(True, ("attend_call",)), (False, ("attention", "paged_decode"))],
 )
 def test_bf16_engine_caching_never_changes_greedy_outputs(
     monkeypatch: pytest.MonkeyPatch, invariant: bool, kernels: tuple[str, ...]
 ) -> None:
     """The engine in bf16 on the kernel: cold, warm (prefix cached), chunked and batched
-    greedy runs give the same tokens (batch-invariant by default: one kernel call per layer;
-    off: the split prefill and decode kernels)."""
+    greedy runs give the same tokens (batch-invariant by default: one kernel call per layer,
+    built by ``attend_call`` whether it runs at once or in a replayed step; off: the split
+    prefill and decode kernels)."""
     calls = dict.fromkeys(kernels, 0)
     module = row_kernels if invariant else cpu_kernels
     for name in calls:

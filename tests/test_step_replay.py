@@ -63,11 +63,11 @@ def runner_pair(loaded: LoadedModel, blocks: int = 48) -> tuple[ModelRunner, Mod
 
 def schedule(seed: int, vocab: int, blocks: int) -> list[list[BatchEntry]]:
     """Steps of prefill chunks and decodes for 1-4 sequences, the second reusing the first's
-    leading full pages where it can (so cascade groups form), some steps over 64 tokens (the
-    replaying runner takes the eager path there)."""
+    leading full pages where it can (so cascade groups form), some steps over ``MAX_TOKENS``
+    (the replaying runner takes the eager path there)."""
     rng = random.Random(seed)
     nseq = rng.randint(1, 4)
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 70))] for _ in range(nseq)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, 110))] for _ in range(nseq)]
     tables, next_block = [], 1
     shared = 0
     for i, prompt in enumerate(prompts):
@@ -146,7 +146,10 @@ def test_quantized_weights_replay_exactly(tmp_path: Path, qtype: str) -> None:
     assert assert_same(loaded, schedule(3, loaded.config.vocab_size, 48)) > 0
 
 
-def test_programs_are_recorded_per_token_and_thread_count(demo_bf16: LoadedModel) -> None:
+def test_programs_are_recorded_per_token_and_thread_count(
+    demo_bf16: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(step_replay, "MAX_PROGRAMS", 3)
     eager, replayed = runner_pair(demo_bf16)
     threads = torch.get_num_threads()
     steps = [
@@ -154,15 +157,16 @@ def test_programs_are_recorded_per_token_and_thread_count(demo_bf16: LoadedModel
         [BatchEntry([8], 3, [1])],
         [BatchEntry([9], 4, [1])],  # the 1-token program again
         [BatchEntry([10, 11], 5, [1])],  # on one thread
+        [BatchEntry([12, 13, 14, 15], 7, [1])],  # the least recently used (3 tokens) goes
     ]
     try:
         for i, step in enumerate(steps):
-            torch.set_num_threads(1 if i == 3 else threads)
+            torch.set_num_threads(1 if i >= 3 else threads)
             assert torch.equal(eager.execute(step), replayed.execute(step))
     finally:
         torch.set_num_threads(threads)
     assert replayed.replay is not None
-    assert set(replayed.replay._programs) == {(3, threads), (1, threads), (2, 1)}
+    assert list(replayed.replay._programs) == [(1, threads), (2, 1), (4, 1)]
 
 
 def test_replay_stays_off_where_a_kernel_would_differ(

@@ -19,6 +19,8 @@ logits after attention): rows are independent, so the kept rows' bits are the sa
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from .. import settings
@@ -30,7 +32,10 @@ from ..kernels.cpu_replay import KernelCall, Program
 from ..kernels.linear import Gemm
 from ..model.llama import LlamaForCausalLM
 
-MAX_TOKENS = 64  # steps up to this many tokens replay; larger ones are GEMM-bound anyway
+# Steps up to this many tokens replay. The ~4.5 ms of Python a SmolLM2 step saves is 34 % of
+# a batch-1 decode, 11 % of a 128-token chunk, 7 % at 256 and 2 % at 512 (docs/benchmarks.md).
+MAX_TOKENS = 256
+MAX_PROGRAMS = 128  # recorded (token count, threads) programs kept, least recently used out
 
 
 def unsupported_reason(
@@ -108,7 +113,7 @@ class StepReplay:
             "cos": buffer(1, d // 2),
             "sin": buffer(1, d // 2),
         }
-        self._programs: dict[tuple[int, int], Program] = {}
+        self._programs: OrderedDict[tuple[int, int], Program] = OrderedDict()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The final hidden states ``[T, hidden]`` of every token (the backend planned for
@@ -124,8 +129,12 @@ class StepReplay:
         buffers["sin"][:t].copy_(sin)
         key = (t, torch.get_num_threads())
         program = self._programs.get(key)
-        if program is None:
+        if program is None:  # recording takes ~5 ms for SmolLM2's 30 layers
             program = self._programs[key] = self._record(t)
+            if len(self._programs) > MAX_PROGRAMS:
+                self._programs.popitem(last=False)
+        else:
+            self._programs.move_to_end(key)
         program.run(self._backend.step_registers())
         return buffers["hidden"][:t]
 
