@@ -49,11 +49,14 @@ def variant(loaded: LoadedModel, model_type: str) -> LoadedModel:
     return dataclasses.replace(loaded, model=model, config=config, fingerprint=model_type)
 
 
-def runner_pair(loaded: LoadedModel, blocks: int = 48) -> tuple[ModelRunner, ModelRunner]:
-    """Two runners on one model: the eager one (replay dropped) and the replaying one."""
+def runner_pair(
+    loaded: LoadedModel, blocks: int = 48, pages: torch.dtype | None = None
+) -> tuple[ModelRunner, ModelRunner]:
+    """Two runners on one model (``pages``: the KV dtype, default the model's): the eager one
+    (replay dropped) and the replaying one."""
     runners = []
     for _ in range(2):
-        cache = KVCache(loaded.kv_cache_spec(BLOCK), blocks)
+        cache = KVCache(loaded.kv_cache_spec(BLOCK, kv_dtype=pages), blocks)
         runners.append(ModelRunner(loaded, cache, create_backend("auto", "cpu")))
     eager, replayed = runners
     assert replayed.replay is not None, replayed.replay_off_reason
@@ -106,17 +109,22 @@ def schedule(seed: int, vocab: int, blocks: int) -> list[list[BatchEntry]]:
     return steps
 
 
-def assert_same(loaded: LoadedModel, steps: list[list[BatchEntry]], blocks: int = 48) -> int:
+def assert_same(
+    loaded: LoadedModel,
+    steps: list[list[BatchEntry]],
+    blocks: int = 48,
+    pages: torch.dtype | None = None,
+) -> int:
     """Run ``steps`` eagerly and replayed: equal logits every step, equal pages at the end.
     Returns how many steps replayed."""
-    eager, replayed = runner_pair(loaded, blocks)
+    eager, replayed = runner_pair(loaded, blocks, pages)
     replayed_steps = 0
     for step in steps:
         a, b = eager.execute(step), replayed.execute(step)
         assert torch.equal(a, b), [len(e.token_ids) for e in step]
         replayed_steps += sum(len(e.token_ids) for e in step) <= step_replay.MAX_TOKENS
     for x, y in zip(eager.kv_cache.layers, replayed.kv_cache.layers, strict=True):
-        assert torch.equal(x, y)
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
     return replayed_steps
 
 
@@ -125,6 +133,17 @@ def assert_same(loaded: LoadedModel, steps: list[list[BatchEntry]], blocks: int 
 def test_replayed_steps_equal_eager_ones(demo_bf16: LoadedModel, seed: int) -> None:
     steps = schedule(seed, demo_bf16.config.vocab_size, 48)
     assert_same(demo_bf16, steps)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    pages=st.sampled_from([torch.float8_e4m3fn, torch.float8_e5m2]),
+)
+def test_replayed_steps_equal_eager_ones_on_fp8_pages(
+    demo_bf16: LoadedModel, seed: int, pages: torch.dtype
+) -> None:
+    assert_same(demo_bf16, schedule(seed, demo_bf16.config.vocab_size, 48), pages=pages)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
@@ -180,7 +199,7 @@ def test_replay_stays_off_where_a_kernel_would_differ(
 
     assert reason(demo_bf16) is None
     assert "float32" in reason(load_model("demo", dtype="float32", device="cpu"))
-    assert "float8" in reason(demo_bf16, pages=torch.float8_e4m3fn)
+    assert reason(demo_bf16, pages=torch.float8_e4m3fn) is None  # fp8 pages replay too
     assert "torch" in reason(demo_bf16, backend="torch")
     monkeypatch.setenv("PREFIXCACHE_STEP_REPLAY", "0")
     assert "PREFIXCACHE_STEP_REPLAY" in reason(demo_bf16)

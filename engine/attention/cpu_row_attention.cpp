@@ -774,6 +774,62 @@ int row_entry(const T* q, int64_t q_tok, int64_t q_head, const void* kv, int64_t
 
 }  // namespace
 
+namespace {
+
+// A float as fp8, clamped to the format's finite range first (kv_dtype.to_kv), then torch's
+// c10 conversion bit for bit: round to nearest even, subnormals through an fp32 add, NaN kept.
+inline uint8_t fp8_e4m3_of(float x) {
+  x = std::min(std::max(x, -448.0f), 448.0f);  // NaN passes through both
+  uint32_t f;
+  std::memcpy(&f, &x, 4);
+  const uint32_t sign = f & 0x80000000u;
+  f ^= sign;
+  uint32_t out;
+  if (f >= (1087u << 20)) {
+    out = 0x7f;
+  } else if (f < (121u << 23)) {
+    const uint32_t denorm = 141u << 23;
+    float a, b;
+    std::memcpy(&a, &f, 4);
+    std::memcpy(&b, &denorm, 4);
+    a += b;
+    std::memcpy(&f, &a, 4);
+    out = f - denorm;
+  } else {
+    const uint32_t odd = (f >> 20) & 1u;
+    f += (uint32_t(7 - 127) << 23) + 0x7FFFFu + odd;
+    out = f >> 20;
+  }
+  return static_cast<uint8_t>(out | (sign >> 24));
+}
+
+inline uint8_t fp8_e5m2_of(float x) {
+  x = std::min(std::max(x, -57344.0f), 57344.0f);
+  uint32_t f;
+  std::memcpy(&f, &x, 4);
+  const uint32_t sign = f & 0x80000000u;
+  f ^= sign;
+  uint32_t out;
+  if (f >= (143u << 23)) {
+    out = f > 0x7F800000u ? 0x7f : 0x7c;
+  } else if (f < (113u << 23)) {
+    const uint32_t denorm = 134u << 23;
+    float a, b;
+    std::memcpy(&a, &f, 4);
+    std::memcpy(&b, &denorm, 4);
+    a += b;
+    std::memcpy(&f, &a, 4);
+    out = f - denorm;
+  } else {
+    const uint32_t odd = (f >> 21) & 1u;
+    f += (uint32_t(15 - 127) << 23) + 0xFFFFFu + odd;
+    out = f >> 21;
+  }
+  return static_cast<uint8_t>(out | (sign >> 24));
+}
+
+}  // namespace
+
 extern "C" {
 
 // Puts every later bf16 call (head dims that are multiples of 64) on AMX tiles: 0 when the
@@ -851,25 +907,48 @@ int pc_row_attention_f32_e5m2(const float* q, int64_t q_tok, int64_t q_head, con
 }
 
 // The step's new K and V into the pages, as backend.write_kv does: kv viewed as rows
-// [num_rows, hk, d] of `elem`-byte elements (num_rows = num_blocks * 2 * bs); token t's K
-// goes to row rows[t], its V to rows[t] + bs. k, v [T, hk, d] with strides in elements
-// (token, head; d contiguous). Every row is checked first: 1 (nothing written) where one
-// falls outside the pages or is not a K row (slot bs..2bs-1 of a block holds V).
+// [num_rows, hk, d] of page elements (num_rows = num_blocks * 2 * bs); token t's K goes to
+// row rows[t], its V to rows[t] + bs. k, v [T, hk, d] of `elem`-byte elements (2: bf16, 4:
+// fp32) with strides in elements (token, head; d contiguous). `page` says what the pages
+// hold: 0 the same elements (copied), 1 fp8 e4m3fn, 2 fp8 e5m2 (each value clamped to the
+// format's finite range, then rounded to nearest even: kv_dtype.to_kv's bits, torch's c10
+// conversion; a NaN stays a NaN, with its sign as torch's scalar cast keeps it). Every row
+// is checked first: 1 (nothing written) where one falls outside the pages or is not a K row
+// (slot bs..2bs-1 of a block holds V); 2 for an unknown `page`.
 int pc_write_kv(void* kv, int64_t num_rows, const void* k, int64_t k_tok, int64_t k_head,
                 const void* v, int64_t v_tok, int64_t v_head, const int64_t* rows, int64_t t,
-                int64_t bs, int64_t hk, int64_t d, int64_t elem) {
+                int64_t bs, int64_t hk, int64_t d, int64_t elem, int64_t page) {
+  if (page < 0 || page > 2 || (page && elem != 2 && elem != 4)) return 2;
   for (int64_t i = 0; i < t; ++i)
     if (rows[i] < 0 || rows[i] + bs >= num_rows || rows[i] % (2 * bs) >= bs) return 1;
   char* pages = static_cast<char*>(kv);
   const char* kb = static_cast<const char*>(k);
   const char* vb = static_cast<const char*>(v);
-  const int64_t head_bytes = d * elem, row_bytes = hk * head_bytes;
+  const int64_t page_elem = page ? 1 : elem;
+  const int64_t head_bytes = d * page_elem, row_bytes = hk * head_bytes;
+  auto put = [&](char* dst, const char* src) {
+    if (!page) {
+      std::memcpy(dst, src, d * elem);
+      return;
+    }
+    uint8_t* out = reinterpret_cast<uint8_t*>(dst);
+    for (int64_t j = 0; j < d; ++j) {
+      float x;
+      if (elem == 2) {
+        uint32_t bits = uint32_t(reinterpret_cast<const uint16_t*>(src)[j]) << 16;
+        std::memcpy(&x, &bits, 4);
+      } else {
+        x = reinterpret_cast<const float*>(src)[j];
+      }
+      out[j] = page == 1 ? fp8_e4m3_of(x) : fp8_e5m2_of(x);
+    }
+  };
   for (int64_t i = 0; i < t; ++i) {
     char* k_row = pages + rows[i] * row_bytes;
     char* v_row = pages + (rows[i] + bs) * row_bytes;
     for (int64_t h = 0; h < hk; ++h) {
-      std::memcpy(k_row + h * head_bytes, kb + (i * k_tok + h * k_head) * elem, head_bytes);
-      std::memcpy(v_row + h * head_bytes, vb + (i * v_tok + h * v_head) * elem, head_bytes);
+      put(k_row + h * head_bytes, kb + (i * k_tok + h * k_head) * elem);
+      put(v_row + h * head_bytes, vb + (i * v_tok + h * v_head) * elem);
     }
   }
   return 0;

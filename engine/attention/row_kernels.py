@@ -52,7 +52,7 @@ def load_rows() -> ctypes.CDLL | None:
 def _declare_rows(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.pc_write_kv.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64]
-    lib.pc_write_kv.argtypes += [i64]
+    lib.pc_write_kv.argtypes += [i64, i64]
     lib.pc_write_kv.restype = ctypes.c_int
     for name in ("pc_row_attention_bf16", "pc_row_attention_f32"):
         for suffix in ("", *FP8_SUFFIX.values()):  # pages in q's dtype, then fp8 pages
@@ -65,6 +65,10 @@ def _declare_rows(lib: ctypes.CDLL) -> None:
     _rows_amx.append(cpu_library.amx_wanted() and lib.pc_row_enable_amx() == 0)
 
 
+# What pc_write_kv's `page` says the pages hold: k's elements, or fp8 (clamped, rounded).
+_PAGE_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
 def write_kv_call(
     kv_layer: torch.Tensor, rows: torch.Tensor | Reg, k: torch.Tensor, v: torch.Tensor
 ) -> KernelCall | None:
@@ -75,8 +79,9 @@ def write_kv_call(
     lib = load_rows()
     if (
         lib is None
-        or kv_layer.dtype not in ROW_DTYPES
-        or not (k.dtype == v.dtype == kv_layer.dtype)
+        or k.dtype not in ROW_DTYPES
+        or k.dtype != v.dtype
+        or (kv_layer.dtype != k.dtype and kv_layer.dtype not in _PAGE_CODES)
         or k.stride(2) != 1
         or v.stride(2) != 1
     ):
@@ -97,15 +102,16 @@ def write_kv_call(
         (kv_layer.data_ptr(), num_blocks * 2 * bs,
          k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
          rows if isinstance(rows, Reg) else rows.data_ptr(), t, bs, hk, d,
-         kv_layer.element_size()),
+         k.element_size(), _PAGE_CODES.get(kv_layer.dtype, 0)),
     )  # fmt: skip
 
 
 def write_kv(kv_layer: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """``backend.write_kv`` in one call where it applies (the row kernel loaded, pages in k's
-    dtype, bf16 or fp32, head rows contiguous): K of token t into row ``rows[t]`` of the layer
-    viewed as ``[num_blocks * 2 * bs, Hk, D]``, its V ``bs`` rows further. False: not
-    applicable here, nothing written (the caller takes torch's ``index_copy_``)."""
+    """``backend.write_kv`` in one call where it applies (the row kernel loaded, k and v bf16
+    or fp32 with head rows contiguous, pages in their dtype or fp8, rounded as
+    ``kv_dtype.to_kv`` rounds): K of token t into row ``rows[t]`` of the layer viewed as
+    ``[num_blocks * 2 * bs, Hk, D]``, its V ``bs`` rows further. False: not applicable here,
+    nothing written (the caller takes torch's ``index_copy_``)."""
     call = write_kv_call(kv_layer, rows, k, v)
     if call is None:
         return False

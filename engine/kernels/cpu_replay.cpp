@@ -72,9 +72,9 @@ int call(const i64* row) {
       return 0;
     case WRITE_KV:
       return reinterpret_cast<int (*)(P, i64, P, i64, i64, P, i64, i64, P, i64, i64, i64, i64,
-                                      i64)>(entry)(
+                                      i64, i64)>(entry)(
           ptr(a, 0), a[1], ptr(a, 2), a[3], a[4], ptr(a, 5), a[6], a[7], ptr(a, 8), a[9], a[10],
-          a[11], a[12], a[13]);
+          a[11], a[12], a[13], a[14]);
     case ATTEND:
       return reinterpret_cast<int (*)(P, i64, i64, P, i64, P, i64, P, P, i64, P, i64, P, i64, i64,
                                       i64, float, i64, int)>(entry)(

@@ -13,7 +13,7 @@ but the buffers, so every row gets the same bits (tests/test_step_replay.py comp
 It applies where every op of the layer is a kernel of the engine's: a prepared bf16 Llama
 model on the batch-invariant GEMMs (``Gemm``'s packed kernel or GGUF-quantized weights),
 the fused layer ops with SiLU-and-mul, and the CPU row-attention backend over pages in the
-model's dtype. All rows go through the last layer (the eager path drops the rows without
+model's dtype or fp8 (the K/V write rounds as ``kv_dtype.to_kv`` does, in the kernel). All rows go through the last layer (the eager path drops the rows without
 logits after attention): rows are independent, so the kept rows' bits are the same.
 """
 
@@ -24,7 +24,7 @@ from collections import OrderedDict
 import torch
 
 from .. import settings
-from ..attention import AttentionBackend
+from ..attention import AttentionBackend, kv_dtype
 from ..attention.cpu_backend import CpuKernelBackend
 from ..kernels import cpu_layer_ops, cpu_replay
 from ..kernels.cpu_qgemm import QuantizedLinear
@@ -49,8 +49,10 @@ def unsupported_reason(
     if not (model.prepared and model.fused_ops):
         return "the model does not run the fused layer ops"
     dtype = model.model.norm.weight.dtype
-    if not cpu_layer_ops.computes_silu_and_mul(dtype) or page_dtype != dtype:
-        return f"{dtype} weights with {page_dtype} pages (bf16 both needed)"
+    if not cpu_layer_ops.computes_silu_and_mul(dtype):
+        return f"{dtype} weights (the fused SiLU-and-mul computes bf16 only)"
+    if page_dtype != dtype and not kv_dtype.is_fp8(page_dtype):
+        return f"{page_dtype} pages under {dtype} weights"
     if not isinstance(backend, CpuKernelBackend) or not backend.batch_invariant:
         return f"the attention backend is {backend.name}, not the CPU row kernel"
     projections = []
