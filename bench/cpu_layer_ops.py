@@ -95,6 +95,7 @@ def op_cases(
 def decode_step_ms(engine: LLMEngine, args: argparse.Namespace) -> dict[str, float]:
     model = engine.runner.model
     assert model.fused_ops, "prepare() did not switch the fused ops on"
+    engine.runner.replay = None  # both arms eager: the ops compared, not the step replay
     rng = random.Random(0)
     vocab = engine.loaded.config.vocab_size
     sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)

@@ -215,3 +215,26 @@ def test_a_failing_call_stops_the_program_with_its_index(demo_bf16: LoadedModel)
     registers[-1] = bad.data_ptr()
     with pytest.raises(ValueError, match=rf"call 3 \(kind {cpu_replay.WRITE_KV}\) returned 1"):
         program.run(registers)
+
+
+def test_float_arguments_are_encoded_as_ctypes_would_pass_them() -> None:
+    assert cpu_replay._word(1, cpu_replay.NORM, 9) == 0x3F800000  # an int eps: 1.0f
+    assert cpu_replay._word(0.5, cpu_replay.ATTEND, 16) == 0x3F000000
+    assert cpu_replay._word(7, cpu_replay.NORM, 8) == 7
+    with pytest.raises(TypeError, match="is a float"):
+        cpu_replay._word(None, cpu_replay.ROTARY, 15)
+    with pytest.raises(TypeError, match="integer or address"):
+        cpu_replay._word(0.5, cpu_replay.NORM, 8)
+
+
+def test_a_model_switched_to_torchs_ops_steps_eagerly(demo_bf16: LoadedModel) -> None:
+    _, replayed = runner_pair(demo_bf16)
+    assert replayed.replay is not None
+    replayed.execute([BatchEntry([5, 6, 7], 0, [1])])
+    recorded = dict(replayed.replay._programs)
+    demo_bf16.model.set_fused_ops(False)
+    try:
+        replayed.execute([BatchEntry([8, 9], 3, [1])])  # would record a 2-token program
+    finally:
+        demo_bf16.model.set_fused_ops(True)
+    assert dict(replayed.replay._programs) == recorded

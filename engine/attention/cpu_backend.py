@@ -1,7 +1,7 @@
 """The CPU backend on the engine's own kernel: batch-invariant paged attention.
 
 Every query row of a step (prefill chunks, rows after cached pages, decodes, members of a
-cascade or prefill group) goes through one kernel call per layer, ``cpu_kernels.
+cascade or prefill group) goes through one kernel call per layer, ``row_kernels.
 row_attention``, which reads the K/V pages in place and gives each row the same arithmetic
 whatever shares the step: fixed key blocks at absolute positions, one online-softmax order,
 one bf16 rounding at the end. So a position's attention output depends only on the tokens up
@@ -95,7 +95,8 @@ class CpuKernelBackend(AttentionBackend):
     ) -> list[KernelCall] | None:
         """``forward``'s kernel calls into ``out``, their per-step values left to the registers
         ``step_registers()`` fills, for a recorded step; None where this
-        backend cannot (it fell back, or the pages are not in q's dtype)."""
+        backend cannot (it fell back to the reference, or the row kernel's write does not
+        take these pages)."""
         if self._reference is not None:
             return None
         write = row_kernels.write_kv_call(kv_layer, row_kernels.WRITE_ROWS_REG, k, v)

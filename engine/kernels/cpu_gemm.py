@@ -150,6 +150,10 @@ class PackedLinear:
         ``[M, N]`` (``out_dtype``, the last axis contiguous)."""
         m, n = x2.shape[0], self.out_features
         cpu_library.require(
+            x2.shape[1] == self.in_features and x2.stride(1) == 1 and x2.dtype == self.dtype,
+            "x2 [M, K] of the weight's dtype, the last axis contiguous",
+        )
+        cpu_library.require(
             out.shape == (m, n) and out.stride(1) == 1 and out.dtype == self.out_dtype,
             "out [M, N] of the kernel's out dtype, the last axis contiguous",
         )

@@ -166,6 +166,10 @@ class QuantizedLinear:
         ``[M, N]`` (x's dtype, the last axis contiguous)."""
         m, n, w = x2.shape[0], self.out_features, self.weight
         cpu_library.require(
+            x2.shape[1] == self.in_features and x2.stride(1) == 1 and x2.dtype in _DTYPES,
+            "x2 [M, K] bf16 or fp32, the last axis contiguous",
+        )
+        cpu_library.require(
             out.shape == (m, n) and out.stride(1) == 1 and out.dtype == x2.dtype,
             "out [M, N] of x's dtype, the last axis contiguous",
         )

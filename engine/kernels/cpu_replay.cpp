@@ -7,7 +7,7 @@
 // address, then its arguments in order (pointers and integers as is, a float as the bits of
 // an IEEE single in the low 32 bits). Before the calls run, each patch (row, argument,
 // register) copies one register into one argument: what changes from step to step (the
-// attention plan's tables, where K/V go, the rotary's cos and sin).
+// attention plan's tables and lengths, where K/V go).
 
 #include <cstdint>
 #include <cstring>

@@ -24,8 +24,9 @@ from . import cpu_library
 
 SOURCE = Path(__file__).with_name("cpu_replay.cpp")
 
-# The prototypes cpu_replay.cpp knows (its Kind).
+# The prototypes cpu_replay.cpp knows (its Kind), and which of their arguments are floats.
 NORM, ROTARY, SILU, GEMM_BF16, GEMM_F32, QGEMM, WRITE_KV, ATTEND, GEMMA_NORMS = range(9)
+FLOAT_ARGS = {NORM: {9}, ROTARY: {15, 16}, ATTEND: {16}, GEMMA_NORMS: {7}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +40,8 @@ Arg = int | float | None | Reg
 
 
 class KernelCall(NamedTuple):
-    """One call of a kernel entry: ``kind`` names its prototype (floats where it has them)."""
+    """One call of a kernel entry: ``kind`` names its prototype (``FLOAT_ARGS``: which of its
+    arguments are floats)."""
 
     kind: int
     fn: ctypes._CFuncPtr
@@ -64,19 +66,24 @@ def available() -> bool:
     return _library.load() is not None
 
 
-def _word(arg: Arg, kind: int) -> int:
+def _word(arg: Arg, kind: int, index: int) -> int:
+    """The int64 word of argument ``index``: a float slot as an IEEE single's bits (an int
+    there converted first, as ctypes converts it), others as integers (None: 0)."""
+    if index in FLOAT_ARGS.get(kind, ()):
+        if not isinstance(arg, float | int) or isinstance(arg, bool):
+            raise TypeError(f"argument {index} of kind {kind} is a float, not {arg!r}")
+        return struct.unpack("<I", struct.pack("<f", float(arg)))[0]
     if arg is None:
         return 0
-    if isinstance(arg, float):
-        return struct.unpack("<I", struct.pack("<f", arg))[0]
     if isinstance(arg, bool | int):
         return int(arg)
-    raise TypeError(f"a kernel argument of kind {kind} cannot be {type(arg).__name__}")
+    raise TypeError(f"argument {index} of kind {kind} is an integer or address, not {arg!r}")
 
 
 class Program:
-    """``calls`` run in order by one ``run(registers)``. ``keep``: the tensors the calls point
-    into (buffers, weights, pages), held for the program's life."""
+    """``calls`` run in order by one ``run(registers)``. ``keep``: tensors the calls point into,
+    held for the program's life (what else they point into, such as a model's packed weights,
+    must outlive it: ``StepReplay`` holds its model)."""
 
     __slots__ = ("_calls", "_failed", "_keep", "_n_patches", "_n_rows", "_patches", "kinds")
     __slots__ += ("num_registers",)
@@ -95,7 +102,7 @@ class Program:
             for i, arg in enumerate(call.args):
                 if isinstance(arg, Reg):
                     patches.append((r, i, arg.index))
-                words.append(0 if isinstance(arg, Reg) else _word(arg, call.kind))
+                words.append(0 if isinstance(arg, Reg) else _word(arg, call.kind, i))
             rows[r, : len(words)] = torch.tensor(words, dtype=torch.int64)
         self._calls = rows
         self._n_rows = len(calls)

@@ -164,8 +164,9 @@ class ModelRunner:
         rows = [row_of[i] for i, e in enumerate(batch) if e.compute_logits]
         index = torch.tensor(rows, dtype=torch.int64, device=self.device)
         every_row = len(rows) == len(ids) and rows == sorted(rows)  # a decode-only step
-        if self.replay is not None and len(ids) <= self.replay.max_tokens:
-            hidden = self.replay.forward(input_ids, meta.positions)
+        replay = self.replay  # off while a bench has switched the model to torch's ops
+        if replay is not None and len(ids) <= replay.max_tokens and self.model.fused_ops:
+            hidden = replay.forward(input_ids, meta.positions)
             if not every_row:
                 hidden = hidden.index_select(0, index)
         else:

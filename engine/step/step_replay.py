@@ -1,8 +1,7 @@
 """A small step's forward as one recorded program of kernel calls (``kernels/cpu_replay``).
 
-At batch 1 a Llama-family decode makes ten kernel calls a layer (two norms, three GEMMs,
-rotary, the K/V write, attention, SiLU-and-mul, and the fused residual adds inside the
-norms), and on CPU each costs a few microseconds of Python and ``ctypes`` around a few of
+At batch 1 a Llama-family decode makes ten kernel calls a layer (two norms with the
+residual adds fused in, four GEMMs, rotary, the K/V write, attention, SiLU-and-mul), and on CPU each costs a few microseconds of Python and ``ctypes`` around a few of
 work: ~95 us a layer, 40 % of SmolLM2's quantized decode step (``bench/step_overhead.py``).
 ``StepReplay`` records the same calls once per token count, over buffers it owns, mirroring
 ``LlamaModel.forward`` with the fused ops; each step then copies in its embeddings and
