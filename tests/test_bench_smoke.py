@@ -125,6 +125,10 @@ CASES = {
             "replayed_over_eager",
         },
     ),
+    "step_replay.py": (
+        ["--model", "demo", "--tokens", "1,4", "--context", "32", "--repeat", "2"],
+        {"cpu", "rows", "context"},
+    ),
     "sidecar_overhead.py": (
         ["--requests", "3", "--warmup", "1", "--streams", "4", "--stream-tokens", "2"],
         {"http_added_outside_engine_p50_ms", "http_added_p50_ms", "stream_errors"},

@@ -776,57 +776,40 @@ int row_entry(const T* q, int64_t q_tok, int64_t q_head, const void* kv, int64_t
 
 namespace {
 
-// A float as fp8, clamped to the format's finite range first (kv_dtype.to_kv), then torch's
-// c10 conversion bit for bit: round to nearest even, subnormals through an fp32 add, NaN kept.
-inline uint8_t fp8_e4m3_of(float x) {
-  x = std::min(std::max(x, -448.0f), 448.0f);  // NaN passes through both
+// A float as fp8 with kMant mantissa bits and exponent bias kBias, clamped to +-max first
+// (kv_dtype.to_kv), then torch's c10 conversion bit for bit: round to nearest even, the
+// subnormals through an fp32 add of a magic number; a NaN (nothing else passes the clamp
+// past the format's range) gives 0x7f with its sign.
+template <int kMant, int kBias>
+inline uint8_t fp8_of(float x, float max) {
+  x = std::min(std::max(x, -max), max);  // NaN passes through both
   uint32_t f;
   std::memcpy(&f, &x, 4);
   const uint32_t sign = f & 0x80000000u;
   f ^= sign;
+  constexpr int kShift = 23 - kMant;
+  constexpr uint32_t kMinNormal = uint32_t(127 - kBias + 1) << 23;
   uint32_t out;
-  if (f >= (1087u << 20)) {
+  if (f > 0x7F800000u) {
     out = 0x7f;
-  } else if (f < (121u << 23)) {
-    const uint32_t denorm = 141u << 23;
+  } else if (f < kMinNormal) {
+    const uint32_t magic = kMinNormal + (uint32_t(kShift) << 23);
     float a, b;
     std::memcpy(&a, &f, 4);
-    std::memcpy(&b, &denorm, 4);
+    std::memcpy(&b, &magic, 4);
     a += b;
     std::memcpy(&f, &a, 4);
-    out = f - denorm;
+    out = f - magic;
   } else {
-    const uint32_t odd = (f >> 20) & 1u;
-    f += (uint32_t(7 - 127) << 23) + 0x7FFFFu + odd;
-    out = f >> 20;
+    const uint32_t odd = (f >> kShift) & 1u;
+    f += (uint32_t(kBias - 127) << 23) + ((1u << (kShift - 1)) - 1u) + odd;
+    out = f >> kShift;
   }
   return static_cast<uint8_t>(out | (sign >> 24));
 }
 
-inline uint8_t fp8_e5m2_of(float x) {
-  x = std::min(std::max(x, -57344.0f), 57344.0f);
-  uint32_t f;
-  std::memcpy(&f, &x, 4);
-  const uint32_t sign = f & 0x80000000u;
-  f ^= sign;
-  uint32_t out;
-  if (f >= (143u << 23)) {
-    out = f > 0x7F800000u ? 0x7f : 0x7c;
-  } else if (f < (113u << 23)) {
-    const uint32_t denorm = 134u << 23;
-    float a, b;
-    std::memcpy(&a, &f, 4);
-    std::memcpy(&b, &denorm, 4);
-    a += b;
-    std::memcpy(&f, &a, 4);
-    out = f - denorm;
-  } else {
-    const uint32_t odd = (f >> 21) & 1u;
-    f += (uint32_t(15 - 127) << 23) + 0xFFFFFu + odd;
-    out = f >> 21;
-  }
-  return static_cast<uint8_t>(out | (sign >> 24));
-}
+inline uint8_t fp8_e4m3_of(float x) { return fp8_of<3, 7>(x, 448.0f); }
+inline uint8_t fp8_e5m2_of(float x) { return fp8_of<2, 15>(x, 57344.0f); }
 
 }  // namespace
 

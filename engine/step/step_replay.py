@@ -31,8 +31,8 @@ from ..kernels.cpu_replay import KernelCall, Program
 from ..kernels.linear import Gemm
 from ..model.llama import LlamaForCausalLM
 
-# Steps up to this many tokens replay. The ~4.5 ms of Python a SmolLM2 step saves is 34 % of
-# a batch-1 decode, 11 % of a 128-token chunk, 7 % at 256 and 2 % at 512 (docs/benchmarks.md).
+# Steps up to this many tokens replay. The 4-7 ms of Python a SmolLM2 step saves is 35 % of a
+# batch-1 decode, 9 % of a 128-token chunk, 8 % at 256, 5 % at 512 (bench/step_replay.py).
 MAX_TOKENS = 256
 MAX_PROGRAMS = 128  # recorded (token count, threads) programs kept, least recently used out
 
