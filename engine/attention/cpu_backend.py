@@ -74,7 +74,6 @@ class CpuKernelBackend(AttentionBackend):
         groups = sorted(
             [*meta.prefill_groups, *meta.cascade_groups], key=lambda g: g.begin
         )  # disjoint: prefill groups hold prefills, cascade groups decodes
-        self._scale = shape.scale
         self._rows = row_kernels.plan_rows(
             tables,
             meta.qo_indptr.long(),
