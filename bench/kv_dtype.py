@@ -11,16 +11,21 @@ KV budget, the quality cost, and decode speed.
   free, as hit_rate.py), with the pool each dtype gets from the budget. The figure is the
   prompt tokens recomputed (computed again after an eviction: every miss but each prefix's
   first computation and the questions), the model's dtype over fp8.
-- quality: chat prompts (questions over a long document, the Apache License 2.0 shipped in
-  examples/, and short prompts), greedy ``--max-tokens`` tokens through the engine, one engine
-  per KV dtype, requests in the same order (the document cached after the first). Against the
-  model's dtype: greedy agreement (all tokens equal), and the KL divergence of the first
-  token's distribution. Also, at the model's dtype and at fp8: the cached answers against an
-  engine with prefix caching off (equal on the batch-invariant kernels; on the torch
-  reference, the noise floor of the agreement figure).
+- quality: greedy answers through the engine, one engine per KV dtype, requests in the same
+  order (the document cached after the first), on ``--prompt-set``: ``fidelity`` (default;
+  issue 28's definition) is the SmolLM2 fidelity conversations (tests/fidelity_prompts.py),
+  answers of at most 16 tokens ending at EOS; ``document`` is 20 chat prompts (questions over
+  a longer slice of the Apache License 2.0, and short prompts), 32 tokens each past EOS.
+  Against the model's dtype: greedy agreement (all tokens equal), the first token, and the
+  KL divergence of the first token's distribution. The floor those are read against: the
+  model's dtype against float32 (the same prompts on a float32 load; ``--no-floor`` skips
+  it). Also, at the model's dtype and at fp8: the cached answers against an engine with
+  prefix caching off (equal on the batch-invariant kernels; on the torch reference, the
+  noise floor of the agreement figure).
 - decode: one stream, inter-token latency after a ``--decode-context``-token prompt.
 
     python bench/kv_dtype.py --json                 # SmolLM2-135M-Instruct, bf16
+    python bench/kv_dtype.py --prompt-set document --json   # the stricter 32-token figure
     python bench/kv_dtype.py --model demo --prompts 3 --max-tokens 4 --json
 """
 
@@ -31,6 +36,7 @@ import itertools
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +51,9 @@ from prefixcache.engine.model.loader import LoadedModel, load_model
 from prefixcache.engine.model.progress import progress_iter
 from prefixcache.engine.request import EngineRequest, SamplingParams
 from prefixcache.engine.step.engine_hooks import EngineHooks
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import fidelity_prompts  # the prompts tests/test_real_model.py checks
 
 GIB = 1024**3
 DOCUMENT = Path(__file__).resolve().parent.parent / "examples/documents/apache-license-2.0.txt"
@@ -154,24 +163,37 @@ class Runner:
         self.engine = LLMEngine(config, loaded, EngineHooks(logits_processors=(capture,)))
 
     def answer(
-        self, rid: str, prompt: list[int], max_tokens: int
+        self, rid: str, prompt: list[int], sampling: SamplingParams
     ) -> tuple[list[int], torch.Tensor]:
-        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         (result,) = self.engine.generate([EngineRequest(rid, prompt, sampling)])
         return result.token_ids, self.first.pop(rid)
 
 
-def prompts(loaded: LoadedModel, n: int) -> list[list[int]]:
+def prompt_set(
+    loaded: LoadedModel, name: str, n: int | None, max_tokens: int | None
+) -> tuple[list[list[int]], SamplingParams]:
+    """The prompts' token ids and how each is answered.
+
+    ``fidelity`` (issue 28's definition): the SmolLM2 fidelity conversations
+    (tests/fidelity_prompts.py), 16 new tokens at most, an answer ending at EOS as a user sees
+    it. ``document``: 12 questions over a longer slice of the same document and 8 short
+    prompts, 32 tokens each past EOS: every answer the same length, a stricter figure."""
+    if name == "fidelity":
+        chats = list(fidelity_prompts.CONVERSATIONS)
+        sampling = SamplingParams(max_tokens=max_tokens or fidelity_prompts.MAX_NEW_TOKENS)
+    else:
+        system = "Answer questions about the document below.\n\n" + DOCUMENT.read_text()[:6000]
+        chats = [
+            [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            for q in QUESTIONS
+        ]
+        chats += [[{"role": "user", "content": q}] for q in SHORT]
+        sampling = SamplingParams(max_tokens=max_tokens or 32, ignore_eos=True)
     tok = loaded.tokenizer
-    system = "Answer questions about the document below.\n\n" + DOCUMENT.read_text()[:6000]
-    chats = [
-        [{"role": "system", "content": system}, {"role": "user", "content": q}] for q in QUESTIONS
-    ]
-    chats += [[{"role": "user", "content": q}] for q in SHORT]
     chats = chats[:n]
     if tok.chat_template:
-        return [tok.encode(tok.apply_chat_template(c)) for c in chats]
-    return [tok.encode("\n\n".join(m["content"] for m in c)) for c in chats]
+        return [tok.encode(tok.apply_chat_template(c)) for c in chats], sampling
+    return [tok.encode("\n\n".join(m["content"] for m in c)) for c in chats], sampling
 
 
 def kl(p: torch.Tensor, q: torch.Tensor) -> float:
@@ -180,39 +202,55 @@ def kl(p: torch.Tensor, q: torch.Tensor) -> float:
     return float((lp.exp() * (lp - lq)).sum())
 
 
+Answers = list[tuple[list[int], torch.Tensor]]
+
+
+def compare(ref: Answers, other: Answers) -> dict[str, float]:
+    """``other`` against ``ref``: the share of answers equal in full, of first tokens equal,
+    and the first token's KL."""
+    kls = [kl(a[1], b[1]) for a, b in zip(ref, other, strict=True)]
+    return {
+        "agreement": sum(a[0] == b[0] for a, b in zip(ref, other, strict=True)) / len(ref),
+        "first_token_kl_mean": statistics.fmean(kls),
+        "first_token_kl_max": max(kls),
+        "first_token_same": sum(
+            int(a[1].argmax()) == int(b[1].argmax()) for a, b in zip(ref, other, strict=True)
+        )
+        / len(ref),
+    }
+
+
 def quality(args: argparse.Namespace, loaded: LoadedModel) -> dict:
-    ids = prompts(loaded, args.prompts)
-    runs: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
+    ids, sampling = prompt_set(loaded, args.prompt_set, args.prompts, args.max_tokens)
+    runs: dict[str, Answers] = {}
     for name in progress_iter([*DTYPES, "auto/uncached", "fp8_e4m3/uncached"], "quality runs"):
         kv, _, uncached = name.partition("/")
         runner = Runner(loaded, kv, caching=not uncached)
-        runs[name] = [runner.answer(f"{kv}-{i}", p, args.max_tokens) for i, p in enumerate(ids)]
+        runs[name] = [runner.answer(f"{kv}-{i}", p, sampling) for i, p in enumerate(ids)]
     ref = runs["auto"]
-    rows = {}
-    for name in DTYPES[1:]:
-        kls = [kl(a[1], b[1]) for a, b in zip(ref, runs[name], strict=True)]
-        rows[name] = {
-            "agreement": sum(a[0] == b[0] for a, b in zip(ref, runs[name], strict=True)) / len(ids),
-            "first_token_kl_mean": statistics.fmean(kls),
-            "first_token_kl_max": max(kls),
-            "first_token_same": sum(
-                int(a[1].argmax()) == int(b[1].argmax())
-                for a, b in zip(ref, runs[name], strict=True)
-            )
-            / len(ids),
-        }
+    rows = {name: compare(ref, runs[name]) for name in DTYPES[1:]}
 
     def same(a: str, b: str) -> float:
         return sum(x[0] == y[0] for x, y in zip(runs[a], runs[b], strict=True)) / len(ids)
 
-    return {
+    out = {
+        "prompt_set": args.prompt_set,
         "prompts": len(ids),
         "prompt_tokens_mean": statistics.fmean(len(p) for p in ids),
+        "max_tokens": sampling.max_tokens,
         "rows": rows,
         # 1.0 on the batch-invariant kernels by construction; on the torch reference (CPUs
         # without AVX512_BF16) the noise floor the agreement above is read against
         "cached_equals_uncached": {k: same(k, f"{k}/uncached") for k in ("auto", "fp8_e4m3")},
     }
+    if args.floor and loaded.dtype != torch.float32:
+        # How far the model's own dtype moves the answers: its pages and arithmetic against
+        # float32's, the same prompts. A KV format is read against this.
+        wide = load_model(args.model, dtype="float32", device="cpu")
+        runner = Runner(wide, "auto")
+        fp32 = [runner.answer(f"fp32-{i}", p, sampling) for i, p in enumerate(ids)]
+        out["model_dtype_vs_float32"] = compare(fp32, ref)
+    return out
 
 
 def decode_itl(args: argparse.Namespace, loaded: LoadedModel) -> dict[str, float]:
@@ -239,8 +277,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--dtype", default="bfloat16", help="the model's (and the baseline KV's) dtype")
-    ap.add_argument("--prompts", type=int, default=len(QUESTIONS) + len(SHORT))
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument(
+        "--prompt-set",
+        choices=("fidelity", "document"),
+        default="fidelity",
+        help="the quality prompts (prompt_set()): the SmolLM2 fidelity conversations, 16 "
+        "tokens to EOS (issue 28's definition), or 20 document and short prompts, 32 tokens",
+    )
+    ap.add_argument("--prompts", type=int, default=None, help="the first N of the set")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default: the set's")
+    ap.add_argument(
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        help="skip the model's dtype against float32 (the quality figures' noise floor)",
+    )
     ap.add_argument("--zipf-prompts", type=int, default=40)
     ap.add_argument("--zipf-prefix", type=int, default=1024)
     ap.add_argument("--zipf-requests", type=int, default=2000)
@@ -284,6 +335,12 @@ def main() -> None:
         print(
             f"{name:>9} vs {result['dtype']}: agreement {row['agreement']:.3f}, first-token KL "
             f"mean {row['first_token_kl_mean']:.5f} max {row['first_token_kl_max']:.5f}"
+        )
+    if "model_dtype_vs_float32" in q:
+        row = q["model_dtype_vs_float32"]
+        print(
+            f"{result['dtype']:>9} vs float32 (the floor): agreement {row['agreement']:.3f}, "
+            f"first token the same {row['first_token_same']:.3f}"
         )
     print(f"cached == uncached answers: {q['cached_equals_uncached']}")
     if args.json:

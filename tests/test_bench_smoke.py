@@ -227,3 +227,33 @@ def test_the_context_plot_reads_the_sweeps_records(tmp_path: Path) -> None:
     assert out.stat().st_size > 1000
     assert "prefixcache: 1000: 1000.0 (0.50x), 4000: 4000.0 (0.50x)" in proc.stdout
     assert "vllm: 1000: 1500.0 (0.75x), 4000: 6000.0 (0.75x)" in proc.stdout
+
+
+def test_greedy_answers_pairs_each_kv_run_with_its_own_servers_bf16(tmp_path: Path) -> None:
+    """bench/greedy_answers.py compare over records shaped as kv_dtype_vs_vllm.sh writes them:
+    each fp8 run against its own server's bf16 answers, the bf16 runs against each other."""
+    n = 12
+    same = ["a"] * n
+    records = [
+        {"label": "vllm/auto", "answers": same, "first_tokens": same},
+        {"label": "vllm/fp8", "answers": ["a"] * 3 + ["b"] * 9, "first_tokens": same},
+        {"label": "prefixcache/auto", "answers": ["a"] * 6 + ["c"] * 6, "first_tokens": same},
+        {"label": "prefixcache/fp8", "answers": ["a"] * 6 + ["c"] * 6, "first_tokens": ["x"] * n},
+    ]
+    runs = tmp_path / "runs.jsonl"
+    runs.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "greedy_answers.py"), "compare", str(runs), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {(r["server"], r["vs"]): r for r in json.loads(proc.stdout.splitlines()[-1])["rows"]}
+    assert rows["vllm", "vllm/auto"]["agreement"] == 0.25
+    assert rows["vllm", "vllm/auto"]["first_token_same"] == 1.0
+    assert rows["prefixcache", "prefixcache/auto"]["agreement"] == 1.0
+    assert rows["prefixcache", "prefixcache/auto"]["first_token_same"] == 0.0
+    assert rows["prefixcache/auto", "vllm/auto"]["agreement"] == 0.5
+    assert len(rows) == 3

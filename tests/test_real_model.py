@@ -1,7 +1,7 @@
 """Real-model fidelity: SmolLM2-135M-Instruct from its GGUF (the named model ``smollm2``), in
 float32, against transformers reading the same GGUF file.
 
-A dozen chat prompts (a long document, the Apache License 2.0, as the system prompt with several
+A dozen chat prompts (tests/fidelity_prompts.py: a long document, the Apache License 2.0, as the system prompt with several
 questions, multi-turn conversations, no system prompt): the engine's prompt token ids equal
 transformers' ``apply_chat_template``, and its greedy answers equal transformers' greedy
 ``generate``, cold (no prefix cache), warm (the document cached) and all at once (batched).
@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 import hf_reference  # noqa: E402
+from fidelity_prompts import CONVERSATIONS, MAX_NEW_TOKENS, NUM_SHARED, SYSTEM  # noqa: E402
 from hf_reference import Reference  # noqa: E402
 
 from prefixcache.engine.config import EngineConfig  # noqa: E402
@@ -29,55 +30,7 @@ from prefixcache.engine.request import EngineRequest, SamplingParams  # noqa: E4
 
 pytestmark = pytest.mark.slow
 
-FULL_TEXT = (
-    Path(__file__).resolve().parent.parent / "examples/documents/apache-license-2.0.txt"
-).read_text(encoding="utf-8")
-# About 900 tokens of it (the title and Sections 2 to 6: the grants, redistribution,
-# contributions, trademarks): long enough to span many blocks, short enough that a dozen
-# uncached prefills fit this test's budget.
-DOCUMENT = (
-    FULL_TEXT[: FULL_TEXT.index("TERMS AND CONDITIONS")]
-    + FULL_TEXT[FULL_TEXT.index("2. Grant of Copyright") : FULL_TEXT.index("7. Disclaimer")]
-)
-SYSTEM = "Answer questions about the document below in one short sentence.\n\n" + DOCUMENT
-MAX_NEW_TOKENS = 16
 BLOCK_SIZE = 16
-
-DOCUMENT_QUESTIONS = [
-    "Which version of the Apache License is this?",
-    "Which rights does the copyright license grant?",
-    "When does the patent license terminate?",
-    "What must you give recipients of the Work?",
-    "What must modified files carry?",
-    "Does the License grant permission to use trademarks?",
-]
-CONVERSATIONS: list[list[dict[str, str]]] = [
-    *(
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-        for q in DOCUMENT_QUESTIONS
-    ),
-    [  # multi-turn over the document
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "Which section covers redistribution?"},
-        {"role": "assistant", "content": "Section 4, Redistribution."},
-        {"role": "user", "content": "Name one of its conditions."},
-    ],
-    [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "Under which terms is a Contribution submitted?"},
-        {"role": "assistant", "content": "Under the terms and conditions of this License."},
-        {"role": "user", "content": "Can a separate agreement override that?"},
-    ],
-    [  # multi-turn, no system prompt
-        {"role": "user", "content": "What is the capital of France?"},
-        {"role": "assistant", "content": "The capital of France is Paris."},
-        {"role": "user", "content": "And of Italy?"},
-    ],
-    [{"role": "user", "content": "What is the capital of France?"}],  # no system prompt
-    [{"role": "user", "content": "Write a haiku about bread."}],
-    [{"role": "user", "content": "List three colours of the rainbow."}],
-]
-NUM_SHARED = 8  # the first eight conversations start with SYSTEM
 
 
 @pytest.fixture(scope="module")
