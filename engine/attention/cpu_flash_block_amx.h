@@ -59,6 +59,42 @@ PC_AMX inline void store_two_by_two(float* c, int64_t stride, bool two) {
   }
 }
 
+// The online-softmax update of R rows that see every key of the tile ([0, nvec * 16): a long
+// prompt's interior blocks), R at once: each row's arithmetic is update_rows_amx's per-row
+// loop (the same max, the same exp2 and the same ascending sum), interleaved so that the
+// rows' dependency chains (the max, its reduction, the sum) overlap instead of queueing.
+template <int R>
+PC_AMX inline void softmax_seen_rows(const float (*sbuf)[kKeyBlock], int64_t nvec, int64_t pv_keys,
+                                     int i0, const int64_t* rowp, float* m, float* l,
+                                     uint16_t (*pbf)[kKeyBlock], float* corr, float scale2f) {
+  const __m512 scale2 = _mm512_set1_ps(scale2f);
+  __m512 vmax[R];
+  for (int j = 0; j < R; ++j) vmax[j] = _mm512_load_ps(&sbuf[i0 + j][0]);
+  for (int64_t c = 1; c < nvec; ++c)
+    for (int j = 0; j < R; ++j) vmax[j] = _mm512_max_ps(vmax[j], _mm512_load_ps(&sbuf[i0 + j][c * 16]));
+  __m512 mv[R], sum[R];
+  float m_new[R];
+  for (int j = 0; j < R; ++j) {
+    m_new[j] = std::max(m[rowp[j]], _mm512_reduce_max_ps(vmax[j]) * scale2f);
+    mv[j] = _mm512_set1_ps(m_new[j]);
+    sum[j] = _mm512_setzero_ps();
+  }
+  for (int64_t c = 0; c < nvec; ++c)
+    for (int j = 0; j < R; ++j) {
+      const __m512 e = exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(&sbuf[i0 + j][c * 16]), scale2, mv[j]));
+      sum[j] = _mm512_add_ps(sum[j], e);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(&pbf[i0 + j][c * 16]),
+                         (__m256i)_mm512_cvtneps_pbh(e));
+    }
+  for (int j = 0; j < R; ++j) {
+    if (nvec * 16 < pv_keys) std::memset(&pbf[i0 + j][nvec * 16], 0, sizeof(uint16_t) * 16);
+    const int64_t row = rowp[j];
+    corr[i0 + j] = std::exp2(m[row] - m_new[j]);
+    l[row] = l[row] * corr[i0 + j] + _mm512_reduce_add_ps(sum[j]);
+    m[row] = m_new[j];
+  }
+}
+
 // The online-softmax update of rows [r0, r0 + nr) (nr <= 32) from their scores for the block
 // at k0 (sbuf, raw: unscaled, query-major, keys [0, tile_keys) of each row written), then
 // O = O * corr + P V with V packed as pairs of keys: attend_packed's arithmetic on tiles.
@@ -80,7 +116,21 @@ PC_AMX void update_rows_amx(const float (*sbuf)[kKeyBlock], const uint32_t* vblk
   const int64_t nvec = (tile_keys + 15) / 16;
   const int64_t pv_keys = (tile_keys + 31) / 32 * 32;  // keys the P V pass reads
   float corr[32];
+  constexpr int R = 4;
   for (int i = 0; i < rows; ++i) {
+    if (i % R == 0 && i + R <= nr) {  // R rows that see every key of the tile: interleaved
+      bool all_seen = true;
+      int64_t rowp[R];
+      for (int j = 0; j < R; ++j) {
+        rowp[j] = r0 + i + j;
+        all_seen = all_seen && limit[rowp[j]] - k0 >= nvec * 16 && (!begin || begin[rowp[j]] <= k0);
+      }
+      if (all_seen) {
+        softmax_seen_rows<R>(sbuf, nvec, pv_keys, i, rowp, m, l, pbf, corr, scale2f);
+        i += R - 1;
+        continue;
+      }
+    }
     uint16_t* p = pbf[i];
     const int64_t row = r0 + i;
     const int64_t valid = i < nr ? limit[row] - k0 : 0;
