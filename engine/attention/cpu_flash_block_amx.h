@@ -25,6 +25,24 @@
 
 namespace pc {
 
+// 2^x for the bf16 step's probabilities: f = x - round(x) through a degree-5 polynomial fitted
+// to 2^f on [-1/2, 1/2] with p(0) = 1 (relative error 1.9e-7 evaluated in float32, far inside
+// P's bf16 rounding), 3 instructions fewer than exp2_ps's degree-7 series: the exponentials
+// were a fifth of a long prefill chunk. Every row of the AMX step uses it (its bits differ
+// from the AVX-512 step's anyway).
+inline __m512 exp2_p5(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+  const __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, xi);
+  __m512 p = _mm512_set1_ps(0.0013264709850773215f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009671507403254509f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550733581185341f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022242426872253f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931470036506653f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, xi);
+}
+
 // The 2 x 2 tile product: C0 += A4 B6, C1 += A4 B7 and, for a second row tile (two), C2 +=
 // A5 B6, C3 += A5 B7, with A rows at a (and a + 16 rows), B at b and b + 16 words.
 PC_AMX inline void dp_two_by_two(const void* a0, const void* a1, int64_t a_stride,
@@ -81,7 +99,7 @@ PC_AMX inline void softmax_seen_rows(const float (*sbuf)[kKeyBlock], int64_t nve
   }
   for (int64_t c = 0; c < nvec; ++c)
     for (int j = 0; j < R; ++j) {
-      const __m512 e = exp2_ps(_mm512_fmsub_ps(_mm512_load_ps(&sbuf[i0 + j][c * 16]), scale2, mv[j]));
+      const __m512 e = exp2_p5(_mm512_fmsub_ps(_mm512_load_ps(&sbuf[i0 + j][c * 16]), scale2, mv[j]));
       sum[j] = _mm512_add_ps(sum[j], e);
       _mm256_store_si256(reinterpret_cast<__m256i*>(&pbf[i0 + j][c * 16]),
                          (__m256i)_mm512_cvtneps_pbh(e));
@@ -151,7 +169,7 @@ PC_AMX void update_rows_amx(const float (*sbuf)[kKeyBlock], const uint32_t* vblk
     __m512 sum = _mm512_setzero_ps();
     for (int64_t c = 0; c < nvec; ++c) {
       const __m512 x = _mm512_fmsub_ps(_mm512_load_ps(&sbuf[i][c * 16]), scale2, mv);
-      const __m512 e = _mm512_maskz_mov_ps(seen(valid, skip, c), exp2_ps(x));
+      const __m512 e = _mm512_maskz_mov_ps(seen(valid, skip, c), exp2_p5(x));
       sum = _mm512_add_ps(sum, e);
       _mm256_store_si256(reinterpret_cast<__m256i*>(p + c * 16), (__m256i)_mm512_cvtneps_pbh(e));
     }
