@@ -297,8 +297,12 @@ struct RowTask {
 // Rows (tokens x folded heads) per task, about. Each task packs (or reads prepacked) every key
 // block its rows see, so small tasks repeat that per block: at 64, eight 64-token requests
 // over one 32K-token prefix ran at 320-400 GFLOP/s against 850 at 256, a 64-row warm suffix
-// 1.4x slower; long prefill chunks take the same time either way.
+// 1.4x slower; long prefill chunks take the same time either way. Where tasks of kTaskRows
+// would leave a thread without a second work item (a short suffix over few kv heads, whose
+// window keys may not span partitions to split), they halve, down to kMinTaskRows. A row's
+// arithmetic does not depend on which task holds it.
 constexpr int64_t kTaskRows = 256;
+constexpr int64_t kMinTaskRows = 64;
 
 // Key blocks per partition. A row's keys are attended partition by partition (partition i
 // holds absolute keys [i * kPartKeys, (i + 1) * kPartKeys)), each from a fresh online-softmax
@@ -596,10 +600,14 @@ void run_row_task(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segment
 // rows; a group's members are packed into tasks together (their shared keys read once).
 template <typename T, typename KV>
 void plan_row_tasks(const RowBatch<T, KV>& rb, int64_t nseq, const int64_t* groups,
-                           int64_t n_groups, std::vector<Segment>& segs,
+                           int64_t n_groups, int nthreads, std::vector<Segment>& segs,
                            std::vector<RowTask>& tasks) {
   const int64_t g = rb.hq / rb.hk;
-  const int64_t tokens = std::max<int64_t>(1, kTaskRows / g);
+  const int64_t rows = (rb.qo[nseq] - rb.qo[0]) * g;
+  int64_t task_rows = kTaskRows;
+  while (task_rows > kMinTaskRows && (rows + task_rows - 1) / task_rows * rb.hk < nthreads)
+    task_rows /= 2;
+  const int64_t tokens = std::max<int64_t>(1, task_rows / g);
   auto add_alone = [&](int64_t s) {
     for (int64_t t0 = rb.qo[s]; t0 < rb.qo[s + 1]; t0 += tokens) {
       const int64_t t1 = std::min(rb.qo[s + 1], t0 + tokens);
@@ -640,7 +648,7 @@ void row_run(const RowBatch<T, KV>& rb, int64_t nseq, const int64_t* groups, int
   constexpr int64_t WORDS = kBlockWords<D, T>;  // per key block, K and V alike
   std::vector<Segment> segs;
   std::vector<RowTask> tasks;
-  plan_row_tasks(rb, nseq, groups, n_groups, segs, tasks);
+  plan_row_tasks(rb, nseq, groups, n_groups, nthreads, segs, tasks);
   // A sequence in two or more tasks (a long prefill chunk) gets its keys packed once.
   Prepacked pre;
   pre.offset.assign(static_cast<size_t>(nseq), -1);
