@@ -608,9 +608,11 @@ void plan_row_tasks(const RowBatch<T, KV>& rb, int64_t nseq, const int64_t* grou
   while (task_rows > kMinTaskRows && (rows + task_rows - 1) / task_rows * rb.hk < nthreads)
     task_rows /= 2;
   const int64_t tokens = std::max<int64_t>(1, task_rows / g);
-  auto add_alone = [&](int64_t s) {
-    for (int64_t t0 = rb.qo[s]; t0 < rb.qo[s + 1]; t0 += tokens) {
-      const int64_t t1 = std::min(rb.qo[s + 1], t0 + tokens);
+  auto add_alone = [&](int64_t s) {  // in tasks of near-equal size (threads finish together)
+    const int64_t n = rb.qo[s + 1] - rb.qo[s], parts = (n + tokens - 1) / tokens;
+    const int64_t each = parts > 0 ? (n + parts - 1) / parts : tokens;
+    for (int64_t t0 = rb.qo[s]; t0 < rb.qo[s + 1]; t0 += each) {
+      const int64_t t1 = std::min(rb.qo[s + 1], t0 + each);
       const int64_t b = static_cast<int64_t>(segs.size());
       segs.push_back({s, t0, t1});
       tasks.push_back({b, b + 1, 0});
