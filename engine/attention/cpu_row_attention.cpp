@@ -298,9 +298,9 @@ struct RowTask {
 // block its rows see, so small tasks repeat that per block: at 64, eight 64-token requests
 // over one 32K-token prefix ran at 320-400 GFLOP/s against 850 at 256, a 64-row warm suffix
 // 1.4x slower; long prefill chunks take the same time either way. Where tasks of kTaskRows
-// would leave a thread without a second work item (a short suffix over few kv heads, whose
-// window keys may not span partitions to split), they halve, down to kMinTaskRows. A row's
-// arithmetic does not depend on which task holds it.
+// would leave a thread without a work item (a short suffix over few kv heads, whose window
+// keys may not span partitions to split), they halve, down to kMinTaskRows; a sequence's rows
+// split into tasks of near-equal size. A row's arithmetic does not depend on its task.
 constexpr int64_t kTaskRows = 256;
 constexpr int64_t kMinTaskRows = 64;
 
