@@ -153,6 +153,42 @@ def test_silu_and_mul_shapes(rows: int, inter: int) -> None:
     assert torch.equal(cpu_layer_ops.silu_and_mul(gate_up), want)
 
 
+@needs_bf16_silu
+def test_gelu_tanh_and_mul_is_torchs_for_every_bf16_gate() -> None:
+    """Every bf16 gate value times a random up: equal to ``F.gelu(gate, approximate="tanh") *
+    up`` through torch's vectorized loop (rows a multiple of 64 wide; the model's 2,048 and
+    every Gemma 3's). torch's scalar tail (a row's last ``inter % 64``, here one wide) uses
+    another tanh: it differs at four gates only (GELU of -5.06 ... -5.16 is -0 in
+    the vector loop, -1.5e-7 in the scalar one: products under 1e-6); the kernel gives the vector loop's value in
+    every position, so a value never depends on its column."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    gates = bits.view(torch.bfloat16)
+    gates = gates[~torch.isnan(gates)]
+    gates = gates[: gates.numel() // 64 * 64]
+    for inter in (64, 1):
+        gate = gates.view(-1, inter)
+        up = rand(*gate.shape, seed=inter, scale=3.0)
+        gate_up = torch.cat([gate, up], dim=1)
+        want = F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:]
+        got = cpu_layer_ops.gelu_tanh_and_mul(gate_up)
+        same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+        if inter == 64:
+            assert same.all(), gate[~same].tolist()
+        else:
+            assert sorted(gate[~same].tolist()) == [-5.15625, -5.125, -5.09375, -5.0625]
+            assert (got[~same].float() - want[~same].float()).abs().max() < 1e-6
+
+
+@needs_bf16_silu
+@pytest.mark.parametrize(("rows", "inter"), [(1, 2048), (64, 2048), (5, 100), (3, 7), (300, 640)])
+def test_gelu_tanh_and_mul_shapes(rows: int, inter: int) -> None:
+    gate_up = rand(rows, 2 * inter, seed=rows + inter, scale=4.0)
+    want = F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:]
+    assert torch.equal(cpu_layer_ops.gelu_tanh_and_mul(gate_up), want)
+    row = cpu_layer_ops.gelu_tanh_and_mul(gate_up[rows // 2 : rows // 2 + 1])
+    assert torch.equal(row[0], want[rows // 2]), "a row alone gets its bits in the batch"
+
+
 def tiny_config(**overrides: object) -> ModelConfig:
     raw: dict[str, object] = dict(
         architectures=["LlamaForCausalLM"],

@@ -1,7 +1,8 @@
 """A replayed step (``step/step_replay.py``) gives every logit and every K/V byte of the eager
 step, bit for bit: over random schedules of prefill chunks, decodes and shared prefixes
-(hypothesis), for Llama, Qwen2 (biases), Qwen3 (q/k norms) and GGUF-quantized weights; and
-it stays off, with a reason, wherever one of its kernels is not the one that would run."""
+(hypothesis), for Llama, Qwen2 (biases), Qwen3 (q/k norms), GGUF-quantized weights and Gemma 3
+(sliding layers on their own pages and backend, GeGLU); and it stays off, with a reason,
+wherever one of its kernels is not the one that would run."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixcache.engine.attention import create_backend
+from prefixcache.engine.attention.cpu_backend import NUM_REGISTERS
+from prefixcache.engine.attention.torch_backend import TorchBackend
 from prefixcache.engine.kernels import cpu_layer_ops, cpu_replay
 from prefixcache.engine.memory.kv_cache import KVCache
 from prefixcache.engine.model.loader import LoadedModel, load_model
+from prefixcache.engine.model.model_config import ModelConfig
 from prefixcache.engine.model.registry import causal_lm_class
 from prefixcache.engine.step import step_replay
 from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
@@ -49,15 +53,46 @@ def variant(loaded: LoadedModel, model_type: str) -> LoadedModel:
     return dataclasses.replace(loaded, model=model, config=config, fingerprint=model_type)
 
 
+WINDOW = 40  # the tiny Gemma's sliding layers: two and a half pages
+
+
+def tiny_gemma3(demo: LoadedModel, query_pre_attn_scalar: int = 64) -> LoadedModel:
+    """A random Gemma 3 of the demo's vocabulary: 6 layers, 5 sliding to 1 global (window
+    ``WINDOW``), 4 query heads and 1 KV head of 64, two rope bases, a final softcap."""
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    config = ModelConfig.from_dict(
+        dict(
+            architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+            vocab_size=demo.config.vocab_size, hidden_size=128, intermediate_size=256,
+            num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+            max_position_embeddings=1024, sliding_window=WINDOW, layer_types=kinds,
+            query_pre_attn_scalar=query_pre_attn_scalar, rope_theta=1e6,
+            rope_local_base_freq=1e4, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
+        )
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = causal_lm_class(config)(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    return dataclasses.replace(demo, model=model, config=config, fingerprint="tiny-gemma3")
+
+
 def runner_pair(
     loaded: LoadedModel, blocks: int = 48, pages: torch.dtype | None = None
 ) -> tuple[ModelRunner, ModelRunner]:
     """Two runners on one model (``pages``: the KV dtype, default the model's): the eager one
-    (replay dropped) and the replaying one."""
+    (replay dropped) and the replaying one. A hybrid model's sliding layers get a local page
+    per block (``with_local_tables``) and their own backend."""
     runners = []
+    local = [i for i, w in enumerate(loaded.config.layer_windows) if w]
     for _ in range(2):
-        cache = KVCache(loaded.kv_cache_spec(BLOCK, kv_dtype=pages), blocks)
-        runners.append(ModelRunner(loaded, cache, create_backend("auto", "cpu")))
+        spec = loaded.kv_cache_spec(BLOCK, kv_dtype=pages)
+        cache = KVCache(spec, blocks, blocks if local else 0, local)
+        local_backend = create_backend("auto", "cpu") if local else None
+        backend = create_backend("auto", "cpu")
+        runners.append(ModelRunner(loaded, cache, backend, local_backend=local_backend))
     eager, replayed = runners
     assert replayed.replay is not None, replayed.replay_off_reason
     eager.replay = None
@@ -146,6 +181,35 @@ def test_replayed_steps_equal_eager_ones_on_fp8_pages(
     assert_same(demo_bf16, schedule(seed, demo_bf16.config.vocab_size, 48), pages=pages)
 
 
+def with_local_tables(steps: list[list[BatchEntry]]) -> list[list[BatchEntry]]:
+    """Each entry's local table: block b's local page is b (every page kept; the kernel reads
+    only the window's)."""
+    return [[dataclasses.replace(e, local_table=list(e.block_table)) for e in s] for s in steps]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_gemma3_replays_exactly(demo_bf16: LoadedModel, seed: int) -> None:
+    """Sliding layers over their local pages and backend (registers after the global one's),
+    global ones over the blocks, GeGLU, the embedding scale and two rope bases: every logit
+    and page byte of the eager step; prompts up to 110 tokens cross the 40-token window."""
+    loaded = tiny_gemma3(demo_bf16)
+    steps = with_local_tables(schedule(seed, loaded.config.vocab_size, 48))
+    assert_same(loaded, steps)
+
+
+def test_gemma3_replays_at_all(demo_bf16: LoadedModel) -> None:
+    loaded = tiny_gemma3(demo_bf16)
+    steps = with_local_tables(schedule(5, loaded.config.vocab_size, 48))
+    assert assert_same(loaded, steps) > 0
+    _, replayed = runner_pair(loaded)
+    replayed.execute(steps[0])
+    assert replayed.replay is not None
+    (program,) = replayed.replay._programs.values()
+    assert program.kinds.count(cpu_replay.GELU) == 6
+    assert program.num_registers == 2 * NUM_REGISTERS  # the local backend's follow
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_biases_and_qk_norms_replay_exactly(demo_bf16: LoadedModel, model_type: str) -> None:
     loaded = variant(demo_bf16, model_type)
@@ -198,6 +262,15 @@ def test_replay_stays_off_where_a_kernel_would_differ(
         return runner.replay_off_reason
 
     assert reason(demo_bf16) is None
+    gemma = tiny_gemma3(demo_bf16, query_pre_attn_scalar=48)
+    local = [i for i, w in enumerate(gemma.config.layer_windows) if w]
+    cache = KVCache(gemma.kv_cache_spec(BLOCK), 8, 8, local)
+    runner = ModelRunner(gemma, cache, create_backend("auto", "cpu"), local_backend=TorchBackend())
+    assert runner.replay is None and "torch" in (runner.replay_off_reason or "")
+    runner = ModelRunner(
+        gemma, cache, create_backend("auto", "cpu"), local_backend=create_backend("auto", "cpu")
+    )
+    assert "query_pre_attn_scalar" in (runner.replay_off_reason or "")
     assert "float32" in reason(load_model("demo", dtype="float32", device="cpu"))
     assert reason(demo_bf16, pages=torch.float8_e4m3fn) is None  # fp8 pages replay too
     assert "torch" in reason(demo_bf16, backend="torch")

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.cpu_replay import KernelCall
+from ..kernels.cpu_replay import KernelCall, Reg
 from . import cpu_kernels, row_kernels
 from .backend import AttentionBackend, AttentionShape, write_kv, write_rows
 from .kv_dtype import is_fp8
 from .metadata import AttentionMetadata
 from .torch_backend import TorchBackend
+
+# A recorded layer's registers: the row plan's, then write_kv's rows (``step_registers``).
+NUM_REGISTERS = len(row_kernels.ROW_PLAN_REGS) + 1
 
 
 class CpuKernelBackend(AttentionBackend):
@@ -91,17 +94,20 @@ class CpuKernelBackend(AttentionBackend):
         v: torch.Tensor,
         kv_layer: torch.Tensor,
         out: torch.Tensor,
+        first_register: int = 0,
     ) -> list[KernelCall] | None:
         """``forward``'s kernel calls into ``out``, their per-step values left to the registers
-        ``step_registers()`` fills, for a recorded step; None where this
+        ``step_registers()`` fills (``NUM_REGISTERS`` of them from ``first_register``: a
+        hybrid model's two backends use two ranges), for a recorded step; None where this
         backend cannot (it fell back to the reference, or the row kernel's write does not
         take these pages)."""
         if self._reference is not None:
             return None
-        write = row_kernels.write_kv_call(kv_layer, row_kernels.WRITE_ROWS_REG, k, v)
+        regs = [Reg(first_register + i) for i in range(NUM_REGISTERS)]
+        write = row_kernels.write_kv_call(kv_layer, regs[-1], k, v)
         if write is None:
             return None
-        attend = row_kernels.attend_call(row_kernels.ROW_PLAN_REGS, q, kv_layer, out, self._scale)
+        attend = row_kernels.attend_call(tuple(regs[:-1]), q, kv_layer, out, self._scale)
         return [write, attend]
 
     def step_registers(self) -> tuple[int, ...]:

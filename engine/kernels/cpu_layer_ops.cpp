@@ -1,6 +1,6 @@
 // The decoder layer's elementwise work in one pass each (built by cpu_layer_ops.py): residual
 // add + RMSNorm (Llama's, and Gemma's 1 + w form with its post-norms), rotary embedding in
-// place on q and k (with per-head q/k norms), SiLU(gate) * up. bf16 on AVX-512 (the native
+// place on q and k (with per-head q/k norms), SiLU(gate) * up and GELU-tanh(gate) * up. bf16 on AVX-512 (the native
 // build); fp32, all but SiLU-and-mul, on both builds (the AVX2 one through SIMDe).
 //
 // Every result is rounded where torch's unfused ops round it (each op computes in fp32 and
@@ -391,6 +391,38 @@ int pc_silu_and_mul_bf16(const uint16_t* gate_up, int64_t stride, uint16_t* out,
         if (j < inter) {
             __mmask16 m = tail_mask(inter - j);
             store_bf16_masked(o + j, silu_mul(load_bf16_masked(g + j, m), load_bf16_masked(u + j, m)), m);
+        }
+    };
+    for_each_row(rows, rows * inter, num_threads, row);
+    return 0;
+}
+
+// out = bf16(gelu_tanh(g) * u) with gelu_tanh(g) looked up: table[bits of g] is torch's own
+// bf16 GELU of that value (cpu_layer_ops.py tabulates all 65,536 once), so it is torch's to
+// the bit whatever the math library; table holds one more element (a gather reads 32 bits).
+inline __m512 gelu_mul(__m256i g_bits, __m512 u, const int* table) {
+    __m512i idx = _mm512_cvtepu16_epi32(g_bits);
+    __m512i looked = _mm512_i32gather_epi32(idx, table, 2);
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(looked, 16)), u);
+}
+
+int pc_gelu_tanh_and_mul_bf16(const uint16_t* gate_up, int64_t stride, uint16_t* out,
+                              int64_t out_stride, int64_t rows, int64_t inter, int num_threads,
+                              const uint16_t* table) {
+    const int* t = reinterpret_cast<const int*>(table);
+    auto row = [&](int64_t i) {
+        const uint16_t* g = gate_up + i * stride;
+        const uint16_t* u = g + inter;
+        uint16_t* o = out + i * out_stride;
+        int64_t j = 0;
+        for (; j + 16 <= inter; j += 16) {
+            __m256i gb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + j));
+            store_bf16(o + j, gelu_mul(gb, load_bf16(u + j), t));
+        }
+        if (j < inter) {
+            __mmask16 m = tail_mask(inter - j);
+            __m256i gb = _mm256_maskz_loadu_epi16(m, g + j);
+            store_bf16_masked(o + j, gelu_mul(gb, load_bf16_masked(u + j, m), t), m);
         }
     };
     for_each_row(rows, rows * inter, num_threads, row);

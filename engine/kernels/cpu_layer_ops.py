@@ -1,13 +1,15 @@
 """The decoder layer's elementwise ops in one pass each (``cpu_layer_ops.cpp``): residual add +
 RMSNorm, Gemma's ``1 + w`` RMSNorm with its post-norm residual, rotary in place on q and k
-(with Qwen3's or Gemma's per-head q/k norms), SiLU-and-mul. bf16 on AVX512_BF16 CPUs (all
-four); fp32 on those and on AVX2 + FMA CPUs (all but SiLU-and-mul, whose exp is not torch's
-to the bit: fp32 models keep torch's there). ``computes(dtype)`` says which run here.
+(with Qwen3's or Gemma's per-head q/k norms), SiLU-and-mul, GELU-tanh-and-mul. bf16 on
+AVX512_BF16 CPUs (all five); fp32 on those and on AVX2 + FMA CPUs (the norms and rotary: the
+two activations' fp32 values are not torch's to the bit, so fp32 models keep torch's there).
+``computes(dtype)`` says which run here.
 
 At decode sizes torch's unfused ops cost more in per-op dispatch than in arithmetic (an
 RMSNorm is eight ops); these are one ``ctypes`` call each. Each output is rounded where
 torch's ops round it and RMSNorm sums in torch's order, so results are torch's bit for bit
-(the tests compare with ``torch.equal``, SiLU over every bf16 gate value). ``available()`` is false
+(the tests compare with ``torch.equal``, SiLU and GELU over every bf16 gate value; GELU is
+looked up in a table of torch's own). ``available()`` is false
 (and ``llama`` keeps torch's ops) where the CPU lacks the features, no compiler is found or
 ``PREFIXCACHE_CPU_KERNELS=0`` is set; see ``cpu_library``.
 """
@@ -15,9 +17,11 @@ torch's ops round it and RMSNorm sums in torch's order, so results are torch's b
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from . import cpu_library, cpu_replay
 
@@ -43,6 +47,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "pc_silu_and_mul_bf16"):
         fn = lib.pc_silu_and_mul_bf16
         fn.argtypes = [ptr, i64, ptr, i64, i64, i64, c_int]
+        fn.restype = c_int
+        fn = lib.pc_gelu_tanh_and_mul_bf16
+        fn.argtypes = [ptr, i64, ptr, i64, i64, i64, c_int, ptr]
         fn.restype = c_int
 
 
@@ -305,4 +312,45 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` ``[T, 2I]`` (``silu_call``); a new ``[T, I]`` tensor."""
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.bfloat16)
     silu_call(gate_up, out)()
+    return out
+
+
+@functools.cache
+def gelu_tanh_table() -> torch.Tensor:
+    """torch's bf16 ``gelu(x, approximate="tanh")`` of every bf16 ``x``, indexed by its bits
+    (65,536 values and one pad: the kernel's gather reads 32 bits), built once."""
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    table = torch.zeros((1 << 16) + 1, dtype=torch.int16)
+    table[: 1 << 16] = F.gelu(every, approximate="tanh").view(torch.int16)
+    return table
+
+
+def gelu_call(gate_up: torch.Tensor, out: torch.Tensor) -> cpu_replay.KernelCall:
+    """``out = gelu_tanh(gate) * up`` for ``gate_up`` ``[T, 2I]``, as ``silu_call`` (bf16);
+    GELU is torch's own value of each gate (``gelu_tanh_table``), the product rounded as
+    torch's ``mul``."""
+    rows, width = gate_up.shape
+    inter = width // 2
+    cpu_library.require(
+        gate_up.stride(1) == 1 and width == 2 * inter,
+        "gate_up.stride(1) == 1 and width == 2 * inter",
+    )
+    cpu_library.require(computes_silu_and_mul(gate_up.dtype), "gelu_and_mul computes bf16 only")
+    cpu_library.require(
+        out.shape == (rows, inter) and out.stride(1) == 1 and out.dtype == torch.bfloat16,
+        "out bf16 [T, I], the last axis contiguous",
+    )
+    return cpu_replay.KernelCall(
+        cpu_replay.GELU,
+        _lib().pc_gelu_tanh_and_mul_bf16,
+        (gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, inter,
+         torch.get_num_threads(), gelu_tanh_table().data_ptr()),
+    )  # fmt: skip
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``gate_up`` ``[T, 2I]`` (``gelu_call``); a new ``[T, I]``
+    tensor."""
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.bfloat16)
+    gelu_call(gate_up, out)()
     return out

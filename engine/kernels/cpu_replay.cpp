@@ -28,6 +28,7 @@ enum Kind : i64 {
   WRITE_KV = 6,   // pc_write_kv
   ATTEND = 7,     // pc_row_attention_*
   GEMMA_NORMS = 8,  // pc_gemma_norms_*
+  GELU = 9,       // pc_gelu_tanh_and_mul_bf16
 };
 
 inline P ptr(const i64* a, int i) { return reinterpret_cast<P>(a[i]); }
@@ -84,6 +85,9 @@ int call(const i64* row) {
       return reinterpret_cast<int (*)(P, P, P, P, P, i64, i64, float, int)>(entry)(
           ptr(a, 0), ptr(a, 1), ptr(a, 2), ptr(a, 3), ptr(a, 4), a[5], a[6], real(a, 7),
           num(a, 8));
+    case GELU:
+      return reinterpret_cast<int (*)(P, i64, P, i64, i64, i64, int, P)>(entry)(
+          ptr(a, 0), a[1], ptr(a, 2), a[3], a[4], a[5], num(a, 6), ptr(a, 7));
   }
   return -1000;
 }

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .layer_ops import TORCH_OPS, TorchLayerOps, require_fused_ops
@@ -95,9 +94,7 @@ class Gemma3MLP(MLP):
     """``down(gelu_tanh(gate(x)) * up(x))``, gate and up one GEMM once prepared."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
-        i = self.intermediate_size
-        return self.down(F.gelu(gate_up[:, :i], approximate="tanh") * gate_up[:, i:])
+        return self.down(self.ops.gelu_tanh_and_mul(self.gate_up(x), self.intermediate_size))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -218,8 +215,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         super().prepare(batch_invariant)
 
     def set_fused_ops(self, fused: bool) -> None:
-        """The norms (with their residual adds) and the rotary with the q/k norms run fused
-        on CPU (bf16, or fp32); the GeGLU is torch's."""
+        """The norms (with their residual adds), the rotary with the q/k norms and (bf16) the
+        GeGLU run fused on CPU (bf16, or fp32)."""
         if fused and not self.prepared:
             raise ValueError("the fused ops run on prepare()d layers (the rotary is in place)")
         ops = require_fused_ops(self.model.norm.weight.dtype) if fused else TORCH_OPS

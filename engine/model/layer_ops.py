@@ -61,6 +61,11 @@ class TorchLayerOps:
         gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
         return F.silu(gate).mul_(up)
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        """Gemma's GeGLU: ``gelu(gate, approximate="tanh") * up``."""
+        gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+        return F.gelu(gate, approximate="tanh") * up
+
     def gemma_rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
         return _torch_gemma_rms_norm(x, scale, eps)
 
@@ -112,6 +117,9 @@ class FusedLayerOps(TorchLayerOps):
     def silu_and_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
         return cpu_layer_ops.silu_and_mul(gate_up)
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        return cpu_layer_ops.gelu_tanh_and_mul(gate_up)
+
     def gemma_rms_norm(self, x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
         return cpu_layer_ops.gemma_rms_norm(x, scale, eps)
 
@@ -134,12 +142,15 @@ class FusedLayerOps(TorchLayerOps):
 
 
 class FusedNormsLayerOps(FusedLayerOps):
-    """``cpu_layer_ops``' norms and rotary, torch's SiLU-and-mul (fp32)."""
+    """``cpu_layer_ops``' norms and rotary, torch's SiLU- and GELU-and-mul (fp32)."""
 
     __slots__ = ()
 
     def silu_and_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
         return TorchLayerOps.silu_and_mul(self, gate_up, intermediate)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        return TorchLayerOps.gelu_tanh_and_mul(self, gate_up, intermediate)
 
 
 TORCH_OPS = TorchLayerOps()

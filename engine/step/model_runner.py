@@ -99,11 +99,6 @@ class ModelRunner:
         ):
             raise ValueError("KV cache spec does not match the model (layers, kv heads, head dim)")
         self.on_plan = on_plan
-        self.replay: StepReplay | None = None
-        self.replay_off_reason = step_replay.unsupported_reason(self.model, backend, spec.dtype)
-        if self.replay_off_reason is None and not kv_cache.local_layers:
-            assert isinstance(backend, CpuKernelBackend)  # unsupported_reason checked it
-            self.replay = StepReplay(self.model, backend, kv_cache.layers)  # type: ignore[arg-type]
         self.window = 0
         self.local_backend = local_backend
         self._layer_backends = [backend] * cfg.num_layers
@@ -121,6 +116,20 @@ class ModelRunner:
             local_backend.prepare(self.shape, torch.device(self.device))
             for i in kv_cache.local_layers:
                 self._layer_backends[i] = local_backend
+        self.replay: StepReplay | None = None
+        local = local_backend if kv_cache.local_layers else None
+        self.replay_off_reason = step_replay.unsupported_reason(
+            self.model, backend, spec.dtype, local
+        )
+        if self.replay_off_reason is None:
+            assert isinstance(backend, CpuKernelBackend)  # unsupported_reason checked both
+            assert local is None or isinstance(local, CpuKernelBackend)
+            self.replay = StepReplay(
+                self.model,  # type: ignore[arg-type]
+                backend,
+                kv_cache.layers,
+                local_backend=local,
+            )
 
     @torch.inference_mode()
     def execute(self, batch: list[BatchEntry]) -> torch.Tensor:

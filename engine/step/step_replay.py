@@ -10,9 +10,11 @@ registers. Every call is the eager path's own (``KernelCall``), with the same ar
 but the buffers, so every row gets the same bits (tests/test_step_replay.py compares).
 
 It applies where every op of the layer is a kernel of the engine's: a prepared bf16 Llama
-model on the batch-invariant GEMMs (``Gemm``'s packed kernel or GGUF-quantized weights),
-the fused layer ops with SiLU-and-mul, and the CPU row-attention backend over pages in the
-model's dtype or fp8 (the K/V write rounds as ``kv_dtype.to_kv`` does, in the kernel). All rows go through the last layer (the eager path drops the rows without
+or Gemma 3 model on the batch-invariant GEMMs (``Gemm``'s packed kernel or GGUF-quantized
+weights), the fused layer ops with SiLU- or GELU-and-mul, and the CPU row-attention backend
+over pages in the model's dtype or fp8 (the K/V write rounds as ``kv_dtype.to_kv`` does, in
+the kernel). Gemma 3's sliding layers attend through their own backend (the local pages'
+plan): its registers follow the global one's, and its layers rotate by the local rope base. All rows go through the last layer (the eager path drops the rows without
 logits after attention): rows are independent, so the kept rows' bits are the same.
 """
 
@@ -24,11 +26,12 @@ import torch
 
 from .. import settings
 from ..attention import AttentionBackend, kv_dtype
-from ..attention.cpu_backend import CpuKernelBackend
+from ..attention.cpu_backend import NUM_REGISTERS, CpuKernelBackend
 from ..kernels import cpu_layer_ops, cpu_replay
 from ..kernels.cpu_qgemm import QuantizedLinear
 from ..kernels.cpu_replay import KernelCall, Program
 from ..kernels.linear import Gemm
+from ..model.gemma3 import Gemma3ForCausalLM, Gemma3Model
 from ..model.llama import LlamaForCausalLM
 
 # Steps up to this many tokens replay. The 4-7 ms of Python a SmolLM2 step saves is 35 % of a
@@ -38,22 +41,34 @@ MAX_PROGRAMS = 128  # recorded (token count, threads) programs kept, least recen
 
 
 def unsupported_reason(
-    model: torch.nn.Module, backend: AttentionBackend, page_dtype: torch.dtype
+    model: torch.nn.Module,
+    backend: AttentionBackend,
+    page_dtype: torch.dtype,
+    local_backend: AttentionBackend | None = None,
 ) -> str | None:
-    """Why a step of ``model`` on ``backend`` cannot replay here (None when it can)."""
+    """Why a step of ``model`` on ``backend`` (and ``local_backend`` for its sliding layers)
+    cannot replay here (None when it can)."""
     if not settings.step_replay_enabled():
         return f"{settings.STEP_REPLAY_ENV}=0"
-    if type(model) is not LlamaForCausalLM:
-        return f"{type(model).__name__} is not the Llama-family decoder"
+    if type(model) not in (LlamaForCausalLM, Gemma3ForCausalLM):
+        return f"{type(model).__name__} is neither the Llama-family decoder nor Gemma 3"
     if not (model.prepared and model.fused_ops):
         return "the model does not run the fused layer ops"
     dtype = model.model.norm.weight.dtype
     if not cpu_layer_ops.computes_silu_and_mul(dtype):
-        return f"{dtype} weights (the fused SiLU-and-mul computes bf16 only)"
+        return f"{dtype} weights (the fused SiLU- and GELU-and-mul compute bf16 only)"
     if page_dtype != dtype and not kv_dtype.is_fp8(page_dtype):
         return f"{page_dtype} pages under {dtype} weights"
-    if not isinstance(backend, CpuKernelBackend) or not backend.batch_invariant:
-        return f"the attention backend is {backend.name}, not the CPU row kernel"
+    sliding = isinstance(model, Gemma3ForCausalLM) and any(
+        layer.sliding for layer in model.model.layers
+    )
+    for b in (backend, local_backend) if sliding else (backend,):
+        if not isinstance(b, CpuKernelBackend) or not b.batch_invariant:
+            name = None if b is None else b.name
+            return f"the attention backend is {name}, not the CPU row kernel"
+    gemma = isinstance(model, Gemma3ForCausalLM)
+    if gemma and any(layer.self_attn.q_scale != 1.0 for layer in model.model.layers):
+        return "Gemma's query_pre_attn_scalar differs from head_dim (q is scaled first)"
     projections = []
     for layer in model.model.layers:
         projections += [layer.self_attn.qkv, layer.self_attn.out]
@@ -83,9 +98,11 @@ def _projection_call(projection: object, x: torch.Tensor, out: torch.Tensor) -> 
 class StepReplay:
     """``model``'s forward over steps of at most ``max_tokens`` tokens, as programs recorded
     per token count (and thread count) over one set of buffers sized for ``max_tokens``.
-    ``kv_layers``: the pages of each layer; ``backend``: the step's planned attention."""
+    ``kv_layers``: the pages of each layer; ``backend``: the step's planned attention;
+    ``local_backend``: a hybrid model's sliding layers' (planned over their local pages)."""
 
-    __slots__ = ("_backend", "_buffers", "_kv_layers", "_model", "_programs", "max_tokens")
+    __slots__ = ("_backend", "_buffers", "_kv_layers", "_local_backend", "_model", "_programs")
+    __slots__ += ("max_tokens",)
 
     def __init__(
         self,
@@ -93,8 +110,10 @@ class StepReplay:
         backend: CpuKernelBackend,
         kv_layers: list[torch.Tensor],
         max_tokens: int = MAX_TOKENS,
+        local_backend: CpuKernelBackend | None = None,
     ) -> None:
         self._model, self._backend, self._kv_layers = model, backend, kv_layers
+        self._local_backend = local_backend
         self.max_tokens = max_tokens
         cfg = model.config
         dtype = model.model.norm.weight.dtype
@@ -114,20 +133,30 @@ class StepReplay:
             "cos": buffer(1, d // 2),
             "sin": buffer(1, d // 2),
         }
+        if isinstance(model, Gemma3ForCausalLM):
+            self._buffers["mlp_out"] = buffer(cfg.hidden_size)
+            self._buffers["cos_local"] = buffer(1, d // 2)
+            self._buffers["sin_local"] = buffer(1, d // 2)
         self._programs: OrderedDict[tuple[int, int], Program] = OrderedDict()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The final hidden states ``[T, hidden]`` of every token (the backend planned for
+        """The final hidden states ``[T, hidden]`` of every token (the backends planned for
         this step): a view of a buffer the next call overwrites."""
         t = input_ids.shape[0]
         if not 0 < t <= self.max_tokens:
             raise ValueError(f"a replayed step holds 1 to {self.max_tokens} tokens, not {t}")
         inner = self._model.model
         buffers = self._buffers
-        buffers["residual"][:t].copy_(inner.embed_tokens(input_ids))
-        cos, sin = inner.rotary_emb(positions, buffers["cos"].dtype)
-        buffers["cos"][:t].copy_(cos)
-        buffers["sin"][:t].copy_(sin)
+        x = inner.embed_tokens(input_ids)
+        rotations = [("cos", "sin", inner.rotary_emb)]
+        if isinstance(inner, Gemma3Model):  # as Gemma3Model.forward: scale rounded to x's dtype
+            x = x * torch.tensor(inner.embed_scale, dtype=x.dtype)
+            rotations.append(("cos_local", "sin_local", inner.rotary_emb_local))
+        buffers["residual"][:t].copy_(x)
+        for cos_name, sin_name, rotary in rotations:
+            cos, sin = rotary(positions, buffers["cos"].dtype)
+            buffers[cos_name][:t].copy_(cos)
+            buffers[sin_name][:t].copy_(sin)
         key = (t, torch.get_num_threads())
         program = self._programs.get(key)
         if program is None:  # recording takes ~5 ms for SmolLM2's 30 layers
@@ -136,16 +165,44 @@ class StepReplay:
                 self._programs.popitem(last=False)
         else:
             self._programs.move_to_end(key)
-        program.run(self._backend.step_registers())
+        registers = self._backend.step_registers()
+        if self._local_backend is not None:
+            registers += self._local_backend.step_registers()
+        program.run(registers)
         return buffers["hidden"][:t]
 
     def _record(self, t: int) -> Program:
-        """The calls of ``LlamaModel.forward`` (fused ops) over ``t`` rows of the buffers."""
+        """The calls of the model's forward (fused ops) over ``t`` rows of the buffers."""
+        b = {name: buf[:t] for name, buf in self._buffers.items()}
+        if isinstance(self._model, Gemma3ForCausalLM):
+            calls = self._record_gemma(b)
+        else:
+            calls = self._record_llama(b)
+        keep = [*self._buffers.values(), *self._kv_layers]
+        return Program(calls, keep)
+
+    def _qkv(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         cfg = self._model.config
         hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        b = {name: buf[:t] for name, buf in self._buffers.items()}
+        t = b["qkv"].shape[0]
+        return b["qkv"].view(t, hq + 2 * hk, d).split((hq, hk, hk), dim=1)
+
+    def _attend(
+        self, b: dict[str, torch.Tensor], layer: int, local: bool, q: torch.Tensor, k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> list[KernelCall]:  # fmt: skip
+        backend = self._local_backend if local else self._backend
+        assert backend is not None  # unsupported_reason checked a hybrid model's backends
+        first = NUM_REGISTERS if local else 0
+        recorded = backend.record_layer(q, k, v, self._kv_layers[layer], b["attention"], first)
+        assert recorded is not None  # unsupported_reason checked the backend and pages
+        return recorded
+
+    def _record_llama(self, b: dict[str, torch.Tensor]) -> list[KernelCall]:
+        """``LlamaModel.forward``'s calls."""
         residual, hidden = b["residual"], b["hidden"]
-        q, k, v = b["qkv"].view(t, hq + 2 * hk, d).split((hq, hk, hk), dim=1)
+        q, k, v = self._qkv(b)
+        t = q.shape[0]
         calls: list[KernelCall] = []
         inner = self._model.model
         for i, layer in enumerate(inner.layers):
@@ -159,11 +216,9 @@ class StepReplay:
             attn = layer.self_attn
             calls.append(_projection_call(attn.qkv, hidden, b["qkv"]))
             calls.append(cpu_layer_ops.rotary_call(q, k, b["cos"], b["sin"], attn.qk_norms()))
-            recorded = self._backend.record_layer(q, k, v, self._kv_layers[i], b["attention"])
-            assert recorded is not None  # unsupported_reason checked the backend and pages
-            calls += recorded
+            calls += self._attend(b, i, False, q, k, v)
             out = b["attention_out"]
-            calls.append(_projection_call(attn.out, b["attention"].view(t, hq * d), out))
+            calls.append(_projection_call(attn.out, b["attention"].view(t, -1), out))
             post = layer.post_attention_layernorm
             calls.append(cpu_layer_ops.norm_call(out, post.weight, post.eps, out, residual))
             calls.append(_projection_call(layer.mlp.gate_up, out, b["gate_up"]))
@@ -171,5 +226,42 @@ class StepReplay:
             calls.append(_projection_call(layer.mlp.down, b["act"], hidden))
         final = inner.norm
         calls.append(cpu_layer_ops.norm_call(hidden, final.weight, final.eps, hidden, residual))
-        keep = [*self._buffers.values(), *self._kv_layers]
-        return Program(calls, keep)
+        return calls
+
+    def _record_gemma(self, b: dict[str, torch.Tensor]) -> list[KernelCall]:
+        """``Gemma3Model.forward``'s calls: ``hidden`` holds each layer's normed input, each
+        sublayer's output goes through its post-norm into the residual and the next pre-norm
+        in one call (the last one's next norm is the final one)."""
+        residual, hidden = b["residual"], b["hidden"]
+        q, k, v = self._qkv(b)
+        t = q.shape[0]
+        inner = self._model.model
+        layers = list(inner.layers)
+        first = layers[0].input_layernorm.scale
+        calls = [
+            cpu_layer_ops.gemma_norms_call(residual, None, None, first, hidden, inner.norm.eps)
+        ]
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            calls.append(_projection_call(attn.qkv, hidden, b["qkv"]))
+            cos, sin = (b["cos_local"], b["sin_local"]) if layer.sliding else (b["cos"], b["sin"])
+            norms = (attn.q_norm.scale, attn.k_norm.scale, attn.q_norm.eps)
+            calls.append(cpu_layer_ops.rotary_call(q, k, cos, sin, norms, gemma_norms=True))
+            calls += self._attend(b, i, layer.sliding, q, k, v)
+            out = b["attention_out"]
+            calls.append(_projection_call(attn.out, b["attention"].view(t, -1), out))
+            post, pre = layer.post_attention_layernorm.scale, layer.pre_feedforward_layernorm.scale
+            calls.append(
+                cpu_layer_ops.gemma_norms_call(out, residual, post, pre, hidden, layer.eps)
+            )
+            calls.append(_projection_call(layer.mlp.gate_up, hidden, b["gate_up"]))
+            calls.append(cpu_layer_ops.gelu_call(b["gate_up"], b["act"]))
+            calls.append(_projection_call(layer.mlp.down, b["act"], b["mlp_out"]))
+            post = layer.post_feedforward_layernorm.scale
+            nxt = inner.norm if i == len(layers) - 1 else layers[i + 1].input_layernorm
+            calls.append(
+                cpu_layer_ops.gemma_norms_call(
+                    b["mlp_out"], residual, post, nxt.scale, hidden, layer.eps
+                )
+            )
+        return calls
