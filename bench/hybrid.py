@@ -4,7 +4,8 @@ Four figures, through the whole engine (scheduler, chunked prefill, paged pools)
 
 - ``shared``: a 2K-token prefix served to 16 requests, each with its own 64-token suffix:
   hit rate, TTFT cold vs warm (median of the 15 warm ones), and the warm speedup against the
-  ideal one (the FLOP ratio, window-aware: bench/flops.py).
+  ideal one (the FLOP ratio, window-aware: bench/flops.py); the LM head's time in the warm
+  requests (one row reads the whole tied 262K x 640 head) and the efficiency it alone allows.
 - ``lengths``: a hit at every prompt length above one page: for each length L, a request
   over L shared tokens after one that cached them; the cached tokens it reports, against all
   the first request's full blocks could give (only full blocks are stored).
@@ -25,6 +26,7 @@ import random
 import statistics
 import time
 
+import torch
 from flops import prefill_flops
 
 from prefixcache.engine.config import EngineConfig
@@ -60,6 +62,20 @@ def all_global(loaded: LoadedModel) -> LoadedModel:
     return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, layer_windows=()))
 
 
+def timing_head(engine: LLMEngine, seconds: list[float]) -> None:
+    """Time every LM head call (``compute_logits``) of ``engine``'s model into ``seconds``."""
+    model = engine.runner.model
+    compute_logits = model.compute_logits
+
+    def timed(hidden: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = compute_logits(hidden)
+        seconds.append(time.perf_counter() - start)
+        return logits
+
+    model.compute_logits = timed  # an instance attribute: this engine's model only
+
+
 def shared(loaded: LoadedModel, rng: random.Random, prefix_len: int, n: int) -> dict:
     vocab = loaded.config.vocab_size
     engine = LLMEngine(config(loaded, num_blocks=4096, max_num_batched_tokens=2048), loaded)
@@ -68,14 +84,21 @@ def shared(loaded: LoadedModel, rng: random.Random, prefix_len: int, n: int) -> 
     prefix = tokens(rng, prefix_len, vocab)
     suffixes = [tokens(rng, 64, vocab) for _ in range(n)]
     cold, _ = ttft(engine, "r0", prefix + suffixes[0])
+    head: list[float] = []
+    timing_head(engine, head)
     warm, cached = [], []
     for i, s in enumerate(suffixes[1:], 1):
         t, c = ttft(engine, f"r{i}", prefix + s)
         warm.append(t)
         cached.append(c)
+    del engine.runner.model.compute_logits
     total = prefix_len + 64
     ideal = prefill_flops(loaded.config, 0, total) / prefill_flops(loaded.config, prefix_len, 64)
     speedup = cold / statistics.median(warm)
+    # The LM head reads its whole weight for one row, cold and warm alike (memory-bound, not
+    # counted by the FLOP ideal): the efficiency if everything else scaled ideally.
+    head_s = statistics.median(head)
+    ceiling = cold / ((cold - head_s) / ideal + head_s) / ideal
     return {
         "requests": n,
         "prefix": prefix_len,
@@ -86,6 +109,8 @@ def shared(loaded: LoadedModel, rng: random.Random, prefix_len: int, n: int) -> 
         "speedup": round(speedup, 2),
         "ideal_speedup": round(ideal, 2),
         "efficiency": round(speedup / ideal, 3),
+        "warm_head_p50_ms": round(head_s * 1e3, 1),
+        "efficiency_ceiling_with_head": round(ceiling, 3),
     }
 
 
@@ -217,7 +242,8 @@ def main() -> None:
         f"shared {s['prefix']}-token prefix x {s['requests']}: hit rate {s['hit_rate']} "
         f"(ideal {s['ideal_hit_rate']}), TTFT cold {s['cold_ttft_ms']} ms, warm p50 "
         f"{s['warm_ttft_p50_ms']} ms: {s['speedup']}x of ideal {s['ideal_speedup']}x "
-        f"(efficiency {s['efficiency']})"
+        f"(efficiency {s['efficiency']}); LM head {s['warm_head_p50_ms']} ms a warm request: "
+        f"efficiency at most {s['efficiency_ceiling_with_head']} with it"
     )
     print(
         f"hits at every length: {figures['lengths']['hit_at_every_length']} "
