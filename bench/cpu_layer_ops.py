@@ -89,6 +89,10 @@ def op_cases(
             lambda: cpu_layer_ops.silu_and_mul(gate_up),
             lambda: F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]),
         ),
+        "gelu_tanh_and_mul": (
+            lambda: cpu_layer_ops.gelu_tanh_and_mul(gate_up),
+            lambda: F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:],
+        ),
     }
 
 
@@ -160,7 +164,7 @@ def main() -> None:
                 "ratio": round(torch_us / fused_us, 2),
             }
             print(
-                f"{name:>13} {rows:5d} rows: fused {fused_us:8.1f} us, torch {torch_us:8.1f} us,"
+                f"{name:>17} {rows:5d} rows: fused {fused_us:8.1f} us, torch {torch_us:8.1f} us,"
                 f" {torch_us / fused_us:5.2f}x"
             )
     result["ops"] = ops

@@ -1,0 +1,96 @@
+"""Every layer GEMM of a model, one pass at M rows, as a step meets them (weights from L3 or
+memory: the pass reads all of them before the first comes round again).
+
+For each ``--rows`` M: the median time of a pass over every layer's QKV, output, gate/up and
+down projections (the prepared model's own ``Gemm``s, the engine's default kernel), its
+TFLOP/s, and the ratio of that rate to the rate at ``--full-rows`` (2,048: a cold prefill
+chunk). At few rows each weight panel serves few row tiles, so the rate falls; a warm suffix
+(64 rows) is where the hybrid bench's efficiency is decided.
+
+    .venv/bin/python bench/layer_gemms.py [--model gemma3] [--rows 1 16 64 256] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from prefixcache.engine.kernels.cpu_features import cpu_model_name
+from prefixcache.engine.model.loader import load_model
+
+
+def pass_ms(model: torch.nn.Module, rows: int, seconds: float) -> tuple[float, int]:
+    """Median ms of one pass at ``rows`` rows over ``seconds``; the pass's multiply-adds."""
+    layers = list(model.model.layers)
+    attn, mlp = layers[0].self_attn, layers[0].mlp
+    widths = {
+        "qkv": attn.num_heads * attn.head_dim,  # the output projection's input
+        "hidden": model.config.hidden_size,
+        "inter": mlp.intermediate_size,
+    }
+    x = {k: torch.randn(rows, w).to(model.model.norm.weight.dtype) for k, w in widths.items()}
+    calls = []
+    for layer in layers:
+        a, m = layer.self_attn, layer.mlp
+        calls += [(a.qkv, x["hidden"]), (a.out, x["qkv"]), (m.gate_up, x["hidden"])]
+        calls.append((m.down, x["inter"]))
+    macs = sum(
+        p.numel()
+        for name, p in model.model.layers.named_parameters()
+        if name.endswith("_proj.weight")
+    )
+    for fn, arg in calls:  # first-call costs
+        fn(arg)
+    times = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 3:
+        start = time.perf_counter()
+        for fn, arg in calls:
+            fn(arg)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3, macs * rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gemma3")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--full-rows", type=int, default=2048)
+    ap.add_argument("--seconds", type=float, default=5.0, help="per row count")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    loaded = load_model(args.model, dtype=args.dtype, device="cpu")
+    model = loaded.model
+    model.prepare()
+    full_ms, full_macs = pass_ms(model, args.full_rows, args.seconds)
+    full_rate = 2 * full_macs / full_ms / 1e9
+    rows = []
+    for m in args.rows:
+        ms, macs = pass_ms(model, m, args.seconds)
+        rate = 2 * macs / ms / 1e9
+        rows.append({"rows": m, "ms": round(ms, 2), "tflops": round(rate, 3)})
+        rows[-1]["rate_vs_full"] = round(rate / full_rate, 3)
+        print(
+            f"{m:5d} rows: {ms:8.2f} ms a pass, {rate:6.3f} TFLOP/s, "
+            f"{rate / full_rate:.3f}x the rate at {args.full_rows} rows"
+        )
+    print(f"{args.full_rows:5d} rows: {full_ms:8.2f} ms a pass, {full_rate:6.3f} TFLOP/s")
+    if args.json:
+        figures = {
+            "cpu": cpu_model_name(),
+            "model": args.model,
+            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "full": {"rows": args.full_rows, "ms": round(full_ms, 2), "tflops": full_rate},
+            "rows": rows,
+        }
+        print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
