@@ -21,6 +21,7 @@ import torch
 
 from prefixcache.engine.kernels.cpu_features import cpu_model_name
 from prefixcache.engine.model.loader import load_model
+from prefixcache.engine.model.progress import progress_iter
 
 
 def pass_ms(model: torch.nn.Module, rows: int, seconds: float) -> tuple[float, int]:
@@ -70,7 +71,7 @@ def main() -> None:
     full_ms, full_macs = pass_ms(model, args.full_rows, args.seconds)
     full_rate = 2 * full_macs / full_ms / 1e9
     rows = []
-    for m in args.rows:
+    for m in progress_iter(args.rows, "row counts"):
         ms, macs = pass_ms(model, m, args.seconds)
         rate = 2 * macs / ms / 1e9
         rows.append({"rows": m, "ms": round(ms, 2), "tflops": round(rate, 3)})

@@ -84,6 +84,10 @@ CASES = {
         {"available", "cpu"},
     ),
     "window_decode.py": (["--batch", "1"], {"cpu", "threads", "rows"}),
+    "layer_gemms.py": (
+        ["--model", "demo", "--rows", "1", "4", "--full-rows", "32", "--seconds", "0.05"],
+        {"cpu", "threads", "full", "rows"},
+    ),
     "row_attention.py": (["--scale", "0.05", "--reps", "1"], {"cpu", "target", "threads", "rows"}),
     "qgemm.py": (  # SmolLM2 (the named model, fetched once), tiny sizes
         ["--shapes", "64x256", "--rows", "1,8", "--repeat", "1", "--budget-ms", "1"]
