@@ -27,10 +27,11 @@ namespace {
 constexpr int64_t NP = 64;         // columns per panel (cpu_gemm.cpp's layout)
 constexpr int64_t KSTEP = 32;      // k per tile step (16 pairs)
 constexpr int64_t ROW_CHUNK = 256;  // rows per task: a half panel's B stays in L2 for them
-// A task's first rows prefetch B (both 64-byte halves of each k-pair row) this many k steps
-// ahead: its B comes from L3 or memory once, and at a few row tiles (a warm suffix, decode) the
-// tile loads waited on it. Gemma 3's 72 GEMMs at 64 rows: 8.6-11.4 -> 8.0-8.9 ms (interleaved
-// runs); 2 and 8 steps, or one half only, were no better; 2,048 rows unchanged.
+// A task's first two row tiles prefetch B (both 64-byte halves of each k-pair row) this many
+// k steps ahead: its B comes from L3 or memory once, and at a few row tiles (a warm suffix)
+// the tile loads waited on it. Gemma 3's 72 layer GEMMs at 64 rows, interleaved runs of
+// bench/layer_gemms.py: 8.6-11.4 -> 8.0-8.9 ms on a busy box, 7.5-8.4 -> 7.5 on a quiet one;
+// 2 and 8 steps, or one half only, were no better; 2,048 rows unchanged.
 constexpr int64_t PF_STEPS = 4;
 
 inline __mmask16 lane_mask(int64_t n) {
@@ -57,10 +58,10 @@ PC_AMX void store_block(const float* c, int rows, int64_t col, int64_t n, const 
 
 // Rows [r0, r0 + 16 * MT) (those below m) x the 32 columns of panel `pn` from column c0.
 // `pad` is a 2 x 16 x 32 bf16 scratch whose rows past m stay zero.
-template <int MT>
+template <int MT, bool PREFETCH>
 PC_AMX void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m, const uint32_t* panel,
                   int64_t k, int64_t n, int64_t pn, int64_t c0, const float* bias,
-                  uint16_t* out, int64_t ldo, bool f32_out, uint16_t* pad, bool prefetch) {
+                  uint16_t* out, int64_t ldo, bool f32_out, uint16_t* pad) {
   const int64_t live[2] = {std::min<int64_t>(16, m - r0),
                            MT == 2 ? std::min<int64_t>(16, m - r0 - 16) : 0};
   const bool in_place[2] = {live[0] == 16, live[1] == 16};
@@ -74,7 +75,7 @@ PC_AMX void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m, const u
   }
   const uint32_t* b = panel + c0;
   for (int64_t k0 = 0; k0 < k; k0 += KSTEP, b += (KSTEP / 2) * NP) {
-    if (prefetch && k0 + PF_STEPS * KSTEP < k) {
+    if (PREFETCH && k0 + PF_STEPS * KSTEP < k) {
       const uint32_t* ahead = b + PF_STEPS * (KSTEP / 2) * NP;
       for (int r = 0; r < KSTEP / 2; ++r) {
         _mm_prefetch(reinterpret_cast<const char*>(ahead + r * NP), _MM_HINT_T0);
@@ -154,11 +155,15 @@ void pc_gemm_bf16_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t*
       const uint32_t* panel = packed + pn * panel_words;
       const int64_t r_end = std::min(m, (chunk + 1) * ROW_CHUNK);
       for (int64_t r0 = chunk * ROW_CHUNK; r0 < r_end; r0 += 32) {
-        const bool first = r0 == chunk * ROW_CHUNK;  // later blocks find B in L1 / L2
-        if (r_end - r0 > 16)
-          block<2>(x, ldx, r0, m, panel, k, n, pn, half * 32, bias, out, ldo, f32_out, pad, first);
+        // A task's first two row tiles prefetch (later ones find B in L1 / L2). One row tile
+        // never does, and takes the loop without the test: Gemma's pass at one row was 2-3 %
+        // slower either way (3.9-4.5 ms against 3.8-4.1), the same once it was a template.
+        if (r_end - r0 <= 16)
+          block<1, false>(x, ldx, r0, m, panel, k, n, pn, half * 32, bias, out, ldo, f32_out, pad);
+        else if (r0 == chunk * ROW_CHUNK)
+          block<2, true>(x, ldx, r0, m, panel, k, n, pn, half * 32, bias, out, ldo, f32_out, pad);
         else
-          block<1>(x, ldx, r0, m, panel, k, n, pn, half * 32, bias, out, ldo, f32_out, pad, first);
+          block<2, false>(x, ldx, r0, m, panel, k, n, pn, half * 32, bias, out, ldo, f32_out, pad);
       }
     }
     pc_amx::release();
