@@ -128,18 +128,22 @@ def test_rotary_in_place_is_rotate_half_bit_for_bit(
     assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "v untouched"
 
 
+def every_bf16_gate(inter: int) -> torch.Tensor:
+    """``gate_up`` ``[T, 2 inter]``: every non-NaN bf16 value once as a gate (a multiple of 64
+    of them), a random up."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    gates = bits.view(torch.bfloat16)
+    gates = gates[~torch.isnan(gates)]
+    gate = gates[: gates.numel() // 64 * 64].view(-1, inter)
+    return torch.cat([gate, rand(*gate.shape, seed=inter, scale=3.0)], dim=1)
+
+
 @needs_bf16_silu
 def test_silu_and_mul_is_torchs_for_every_bf16_gate() -> None:
     """Every finite or infinite bf16 gate value, through torch's vectorized rows (32 wide) and
     its scalar path (a one-column, strided gate), times a random up."""
-    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    gates = bits.view(torch.bfloat16)
-    gates = gates[~torch.isnan(gates)]
-    gates = gates[: gates.numel() // 32 * 32]
     for inter in (32, 1):
-        gate = gates.view(-1, inter)
-        up = rand(*gate.shape, seed=inter, scale=3.0)
-        gate_up = torch.cat([gate, up], dim=1)
+        gate_up = every_bf16_gate(inter)
         want = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
         got = cpu_layer_ops.silu_and_mul(gate_up)  # silu(-inf) is NaN in both
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
@@ -161,14 +165,9 @@ def test_gelu_tanh_and_mul_is_torchs_for_every_bf16_gate() -> None:
     another tanh: it differs at four gates only (GELU of -5.06 ... -5.16 is -0 in
     the vector loop, -1.5e-7 in the scalar one: products under 1e-6); the kernel gives the vector loop's value in
     every position, so a value never depends on its column."""
-    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    gates = bits.view(torch.bfloat16)
-    gates = gates[~torch.isnan(gates)]
-    gates = gates[: gates.numel() // 64 * 64]
     for inter in (64, 1):
-        gate = gates.view(-1, inter)
-        up = rand(*gate.shape, seed=inter, scale=3.0)
-        gate_up = torch.cat([gate, up], dim=1)
+        gate_up = every_bf16_gate(inter)
+        gate = gate_up[:, :inter]
         want = F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:]
         got = cpu_layer_ops.gelu_tanh_and_mul(gate_up)
         same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())

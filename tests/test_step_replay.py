@@ -44,13 +44,18 @@ def variant(loaded: LoadedModel, model_type: str) -> LoadedModel:
     config = dataclasses.replace(
         loaded.config, model_type=model_type, attention_bias=model_type == "qwen2"
     )
-    torch.manual_seed(1)
+    return random_model(loaded, config, model_type, seed=1)
+
+
+def random_model(loaded: LoadedModel, config: ModelConfig, name: str, seed: int) -> LoadedModel:
+    """``loaded`` with a bf16 model of ``config``, its weights drawn from N(0, 0.2)."""
+    torch.manual_seed(seed)
     model = causal_lm_class(config)(config)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     model = model.to(torch.bfloat16).eval().requires_grad_(False)
-    return dataclasses.replace(loaded, model=model, config=config, fingerprint=model_type)
+    return dataclasses.replace(loaded, model=model, config=config, fingerprint=name)
 
 
 WINDOW = 40  # the tiny Gemma's sliding layers: two and a half pages
@@ -70,13 +75,7 @@ def tiny_gemma3(demo: LoadedModel, query_pre_attn_scalar: int = 64) -> LoadedMod
             rope_local_base_freq=1e4, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
         )
     )  # fmt: skip
-    torch.manual_seed(3)
-    model = causal_lm_class(config)(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model = model.to(torch.bfloat16).eval().requires_grad_(False)
-    return dataclasses.replace(demo, model=model, config=config, fingerprint="tiny-gemma3")
+    return random_model(demo, config, "tiny-gemma3", seed=3)
 
 
 def runner_pair(

@@ -286,26 +286,28 @@ def rotary_(
         raise ValueError(f"rotary needs an even head dim, not {q.shape[2]}")
 
 
-def silu_call(gate_up: torch.Tensor, out: torch.Tensor) -> cpu_replay.KernelCall:
-    """``out = silu(gate) * up`` for ``gate_up`` ``[T, 2I]`` (bf16, gate then up, rows strided,
-    the last axis contiguous) into ``out`` ``[T, I]`` (bf16, the last axis contiguous)."""
+def _gated_args(gate_up: torch.Tensor, out: torch.Tensor, what: str) -> tuple[int, ...]:
+    """The arguments both gated activations take, ``gate_up`` and ``out`` checked."""
     rows, width = gate_up.shape
     inter = width // 2
     cpu_library.require(
         gate_up.stride(1) == 1 and width == 2 * inter,
         "gate_up.stride(1) == 1 and width == 2 * inter",
     )
-    cpu_library.require(computes_silu_and_mul(gate_up.dtype), "silu_and_mul computes bf16 only")
+    cpu_library.require(computes_silu_and_mul(gate_up.dtype), f"{what} computes bf16 only")
     cpu_library.require(
         out.shape == (rows, inter) and out.stride(1) == 1 and out.dtype == torch.bfloat16,
         "out bf16 [T, I], the last axis contiguous",
     )
-    return cpu_replay.KernelCall(
-        cpu_replay.SILU,
-        _lib().pc_silu_and_mul_bf16,
-        (gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, inter,
-         torch.get_num_threads()),
-    )  # fmt: skip
+    return (gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, inter,
+            torch.get_num_threads())  # fmt: skip
+
+
+def silu_call(gate_up: torch.Tensor, out: torch.Tensor) -> cpu_replay.KernelCall:
+    """``out = silu(gate) * up`` for ``gate_up`` ``[T, 2I]`` (bf16, gate then up, rows strided,
+    the last axis contiguous) into ``out`` ``[T, I]`` (bf16, the last axis contiguous)."""
+    args = _gated_args(gate_up, out, "silu_and_mul")
+    return cpu_replay.KernelCall(cpu_replay.SILU, _lib().pc_silu_and_mul_bf16, args)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -329,23 +331,8 @@ def gelu_call(gate_up: torch.Tensor, out: torch.Tensor) -> cpu_replay.KernelCall
     """``out = gelu_tanh(gate) * up`` for ``gate_up`` ``[T, 2I]``, as ``silu_call`` (bf16);
     GELU is torch's own value of each gate (``gelu_tanh_table``), the product rounded as
     torch's ``mul``."""
-    rows, width = gate_up.shape
-    inter = width // 2
-    cpu_library.require(
-        gate_up.stride(1) == 1 and width == 2 * inter,
-        "gate_up.stride(1) == 1 and width == 2 * inter",
-    )
-    cpu_library.require(computes_silu_and_mul(gate_up.dtype), "gelu_and_mul computes bf16 only")
-    cpu_library.require(
-        out.shape == (rows, inter) and out.stride(1) == 1 and out.dtype == torch.bfloat16,
-        "out bf16 [T, I], the last axis contiguous",
-    )
-    return cpu_replay.KernelCall(
-        cpu_replay.GELU,
-        _lib().pc_gelu_tanh_and_mul_bf16,
-        (gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), rows, inter,
-         torch.get_num_threads(), gelu_tanh_table().data_ptr()),
-    )  # fmt: skip
+    args = (*_gated_args(gate_up, out, "gelu_tanh_and_mul"), gelu_tanh_table().data_ptr())
+    return cpu_replay.KernelCall(cpu_replay.GELU, _lib().pc_gelu_tanh_and_mul_bf16, args)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
