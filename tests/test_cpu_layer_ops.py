@@ -162,9 +162,9 @@ def test_gelu_tanh_and_mul_is_torchs_for_every_bf16_gate() -> None:
     """Every bf16 gate value times a random up: equal to ``F.gelu(gate, approximate="tanh") *
     up`` through torch's vectorized loop (rows a multiple of 64 wide; the model's 2,048 and
     every Gemma 3's). torch's scalar tail (a row's last ``inter % 64``, here one wide) uses
-    another tanh: it differs at four gates only (GELU of -5.06 ... -5.16 is -0 in
-    the vector loop, -1.5e-7 in the scalar one: products under 1e-6); the kernel gives the vector loop's value in
-    every position, so a value never depends on its column."""
+    another tanh: it differs at four gates only (GELU of -5.06 ... -5.16 is -0 in the vector
+    loop, -1.5e-7 in the scalar one: products under 1e-6); the kernel gives the vector loop's
+    value in every position, so a value never depends on its column."""
     for inter in (64, 1):
         gate_up = every_bf16_gate(inter)
         gate = gate_up[:, :inter]

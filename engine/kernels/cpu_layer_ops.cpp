@@ -1,7 +1,8 @@
 // The decoder layer's elementwise work in one pass each (built by cpu_layer_ops.py): residual
 // add + RMSNorm (Llama's, and Gemma's 1 + w form with its post-norms), rotary embedding in
-// place on q and k (with per-head q/k norms), SiLU(gate) * up and GELU-tanh(gate) * up. bf16 on AVX-512 (the native
-// build); fp32, all but SiLU-and-mul, on both builds (the AVX2 one through SIMDe).
+// place on q and k (with per-head q/k norms), SiLU(gate) * up and GELU-tanh(gate) * up. bf16
+// on AVX-512 (the native build); fp32, all but the two activations, on both builds (the AVX2
+// one through SIMDe).
 //
 // Every result is rounded where torch's unfused ops round it (each op computes in fp32 and
 // rounds its output to the tensor's dtype: bf16 nearest-even, or fp32, where the rounding

@@ -14,8 +14,9 @@ or Gemma 3 model on the batch-invariant GEMMs (``Gemm``'s packed kernel or GGUF-
 weights), the fused layer ops with SiLU- or GELU-and-mul, and the CPU row-attention backend
 over pages in the model's dtype or fp8 (the K/V write rounds as ``kv_dtype.to_kv`` does, in
 the kernel). Gemma 3's sliding layers attend through their own backend (the local pages'
-plan): its registers follow the global one's, and its layers rotate by the local rope base. All rows go through the last layer (the eager path drops the rows without
-logits after attention): rows are independent, so the kept rows' bits are the same.
+plan): its registers follow the global one's, and its layers rotate by the local rope base.
+All rows go through the last layer (the eager path drops the rows without logits after
+attention): rows are independent, so the kept rows' bits are the same.
 """
 
 from __future__ import annotations
