@@ -5,7 +5,8 @@ For each ``--rows`` M: the median time of a pass over every layer's QKV, output,
 down projections (the prepared model's own ``Gemm``s, the engine's default kernel), its
 TFLOP/s, and the ratio of that rate to the rate at ``--full-rows`` (2,048: a cold prefill
 chunk). At few rows each weight panel serves few row tiles, so the rate falls; a warm suffix
-(64 rows) is where the hybrid bench's efficiency is decided.
+(64 rows) is where the hybrid bench's efficiency is decided. Then the LM head at each row
+count up to 64, as loaded, against the bf16 packing of its weight (``head_ms``).
 
     .venv/bin/python bench/layer_gemms.py [--model gemma3] [--rows 1 16 64 256] [--json]
 """
@@ -19,6 +20,7 @@ import time
 
 import torch
 
+from prefixcache.engine.kernels import cpu_gemm
 from prefixcache.engine.kernels.cpu_features import cpu_model_name
 from prefixcache.engine.model.loader import load_model
 from prefixcache.engine.model.progress import progress_iter
@@ -56,6 +58,27 @@ def pass_ms(model: torch.nn.Module, rows: int, seconds: float) -> tuple[float, i
     return statistics.median(times) * 1e3, macs * rows
 
 
+def head_ms(model: torch.nn.Module, rows: int, seconds: float) -> dict[str, float | str]:
+    """The prepared LM head (its kernel as loaded: ``q8_amx`` reads a GGUF head's Q8_0 blocks)
+    against the bf16 packing of the same weight, alternated, after a 400 MB sweep each call
+    (as a step meets it: the layers' weights went through the caches in between)."""
+    head = model.head.invariant
+    baseline = cpu_gemm.PackedLinear(model.lm_head.weight, None, float_out=True)
+    x = torch.randn(rows, model.config.hidden_size).to(baseline.dtype)
+    sweep = torch.empty(100_000_000, dtype=torch.float32)
+    times: dict[str, list[float]] = {"head": [], "bf16": []}
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times["head"]) < 3:
+        for name, fn in (("head", head), ("bf16", baseline)):
+            sweep.add_(1.0)
+            start = time.perf_counter()
+            fn(x)
+            times[name].append(time.perf_counter() - start)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return {"kernel": head.kernel, "ms": round(ms["head"], 2), "bf16_ms": round(ms["bf16"], 2),
+            "ratio": round(ms["head"] / ms["bf16"], 3)}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma3")
@@ -81,6 +104,15 @@ def main() -> None:
             f"{rate / full_rate:.3f}x the rate at {args.full_rows} rows"
         )
     print(f"{args.full_rows:5d} rows: {full_ms:8.2f} ms a pass, {full_rate:6.3f} TFLOP/s")
+    heads = []
+    for m in args.rows:
+        if m <= 64 and getattr(model.head, "invariant", None) is not None:
+            heads.append({"rows": m, **head_ms(model, m, args.seconds)})
+            h = heads[-1]
+            print(
+                f"LM head ({h['kernel']}), {m:3d} rows: {h['ms']:6.2f} ms against the bf16 "
+                f"packing's {h['bf16_ms']:6.2f}: {h['ratio']:.3f}x"
+            )
     if args.json:
         figures = {
             "cpu": cpu_model_name(),
@@ -89,6 +121,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "full": {"rows": args.full_rows, "ms": round(full_ms, 2), "tflops": full_rate},
             "rows": rows,
+            "head": heads,
         }
         print(json.dumps(figures))
 

@@ -1,6 +1,6 @@
 """The AMX paths. The bf16 GEMM (``cpu_gemm_amx.cpp``): each row is a function of that row
 alone, at every M, offset, width and row stride; close to a float64 reference; a weight keeps
-the kernel it was given. The row attention's AMX step agrees with its AVX-512 step (the
+the kernel it was given; from a GGUF Q8_0 source, the same bits as from its bf16 weight. The row attention's AMX step agrees with its AVX-512 step (the
 bitwise invariance of either is test_row_partitions.py's, on whichever this CPU runs).
 Skipped where the CPU has no AMX."""
 
@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +19,8 @@ from hypothesis import strategies as st
 
 from prefixcache.engine import settings as engine_settings
 from prefixcache.engine.kernels import cpu_gemm
+from prefixcache.engine.kernels.linear import Gemm
+from prefixcache.engine.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.amx_available(), reason="no AMX here (or its kernel cannot load)"
@@ -149,3 +152,60 @@ def test_row_attention_on_amx_agrees_with_the_avx512_step(tmp_path: Path) -> Non
     # Two roundings of P and O in bf16 either way: the steps agree to a few bf16 ulps.
     torch.testing.assert_close(amx.float(), avx512.float(), atol=2e-2, rtol=2e-2)
     assert (amx.float() - avx512.float()).abs().mean() < 1e-3
+
+
+def q8_weights(n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    """GGUF Q8_0-like integers and fp16-valued scales, and the dequantized bf16 weight."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-128, 128, size=(n, k), dtype=np.int8)
+    scale = (rng.random((n, k // 32)) * 0.02).astype(np.float16).astype(np.float32)
+    w = torch.from_numpy(q).float().view(n, -1, 32) * torch.from_numpy(scale)[..., None]
+    return q, scale, w.view(n, k).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("n", "k"), [(1000, 640), (33, 64), (96, 2048)])
+@pytest.mark.parametrize("float_out", [True, False])
+def test_a_q8_source_gives_the_bf16_kernels_bits(n: int, k: int, float_out: bool) -> None:
+    """``PackedLinear.from_q8`` (the int8 blocks converted in the kernel) against the bf16 AMX
+    kernel on their dequantized weight: equal at every M, one row tile, one block of two or
+    many chunks, on 1 and 2 threads."""
+    q, scale, w = q8_weights(n, k, n + k)
+    ref = cpu_gemm.PackedLinear(w, None, float_out)
+    q8 = cpu_gemm.PackedLinear.from_q8(w, q, scale, float_out)
+    assert q8 is not None and q8.kernel == "q8_amx" and ref.kernel == "amx"
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, threads}):
+            torch.set_num_threads(t)
+            for m in (1, 2, 15, 16, 17, 31, 32, 33, 64, 70, 257, 300):
+                assert torch.equal(q8(x[:m]), ref(x[:m])), (t, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_q8_source_that_is_not_the_weight_is_refused() -> None:
+    q, scale, w = q8_weights(64, 64, 1)
+    other = w.clone()
+    other[3, 5] = other[3, 5] * 2 + 1
+    assert cpu_gemm.PackedLinear.from_q8(other, q, scale) is None
+    assert cpu_gemm.PackedLinear.from_q8(w.float(), q, scale) is None  # bf16 weights only
+    assert cpu_gemm.PackedLinear.from_q8(w, q, scale) is not None
+
+
+def test_a_gguf_q8_head_runs_from_its_blocks(tmp_path: Path) -> None:
+    """A dequantized bf16 GGUF model whose head is Q8_0: the head's GEMM reads the blocks, and
+    its logits are the bf16 kernel's on the loaded weight."""
+    test_gguf = pytest.importorskip("test_gguf")
+    model = test_gguf.random_checkpoint(tmp_path, len(test_gguf.demo_vocab()[0]), tied=True)
+    path = tmp_path / "tiny.gguf"
+    test_gguf.write_gguf(path, model, test_gguf.Q.Q8_0)
+    loaded = load_model(str(path), dtype="bfloat16", device="cpu")
+    loaded.model.prepare()
+    head = loaded.model.head
+    assert isinstance(head, Gemm) and head.invariant is not None
+    assert head.invariant.kernel == "q8_amx"
+    assert not hasattr(loaded.model.lm_head, "q8_source")  # packed; the arrays let go
+    ref = cpu_gemm.PackedLinear(loaded.model.lm_head.weight, None, float_out=True)
+    x = torch.randn(5, loaded.config.hidden_size).to(torch.bfloat16)
+    assert torch.equal(head(x), ref(x))

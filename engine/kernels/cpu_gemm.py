@@ -20,6 +20,7 @@ import ctypes
 import functools
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import cpu_library, cpu_replay
@@ -47,8 +48,9 @@ def _declare_amx(lib: ctypes.CDLL) -> None:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.pc_amx_enable.argtypes = []
     lib.pc_amx_enable.restype = c_int
-    lib.pc_gemm_bf16_amx.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int, c_int]
-    lib.pc_gemm_bf16_amx.restype = None
+    for fn in (lib.pc_gemm_bf16_amx, lib.pc_gemm_q8_amx):
+        fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int, c_int]
+        fn.restype = None
 
 
 _library = cpu_library.CpuLibrary(
@@ -93,6 +95,28 @@ def _amx_lib() -> ctypes.CDLL | None:
 def amx_available() -> bool:
     """Whether bf16 weights with K a multiple of 32 run on AMX here (building on first use)."""
     return _amx_lib() is not None
+
+
+def q8_pack(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
+    """``pc_gemm_q8_amx``'s layout of ``q`` int8 ``[N, K]`` and ``scale`` ``[N, K / 32]``: per
+    group of 32 columns (N padded with zero columns) and block of 32 k, the integers as
+    ``[16 k-pairs][32 columns][2]``, then the block's 32 fp32 scales."""
+    n, k = q.shape
+    groups, blocks = -(-n // 32), k // 32
+    qp = np.zeros((groups * 32, k), dtype=np.int8)
+    qp[:n] = q
+    sp = np.zeros((groups * 32, blocks), dtype=np.float32)
+    sp[:n] = scale
+    ints = qp.reshape(groups, 32, blocks, 16, 2).transpose(0, 2, 3, 1, 4)
+    scales = sp.reshape(groups, 32, blocks).transpose(0, 2, 1)
+    packed = np.concatenate(
+        [
+            np.ascontiguousarray(ints).view(np.uint8).reshape(groups, blocks, 1024),
+            np.ascontiguousarray(scales).view(np.uint8).reshape(groups, blocks, 128),
+        ],
+        axis=2,
+    )
+    return torch.from_numpy(packed.reshape(-1))
 
 
 def _lib() -> ctypes.CDLL:
@@ -144,6 +168,41 @@ class PackedLinear:
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
         self._what = f"PackedLinear({self.in_features} -> {self.out_features}, {self.dtype})"
+
+    @classmethod
+    def from_q8(
+        cls, weight: torch.Tensor, q: np.ndarray, scale: np.ndarray, float_out: bool = False
+    ) -> PackedLinear | None:
+        """``PackedLinear(weight, None, float_out)`` on AMX from ``weight``'s Q8 source
+        (GGUF's Q8_0: ``q`` int8 ``[N, K]``, ``scale`` ``[N, K / 32]``, ``weight`` = bf16(scale
+        * q)): the same outputs to the bit, the weights read at 1.06 bytes instead of 2 (the
+        LM head at one row reads its whole weight). None where AMX does not run here, or
+        where ``weight`` is not that rounding of the source."""
+        amx = _amx_lib()
+        n, k = q.shape
+        if amx is None or weight.dtype != torch.bfloat16 or k % AMX_K_STEP:
+            return None
+        if tuple(weight.shape) != (n, k) or scale.shape != (n, k // 32):
+            return None
+        for start in range(0, n, 8192):  # the kernel's weights are bf16(scale * q), exactly
+            rows = slice(start, start + 8192)
+            w = torch.from_numpy(q[rows]).float().view(-1, k // 32, 32)
+            w = (w * torch.from_numpy(scale[rows]).float()[..., None]).view(-1, k)
+            if not torch.equal(w.to(torch.bfloat16), weight[rows]):
+                return None
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = n, k
+        self.dtype = torch.bfloat16
+        self.packed = q8_pack(q, scale)
+        self.bias = None
+        self._fn = amx.pc_gemm_q8_amx
+        self.kernel = "q8_amx"
+        self.out_dtype = torch.float32 if float_out else torch.bfloat16
+        self._f32_out = (int(float_out),)
+        self._packed_ptr = self.packed.data_ptr()
+        self._bias_ptr = None
+        self._what = f"PackedLinear({k} -> {n}, Q8 source, AMX)"
+        return self
 
     def call(self, x2: torch.Tensor, out: torch.Tensor) -> cpu_replay.KernelCall:
         """The kernel's call for ``x2`` ``[M, K]`` (``cpu_library.gemm_rows``) into ``out``

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 
 #include "cpu_amx.h"
 
@@ -56,12 +57,29 @@ PC_AMX void store_block(const float* c, int rows, int64_t col, int64_t n, const 
   }
 }
 
-// Rows [r0, r0 + 16 * MT) (those below m) x the 32 columns of panel `pn` from column c0.
+// Where a task's B tiles are: the first k step's left tile at `b`, its right one `second`
+// words on, tile rows `row` words apart, the next k step `step` words on.
+struct BTiles {
+  const uint32_t* b;
+  int64_t row, second, step;
+};
+
+// B in a packed panel (pc_gemm_pack_bf16): the 32 columns of panel `pn` from column c0.
+inline BTiles panel_tiles(const uint32_t* packed, int64_t k, int64_t pn, int64_t c0) {
+  return {packed + pn * (k / 2 * NP) + c0, NP, 16, (KSTEP / 2) * NP};
+}
+
+// Rows [r0, r0 + 16 * MT) (those below m) x the 32 columns from `col` whose B `bt` holds.
 // `pad` is a 2 x 16 x 32 bf16 scratch whose rows past m stay zero.
-template <int MT, bool PREFETCH>
-PC_AMX void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m, const uint32_t* panel,
-                  int64_t k, int64_t n, int64_t pn, int64_t c0, const float* bias,
-                  uint16_t* out, int64_t ldo, bool f32_out, uint16_t* pad) {
+// `fill(step)` runs before each k step's B tiles load (writing them, for Q8 weights).
+struct NoFill {
+  void operator()(int64_t) const {}
+};
+
+template <int MT, bool PREFETCH, class Fill = NoFill>
+PC_AMX void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m, BTiles bt, int64_t k,
+                  int64_t n, int64_t col, const float* bias, uint16_t* out, int64_t ldo,
+                  bool f32_out, uint16_t* pad, const Fill& fill = Fill()) {
   const int64_t live[2] = {std::min<int64_t>(16, m - r0),
                            MT == 2 ? std::min<int64_t>(16, m - r0 - 16) : 0};
   const bool in_place[2] = {live[0] == 16, live[1] == 16};
@@ -73,17 +91,18 @@ PC_AMX void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m, const u
     _tile_zero(2);
     _tile_zero(3);
   }
-  const uint32_t* b = panel + c0;
-  for (int64_t k0 = 0; k0 < k; k0 += KSTEP, b += (KSTEP / 2) * NP) {
+  const uint32_t* b = bt.b;
+  for (int64_t k0 = 0; k0 < k; k0 += KSTEP, b += bt.step) {
     if (PREFETCH && k0 + PF_STEPS * KSTEP < k) {
-      const uint32_t* ahead = b + PF_STEPS * (KSTEP / 2) * NP;
+      const uint32_t* ahead = b + PF_STEPS * bt.step;
       for (int r = 0; r < KSTEP / 2; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + r * NP), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + r * NP + 16), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + r * bt.row), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + r * bt.row + bt.second), _MM_HINT_T0);
       }
     }
-    PC_TILE_LOAD(6, b, NP * 4);
-    PC_TILE_LOAD(7, b + 16, NP * 4);
+    fill(k0 / KSTEP);
+    PC_TILE_LOAD(6, b, bt.row * 4);
+    PC_TILE_LOAD(7, b + bt.second, bt.row * 4);
     for (int a = 0; a < MT; ++a) {
       const uint16_t* rows = x + (r0 + 16 * a) * ldx + k0;
       const void* src = rows;
@@ -107,7 +126,6 @@ PC_AMX void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m, const u
     }
   }
   alignas(64) float c[16 * 16];
-  const int64_t col = pn * NP + c0;
   // rows r0.. of out: in fp32 elements where f32_out (store_block indexes by element)
   uint16_t* o0 = f32_out ? reinterpret_cast<uint16_t*>(reinterpret_cast<float*>(out) + r0 * ldo)
                          : out + r0 * ldo;
@@ -125,6 +143,37 @@ PC_AMX void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m, const u
   }
 }
 
+// Q8 weights (q8_pack in cpu_gemm.py): per group of 32 columns and k step of 32, 1,024 int8
+// as [16 k-pairs][32 columns][2], then the 32 columns' fp32 scales: QB bytes a block.
+constexpr int64_t QB = 1024 + 32 * 4;
+constexpr int64_t Q8_AHEAD = 4;  // blocks prefetched ahead while converting
+
+// One Q8 block -> its two B tiles as the dequantized model's bf16 weights: fp32(q) * scale is
+// exact (11 + 8 significant bits), then rounded to bf16 nearest-even as torch's cast rounds.
+PC_AMX void q8_to_tiles(const uint8_t* blk, uint32_t* tiles) {
+  const int8_t* q = reinterpret_cast<const int8_t*>(blk);
+  const float* scale = reinterpret_cast<const float*>(blk + 1024);
+  const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
+  __m512 s[2][2];
+  for (int t = 0; t < 2; ++t) {
+    const __m512 cols = _mm512_loadu_ps(scale + 16 * t);
+    s[t][0] = _mm512_permutexvar_ps(lo_cols, cols);
+    s[t][1] = _mm512_permutexvar_ps(hi_cols, cols);
+  }
+  for (int r = 0; r < 16; ++r) {
+    for (int t = 0; t < 2; ++t) {
+      const int8_t* src = q + r * 64 + t * 32;
+      const __m512 lo = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)src))), s[t][0]);
+      const __m512 hi = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 16)))),
+          s[t][1]);
+      _mm512_store_si512(tiles + t * 256 + r * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -138,7 +187,6 @@ PC_AMX
 void pc_gemm_bf16_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t* packed,
                       int64_t n, int64_t k, const float* bias, uint16_t* out, int64_t ldo,
                       int f32_out, int nthreads) {
-  const int64_t panel_words = k / 2 * NP;
   const int64_t panels = (n + NP - 1) / NP;
   const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
   // (row chunk, panel, half), chunk-major: a chunk's rows (256 x K) stay in L2 while every
@@ -152,20 +200,73 @@ void pc_gemm_bf16_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t*
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t chunk = t / (2 * panels), pn = (t / 2) % panels, half = t % 2;
-      const uint32_t* panel = packed + pn * panel_words;
+      const BTiles bt = panel_tiles(packed, k, pn, half * 32);
+      const int64_t col = pn * NP + half * 32;
       const int64_t r_end = std::min(m, (chunk + 1) * ROW_CHUNK);
       for (int64_t r0 = chunk * ROW_CHUNK; r0 < r_end; r0 += 32) {
         // A task's first two row tiles prefetch (later ones find B in L1 / L2). One row tile
         // never does, and takes the loop without the test: Gemma's pass at one row was 2-3 %
         // slower either way (3.9-4.5 ms against 3.8-4.1), the same once it was a template.
         if (r_end - r0 <= 16)
-          block<1, false>(x, ldx, r0, m, panel, k, n, pn, half * 32, bias, out, ldo, f32_out, pad);
+          block<1, false>(x, ldx, r0, m, bt, k, n, col, bias, out, ldo, f32_out, pad);
         else if (r0 == chunk * ROW_CHUNK)
-          block<2, true>(x, ldx, r0, m, panel, k, n, pn, half * 32, bias, out, ldo, f32_out, pad);
+          block<2, true>(x, ldx, r0, m, bt, k, n, col, bias, out, ldo, f32_out, pad);
         else
-          block<2, false>(x, ldx, r0, m, panel, k, n, pn, half * 32, bias, out, ldo, f32_out, pad);
+          block<2, false>(x, ldx, r0, m, bt, k, n, col, bias, out, ldo, f32_out, pad);
       }
     }
+    pc_amx::release();
+  }
+}
+
+// Same contract as pc_gemm_bf16_amx for weights packed by q8_pack (k a multiple of 32): each
+// task first turns its 32 columns' blocks into bf16 B tiles (q8_to_tiles, the dequantized
+// weights to the bit), then runs pc_gemm_bf16_amx's row tiles on them, so the outputs are
+// pc_gemm_bf16_amx's on those weights, bit for bit, from 1.06 bytes a weight instead of 2.
+PC_AMX
+void pc_gemm_q8_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n,
+                    int64_t k, const float* bias, uint16_t* out, int64_t ldo, int f32_out,
+                    int nthreads) {
+  const int64_t groups = (n + 31) / 32, steps = k / KSTEP;
+  const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
+  const int64_t tasks = chunks * groups;
+#pragma omp parallel num_threads(nthreads)
+  {
+    pc_amx::configure();
+    alignas(64) uint16_t pad[2 * 16 * KSTEP];
+    // A task of one row block converts each step just before its tile loads (the int8 reads
+    // overlap the tile work); longer ones convert all their steps once, first.
+    const bool one_block = m <= 32;
+    uint32_t* tiles = static_cast<uint32_t*>(std::aligned_alloc(64, (one_block ? 1 : steps) * 2048));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t chunk = t / groups, g = t % groups;
+      const uint8_t* first = packed + g * steps * QB;
+      auto convert = [&](int64_t s) {
+        const uint8_t* blk = first + s * QB;
+        for (int64_t line = 0; line < QB; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(blk + Q8_AHEAD * QB + line), _MM_HINT_T0);
+        q8_to_tiles(blk, one_block ? tiles : tiles + s * 512);
+      };
+      const int64_t r_end = std::min(m, (chunk + 1) * ROW_CHUNK);
+      if (one_block) {
+        const BTiles bt = {tiles, 16, 256, 0};
+        if (m <= 16)
+          block<1, false>(x, ldx, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
+        else
+          block<2, false>(x, ldx, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
+        continue;
+      }
+      for (int64_t s = 0; s < steps; ++s) convert(s);
+      const BTiles bt = {tiles, 16, 256, 512};
+      for (int64_t r0 = chunk * ROW_CHUNK; r0 < r_end; r0 += 32) {
+        if (r_end - r0 <= 16)
+          block<1, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad);
+        else
+          block<2, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad);
+      }
+    }
+    std::free(tiles);
     pc_amx::release();
   }
 }

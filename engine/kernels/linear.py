@@ -4,6 +4,7 @@ is then called per step. The models' projections (``model/llama.py``) are ``Gemm
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -17,7 +18,9 @@ class Gemm:
     result is then the same whatever else shares the call. Otherwise bf16 weights on CPU are
     reordered once into oneDNN's blocked layout (1.4x faster than a plain bf16 ``linear`` at
     32 rows, 2.5x at one, which reorders the weight on every call), and fp32 runs MKL.
-    ``float_out`` (the LM head): the invariant kernel returns its fp32 sums unrounded."""
+    ``float_out`` (the LM head): the invariant kernel returns its fp32 sums unrounded.
+    ``q8``: the weight's GGUF Q8_0 source (integers, scales); where AMX runs and ``weight`` is
+    its bf16 rounding, the invariant kernel reads it instead (the same bits, half the bytes)."""
 
     __slots__ = ("bias", "invariant", "packed", "weight")
 
@@ -27,12 +30,16 @@ class Gemm:
         bias: torch.Tensor | None,
         batch_invariant: bool = True,
         float_out: bool = False,
+        q8: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.weight, self.bias = weight, bias
         self.invariant: cpu_gemm.PackedLinear | None = None
         self.packed: torch.Tensor | None = None
         if batch_invariant and cpu_gemm.supports(weight):
-            self.invariant = cpu_gemm.PackedLinear(weight, bias, float_out)
+            if q8 is not None and bias is None:
+                self.invariant = cpu_gemm.PackedLinear.from_q8(weight, *q8, float_out=float_out)
+            if self.invariant is None:
+                self.invariant = cpu_gemm.PackedLinear(weight, bias, float_out)
         elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _MKLDNN:
             self.packed = torch_private.onednn_pack_weight(weight, _PACK_ROWS_HINT)
 

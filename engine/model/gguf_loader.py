@@ -309,6 +309,8 @@ def load_gguf(
     permute = arch in _PERMUTED_QK
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, Any] = {}
+    head_name = gguf_weights.HEAD if gguf_weights.HEAD in expected else gguf_weights.EMBEDDING
+    head_q8 = None  # the head's Q8_0 integers and scales, for its GEMM (q8_head_source)
     placed = [t for n, t in tensors.items() if hf_tensor_name(n, arch) is not None]
     with progress_bar("dequantize", sum(int(t.n_bytes) for t in placed), unit="B") as bar:
         for gguf_name, t in tensors.items():
@@ -326,6 +328,8 @@ def load_gguf(
                     packed[hf] = qw
                     bar.update(int(t.n_bytes))
                     continue
+            if hf == head_name and dtype == torch.bfloat16:
+                head_q8 = gguf_weights.q8_head_source(t)
             w = dequantize_tensor(t)
             if permute and ".attn_q." in gguf_name:
                 w = unpermute_rope_rows(w, config.num_heads)
@@ -341,6 +345,8 @@ def load_gguf(
         model.lm_head.weight = model.model.embed_tokens.weight
     if packed:
         gguf_weights.install(model, packed, config.tie_word_embeddings, dtype)
+    elif head_q8 is not None:  # the same logits, the head read at 1.06 bytes a weight
+        model.lm_head.q8_source = head_q8
     if ROPE_FREQS in tensors:  # divides each pair's frequency, as llama.cpp's rope does
         factors = torch.from_numpy(dequantize_tensor(tensors[ROPE_FREQS]).reshape(-1))
         model.model.rotary_emb.inv_freq_cpu = rope_inv_freq(config) / factors

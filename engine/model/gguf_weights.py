@@ -50,6 +50,17 @@ def quantizable_name(hf_name: str) -> bool:
     return hf_name in (EMBEDDING, HEAD) or hf_name.endswith(_LINEAR_SUFFIXES)
 
 
+def q8_head_source(t: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """A dequantized model's LM head tensor as its Q8_0 integers and scales (``q`` int8
+    ``[n, k]``, ``scale`` float32 ``[n, k / 32]``), or None for another type: its bf16 GEMM
+    runs from them (``cpu_gemm.PackedLinear.from_q8``), the same logits from half the bytes."""
+    if t.tensor_type.name != "Q8_0":
+        return None
+    n, k = (int(d) for d in reversed(t.shape.tolist()))
+    ints = split_blocks(t.data, "Q8_0", n, k)
+    return None if ints is None else (ints.q, ints.scale)
+
+
 def pack_tensor(t: Any, row_order: np.ndarray | None = None) -> cpu_qgemm.QuantizedWeight | None:
     """A GGUF tensor ``[n, k]`` packed for the kernel, rows taken in ``row_order`` (llama's
     q/k permutation undone); None for a type ``gguf_blocks`` keeps dequantized."""

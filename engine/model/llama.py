@@ -195,7 +195,9 @@ def fused_projection(
     their packings concatenate, else each on its own kernel. ``float_out``: one linear (the
     LM head) whose batch-invariant GEMM keeps its fp32 sums (``Gemm``)."""
     if len(linears) == 1 and isinstance(linears[0], nn.Linear):
-        return Gemm(linears[0].weight, linears[0].bias, batch_invariant, float_out)
+        lin = linears[0]
+        q8 = getattr(lin, "q8_source", None)  # a GGUF head's Q8_0 blocks (gguf_loader)
+        return Gemm(lin.weight, lin.bias, batch_invariant, float_out, q8)
     if all(isinstance(lin, nn.Linear) for lin in linears):
         weight, bias = _fuse_linears(*linears)  # type: ignore[arg-type]
         return Gemm(weight, bias, batch_invariant)
@@ -331,6 +333,7 @@ class LlamaForCausalLM(nn.Module):
         # fp32 logits: a bf16 rounding of the head's sums ties the argmax between tokens that
         # the sums tell apart (SmolLM2 at bf16, tests/test_real_model.py's tenth question)
         self.head = fused_projection((self.lm_head,), batch_invariant, float_out=True)
+        self.lm_head.__dict__.pop("q8_source", None)  # packed now, or not used here
         dtype = self.model.norm.weight.dtype
         self.set_fused_ops(
             cpu_layer_ops.supports(self.model.norm.weight)
