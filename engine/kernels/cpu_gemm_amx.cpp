@@ -9,9 +9,14 @@
 // row's result is a function of that row alone, as in the AVX-512 kernel. The two kernels'
 // bits differ from each other, so one weight always takes the same one (cpu_gemm.py).
 //
-// Tiles (cpu_amx.h's configuration): 0-3 the 2 x 2 blocks of C (16 rows x 16 fp32), 4-5 two A blocks (16 rows x 32 bf16,
-// read in place from x, or from a zero-padded scratch for the last rows), 6-7 two B blocks
-// (16 k-pairs x 16 columns, read in place from the packed panel at its 256-byte row stride).
+// Tiles (cpu_amx.h's configuration): 0-3 the 2 x 2 blocks of C (16 rows x 16 fp32), 4-5 two
+// A blocks (16 rows x 32 bf16, read in place from x, or from a zero-padded scratch for the
+// last rows), 6-7 two B blocks (16 k-pairs x 16 columns, read in place from the packed panel
+// at its 256-byte row stride).
+//
+// pc_gemm_q8_amx runs the same row tiles on B tiles it writes from a weight's GGUF Q8_0
+// blocks (cpu_gemm.py's q8_pack): the bf16 values of scale * q, so the bits of
+// pc_gemm_bf16_amx on the dequantized weight, from half the bytes.
 
 #include <immintrin.h>
 #include <omp.h>
