@@ -158,6 +158,12 @@ class Gemma3Model(nn.Module):
         self.rotary_emb_local = RotaryEmbedding(local)
         self.ops: TorchLayerOps = TORCH_OPS  # the first layer's input norm
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings times sqrt(hidden), the scale rounded to the weights' dtype
+        first, as transformers does."""
+        x = self.embed_tokens(input_ids)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -165,9 +171,7 @@ class Gemma3Model(nn.Module):
         attend: AttendFn,
         out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        # transformers multiplies by the scale rounded to the weights' dtype
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        x = self.embed(input_ids)
         rotations = {
             False: self.rotary_emb(positions, x.dtype),
             True: self.rotary_emb_local(positions, x.dtype),

@@ -148,11 +148,12 @@ class StepReplay:
             raise ValueError(f"a replayed step holds 1 to {self.max_tokens} tokens, not {t}")
         inner = self._model.model
         buffers = self._buffers
-        x = inner.embed_tokens(input_ids)
         rotations = [("cos", "sin", inner.rotary_emb)]
-        if isinstance(inner, Gemma3Model):  # as Gemma3Model.forward: scale rounded to x's dtype
-            x = x * torch.tensor(inner.embed_scale, dtype=x.dtype)
+        if isinstance(inner, Gemma3Model):
+            x = inner.embed(input_ids)
             rotations.append(("cos_local", "sin_local", inner.rotary_emb_local))
+        else:
+            x = inner.embed_tokens(input_ids)
         buffers["residual"][:t].copy_(x)
         for cos_name, sin_name, rotary in rotations:
             cos, sin = rotary(positions, buffers["cos"].dtype)
