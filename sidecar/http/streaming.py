@@ -65,6 +65,43 @@ async def run_until_disconnect(work: Coroutine[Any, Any, T], receive: Receive) -
         watcher.cancel()
 
 
+async def interleave(sources: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """The items of ``sources`` tagged with their source's index, in the order they come. The
+    first failure ends it (raised here) and cancels the other sources; closing it does too.
+    One source is read in place, without a task."""
+    if len(sources) == 1:
+        async with contextlib.aclosing(sources[0]) as source:  # type: ignore[type-var]
+            async for item in source:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, bool, Any]] = asyncio.Queue()  # (source, done, item)
+
+    async def pump(index: int, source: AsyncIterator[T]) -> None:
+        try:
+            async with contextlib.aclosing(source) as items:  # type: ignore[type-var]
+                async for item in items:
+                    await queue.put((index, False, item))
+            await queue.put((index, True, None))
+        except Exception as exc:
+            await queue.put((index, True, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, source)) for i, source in enumerate(sources)]
+    try:
+        running = len(tasks)
+        while running:
+            index, done, item = await queue.get()
+            if not done:
+                yield index, item
+                continue
+            if item is not None:
+                raise item
+            running -= 1
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class SSEResponse:
     """An ASGI response that streams ``events`` (already-encoded SSE frames)."""
 

@@ -66,6 +66,12 @@ class EngineStream:
         if self._outputs is not None:
             await self._outputs.aclose()
 
+    def discard(self) -> None:
+        """Give up a stream never iterated (a sibling choice was refused): its place back."""
+        assert self._outputs is None, "discard() is for a stream that never started"
+        self._uncount()
+        self._closed = True
+
     def _uncount(self) -> None:
         if self._counted:
             self._counted = False

@@ -3,6 +3,7 @@ an ``EngineRequest`` (context length, sampling values, namespace), is admitted, 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 import uuid
@@ -51,8 +52,8 @@ class GenerationRoutes:
         tenant, req = await self.gate.generation_request(
             request, p.ChatCompletionRequest, p.check_chat
         )
-        job = await self.chat_job(tenant, req, f"chatcmpl-{uuid.uuid4().hex}")
-        return await reply(job, req.stream, request, self.engine.tokenizer)
+        jobs = await self.chat_jobs(tenant, req, f"chatcmpl-{uuid.uuid4().hex}")
+        return await reply(jobs, req.stream, request, self.engine.tokenizer)
 
     async def chat_job(
         self,
@@ -61,9 +62,21 @@ class GenerationRoutes:
         request_id: str,
         retention: Retention | None = None,
     ) -> Job:
-        """A checked chat request rendered, admitted and started: what /v1/chat/completions,
-        /v1/messages and /v1/responses all reply from. ``retention`` replaces the retention
-        hints of the ``cache_control`` marks on text parts (it runs where the prompt renders)."""
+        """A checked chat request of one choice rendered, admitted and started: what
+        /v1/messages and /v1/responses reply from. ``retention`` replaces the retention hints
+        of the ``cache_control`` marks on text parts (it runs where the prompt renders)."""
+        (job,) = await self.chat_jobs(tenant, req, request_id, retention, choices=1)
+        return job
+
+    async def chat_jobs(
+        self,
+        tenant: Tenant,
+        req: p.ChatCompletionRequest,
+        request_id: str,
+        retention: Retention | None = None,
+        choices: int | None = None,
+    ) -> list[Job]:
+        """The request's ``n`` choices (or ``choices``), one job each over the one rendering."""
         template_kwargs = self.chat_template_kwargs(req)
         namespace = self.gate.namespace(tenant.name, req.cache_salt)
 
@@ -84,7 +97,7 @@ class GenerationRoutes:
         max_tokens = req.max_completion_tokens or req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         parser = self.tool_template.parser(req)
-        job = self._submit(
+        jobs = self._submit(
             "chat",
             request_id,
             req,
@@ -94,10 +107,12 @@ class GenerationRoutes:
             top,
             grammar=grammar_for(req),
             skip_special_tokens=parser is None or not parser.needs_special_tokens,
+            choices=choices,
         )
-        job.tool_parser = parser
-        job.retain = prompt.retain
-        return job
+        for job in jobs:
+            job.tool_parser = parser
+            job.retain = prompt.retain
+        return jobs
 
     def chat_template_kwargs(self, req: p.ChatCompletionRequest) -> dict[str, Any]:
         """What the chat template sees besides the messages: the request's kwargs and tools."""
@@ -126,7 +141,7 @@ class GenerationRoutes:
         )
         namespace = gate.namespace(tenant.name, req.cache_salt)
         prompt = await gate.completion_prompt(p.completion_prompt(req), namespace)
-        job = self._submit(
+        jobs = self._submit(
             "completion",
             f"cmpl-{uuid.uuid4().hex}",
             req,
@@ -135,7 +150,7 @@ class GenerationRoutes:
             req.max_tokens,
             req.logprobs,
         )
-        return await reply(job, req.stream, request, self.engine.tokenizer)
+        return await reply(jobs, req.stream, request, self.engine.tokenizer)
 
     @property
     def system_fingerprint(self) -> str:
@@ -156,8 +171,11 @@ class GenerationRoutes:
         logprobs: int | None,
         grammar: GrammarSpec | None = None,
         skip_special_tokens: bool = True,
-    ) -> Job:
-        """The admitted job; a refused request leaves nothing of its prompt in the memos."""
+        choices: int | None = None,
+    ) -> list[Job]:
+        """The admitted jobs, one per choice (``req.n`` unless ``choices``); a refused request
+        leaves nothing of its prompt in the memos and no choice running."""
+        jobs: list[Job] = []
         try:
             num_prompt = len(prompt.token_ids)
             context = self.engine.max_model_len
@@ -196,28 +214,43 @@ class GenerationRoutes:
                 )
             except ValueError as exc:
                 raise bad_request(str(exc)) from None
-            engine_request = EngineRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt.token_ids,
-                sampling=sampling,
-                namespace=prompt.namespace,
-                priority=req.priority,
-                segments=prompt.spans or None,
-                tenant=self.gate.namespace(tenant.name, None),  # opaque: groups a tenant's salts
-                retain=prompt.retain or None,  # cache_control marks: TTL pins once computed
-            )
-            return Job(
-                id=request_id,
-                kind=kind,
-                model=self.engine.model_name,
-                created=int(time.time()),
-                spans=prompt.spans,
-                stream=self.admission.admit(engine_request),  # 429 here when the queue is full
-                want_logprobs=logprobs is not None,
-                include_usage=req.include_usage,
-                fingerprint=self.system_fingerprint,
-            )
+            n = choices or req.n or 1
+            if 1 < n > self.admission.max_waiting:  # could never be admitted: not a 429
+                raise bad_request(
+                    f"n={n} choices exceed this server's queue of {self.admission.max_waiting} "
+                    "waiting requests (--queue-limit)",
+                    "n",
+                )
+            created = int(time.time())
+            for index in range(n):
+                engine_request = EngineRequest(
+                    request_id=request_id if n == 1 else f"{request_id}-{index}",
+                    prompt_token_ids=prompt.token_ids,
+                    sampling=choice_sampling(sampling, index),
+                    namespace=prompt.namespace,
+                    priority=req.priority,
+                    segments=prompt.spans or None,
+                    tenant=self.gate.namespace(tenant.name, None),  # opaque: a tenant's salts
+                    # cache_control marks: TTL pins once computed (the first choice's)
+                    retain=(prompt.retain or None) if index == 0 else None,
+                )
+                job = Job(
+                    id=request_id,
+                    kind=kind,
+                    model=self.engine.model_name,
+                    created=created,
+                    spans=prompt.spans,
+                    stream=self.admission.admit(engine_request),  # 429 when the queue is full
+                    want_logprobs=logprobs is not None,
+                    include_usage=req.include_usage,
+                    fingerprint=self.system_fingerprint,
+                    index=index,
+                )
+                jobs.append(job)
+            return jobs
         except Exception:
+            for job in jobs:  # admitted but not started: their queue places back
+                job.stream.discard()
             self.gate.forget(prompt)
             raise
 
@@ -229,3 +262,11 @@ class GenerationRoutes:
             model = self.engine.sampling_defaults if self.use_generation_config else {}
             self._sampling_defaults = {**p.SAMPLING_FALLBACKS, **model}
         return self._sampling_defaults[name]
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s sampling: a given seed becomes ``seed + index`` (vLLM's convention),
+    so each choice of a seeded request is reproducible on its own."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**63)

@@ -6,6 +6,8 @@ Errors after the first SSE frame go in-band (an OpenAI error object), then ``[DO
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from prefixcache.engine.request import (
 
 from ..chat.tool_calls import ToolCall, ToolCallParser, ToolCallStream
 from ..http.errors import APIError, server_error
-from ..http.streaming import DONE, SSEResponse, run_until_disconnect, sse_event
+from ..http.streaming import DONE, SSEResponse, interleave, run_until_disconnect, sse_event
 from ..wire import reply_types as rt
 from .admission import EngineStream
 
@@ -155,6 +157,7 @@ class Job:
     fingerprint: str  # system_fingerprint
     tool_parser: ToolCallParser | None = None  # chat with tools: output → tool_calls
     retain: list[RetentionHint] = field(default_factory=list)  # the prompt's cache_control marks
+    index: int = 0  # which of the request's n choices
 
 
 @dataclass(slots=True)
@@ -172,30 +175,58 @@ def json_response(obj: Any, status: int = 200) -> Response:
 
 
 async def reply(
-    job: Job, stream: bool, request: Request, tokenizer: TokenizerAPI
+    jobs: list[Job], stream: bool, request: Request, tokenizer: TokenizerAPI
 ) -> Response | SSEResponse:
-    """The job's reply: SSE when ``stream``, else the whole response once generation ends."""
+    """The reply to a request's choices (one job each): SSE when ``stream``, else the whole
+    response once every choice has ended."""
+    job = jobs[0]
     if stream:
-        return SSEResponse(stream_events(job, tokenizer), on_close=job.stream.aclose)
+        return SSEResponse(stream_events(jobs, tokenizer), on_close=lambda: close_jobs(jobs))
     try:
-        result = await run_until_disconnect(collect(job), request.receive)
+        results = await run_until_disconnect(collect_all(jobs), request.receive)
     finally:
-        await job.stream.aclose()  # aborts the engine request if it is still running
-    usage = usage_info(result.usage)
-    report = cache_report(result.usage, job.spans)
+        await close_jobs(jobs)  # aborts the engine requests still running
+    usage = merged_usage([r.usage for r in results])
+    report = cache_report(usage, job.spans)
     head = (job.id, job.created, job.model)
-    logprobs = _logprobs(job, tokenizer, result.logprobs) if job.want_logprobs else None
+    body: Any
     if job.kind == "chat":
-        message, finish = _chat_message(job, result)
-        choice = rt.ChatChoice(0, message, finish, logprobs)
-        body: Any = rt.ChatCompletion(*head, [choice], usage, report, job.fingerprint)
+        chat_choices = []
+        for j, result in zip(jobs, results, strict=True):
+            logprobs = _logprobs(j, tokenizer, result.logprobs) if j.want_logprobs else None
+            message, finish = _chat_message(j, result)
+            chat_choices.append(rt.ChatChoice(j.index, message, finish, logprobs))
+        body = rt.ChatCompletion(*head, chat_choices, usage_info(usage), report, job.fingerprint)
     else:
-        choice = rt.CompletionChoice(0, result.text, result.finish_reason, logprobs)
-        body = rt.Completion(*head, [choice], usage, report, job.fingerprint)
+        text_choices = []
+        for j, result in zip(jobs, results, strict=True):
+            logprobs = _logprobs(j, tokenizer, result.logprobs) if j.want_logprobs else None
+            text_choices.append(
+                rt.CompletionChoice(j.index, result.text, result.finish_reason, logprobs)
+            )
+        body = rt.Completion(*head, text_choices, usage_info(usage), report, job.fingerprint)
     response = json_response(body)
-    if result.timing is not None:
-        response.headers["server-timing"] = server_timing(result.timing)
+    if results[0].timing is not None:
+        response.headers["server-timing"] = server_timing(results[0].timing)
     return response
+
+
+async def close_jobs(jobs: list[Job]) -> None:
+    for job in jobs:
+        await job.stream.aclose()
+
+
+def merged_usage(usages: list[Usage]) -> Usage:
+    """The usage of a request's choices: the prompt once, with the first choice's cache
+    figures (what serving it cost), the completions summed and the prompt tokens every
+    choice computed summed (the prefill work of the whole request)."""
+    if len(usages) == 1:
+        return usages[0]
+    return dataclasses.replace(
+        usages[0],
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        computed_prompt_tokens=sum(u.computed_prompt_tokens for u in usages),
+    )
 
 
 def _chat_message(job: Job, result: Collected) -> tuple[rt.ChatMessage, str]:
@@ -212,14 +243,14 @@ def _tool_call_reply(call: ToolCall) -> rt.ToolCallReply:
     return rt.ToolCallReply(call.id, rt.FunctionCallReply(call.name, call.arguments))
 
 
-def _tool_call_deltas(calls: list[ToolCall]) -> list[rt.ChatChunkChoice]:
+def _tool_call_deltas(calls: list[ToolCall], choice: int) -> list[rt.ChatChunkChoice]:
     """Each call as two deltas, as OpenAI streams them: its id and name, then its arguments."""
     choices = []
     for index, call in enumerate(calls):
         head = rt.ToolCallDelta(index, call.id, "function", rt.FunctionDelta(call.name, ""))
         body = rt.ToolCallDelta(index, function=rt.FunctionDelta(arguments=call.arguments))
-        choices.append(rt.ChatChunkChoice(0, rt.ChatDelta(tool_calls=[head])))
-        choices.append(rt.ChatChunkChoice(0, rt.ChatDelta(tool_calls=[body])))
+        choices.append(rt.ChatChunkChoice(choice, rt.ChatDelta(tool_calls=[head])))
+        choices.append(rt.ChatChunkChoice(choice, rt.ChatDelta(tool_calls=[body])))
     return choices
 
 
@@ -239,8 +270,27 @@ async def collect(job: Job) -> Collected:
     raise server_error("the engine ended the request without a final output")
 
 
-async def stream_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[bytes]:
-    """The SSE frames of one request."""
+async def collect_all(jobs: list[Job]) -> list[Collected]:
+    """Every choice collected; the first failure cancels the others (then closed by the
+    caller). One choice runs in the caller's task, as before choices existed."""
+    if len(jobs) == 1:
+        return [await collect(jobs[0])]
+    tasks = [asyncio.ensure_future(collect(job)) for job in jobs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# A choice's frame: its choices list, and its usage on its last frame (else None).
+ChoiceFrame = tuple[list[Any], Usage | None]
+
+
+async def stream_events(jobs: list[Job], tokenizer: TokenizerAPI) -> AsyncIterator[bytes]:
+    """The SSE frames of a request's choices, interleaved as their tokens come."""
+    job = jobs[0]
     obj = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
     no_usage = None if job.include_usage else msgspec.UNSET  # OpenAI: null until the last
 
@@ -252,42 +302,56 @@ async def stream_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[byte
         return sse_event(chunk)
 
     if job.kind == "chat":
-        yield frame([rt.ChatChunkChoice(0, rt.ChatDelta(role="assistant", content=""))])
-    num_tokens = 0
-    offset = 0
-    calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
+        for j in jobs:
+            yield frame([rt.ChatChunkChoice(j.index, rt.ChatDelta(role="assistant", content=""))])
+    usages: dict[int, Usage] = {}
     try:
-        async for out in job.stream:
-            raise_engine_error(out.error, out.finish_reason)
-            num_tokens += len(out.new_token_ids)
-            logprobs = None
-            if job.want_logprobs and out.logprobs:
-                logprobs = _logprobs(job, tokenizer, out.logprobs, offset)
-            offset += len(out.text_delta)
-            text = out.text_delta if calls is None else calls.push(out.text_delta)
-            if text or logprobs is not None:
-                yield frame([_delta_choice(job, text, None, logprobs)])
-            if out.finished:
-                usage = out.usage or fallback_usage(job, num_tokens)
-                reason = out.finish_reason or "stop"
-                if calls is not None:
-                    rest = calls.finish()
-                    if rest.content:
-                        yield frame([_delta_choice(job, rest.content, None, None)])
-                    for choice in _tool_call_deltas(rest.tool_calls):
-                        yield frame([choice])
-                    reason = "tool_calls" if rest.tool_calls else reason
-                final = _delta_choice(job, None, reason, None)
-                yield frame([final], prefixcache=cache_report(usage, job.spans))
-                if job.include_usage:
-                    yield frame([], usage=usage_info(usage))
-                break
+        async for index, (choices, usage) in interleave(
+            [choice_frames(j, tokenizer) for j in jobs]
+        ):
+            if usage is None:
+                yield frame(choices)
+                continue
+            usages[index] = usage
+            yield frame(choices, prefixcache=cache_report(usage, job.spans))
+        if job.include_usage:
+            usage = merged_usage([usages[i] for i in range(len(jobs))])
+            yield frame([], usage=usage_info(usage))
     except APIError as exc:
         yield sse_event(exc.body())
     except Exception as exc:
         log.exception("stream %s failed", job.id)
         yield sse_event(server_error(f"generation failed: {type(exc).__name__}").body())
     yield DONE
+
+
+async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[ChoiceFrame]:
+    """One choice's frames, to its finish (which carries its usage)."""
+    num_tokens = 0
+    offset = 0
+    calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
+    async for out in job.stream:
+        raise_engine_error(out.error, out.finish_reason)
+        num_tokens += len(out.new_token_ids)
+        logprobs = None
+        if job.want_logprobs and out.logprobs:
+            logprobs = _logprobs(job, tokenizer, out.logprobs, offset)
+        offset += len(out.text_delta)
+        text = out.text_delta if calls is None else calls.push(out.text_delta)
+        if text or logprobs is not None:
+            yield [_delta_choice(job, text, None, logprobs)], None
+        if out.finished:
+            usage = out.usage or fallback_usage(job, num_tokens)
+            reason = out.finish_reason or "stop"
+            if calls is not None:
+                rest = calls.finish()
+                if rest.content:
+                    yield [_delta_choice(job, rest.content, None, None)], None
+                for choice in _tool_call_deltas(rest.tool_calls, job.index):
+                    yield [choice], None
+                reason = "tool_calls" if rest.tool_calls else reason
+            yield [_delta_choice(job, None, reason, None)], usage
+            return
 
 
 def raise_engine_error(error: str | None, finish_reason: str | None) -> None:
@@ -311,8 +375,8 @@ def _logprobs(
 
 def _delta_choice(job: Job, text: str | None, finish: str | None, logprobs: Any) -> Any:
     if job.kind == "chat":
-        return rt.ChatChunkChoice(0, rt.ChatDelta(content=text), finish, logprobs)
-    return rt.CompletionChoice(0, text or "", finish, logprobs)
+        return rt.ChatChunkChoice(job.index, rt.ChatDelta(content=text), finish, logprobs)
+    return rt.CompletionChoice(job.index, text or "", finish, logprobs)
 
 
 def fallback_usage(job: Job, num_tokens: int) -> Usage:

@@ -39,6 +39,7 @@ TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 StopList = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=16)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+MAX_CHOICES = 128  # n: OpenAI's limit; each choice is an engine request of its own
 
 
 class StreamOptions(msgspec.Struct):
@@ -54,7 +55,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # -1 and 0: off (vLLM's)
-    n: PositiveInt | None = 1
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] | None = 1
     stop: Annotated[str, msgspec.Meta(min_length=1)] | StopList | None = None
     seed: Seed | None = None
     stream: bool | None = False
@@ -170,8 +171,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
 def check_sampling(req: SamplingFields) -> None:
     if req.logit_bias:
         raise Error("'logit_bias' is not supported by this server", "logit_bias")
-    if req.n != 1:
-        raise Error("only n=1 is supported", "n")
     if req.stream_options is not None and not req.stream:
         raise Error("stream_options is only allowed with stream=true", "stream_options")
 

@@ -1,0 +1,174 @@
+"""``n`` choices on /v1/chat/completions and /v1/completions, as OpenAI and vLLM serve them.
+
+Each choice is an engine request of its own over the one rendered prompt (seed + index where
+a seed is given), so a choice equals the single request it stands for; the prompt is counted
+once in ``usage``. On the real demo server: choices equal their separate requests, the
+followers hit the prompt the first one cached, streams interleave by ``index``, and a refused
+or abandoned request leaves no block in use.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from conftest import Server, wait_for_idle_blocks
+from sidecar_fake_engine import FakeEngine
+
+from prefixcache.sidecar.server.app import create_app
+from prefixcache.sidecar.server.settings import SidecarSettings
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+BLOCK = 16  # the demo engine's block size
+PROMPT = "Choices share one prompt: " + "the cached prefix pays its prefill once. " * 6
+
+
+async def fake_client(max_waiting: int = 64) -> tuple[httpx.AsyncClient, FakeEngine, Any]:
+    engine = FakeEngine(max_model_len=512)
+    await engine.start()
+    app = create_app(engine, SidecarSettings(manage_engine=False, max_waiting=max_waiting))
+    transport = httpx.ASGITransport(app=app)
+    return httpx.AsyncClient(transport=transport, base_url="http://sidecar"), engine, app
+
+
+async def test_each_choice_is_a_request_with_seed_plus_index() -> None:
+    client, engine, _ = await fake_client()
+    async with client:
+        body = {"prompt": "hello", "max_tokens": 3, "n": 3, "seed": 7, "temperature": 0.9}
+        r = await client.post(COMPLETIONS, json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    ids = [req.request_id for req in engine.received]
+    assert len(set(ids)) == 3 and all(i.startswith(out["id"]) for i in ids)
+    assert [req.sampling.seed for req in engine.received] == [7, 8, 9]
+    prompts = {tuple(req.prompt_token_ids) for req in engine.received}
+    assert len(prompts) == 1  # one rendering
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == len(next(iter(prompts)))  # counted once
+    assert usage["completion_tokens"] == 9
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 9
+
+
+async def test_a_seed_at_the_top_of_its_range_wraps() -> None:
+    client, engine, _ = await fake_client()
+    async with client:
+        body = {"prompt": "x", "max_tokens": 1, "n": 2, "seed": 2**63 - 1}
+        assert (await client.post(COMPLETIONS, json=body)).status_code == 200
+    assert [req.sampling.seed for req in engine.received] == [2**63 - 1, 0]
+
+
+async def test_more_choices_than_the_queue_holds_is_a_400_and_starts_none() -> None:
+    client, engine, _ = await fake_client(max_waiting=4)
+    async with client:
+        r = await client.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "n": 5})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "n"
+        ok = await client.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "n": 4})
+        assert ok.status_code == 200, ok.text
+    assert len(engine.received) == 4  # the refused request reached nothing
+
+
+async def test_a_queue_too_full_for_every_choice_admits_none() -> None:
+    client, engine, app = await fake_client(max_waiting=4)
+    app_admission = app.state.sidecar.admission
+    app_admission.num_waiting = 2  # two places left: n=3 must take none of them
+    async with client:
+        r = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1, "n": 3})
+    assert r.status_code == 429, r.text
+    assert app_admission.num_waiting == 2  # the two admitted before the refusal gave theirs back
+    assert engine.received == []
+
+
+def test_choices_equal_their_separate_requests_and_reuse_the_prompt(
+    sidecar_server: Server,
+) -> None:
+    client = openai.OpenAI(base_url=sidecar_server.url, api_key="x")
+    prompt = PROMPT + "seeded"
+    many = client.completions.create(
+        model="demo", prompt=prompt, max_tokens=8, n=3, seed=11, temperature=1.0
+    )
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    alone = [
+        client.completions.create(
+            model="demo", prompt=prompt, max_tokens=8, seed=11 + i, temperature=1.0
+        )
+        for i in range(3)
+    ]
+    assert [c.text for c in many.choices] == [r.choices[0].text for r in alone]
+    assert [c.finish_reason for c in many.choices] == [r.choices[0].finish_reason for r in alone]
+    assert many.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone)
+    assert many.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    # greedy choices are the one greedy answer; the later ones reuse the prompt the first
+    # computed (a prompt nothing before it shares)
+    greedy = client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "Fresh start. " + PROMPT + "greedy"}],
+        max_tokens=6,
+        n=4,
+        temperature=0,
+    )
+    assert len({c.message.content for c in greedy.choices}) == 1
+    report = greedy.model_extra["prefixcache"]
+    first_computed = greedy.usage.prompt_tokens - report["cached_tokens"]  # the first choice's
+    assert first_computed > 3 * BLOCK
+    assert report["computed_tokens"] <= first_computed + 3 * BLOCK  # all four choices'
+    wait_for_idle_blocks(sidecar_server.root)
+
+
+def test_streamed_choices_interleave_by_index_and_match_the_whole_reply(
+    sidecar_server: Server,
+) -> None:
+    client = openai.OpenAI(base_url=sidecar_server.url, api_key="x")
+    fields = {"model": "demo", "max_tokens": 10, "n": 3, "seed": 5, "temperature": 1.0}
+    messages = [{"role": "user", "content": PROMPT + "stream"}]
+    whole = client.chat.completions.create(messages=messages, **fields)
+    texts = {0: "", 1: "", 2: ""}
+    finishes: dict[int, str] = {}
+    roles = set()
+    usage = None
+    for chunk in client.chat.completions.create(
+        messages=messages, stream=True, stream_options={"include_usage": True}, **fields
+    ):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.add(choice.index)
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert roles == {0, 1, 2}
+    assert [texts[i] for i in range(3)] == [c.message.content for c in whole.choices]
+    assert [finishes[i] for i in range(3)] == [c.finish_reason for c in whole.choices]
+    assert usage is not None
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    wait_for_idle_blocks(sidecar_server.root)
+
+
+def test_a_client_gone_mid_stream_aborts_every_choice(sidecar_server: Server) -> None:
+    body = {"prompt": PROMPT + "gone", "max_tokens": 200, "n": 4, "stream": True,
+            "ignore_eos": True, "temperature": 1.0}  # fmt: skip
+    with httpx.stream("POST", f"{sidecar_server.url}/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        seen = set()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+            if len(seen) == 4:
+                break  # leave with every choice still generating
+    stats = wait_for_idle_blocks(sidecar_server.root)
+    assert stats["blocks"]["in_use"] == 0
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_n_out_of_range_is_refused_by_name(sidecar_server: Server, path: str) -> None:
+    body: dict = {"max_tokens": 2, "n": 129}
+    body |= {"messages": [{"role": "user", "content": "x"}]} if path == CHAT else {"prompt": "x"}
+    r = httpx.post(f"{sidecar_server.root}{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "n"
