@@ -1,4 +1,5 @@
-"""``n`` choices on /v1/chat/completions and /v1/completions, as OpenAI and vLLM serve them.
+"""``n`` choices on /v1/chat/completions and /v1/completions, and batches of prompts on
+/v1/completions, as OpenAI and vLLM serve them.
 
 Each choice is an engine request of its own over the one rendered prompt (seed + index where
 a seed is given), so a choice equals the single request it stands for; the prompt is counted
@@ -172,3 +173,37 @@ def test_n_out_of_range_is_refused_by_name(sidecar_server: Server, path: str) ->
     r = httpx.post(f"{sidecar_server.root}{path}", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "n"
+
+
+def test_a_batch_of_prompts_is_each_prompts_choices_in_order(sidecar_server: Server) -> None:
+    client = openai.OpenAI(base_url=sidecar_server.url, api_key="x")
+    texts = [PROMPT + "first", PROMPT + "second, longer than the first"]
+    token_prompt = [1, 20, 30, 40, 50, 60]
+    batch = [*texts, token_prompt]
+    out = client.completions.create(
+        model="demo", prompt=batch, max_tokens=5, n=2, seed=3, temperature=1.0
+    )
+    assert [c.index for c in out.choices] == list(range(6))
+    singles = [
+        client.completions.create(
+            model="demo", prompt=prompt, max_tokens=5, seed=3 + j, temperature=1.0
+        )
+        for prompt in batch
+        for j in range(2)
+    ]
+    assert [c.text for c in out.choices] == [r.choices[0].text for r in singles]
+    assert out.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in singles[::2])
+    assert out.usage.completion_tokens == sum(r.usage.completion_tokens for r in singles)
+    wait_for_idle_blocks(sidecar_server.root)
+
+
+async def test_a_batch_refused_midway_leaves_no_choice_admitted() -> None:
+    client, engine, app = await fake_client(max_waiting=8)
+    admission = app.state.sidecar.admission
+    admission.num_waiting = 4  # four places: the first two prompts' choices fit, not the third
+    async with client:
+        body = {"prompt": ["a", "b", "c"], "max_tokens": 1, "n": 2}
+        r = await client.post(COMPLETIONS, json=body)
+    assert r.status_code == 429, r.text
+    assert admission.num_waiting == 4
+    assert engine.received == []

@@ -140,17 +140,36 @@ class GenerationRoutes:
             request, p.CompletionRequest, p.check_completion
         )
         namespace = gate.namespace(tenant.name, req.cache_salt)
-        prompt = await gate.completion_prompt(p.completion_prompt(req), namespace)
-        jobs = self._submit(
-            "completion",
-            f"cmpl-{uuid.uuid4().hex}",
-            req,
-            tenant,
-            prompt,
-            req.max_tokens,
-            req.logprobs,
-        )
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        n = req.n or 1
+        prompts = p.completion_prompts(req)
+        self._check_choices(len(prompts) * n)
+        rendered: list[RenderedPrompt] = []
+        jobs: list[Job] = []
+        try:
+            for prompt in prompts:
+                rendered.append(await gate.completion_prompt(prompt, namespace))
+            for i, prompt in enumerate(rendered):  # choice i * n + j: prompt i's choice j
+                jobs += self._submit(
+                    "completion", request_id, req, tenant, prompt, req.max_tokens, req.logprobs,
+                    first_index=i * n, batch=len(rendered) > 1,
+                )  # fmt: skip
+        except Exception:
+            for job in jobs:  # an earlier prompt's choices: admitted, not started
+                job.stream.discard()
+            for prompt in rendered:
+                gate.forget(prompt)
+            raise
         return await reply(jobs, req.stream, request, self.engine.tokenizer)
+
+    def _check_choices(self, choices: int) -> None:
+        """More engine requests than the queue holds could never be admitted: a 400, not 429."""
+        if choices > 1 and choices > self.admission.max_waiting:
+            raise bad_request(
+                f"{choices} choices exceed this server's queue of {self.admission.max_waiting} "
+                "waiting requests (--queue-limit)",
+                "n",
+            )
 
     @property
     def system_fingerprint(self) -> str:
@@ -172,9 +191,12 @@ class GenerationRoutes:
         grammar: GrammarSpec | None = None,
         skip_special_tokens: bool = True,
         choices: int | None = None,
+        first_index: int = 0,
+        batch: bool = False,
     ) -> list[Job]:
-        """The admitted jobs, one per choice (``req.n`` unless ``choices``); a refused request
-        leaves nothing of its prompt in the memos and no choice running."""
+        """The admitted jobs, one per choice (``req.n`` unless ``choices``), numbered from
+        ``first_index`` (a batch's later prompts); a refused request leaves nothing of its
+        prompt in the memos and no choice running."""
         jobs: list[Job] = []
         try:
             num_prompt = len(prompt.token_ids)
@@ -215,24 +237,19 @@ class GenerationRoutes:
             except ValueError as exc:
                 raise bad_request(str(exc)) from None
             n = choices or req.n or 1
-            if 1 < n > self.admission.max_waiting:  # could never be admitted: not a 429
-                raise bad_request(
-                    f"n={n} choices exceed this server's queue of {self.admission.max_waiting} "
-                    "waiting requests (--queue-limit)",
-                    "n",
-                )
+            self._check_choices(n)
             created = int(time.time())
-            for index in range(n):
+            for index in range(first_index, first_index + n):
                 engine_request = EngineRequest(
-                    request_id=request_id if n == 1 else f"{request_id}-{index}",
+                    request_id=request_id if n == 1 and not batch else f"{request_id}-{index}",
                     prompt_token_ids=prompt.token_ids,
-                    sampling=choice_sampling(sampling, index),
+                    sampling=choice_sampling(sampling, index - first_index),
                     namespace=prompt.namespace,
                     priority=req.priority,
                     segments=prompt.spans or None,
                     tenant=self.gate.namespace(tenant.name, None),  # opaque: a tenant's salts
                     # cache_control marks: TTL pins once computed (the first choice's)
-                    retain=(prompt.retain or None) if index == 0 else None,
+                    retain=(prompt.retain or None) if index == first_index else None,
                 )
                 job = Job(
                     id=request_id,
@@ -245,6 +262,7 @@ class GenerationRoutes:
                     include_usage=req.include_usage,
                     fingerprint=self.system_fingerprint,
                     index=index,
+                    choices=n,
                 )
                 jobs.append(job)
             return jobs

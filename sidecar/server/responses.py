@@ -157,7 +157,8 @@ class Job:
     fingerprint: str  # system_fingerprint
     tool_parser: ToolCallParser | None = None  # chat with tools: output → tool_calls
     retain: list[RetentionHint] = field(default_factory=list)  # the prompt's cache_control marks
-    index: int = 0  # which of the request's n choices
+    index: int = 0  # which of the request's choices (prompt i's choice j: i * choices + j)
+    choices: int = 1  # n: choices per prompt
 
 
 @dataclass(slots=True)
@@ -186,7 +187,7 @@ async def reply(
         results = await run_until_disconnect(collect_all(jobs), request.receive)
     finally:
         await close_jobs(jobs)  # aborts the engine requests still running
-    usage = merged_usage([r.usage for r in results])
+    usage = merged_usage(jobs, [r.usage for r in results])
     report = cache_report(usage, job.spans)
     head = (job.id, job.created, job.model)
     body: Any
@@ -216,14 +217,24 @@ async def close_jobs(jobs: list[Job]) -> None:
         await job.stream.aclose()
 
 
-def merged_usage(usages: list[Usage]) -> Usage:
-    """The usage of a request's choices: the prompt once, with the first choice's cache
+def merged_usage(jobs: list[Job], usages: list[Usage]) -> Usage:
+    """The usage of a request's choices: each prompt once, with its first choice's cache
     figures (what serving it cost), the completions summed and the prompt tokens every
     choice computed summed (the prefill work of the whole request)."""
     if len(usages) == 1:
         return usages[0]
+    firsts = [u for job, u in zip(jobs, usages, strict=True) if job.index % job.choices == 0]
+    tiers: dict[str, int] = {}
+    for u in firsts:
+        for tier, tokens in (u.cached_tokens_by_tier or {}).items():
+            tiers[tier] = tiers.get(tier, 0) + tokens
     return dataclasses.replace(
-        usages[0],
+        firsts[0],
+        prompt_tokens=sum(u.prompt_tokens for u in firsts),
+        cached_tokens=sum(u.cached_tokens for u in firsts),
+        reused_tokens=sum(u.reused_tokens for u in firsts),
+        cached_tokens_by_tier=tiers or None,
+        segments=firsts[0].segments if len(firsts) == 1 else None,
         completion_tokens=sum(u.completion_tokens for u in usages),
         computed_prompt_tokens=sum(u.computed_prompt_tokens for u in usages),
     )
@@ -315,7 +326,7 @@ async def stream_events(jobs: list[Job], tokenizer: TokenizerAPI) -> AsyncIterat
             usages[index] = usage
             yield frame(choices, prefixcache=cache_report(usage, job.spans))
         if job.include_usage:
-            usage = merged_usage([usages[i] for i in range(len(jobs))])
+            usage = merged_usage(jobs, [usages[i] for i in range(len(jobs))])
             yield frame([], usage=usage_info(usage))
     except APIError as exc:
         yield sse_event(exc.body())

@@ -152,7 +152,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    # str, token ids, or a one-element batch of either (msgspec unions allow one list type)
+    # str, token ids, or a batch of either (msgspec unions allow one list type)
     prompt: (
         str
         | list[Annotated[int, msgspec.Meta(ge=0)] | str | list[Annotated[int, msgspec.Meta(ge=0)]]]
@@ -290,23 +290,26 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
         )
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """The single prompt of a completions request: text or token ids."""
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request, each text or token ids: one, or a batch (a list
+    of strings or of token-id lists, OpenAI's array forms)."""
     prompt = req.prompt
-    if isinstance(prompt, list) and any(not isinstance(p, int) for p in prompt):
-        if len(prompt) != 1:
-            raise Error("only one prompt per request is supported", "prompt")
-        prompt = prompt[0]
-        if isinstance(prompt, list) and any(not isinstance(p, int) for p in prompt):
-            raise Error("'prompt' must be a string or a list of token ids", "prompt")
-    if not prompt:
+    if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+        prompts: list[str | list[int]] = [prompt]  # type: ignore[list-item]
+    elif any(isinstance(t, int) for t in prompt):
+        raise Error("'prompt' must be a string, token ids, or a list of either", "prompt")
+    else:
+        prompts = list(prompt)  # type: ignore[arg-type]
+    if not prompts or not all(prompts):
         raise Error("'prompt' must not be empty", "prompt")
-    return prompt  # type: ignore[return-value]
+    if len(prompts) * (req.n or 1) > MAX_CHOICES:
+        raise Error(f"prompts times n must be at most {MAX_CHOICES}", "prompt")
+    return prompts
 
 
 def check_completion(req: CompletionRequest) -> None:
     check_sampling(req)
-    completion_prompt(req)
+    completion_prompts(req)
     if req.echo:
         raise Error("echo is not supported", "echo")
     if req.suffix:
