@@ -129,6 +129,10 @@ class TokenizerAPI(Protocol):
         """A token's raw bytes (part of a UTF-8 character for some tokens), for logprobs."""
         ...
 
+    def token_piece(self, token_id: int) -> str:
+        """The vocabulary's string for a token, as ``convert_ids_to_tokens`` gives it."""
+        ...
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str: ...

@@ -38,6 +38,9 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
 
+    def token_piece(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
     def token_bytes(self, token_id: int) -> bytes:
         return self.decode([token_id], skip_special_tokens=False).encode()
 

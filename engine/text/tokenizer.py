@@ -209,6 +209,10 @@ class Tokenizer:
         added = self._tok.get_added_tokens_decoder()
         return frozenset(i for i, token in added.items() if token.special)
 
+    def token_piece(self, token_id: int) -> str:
+        """The vocabulary's string for a token (``convert_ids_to_tokens``: e.g. "Ġthe")."""
+        return self._tok.id_to_token(token_id) or ""
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

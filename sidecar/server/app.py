@@ -35,6 +35,7 @@ from .gate import RequestGate
 from .generation import GenerationRoutes
 from .responses import json_response
 from .settings import SidecarSettings
+from .tokenize_routes import TokenizeRoutes
 
 __all__ = ["Sidecar", "SidecarSettings", "create_app"]
 
@@ -57,6 +58,7 @@ class Sidecar:
         self.generation = GenerationRoutes(engine, self.gate, self.admission, settings)
         self.anthropic = MessagesRoutes(self.generation)
         self.responses = ResponsesRoutes(self.generation)
+        self.tokenize = TokenizeRoutes(self.generation)
         self.cache = CacheRoutes(engine, self.gate, settings.cache_dir, settings.secret)
         self.dashboard = DashboardRoutes(engine, self.gate)
         self.metrics_registry = CollectorRegistry()  # the HTTP series
@@ -86,6 +88,7 @@ class Sidecar:
             *other_apis,
             *serving[2:],
             *self.cache.routes(),
+            *self.tokenize.routes(),
             *self.dashboard.routes(),
         ]
 

@@ -143,13 +143,16 @@ class RequestGate:
         """Keep nothing in the memos for a prompt whose request was refused."""
         self.renderer.forget(prompt)
 
-    async def completion_prompt(self, prompt: str | list[int], namespace: str) -> RenderedPrompt:
-        """A completion's prompt ids (a string is encoded off the loop when large)."""
+    async def completion_prompt(
+        self, prompt: str | list[int], namespace: str, add_special_tokens: bool = True
+    ) -> RenderedPrompt:
+        """A completion's prompt ids (a string is encoded off the loop when large); by default
+        as AutoTokenizer(prompt) encodes it, with the tokenizer's special tokens."""
         tokenizer = self.engine.tokenizer
-        if isinstance(prompt, str):  # as AutoTokenizer(prompt): the tokenizer's special tokens
+        if isinstance(prompt, str):
 
             def encode() -> list[int]:
-                return tokenizer.encode(prompt, add_special_tokens=True, namespace=namespace)
+                return tokenizer.encode(prompt, add_special_tokens, namespace=namespace)
 
             ids = await asyncio.to_thread(encode) if len(prompt) >= OFF_LOOP_CHARS else encode()
             return RenderedPrompt(ids, [], namespace, [prompt])

@@ -158,6 +158,17 @@ class ModelList(msgspec.Struct):
     object: str = "list"
 
 
+class TokenizeResponse(msgspec.Struct):  # vLLM's
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class DetokenizeResponse(msgspec.Struct):  # vLLM's
+    prompt: str
+
+
 class WarmResponse(msgspec.Struct):
     tokens: int
     cached_tokens: int

@@ -1,0 +1,85 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize``: a prompt's token ids exactly as the
+generation routes would compute them (a completion prompt, or a conversation through the chat
+template, tools and ``chat_template_kwargs`` included), and ids back to text. Serving routes:
+the caller's key, the caller's tokenization namespace, and nothing kept of the text."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ..http.errors import bad_request
+from ..http.io import decode_json, read_body
+from ..wire import protocol as p
+from ..wire import reply_types as rt
+from ..wire.tokenize_requests import DetokenizeRequest, TokenizeRequest
+from .gate import content_size
+from .generation import GenerationRoutes
+from .responses import json_response
+
+
+class TokenizeRoutes:
+    def __init__(self, generation: GenerationRoutes) -> None:
+        self.generation = generation
+        self.gate = generation.gate
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+        ]
+
+    async def tokenize(self, request: Request) -> Response:
+        gate = self.gate
+        tenant = gate.caller(request)
+        body = await read_body(request, gate.settings.max_body_bytes)
+        req = decode_json(body, TokenizeRequest)
+        gate.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
+        if req.messages is not None and req.add_special_tokens:
+            raise bad_request(
+                "add_special_tokens with messages: the chat template writes the special tokens",
+                "add_special_tokens",
+            )
+        namespace = gate.namespace(tenant.name, req.cache_salt)
+        if req.prompt is not None:
+            if not req.prompt:
+                raise bad_request("'prompt' must not be empty", "prompt")
+            special = req.add_special_tokens is None or req.add_special_tokens
+            prompt = await gate.completion_prompt(req.prompt, namespace, special)
+        else:
+            chat = decode_json(body, p.ChatCompletionRequest)  # the chat fields of the body
+            gate.check(p.check_chat, chat)
+            template_kwargs = self.generation.chat_template_kwargs(chat)
+            prompt = await gate.render(
+                lambda r: r.render_chat(
+                    chat.messages,
+                    None,
+                    bool(chat.add_generation_prompt),
+                    template_kwargs,
+                    bool(chat.continue_final_message),
+                    namespace,
+                ),
+                content_size(chat.messages, None),
+            )
+        gate.forget(prompt)  # tokenized, not served: keep nothing of it
+        ids = prompt.token_ids
+        tokenizer = self.generation.engine.tokenizer
+        pieces = [tokenizer.token_piece(i) for i in ids] if req.return_token_strs else None
+        max_len = self.generation.engine.max_model_len
+        return json_response(rt.TokenizeResponse(len(ids), max_len, ids, pieces))
+
+    async def detokenize(self, request: Request) -> Response:
+        gate = self.gate
+        gate.caller(request)
+        req = await gate.read(request, DetokenizeRequest)
+        gate.check_model(req.model)
+        tokenizer = self.generation.engine.tokenizer
+        if req.tokens and max(req.tokens) >= tokenizer.vocab_size:
+            raise bad_request(
+                f"token ids must be below the vocabulary size {tokenizer.vocab_size}", "tokens"
+            )
+        text = tokenizer.decode(req.tokens, skip_special_tokens=False)
+        return json_response(rt.DetokenizeResponse(text))

@@ -1,0 +1,127 @@
+"""vLLM's /tokenize and /detokenize: the ids are the ones the generation routes compute for the
+same prompt or conversation (tools and template kwargs included), in vLLM's response shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import KEYS, Server
+from sidecar_fake_engine import FakeEngine
+from tokenizers import Tokenizer as HFTokenizer
+
+from prefixcache.sidecar.server.app import create_app
+from prefixcache.sidecar.server.settings import SidecarSettings
+
+ASSETS = Path(__file__).resolve().parents[1] / "engine" / "model" / "demo_assets"
+TEXT = "Tokenize me: prefix caching pays a long prompt's prefill once. Ünïcödé too."
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is a radix tree?"},
+]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def post(server: Server, path: str, body: dict, key: str | None = None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server.root}{path}", json=body, headers=headers, timeout=30)
+
+
+def test_a_prompt_tokenizes_as_completions_count_it(sidecar_server: Server) -> None:
+    out = post(sidecar_server, "/tokenize", {"prompt": TEXT}).json()
+    assert set(out) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert out["token_strs"] is None
+    reference = HFTokenizer.from_file(str(ASSETS / "tokenizer.json"))
+    assert out["tokens"] == reference.encode(TEXT, add_special_tokens=True).ids
+    assert out["count"] == len(out["tokens"])
+    models = httpx.get(f"{sidecar_server.url}/models", timeout=30).json()
+    assert out["max_model_len"] == models["data"][0]["max_model_len"]
+    completion = httpx.post(
+        f"{sidecar_server.url}/completions", json={"prompt": TEXT, "max_tokens": 1}, timeout=30
+    ).json()
+    assert completion["usage"]["prompt_tokens"] == out["count"]
+    plain = post(sidecar_server, "/tokenize", {"prompt": TEXT, "add_special_tokens": False})
+    assert plain.json()["tokens"] == reference.encode(TEXT, add_special_tokens=False).ids
+    strs = post(sidecar_server, "/tokenize", {"prompt": TEXT, "return_token_strs": True}).json()
+    assert strs["token_strs"] == [reference.id_to_token(i) for i in out["tokens"]]
+
+
+def test_detokenize_inverts_tokenize(sidecar_server: Server) -> None:
+    ids = post(sidecar_server, "/tokenize", {"prompt": TEXT, "add_special_tokens": False})
+    back = post(sidecar_server, "/detokenize", {"tokens": ids.json()["tokens"]})
+    assert back.status_code == 200, back.text
+    assert back.json() == {"prompt": TEXT}
+    bos = HFTokenizer.from_file(str(ASSETS / "tokenizer.json")).token_to_id("<|begin_of_text|>")
+    tokens = [bos, *ids.json()["tokens"]]
+    text = post(sidecar_server, "/detokenize", {"tokens": tokens}).json()["prompt"]
+    assert text == "<|begin_of_text|>" + TEXT  # special tokens are kept, as vLLM does
+
+
+async def test_a_conversation_tokenizes_to_the_ids_chat_sends_the_engine() -> None:
+    engine = FakeEngine(max_model_len=512)
+    await engine.start()
+    app = create_app(engine, SidecarSettings(manage_engine=False))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as client:
+        for extra in ({}, {"add_generation_prompt": False}, {"chat_template_kwargs": {"x": 1}}):
+            body = {"messages": MESSAGES, **extra}
+            chat = await client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+            assert chat.status_code == 200, chat.text
+            sent = engine.received[-1].prompt_token_ids
+            out = await client.post("/tokenize", json=body)
+            assert out.status_code == 200, out.text
+            assert out.json()["tokens"] == sent
+            assert out.json()["count"] == len(sent)
+
+
+def test_tools_are_rendered_into_the_tokenized_conversation(tools_sidecar: Server) -> None:
+    body = {"messages": MESSAGES, "tools": [WEATHER]}
+    with_tools = post(tools_sidecar, "/tokenize", body).json()
+    without = post(tools_sidecar, "/tokenize", {"messages": MESSAGES}).json()
+    assert with_tools["count"] > without["count"]
+    chat = httpx.post(
+        f"{tools_sidecar.url}/chat/completions", json={**body, "max_tokens": 1}, timeout=30
+    ).json()
+    assert chat["usage"]["prompt_tokens"] == with_tools["count"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/tokenize", {"prompt": "x", "messages": MESSAGES}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": ""}, 400, "prompt"),
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "add_special_tokens": True},
+            400,
+            "add_special_tokens",
+        ),
+        ("/tokenize", {"prompt": "x", "model": "not-served"}, 404, None),
+        ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, 400, None),
+        ("/detokenize", {}, 400, None),
+    ],
+)
+def test_bad_bodies_are_4xx(
+    sidecar_server: Server, path: str, body: dict, status: int, param: str | None
+) -> None:
+    r = post(sidecar_server, path, body)
+    assert r.status_code == status, r.text
+    if param is not None:
+        assert r.json()["error"]["param"] == param
+
+
+def test_tokenize_needs_a_tenant_key_where_keys_are_set(tenant_server: Server) -> None:
+    assert post(tenant_server, "/tokenize", {"prompt": TEXT}).status_code == 401
+    assert post(tenant_server, "/detokenize", {"tokens": [5]}).status_code == 401
+    ok = post(tenant_server, "/tokenize", {"prompt": TEXT}, KEYS["a"]["key"])
+    assert ok.status_code == 200, ok.text
