@@ -286,11 +286,14 @@ class LLMEngine:
         seq.last_token_time = now
         reason = output.finish_reason(seq, token, self._stop_token_ids, self.max_seq_len)
         if reason is None:
-            return output.delta_output(seq, token, logprob)
-        final = self._finish(seq, reason)
-        final.new_token_ids = [token]
-        final.logprobs = [logprob] if logprob is not None else None
-        return final
+            out = output.delta_output(seq, token, logprob)
+        else:
+            out = self._finish(seq, reason)
+            out.new_token_ids = [token]
+            out.logprobs = [logprob] if logprob is not None else None
+        if seq.num_output_tokens == 1:  # the first output carries the prompt's logprobs
+            out.prompt_logprobs = seq.prompt_logprobs
+        return out
 
     def _finish(self, seq: Sequence, reason: str, failure: str | None = None) -> RequestOutput:
         self.activity.on_finish(seq, reason)

@@ -35,6 +35,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
+    # None: off; k >= 0: each prompt token's logprob after the first, and the top k at its
+    # position (vLLM's prompt_logprobs; /v1/completions' echo). Every prompt token's logits
+    # are needed, so such a request computes its whole prompt (it takes no cache hit).
+    prompt_logprobs: int | None = None
     # OpenAI's: subtracted once per generated token that already appeared / per appearance.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -55,6 +59,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -189,3 +195,5 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     timing: RequestTiming | None = None  # on the last output
+    # with prompt_logprobs, on the first output: one per prompt token (None for the first)
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -84,6 +84,10 @@ CASES = {
         {"available", "cpu"},
     ),
     "window_decode.py": (["--batch", "1"], {"cpu", "threads", "rows"}),
+    "prompt_logprobs.py": (
+        ["--model", "demo", "--lengths", "40", "--runs", "1"],
+        {"cpu", "model", "dtype", "rows"},
+    ),
     "layer_gemms.py": (
         ["--model", "demo", "--rows", "1", "4", "--full-rows", "32", "--seconds", "0.05"],
         {"cpu", "threads", "full", "rows"},

@@ -207,3 +207,81 @@ async def test_a_batch_refused_midway_leaves_no_choice_admitted() -> None:
     assert r.status_code == 429, r.text
     assert admission.num_waiting == 4
     assert engine.received == []
+
+
+def test_echo_puts_the_prompt_before_the_completion(sidecar_server: Server) -> None:
+    client = openai.OpenAI(base_url=sidecar_server.url, api_key="x")
+    prompt = PROMPT + "echo"
+    plain = client.completions.create(model="demo", prompt=prompt, max_tokens=5, temperature=0)
+    echoed = client.completions.create(
+        model="demo", prompt=prompt, max_tokens=5, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    assert echoed.usage.prompt_tokens_details.cached_tokens > 0  # no logprobs: a cache hit
+    streamed = ""
+    for chunk in client.completions.create(
+        model="demo", prompt=prompt, max_tokens=5, temperature=0, echo=True, stream=True
+    ):
+        streamed += chunk.choices[0].text if chunk.choices else ""
+    assert streamed == echoed.choices[0].text
+
+
+def test_echo_with_logprobs_scores_prompts_as_lm_eval_reads_them(sidecar_server: Server) -> None:
+    """lm-evaluation-harness's loglikelihood request: token-id prompts in a batch, echo,
+    logprobs=1, max_tokens=1; a prompt's token_logprobs are read by position. They are the
+    same whether or not the prompt was cached before (a scored prompt is computed whole)."""
+    client = openai.OpenAI(base_url=sidecar_server.url, api_key="x")
+    tokenized = httpx.post(
+        f"{sidecar_server.root}/tokenize", json={"prompt": PROMPT + "score me"}, timeout=30
+    ).json()["tokens"]
+    other = [*tokenized[:-3], 7, 8, 9]
+
+    def score() -> openai.types.Completion:
+        return client.completions.create(
+            model="demo", prompt=[tokenized, other], max_tokens=1, temperature=0, logprobs=1,
+            echo=True,
+        )  # fmt: skip
+
+    cold = score()
+    first, second = cold.choices
+    for choice, ids in ((first, tokenized), (second, other)):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[1:])
+        for i in range(1, len(ids) + 1):
+            (best,) = lp.top_logprobs[i].values()  # logprobs=1: the top token
+            assert best >= lp.token_logprobs[i] - 1e-6
+        decoded = httpx.post(
+            f"{sidecar_server.root}/detokenize", json={"tokens": ids}, timeout=30
+        ).json()["prompt"]
+        assert choice.text.startswith(decoded)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    client.completions.create(model="demo", prompt=[tokenized], max_tokens=1)  # cache it
+    warm = score()
+    assert warm.usage.prompt_tokens_details.cached_tokens == 0  # computed whole again
+    assert [c.logprobs.token_logprobs for c in warm.choices] == [
+        c.logprobs.token_logprobs for c in cold.choices
+    ]
+    wait_for_idle_blocks(sidecar_server.root)
+
+
+def test_a_streamed_echo_sends_the_prompt_and_its_logprobs_first(sidecar_server: Server) -> None:
+    client = openai.OpenAI(base_url=sidecar_server.url, api_key="x")
+    fields = {"model": "demo", "prompt": PROMPT + "stream echo", "max_tokens": 3,
+              "temperature": 0, "logprobs": 1, "echo": True, "n": 2}  # fmt: skip
+    whole = client.completions.create(**fields)
+    firsts: dict[int, object] = {}
+    texts = {0: "", 1: ""}
+    token_logprobs: dict[int, list] = {0: [], 1: []}
+    for chunk in client.completions.create(stream=True, **fields):
+        for choice in chunk.choices:
+            firsts.setdefault(choice.index, choice)
+            texts[choice.index] += choice.text
+            if choice.logprobs is not None:
+                token_logprobs[choice.index] += choice.logprobs.token_logprobs
+    for i in (0, 1):
+        assert firsts[i].text == fields["prompt"]  # the prompt alone, first
+        assert firsts[i].logprobs.token_logprobs[0] is None
+        assert texts[i] == whole.choices[i].text
+        assert token_logprobs[i] == whole.choices[i].logprobs.token_logprobs

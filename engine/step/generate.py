@@ -20,6 +20,7 @@ class GenerationResult:
     finish_reason: str
     usage: Usage
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
 
 
 def run_to_completion(engine: LLMEngine, requests: list[EngineRequest]) -> list[GenerationResult]:
@@ -42,6 +43,8 @@ def run_to_completion(engine: LLMEngine, requests: list[EngineRequest]) -> list[
             result.text += out.text_delta
             if out.logprobs:
                 result.logprobs.extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                result.prompt_logprobs = out.prompt_logprobs
             if out.finished:
                 result.finish_reason = out.finish_reason or ""
                 result.usage = out.usage or Usage()

@@ -19,7 +19,8 @@ from ..attention.cpu_backend import CpuKernelBackend
 from ..attention.metadata import find_prefill_groups, plan_step_order
 from ..memory.kv_cache import KVCache
 from ..model.loader import LoadedModel
-from . import step_replay
+from . import prompt_logprobs, step_replay
+from .prompt_logprobs import PromptLogprobSink
 from .step_replay import StepReplay
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class BatchEntry:
     block_table: list[int]  # physical blocks covering start_pos + len(token_ids) tokens
     compute_logits: bool = True  # False for a non-final prefill chunk
     local_table: list[int] | None = None  # hybrid: local pages per block (0: slid out)
+    prompt_logprobs: PromptLogprobSink | None = None  # its rows' prompt logprobs go here
 
 
 def batch_of(
@@ -57,6 +59,7 @@ def batch_of(
                     block_table=seq.table.block_ids,
                     compute_logits=end == seq.num_tokens,
                     local_table=local,
+                    prompt_logprobs=prompt_logprobs.sink_for(seq, start, end),
                 )
             )
     return batch
@@ -171,8 +174,13 @@ class ModelRunner:
         qo_end = meta.qo_indptr[1:].tolist()
         row_of = {i: qo_end[j] - 1 for j, i in enumerate(order)}
         rows = [row_of[i] for i, e in enumerate(batch) if e.compute_logits]
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        every_row = len(rows) == len(ids) and rows == sorted(rows)  # a decode-only step
+        # Rows whose logits give prompt logprobs: an entry's first len(targets) rows.
+        qo_start = meta.qo_indptr[:-1].tolist()
+        first_of = {i: qo_start[j] for j, i in enumerate(order)}
+        sinks = [(first_of[i], e.prompt_logprobs) for i, e in enumerate(batch) if e.prompt_logprobs]
+        prompt_rows = [start + r for start, sink in sinks for r in range(len(sink.targets))]
+        index = torch.tensor(rows + prompt_rows, dtype=torch.int64, device=self.device)
+        every_row = not prompt_rows and len(rows) == len(ids) and rows == sorted(rows)
         replay = self.replay  # off while a bench has switched the model to torch's ops
         if replay is not None and len(ids) <= replay.max_tokens and self.model.fused_ops:
             hidden = replay.forward(input_ids, meta.positions)
@@ -180,9 +188,23 @@ class ModelRunner:
                 hidden = hidden.index_select(0, index)
         else:
             hidden = self.model(input_ids, meta.positions, attend, None if every_row else index)
+        if prompt_rows:
+            self._fill_prompt_logprobs(hidden[len(rows) :], [sink for _, sink in sinks])
+            hidden = hidden[: len(rows)]
         if not rows:
             return torch.empty(0, self.loaded.config.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden)
+
+    def _fill_prompt_logprobs(self, hidden: torch.Tensor, sinks: list[PromptLogprobSink]) -> None:
+        """``hidden``: the sinks' rows in order; their logits a slice at a time."""
+        at = 0
+        for sink in sinks:
+            n = len(sink.targets)
+            for lo in range(0, n, prompt_logprobs.ROWS_PER_SLICE):
+                hi = min(n, lo + prompt_logprobs.ROWS_PER_SLICE)
+                part = PromptLogprobSink(sink.targets[lo:hi], sink.top, sink.into, sink.first + lo)
+                prompt_logprobs.fill(part, self.model.compute_logits(hidden[at + lo : at + hi]))
+            at += n
 
     def _validate(self, batch: list[BatchEntry]) -> None:
         cfg = self.loaded.config

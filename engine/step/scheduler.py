@@ -143,6 +143,8 @@ class Scheduler:
             leaders.append(seq)
 
     def _acquire_chunks(self, seq: Sequence, match: PrefixMatch) -> list[Placement]:
+        if seq.wants_prompt_logprobs:  # placed KV has no logits
+            return []
         if self.reuse is None or not self._caching or not seq.has_reuse_segments:
             return []
         return self.reuse.acquire(seq, match)
@@ -182,7 +184,7 @@ class Scheduler:
         that ``seq`` shares beyond its cached match; they are committed when the step ends.
         (A shared remainder inside one block is not worth a step: it is copied from the
         leader's live block when the leader still runs, else recomputed.)"""
-        if not self._caching:
+        if not self._caching or seq.wants_prompt_logprobs:
             return False
         for leader in leaders:
             if leader.namespace != seq.namespace:
@@ -213,6 +215,8 @@ class Scheduler:
         lend the written slots it shares with ``seq`` (copied, like a partial hit). This keeps a
         burst exact when the shared prefix does not end on a block boundary."""
         if not self._caching or match.tier or match.partial_tokens == self.block_size - 1:
+            return match
+        if seq.wants_prompt_logprobs:
             return match
         full, bs = len(match.blocks), self.block_size
         parent = self._hashes(seq)[full - 1] if full else b""
@@ -251,6 +255,8 @@ class Scheduler:
         return seq.block_hashes
 
     def _match(self, seq: Sequence) -> PrefixMatch:
+        if seq.wants_prompt_logprobs:  # every prompt token's logits: computed whole
+            return PrefixMatch([], None, 0, self.block_size)
         return self.block_manager.match(seq.token_ids, seq.namespace, seq.num_tokens - 1)
 
     @property

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..request import EngineRequest, SegmentMiss
+from ..request import EngineRequest, SegmentMiss, TokenLogprob
 
 if TYPE_CHECKING:
     from ..memory.block_types import BlockTable
@@ -47,6 +47,8 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # with prompt_logprobs: per prompt position, filled as its chunks are computed
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def request_id(self) -> str:
@@ -75,6 +77,11 @@ class Sequence:
     @property
     def is_decoding(self) -> bool:
         return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Every prompt token's logits are needed: the prompt is computed whole, no hit."""
+        return self.request.sampling.prompt_logprobs is not None
 
     @property
     def has_reuse_segments(self) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from prefixcache.engine.api import EngineAPI
+from prefixcache.engine.api import EngineAPI, TokenizerAPI
 from prefixcache.engine.request import EngineRequest, GrammarSpec, RetentionHint, SamplingParams
 
 from ..chat.rendering import PromptRenderer, RenderedPrompt
@@ -153,6 +153,7 @@ class GenerationRoutes:
                 jobs += self._submit(
                     "completion", request_id, req, tenant, prompt, req.max_tokens, req.logprobs,
                     first_index=i * n, batch=len(rendered) > 1,
+                    echo=echo_text(prompt, prompts[i], self.engine.tokenizer) if req.echo else None,
                 )  # fmt: skip
         except Exception:
             for job in jobs:  # an earlier prompt's choices: admitted, not started
@@ -193,6 +194,7 @@ class GenerationRoutes:
         choices: int | None = None,
         first_index: int = 0,
         batch: bool = False,
+        echo: str | None = None,
     ) -> list[Job]:
         """The admitted jobs, one per choice (``req.n`` unless ``choices``), numbered from
         ``first_index`` (a batch's later prompts); a refused request leaves nothing of its
@@ -228,6 +230,8 @@ class GenerationRoutes:
                     stop_token_ids=self.gate.stop_token_ids(req.stop_token_ids),
                     ignore_eos=req.ignore_eos,
                     logprobs=logprobs,
+                    # echo with logprobs: the prompt's own, each choice computing its prompt
+                    prompt_logprobs=logprobs if echo is not None else None,
                     presence_penalty=req.presence_penalty,
                     frequency_penalty=req.frequency_penalty,
                     repetition_penalty=self._sampling(req.repetition_penalty, "repetition_penalty"),
@@ -263,6 +267,7 @@ class GenerationRoutes:
                     fingerprint=self.system_fingerprint,
                     index=index,
                     choices=n,
+                    echo=echo,
                 )
                 jobs.append(job)
             return jobs
@@ -288,3 +293,11 @@ def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     if index == 0 or sampling.seed is None:
         return sampling
     return dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**63)
+
+
+def echo_text(prompt: RenderedPrompt, given: str | list[int], tokenizer: TokenizerAPI) -> str:
+    """What ``echo`` puts before a completion: the prompt as given, or token ids decoded (their
+    special tokens kept), as vLLM echoes them."""
+    if isinstance(given, str):
+        return given
+    return tokenizer.decode(prompt.token_ids, skip_special_tokens=False)

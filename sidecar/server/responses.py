@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,11 +32,9 @@ from ..http.errors import APIError, server_error
 from ..http.streaming import DONE, SSEResponse, interleave, run_until_disconnect, sse_event
 from ..wire import reply_types as rt
 from .admission import EngineStream
+from .logprob_format import chat_logprobs, completion_logprobs, joined
 
 log = logging.getLogger("prefixcache.sidecar")
-
-Decode = Callable[[list[int]], str]
-TokenBytes = Callable[[int], bytes]
 
 
 def usage_info(usage: Usage) -> rt.UsageInfo:
@@ -104,41 +102,6 @@ def _overlap(span: SegmentSpan, cached_tokens: int) -> int:
     return max(0, min(span.end, cached_tokens) - span.start)
 
 
-def chat_logprobs(entries: list[TokenLogprob], decode: Decode, token_bytes: TokenBytes) -> dict:
-    """``token`` is the decoded text (U+FFFD for part of a character, as OpenAI); ``bytes``
-    are the token's raw bytes, so joining them rebuilds the exact UTF-8 output."""
-
-    def item(token_id: int, logprob: float) -> dict:
-        return {
-            "token": decode([token_id]),
-            "logprob": logprob,
-            "bytes": list(token_bytes(token_id)),
-        }
-
-    content = []
-    for entry in entries:
-        top = [item(t, lp) for t, lp in entry.top]
-        content.append({**item(entry.token_id, entry.logprob), "top_logprobs": top})
-    return {"content": content}
-
-
-def completion_logprobs(entries: list[TokenLogprob], decode: Decode, offset: int = 0) -> dict:
-    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for entry in entries:
-        token = decode([entry.token_id])
-        tokens.append(token)
-        token_logprobs.append(entry.logprob)
-        top_logprobs.append({decode([t]): lp for t, lp in entry.top})
-        text_offset.append(offset)
-        offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": text_offset,
-    }
-
-
 # --- whole replies and streams -------------------------------------------------------------
 
 
@@ -159,6 +122,7 @@ class Job:
     retain: list[RetentionHint] = field(default_factory=list)  # the prompt's cache_control marks
     index: int = 0  # which of the request's choices (prompt i's choice j: i * choices + j)
     choices: int = 1  # n: choices per prompt
+    echo: str | None = None  # completions' echo: the prompt text put before the completion
 
 
 @dataclass(slots=True)
@@ -169,6 +133,7 @@ class Collected:
     logprobs: list[TokenLogprob]
     timing: RequestTiming | None
     token_ids: list[int] = field(default_factory=list)  # the generated tokens
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -201,9 +166,13 @@ async def reply(
     else:
         text_choices = []
         for j, result in zip(jobs, results, strict=True):
-            logprobs = _logprobs(j, tokenizer, result.logprobs) if j.want_logprobs else None
+            logprobs, echo = None, j.echo or ""
+            if j.want_logprobs:
+                logprobs = _logprobs(j, tokenizer, result.logprobs, len(echo))
+                if j.echo is not None:
+                    logprobs = joined(_echoed(j, tokenizer, result.prompt_logprobs), logprobs)
             text_choices.append(
-                rt.CompletionChoice(j.index, result.text, result.finish_reason, logprobs)
+                rt.CompletionChoice(j.index, echo + result.text, result.finish_reason, logprobs)
             )
         body = rt.Completion(*head, text_choices, usage_info(usage), report, job.fingerprint)
     response = json_response(body)
@@ -269,15 +238,19 @@ async def collect(job: Job) -> Collected:
     parts: list[str] = []
     logprobs: list[TokenLogprob] = []
     token_ids: list[int] = []
+    prompt_logprobs = None
     async for out in job.stream:
         raise_engine_error(out.error, out.finish_reason)
         parts.append(out.text_delta)
         token_ids.extend(out.new_token_ids)
         logprobs.extend(out.logprobs or ())
+        if out.prompt_logprobs is not None:
+            prompt_logprobs = out.prompt_logprobs
         if out.finished:
             usage = out.usage or fallback_usage(job, len(token_ids))
             reason = out.finish_reason or "stop"
-            return Collected("".join(parts), reason, usage, logprobs, out.timing, token_ids)
+            text = "".join(parts)
+            return Collected(text, reason, usage, logprobs, out.timing, token_ids, prompt_logprobs)
     raise server_error("the engine ended the request without a final output")
 
 
@@ -343,6 +316,12 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
     calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
     async for out in job.stream:
         raise_engine_error(out.error, out.finish_reason)
+        if job.echo is not None and num_tokens == 0:  # the prompt first, as vLLM streams it
+            echoed = None
+            if job.want_logprobs:
+                echoed = _echoed(job, tokenizer, out.prompt_logprobs)
+            yield [_delta_choice(job, job.echo, None, echoed)], None
+            offset = len(job.echo)
         num_tokens += len(out.new_token_ids)
         logprobs = None
         if job.want_logprobs and out.logprobs:
@@ -388,6 +367,16 @@ def _delta_choice(job: Job, text: str | None, finish: str | None, logprobs: Any)
     if job.kind == "chat":
         return rt.ChatChunkChoice(job.index, rt.ChatDelta(content=text), finish, logprobs)
     return rt.CompletionChoice(job.index, text or "", finish, logprobs)
+
+
+def _echoed(job: Job, tokenizer: TokenizerAPI, prompt: list[TokenLogprob | None] | None) -> dict:
+    """An echoed prompt's completions logprobs (its first token has none: null, as vLLM)."""
+    ids = job.stream.request.prompt_token_ids
+
+    def decode(token_ids: list[int]) -> str:
+        return tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    return completion_logprobs(prompt or [None] * len(ids), decode, 0, ids)
 
 
 def fallback_usage(job: Job, num_tokens: int) -> Usage:

@@ -310,8 +310,6 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 def check_completion(req: CompletionRequest) -> None:
     check_sampling(req)
     completion_prompts(req)
-    if req.echo:
-        raise Error("echo is not supported", "echo")
     if req.suffix:
         raise Error("suffix is not supported", "suffix")
     if req.best_of not in (None, 1):

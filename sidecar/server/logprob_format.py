@@ -1,0 +1,65 @@
+"""Logprobs in OpenAI's two reply shapes: chat's ``content`` list and the legacy completions
+lists (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from prefixcache.engine.request import TokenLogprob
+
+Decode = Callable[[list[int]], str]
+TokenBytes = Callable[[int], bytes]
+
+
+def chat_logprobs(entries: list[TokenLogprob], decode: Decode, token_bytes: TokenBytes) -> dict:
+    """``token`` is the decoded text (U+FFFD for part of a character, as OpenAI); ``bytes``
+    are the token's raw bytes, so joining them rebuilds the exact UTF-8 output."""
+
+    def item(token_id: int, logprob: float) -> dict:
+        return {
+            "token": decode([token_id]),
+            "logprob": logprob,
+            "bytes": list(token_bytes(token_id)),
+        }
+
+    content = []
+    for entry in entries:
+        top = [item(t, lp) for t, lp in entry.top]
+        content.append({**item(entry.token_id, entry.logprob), "top_logprobs": top})
+    return {"content": content}
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprob | None],
+    decode: Decode,
+    offset: int = 0,
+    ids: Sequence[int] | None = None,
+) -> dict:
+    """The legacy completions shape; text offsets count from ``offset``. A None entry (an
+    echoed prompt's first token) is null in ``token_logprobs`` and ``top_logprobs``: its
+    token comes from ``ids``."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+    for i, entry in enumerate(entries):
+        token_id = entry.token_id if entry is not None else (ids or ())[i]
+        token = decode([token_id])
+        tokens.append(token)
+        token_logprobs.append(None if entry is None else entry.logprob)
+        top_logprobs.append(None if entry is None else {decode([t]): lp for t, lp in entry.top})
+        text_offset.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+
+
+def joined(first: dict, then: dict | None) -> dict:
+    """Two completions logprobs objects as one (an echoed prompt's, then the completion's)."""
+    if then is None:
+        return first
+    return {key: [*values, *then[key]] for key, values in first.items()}
