@@ -85,8 +85,14 @@ class FakeUpstream:
                 Route("/v1/models", self.models),
                 Route("/v1/chat/completions", self.generate, methods=["POST"]),
                 Route("/v1/completions", self.generate, methods=["POST"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
             ]
         )
+
+    async def tokenize(self, request: Request) -> Response:  # vLLM's, at the root
+        body = await request.json()
+        self.bodies.append(body)
+        return JSONResponse({"count": 1, "max_model_len": 8, "tokens": [len(body["prompt"])]})
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -650,6 +656,19 @@ async def test_models_come_from_the_first_healthy_upstream(
     one = httpx.get(f"{sidecar.url}/models/up2")  # the fake has no such route: its 404
     assert one.status_code == 404 and one.text == "Not Found"
     assert httpx.get(f"{sidecar.url}/nothing").status_code == 404
+
+
+async def test_tokenize_goes_to_the_first_healthy_upstreams_root(
+    start_sidecar: Callable[..., Server], fakes: list[FakeUpstream]
+) -> None:
+    sidecar = start_sidecar([closed_url(), fakes[1].url, fakes[0].url])
+    fakes[1].reset()
+    out = httpx.post(f"{sidecar.root}/tokenize", json={"prompt": "four"})
+    assert out.status_code == 200, out.text
+    assert out.json()["tokens"] == [4]
+    assert fakes[1].bodies == [{"prompt": "four"}]
+    missing = httpx.post(f"{sidecar.root}/detokenize", json={"tokens": [1]})
+    assert missing.status_code == 404  # the fake has no /detokenize: its answer, relayed
 
 
 async def test_a_silent_upstream_is_a_504_and_stays_healthy(

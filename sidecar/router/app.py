@@ -26,6 +26,7 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 
 from ..chat.rendering import ChatTokenizer
 from ..http.base_app import build_app, health_reply, metrics_reply, openai_routes
@@ -89,6 +90,10 @@ def create_upstream_app(settings: UpstreamSettings) -> Starlette:
         models=proxy.models,
         model=proxy.models,  # proxied as asked: the upstream answers both
     )
+    routes += [
+        Route("/tokenize", proxy.tokenization, methods=["POST"]),
+        Route("/detokenize", proxy.tokenization, methods=["POST"]),
+    ]
     app = build_app(routes, proxy.metrics.registry, proxy.lifespan)
     app.state.upstream = proxy
     return app
@@ -195,6 +200,17 @@ class UpstreamProxy:
                 return await self._buffered(exchange, request)
         raise self._no_upstream()
 
+    async def tokenization(self, request: Request) -> Response:
+        """vLLM's /tokenize and /detokenize (at an upstream's root, beside its /v1), proxied to
+        the first healthy upstream: every replica serves the same model and tokenizer."""
+        self.settings.keys.authenticate(request.headers.get("authorization"))
+        payload = await read_body(request, self.settings.max_body_bytes)
+        for upstream in self.pool.healthy():
+            exchange = await self._connect(upstream, "POST", request.url.path, payload, root=True)
+            if exchange is not None:
+                return await self._buffered(exchange, request)
+        raise self._no_upstream()
+
     # --- generation -----------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response | SSEResponse:
@@ -273,7 +289,7 @@ class UpstreamProxy:
             tried.add(upstream.url)
 
     async def _connect(
-        self, upstream: Upstream, method: str, path: str, payload: bytes | None
+        self, upstream: Upstream, method: str, path: str, payload: bytes | None, root: bool = False
     ) -> Exchange | None:
         """Send and wait for the response headers; None when the connection failed (the
         upstream is then marked down). The Exchange holds the upstream's in-flight count."""
@@ -282,7 +298,7 @@ class UpstreamProxy:
         self.pool.acquire(upstream)
         opened = False
         try:
-            response = await self._send(upstream, method, path, payload)
+            response = await self._send(upstream, method, path, payload, root)
             opened = True
         except CONNECT_FAILURES as exc:
             self._mark_down(upstream, exc)
@@ -295,14 +311,14 @@ class UpstreamProxy:
         return Exchange(self.pool, upstream, response)
 
     async def _send(
-        self, upstream: Upstream, method: str, path: str, payload: bytes | None
+        self, upstream: Upstream, method: str, path: str, payload: bytes | None, root: bool = False
     ) -> httpx.Response:
+        """``path`` after the upstream's URL (its /v1), or with ``root`` after its host."""
         headers = dict(self.upstream_headers)
         if payload is not None:
             headers["content-type"] = "application/json"
-        request = self.client.build_request(
-            method, upstream.url + path, content=payload, headers=headers
-        )
+        base = upstream.url.removesuffix("/v1") if root else upstream.url
+        request = self.client.build_request(method, base + path, content=payload, headers=headers)
         return await self.client.send(request, stream=True)
 
     async def _buffered(self, exchange: Exchange, request: Request) -> Response:
