@@ -98,7 +98,8 @@ class LLMEngine:
         )
         self.scheduler.reuse = self.chunk_reuse
         self.structured = StructuredOutput(self.tokenizer, self.loaded.config.vocab_size)
-        self.sampler = Sampler(self.structured, hooks.logits_processors)
+        eos = frozenset(self.tokenizer.eos_token_ids)
+        self.sampler = Sampler(self.structured, hooks.logits_processors, eos)
         self.stats = EngineStats(self.block_manager, self.tier)
         self.stats.watch_gauges(lambda: self.num_running, lambda: self.num_waiting)
         # Why the last step failed as a whole (not attributable to one request); None once a

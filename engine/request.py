@@ -30,10 +30,12 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
+    min_p: float = 0.0  # vLLM's: drop tokens below min_p x the most likely one's probability
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends it before this many
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
     # None: off; k >= 0: each prompt token's logprob after the first, and the top k at its
     # position (vLLM's prompt_logprobs; /v1/completions' echo). Every prompt token's logits
@@ -57,6 +59,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:

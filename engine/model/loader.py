@@ -342,7 +342,7 @@ def _generation_eos_ids(folder: Path) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
 
 
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _generation_sampling_defaults(folder: Path) -> dict[str, float]:

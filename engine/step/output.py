@@ -20,11 +20,12 @@ def finish_reason(
     sequence ends with it (its held-back text is then final), else None."""
     params, detokenizer = seq.request.sampling, seq.detokenizer
     assert detokenizer is not None
+    stoppable = seq.num_output_tokens >= params.min_tokens  # the sampler masked the stop ids
     if token in params.stop_token_ids or (token in eos_token_ids and not params.ignore_eos):
         reason = "stop"
     else:
         seq.pending_text += detokenizer.push(token)
-        if params.stop and _cut_at_stop(seq):
+        if params.stop and stoppable and _cut_at_stop(seq):
             return "stop"
         reason = None
     if reason is None and (
@@ -33,7 +34,7 @@ def finish_reason(
         reason = "length"
     if reason is not None:
         seq.pending_text += detokenizer.flush()  # what the detokenizer still holds back
-        if params.stop and _cut_at_stop(seq):
+        if params.stop and stoppable and _cut_at_stop(seq):
             reason = "stop"
     return reason
 

@@ -62,10 +62,14 @@ def is_greedy(p: SamplingParams) -> bool:
 
 class Sampler:
     def __init__(
-        self, grammar: StructuredOutput | None = None, processors: Sequence[RowProcessor] = ()
+        self,
+        grammar: StructuredOutput | None = None,
+        processors: Sequence[RowProcessor] = (),
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.grammar = grammar
         self.processors = tuple(processors)
+        self.eos_token_ids = sorted(eos_token_ids)  # masked while a request is under min_tokens
         self._generators: dict[str, torch.Generator] = {}
 
     def add(self, request_id: str, params: SamplingParams) -> None:
@@ -86,7 +90,16 @@ class Sampler:
                 else ((), ())
                 for s, p in zip(seqs, params, strict=True)
             ]
-        return self.sample(logits, params, [s.request_id for s in seqs], histories)
+        banned = None
+        if any(p.min_tokens for p in params):  # its stop ids masked until min_tokens are out
+            banned = [
+                self._stop_ids(p) if s.num_output_tokens < p.min_tokens else []
+                for s, p in zip(seqs, params, strict=True)
+            ]
+        return self.sample(logits, params, [s.request_id for s in seqs], histories, banned)
+
+    def _stop_ids(self, p: SamplingParams) -> list[int]:
+        return [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
 
     def sample(
         self,
@@ -94,6 +107,7 @@ class Sampler:
         params: list[SamplingParams],
         request_ids: list[str],
         histories: list[History] | None = None,
+        banned: list[list[int]] | None = None,
     ) -> Sampled:
         """``logits`` is float32 ``[n, vocab]``; returns one token (and optional logprob) per row.
 
@@ -106,8 +120,12 @@ class Sampler:
         errors: list[str | None] = [None] * len(params)
         chosen_from = logits
         penalize = histories is not None and any(p.penalized for p in params)
-        if penalize or self.processors:
+        if penalize or self.processors or (banned and any(banned)):
             chosen_from = logits.clone()
+        vocab = logits.shape[-1]
+        for row, ids in enumerate(banned or ()):  # min_tokens: not yet (logprobs see them)
+            if ids:
+                chosen_from[row, [i for i in ids if 0 <= i < vocab]] = float("-inf")
         if histories is not None and penalize:
             for row, (p, history) in enumerate(zip(params, histories, strict=True)):
                 if p.penalized:
@@ -157,6 +175,9 @@ class Sampler:
         # float64 on the CPU (where seeded generators live): logits / T stays finite for
         # T >= GREEDY_BELOW and the tail probabilities keep their precision.
         scaled = row.detach().to("cpu", torch.float64) / p.temperature
+        if p.min_p > 0.0:  # vLLM's order: after the temperature, before top-k and top-p
+            probs = torch.softmax(scaled, dim=-1)
+            scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         if p.top_k > 0 and p.top_k < scaled.shape[-1]:
             kth = torch.topk(scaled, p.top_k).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -225,6 +225,8 @@ class GenerationRoutes:
                     temperature=self._sampling(req.temperature, "temperature"),
                     top_k=int(self._sampling(req.top_k, "top_k")),
                     top_p=self._sampling(req.top_p, "top_p"),
+                    min_p=self._sampling(req.min_p, "min_p"),
+                    min_tokens=req.min_tokens or 0,
                     seed=req.seed,
                     stop=req.stop_list,
                     stop_token_ids=self.gate.stop_token_ids(req.stop_token_ids),

@@ -55,6 +55,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None  # -1 and 0: off (vLLM's)
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None  # vLLM's
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None  # vLLM's
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)] | None = 1
     stop: Annotated[str, msgspec.Meta(min_length=1)] | StopList | None = None
     seed: Seed | None = None
@@ -72,6 +74,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: (
         Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=256)] | None
     ) = None  # vLLM's field
+    # vLLM's options that change the output and are not implemented here: decoded so that
+    # check_sampling refuses them by name (null, or beam search false, is accepted)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    use_beam_search: Any = None
 
     def __post_init__(self) -> None:
         fill_defaults(self, _SAMPLING_DEFAULTS)
@@ -104,6 +113,7 @@ SAMPLING_FALLBACKS: dict[str, float] = {
     "temperature": 1.0,
     "top_p": 1.0,
     "top_k": 0,
+    "min_p": 0.0,
     "repetition_penalty": 1.0,
 }
 
@@ -171,6 +181,12 @@ class CompletionRequest(SamplingFields, kw_only=True):
 def check_sampling(req: SamplingFields) -> None:
     if req.logit_bias:
         raise Error("'logit_bias' is not supported by this server", "logit_bias")
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(req, name) is not None:
+            hint = " (use response_format)" if name == "guided_json" else ""
+            raise Error(f"'{name}' is not supported by this server{hint}", name)
+    if req.use_beam_search not in (None, False):
+        raise Error("'use_beam_search' is not supported by this server", "use_beam_search")
     if req.stream_options is not None and not req.stream:
         raise Error("stream_options is only allowed with stream=true", "stream_options")
 
