@@ -16,7 +16,6 @@ from starlette.responses import Response
 
 from ..http.errors import APIError, bad_request, server_error
 from ..http.streaming import ClientGone, SSEResponse, run_until_disconnect
-from ..server.gate import content_size
 from ..server.generation import GenerationRoutes
 from ..server.responses import collect, json_response
 from ..wire import protocol as p
@@ -82,19 +81,7 @@ class MessagesRoutes:
         fields = {name: getattr(body, name) for name in w.CountTokensRequest.__struct_fields__}
         req = w.MessagesRequest(**fields, max_tokens=1)
         chat_req, _ = self._chat_request(req)
-        template_kwargs = self.generation.chat_template_kwargs(chat_req)
-        namespace = gate.namespace(tenant.name, None)
-        prompt = await gate.render(
-            lambda r: r.render_chat(
-                chat_req.messages,
-                None,
-                bool(chat_req.add_generation_prompt),
-                template_kwargs,
-                bool(chat_req.continue_final_message),
-                namespace,
-            ),
-            content_size(chat_req.messages, None),
-        )
+        prompt = await self.generation.render_chat(chat_req, gate.namespace(tenant.name, None))
         gate.forget(prompt)  # counted, not served: keep nothing of it
         return json_response({"input_tokens": len(prompt.token_ids)})
 

@@ -77,23 +77,8 @@ class GenerationRoutes:
         choices: int | None = None,
     ) -> list[Job]:
         """The request's ``n`` choices (or ``choices``), one job each over the one rendering."""
-        template_kwargs = self.chat_template_kwargs(req)
         namespace = self.gate.namespace(tenant.name, req.cache_salt)
-
-        def render(renderer: PromptRenderer) -> RenderedPrompt:
-            out = renderer.render_chat(
-                req.messages,
-                req.segments,
-                bool(req.add_generation_prompt),
-                template_kwargs,
-                bool(req.continue_final_message),
-                namespace,
-            )
-            if retention is not None:
-                out.retain = retention(renderer, out, template_kwargs)
-            return out
-
-        prompt = await self.gate.render(render, content_size(req.messages, req.segments))
+        prompt = await self.render_chat(req, namespace, retention)
         max_tokens = req.max_completion_tokens or req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         parser = self.tool_template.parser(req)
@@ -113,6 +98,29 @@ class GenerationRoutes:
             job.tool_parser = parser
             job.retain = prompt.retain
         return jobs
+
+    async def render_chat(
+        self, req: p.ChatCompletionRequest, namespace: str, retention: Retention | None = None
+    ) -> RenderedPrompt:
+        """``req``'s prompt as /v1/chat/completions renders it (also for counting and
+        tokenizing, whose callers forget it); ``retention`` replaces the retention hints of
+        the ``cache_control`` marks on text parts (it runs where the prompt renders)."""
+        template_kwargs = self.chat_template_kwargs(req)
+
+        def render(renderer: PromptRenderer) -> RenderedPrompt:
+            out = renderer.render_chat(
+                req.messages,
+                req.segments,
+                bool(req.add_generation_prompt),
+                template_kwargs,
+                bool(req.continue_final_message),
+                namespace,
+            )
+            if retention is not None:
+                out.retain = retention(renderer, out, template_kwargs)
+            return out
+
+        return await self.gate.render(render, content_size(req.messages, req.segments))
 
     def chat_template_kwargs(self, req: p.ChatCompletionRequest) -> dict[str, Any]:
         """What the chat template sees besides the messages: the request's kwargs and tools."""

@@ -14,7 +14,6 @@ from ..http.io import decode_json, read_body
 from ..wire import protocol as p
 from ..wire import reply_types as rt
 from ..wire.tokenize_requests import DetokenizeRequest, TokenizeRequest
-from .gate import content_size
 from .generation import GenerationRoutes
 from .responses import json_response
 
@@ -52,18 +51,7 @@ class TokenizeRoutes:
         else:
             chat = decode_json(body, p.ChatCompletionRequest)  # the chat fields of the body
             gate.check(p.check_chat, chat)
-            template_kwargs = self.generation.chat_template_kwargs(chat)
-            prompt = await gate.render(
-                lambda r: r.render_chat(
-                    chat.messages,
-                    None,
-                    bool(chat.add_generation_prompt),
-                    template_kwargs,
-                    bool(chat.continue_final_message),
-                    namespace,
-                ),
-                content_size(chat.messages, None),
-            )
+            prompt = await self.generation.render_chat(chat, namespace)
         gate.forget(prompt)  # tokenized, not served: keep nothing of it
         ids = prompt.token_ids
         tokenizer = self.generation.engine.tokenizer
