@@ -47,6 +47,7 @@ class SamplingParams:
     # vLLM's / transformers': logits of tokens in the prompt or output, divided if positive,
     # multiplied if negative.
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # OpenAI's: added to those tokens' logits
     grammar: GrammarSpec | None = None  # constrained decoding (engine/step/structured_output.py)
     skip_special_tokens: bool = True  # False: the text keeps e.g. [TOOL_CALLS] for parsers
 
@@ -59,6 +60,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias: token ids >= 0, biases in [-100, 100]: {token}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.min_tokens <= self.max_tokens:

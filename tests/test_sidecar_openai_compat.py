@@ -97,7 +97,6 @@ async def test_templates_using_generation_and_loop_controls_render() -> None:
     [
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
-        ("logit_bias", {"5": 100}),
         ("modalities", ["text", "audio"]),
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("reasoning_effort", "low"),
@@ -126,8 +125,12 @@ async def test_harmless_values_of_those_options_are_accepted(
     }
     response = await client.post(CHAT, json={"messages": USER, "max_tokens": 1, **harmless})
     assert response.status_code == 200, response.text
-    logit = await client.post(COMPLETIONS, json={"prompt": "x", "logit_bias": {"1": 5}})
-    assert error_of(logit, 400)["param"] == "logit_bias"
+    biased = await client.post(COMPLETIONS, json={"prompt": "x", "logit_bias": {"1": 5}})
+    assert biased.status_code == 200, biased.text
+    assert engine.received[-1].sampling.logit_bias == {1: 5.0}
+    for bad in ({"x1": 5}, {"1": 101}, {"-1": 2}, {str(10**6): 1}):
+        logit = await client.post(COMPLETIONS, json={"prompt": "x", "logit_bias": bad})
+        assert error_of(logit, 400)["param"] == "logit_bias"
 
 
 NULLABLE_CHAT = [

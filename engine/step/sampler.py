@@ -120,8 +120,13 @@ class Sampler:
         errors: list[str | None] = [None] * len(params)
         chosen_from = logits
         penalize = histories is not None and any(p.penalized for p in params)
-        if penalize or self.processors or (banned and any(banned)):
+        biased = any(p.logit_bias for p in params)
+        if penalize or self.processors or biased or (banned and any(banned)):
             chosen_from = logits.clone()
+        if biased:  # before penalties, as vLLM's processors run (logprobs are the model's)
+            for row, p in enumerate(params):
+                if p.logit_bias:
+                    self._guard(errors, row, request_ids, add_bias, chosen_from[row], p.logit_bias)
         vocab = logits.shape[-1]
         for row, ids in enumerate(banned or ()):  # min_tokens: not yet (logprobs see them)
             if ids:
@@ -198,6 +203,14 @@ class Sampler:
             gen = torch.Generator().manual_seed(p.seed)
             self._generators[request_id] = gen
         return gen
+
+
+def add_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
+    """OpenAI's logit_bias on one row (ids past the vocabulary: a ValueError, that row fails)."""
+    ids = torch.tensor(list(bias), dtype=torch.int64)
+    if int(ids.max()) >= row.shape[-1]:
+        raise ValueError(f"logit_bias token id over the vocabulary ({row.shape[-1]})")
+    row.index_add_(0, ids, torch.tensor(list(bias.values()), dtype=row.dtype))
 
 
 def apply_penalties(row: torch.Tensor, p: SamplingParams, history: History) -> None:

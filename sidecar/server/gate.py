@@ -165,6 +165,14 @@ class RequestGate:
             raise bad_request(f"token ids must be below the vocabulary size {vocab}", "prompt")
         return prompt
 
+    def logit_bias(self, bias: dict[int, float] | None) -> dict[int, float] | None:
+        vocab = self.engine.tokenizer.vocab_size
+        if bias and max(bias) >= vocab:
+            raise bad_request(
+                f"logit_bias token ids must be below the vocabulary size {vocab}", "logit_bias"
+            )
+        return bias
+
     def stop_token_ids(self, ids: list[int] | None) -> list[int]:
         vocab = self.engine.tokenizer.vocab_size
         if ids and max(ids) >= vocab:

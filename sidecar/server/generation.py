@@ -245,6 +245,7 @@ class GenerationRoutes:
                     presence_penalty=req.presence_penalty,
                     frequency_penalty=req.frequency_penalty,
                     repetition_penalty=self._sampling(req.repetition_penalty, "repetition_penalty"),
+                    logit_bias=self.gate.logit_bias(p.logit_bias_of(req)),
                     grammar=grammar,
                     skip_special_tokens=skip_special_tokens,
                 )

@@ -40,6 +40,7 @@ Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 StopList = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=16)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 MAX_CHOICES = 128  # n: OpenAI's limit; each choice is an engine request of its own
+MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI documents 300; vLLM sets no limit)
 
 
 class StreamOptions(msgspec.Struct):
@@ -70,7 +71,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     cache_salt: CacheSalt | None = None
     # vLLM's field: lower is more important; the engine preempts the least important first.
     priority: Annotated[int, msgspec.Meta(ge=-1000, le=1000)] | None = 0
-    logit_bias: dict[str, float] | None = None  # refused unless empty (check_sampling)
+    # OpenAI's: token id (a decimal string) -> bias in [-100, 100], at most MAX_LOGIT_BIAS
+    logit_bias: dict[str, float] | None = None
     stop_token_ids: (
         Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=256)] | None
     ) = None  # vLLM's field
@@ -178,9 +180,26 @@ class CompletionRequest(SamplingFields, kw_only=True):
         fill_defaults(self, {"max_tokens": 16, "echo": False})
 
 
+def logit_bias_of(req: SamplingFields) -> dict[int, float] | None:
+    """``logit_bias`` with int keys; Error for a key that is no token id or a bias outside
+    [-100, 100] (the vocabulary bound is checked where the tokenizer is known)."""
+    if not req.logit_bias:
+        return None
+    if len(req.logit_bias) > MAX_LOGIT_BIAS:
+        raise Error(f"logit_bias has more than {MAX_LOGIT_BIAS} entries", "logit_bias")
+    bias: dict[int, float] = {}
+    for key, value in req.logit_bias.items():
+        if not key.isdecimal() or not -100.0 <= value <= 100.0:
+            raise Error(
+                "logit_bias maps token ids (decimal strings) to biases in [-100, 100]",
+                "logit_bias",
+            )
+        bias[int(key)] = value
+    return bias
+
+
 def check_sampling(req: SamplingFields) -> None:
-    if req.logit_bias:
-        raise Error("'logit_bias' is not supported by this server", "logit_bias")
+    logit_bias_of(req)
     for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
         if getattr(req, name) is not None:
             hint = " (use response_format)" if name == "guided_json" else ""

@@ -1,5 +1,6 @@
-"""vLLM's ``min_p`` and ``min_tokens``: through the engine (what they change, and that they are
-off by default) and through the sidecar (named 400s for values out of range)."""
+"""vLLM's ``min_p`` and ``min_tokens`` and OpenAI's ``logit_bias``: through the engine (what they
+change, and that they are off by default) and through the sidecar (named 400s for values out
+of range)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,33 @@ def test_min_tokens_reaches_the_engine(sidecar_server: Server) -> None:
     body["min_tokens"] = 4  # more than max_tokens: a 400, as vLLM answers
     r = httpx.post(f"{sidecar_server.url}/completions", json=body, timeout=30)
     assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"]
+
+
+def test_logit_bias_bans_and_forces_greedy_tokens(demo: LoadedModel) -> None:
+    rng = random.Random(4)
+    prompt = [rng.randrange(4, demo.config.vocab_size) for _ in range(20)]
+    free = run(demo, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    banned = run(
+        demo, prompt, SamplingParams(max_tokens=4, ignore_eos=True, logit_bias={free[0]: -100})
+    )
+    assert banned[0] != free[0]
+    forced_id = (free[0] + 17) % demo.config.vocab_size
+    forced = SamplingParams(max_tokens=4, ignore_eos=True, logit_bias={forced_id: 100})
+    assert run(demo, prompt, forced) == [forced_id] * 4
+    nudged = SamplingParams(max_tokens=4, ignore_eos=True, logit_bias={forced_id: 0.0})
+    assert run(demo, prompt, nudged) == free  # a zero bias changes nothing
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})
+
+
+def test_logit_bias_through_the_server(sidecar_server: Server) -> None:
+    (token,) = httpx.post(
+        f"{sidecar_server.root}/tokenize", json={"prompt": "hello", "add_special_tokens": False}
+    ).json()["tokens"][-1:]
+    body = {"prompt": "Say something", "max_tokens": 3, "temperature": 0}
+    body["logit_bias"] = {str(token): 100}
+    forced = httpx.post(f"{sidecar_server.url}/completions", json=body, timeout=30).json()
+    expected = httpx.post(f"{sidecar_server.root}/detokenize", json={"tokens": [token] * 3})
+    assert forced["choices"][0]["text"] == expected.json()["prompt"]
+    body["logit_bias"] = {str(10**7): 1}
+    assert httpx.post(f"{sidecar_server.url}/completions", json=body, timeout=30).status_code == 400
