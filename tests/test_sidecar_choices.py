@@ -285,3 +285,43 @@ def test_a_streamed_echo_sends_the_prompt_and_its_logprobs_first(sidecar_server:
         assert firsts[i].logprobs.token_logprobs[0] is None
         assert texts[i] == whole.choices[i].text
         assert token_logprobs[i] == whole.choices[i].logprobs.token_logprobs
+
+
+def test_each_choice_makes_its_own_forced_tool_call(tools_sidecar: Server) -> None:
+    pytest.importorskip("llguidance")
+    lookup = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {
+                "type": "object",
+                "properties": {"key": {"enum": ["eviction", "pinning", "blocks"]}},
+                "required": ["key"],
+            },
+        },
+    }
+    client = openai.OpenAI(base_url=tools_sidecar.url, api_key="x")
+    fields = {
+        "model": "demo", "messages": [{"role": "user", "content": "Look it up."}],
+        "tools": [lookup], "tool_choice": "required", "parallel_tool_calls": False,
+        "max_tokens": 64, "n": 2, "temperature": 1.0, "seed": 4,
+    }  # fmt: skip
+    whole = client.chat.completions.create(**fields)
+    assert [c.index for c in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "lookup"
+        assert json.loads(call.function.arguments)["key"] in ("eviction", "pinning", "blocks")
+        assert choice.finish_reason == "tool_calls"
+    arguments: dict[int, str] = {0: "", 1: ""}
+    finishes: dict[int, str] = {}
+    for chunk in client.chat.completions.create(stream=True, **fields):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or ():
+                arguments[choice.index] += delta.function.arguments or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert finishes == {0: "tool_calls", 1: "tool_calls"}
+    assert [json.loads(arguments[i]) for i in (0, 1)] == [
+        json.loads(c.message.tool_calls[0].function.arguments) for c in whole.choices
+    ]
