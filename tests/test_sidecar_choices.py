@@ -325,3 +325,31 @@ def test_each_choice_makes_its_own_forced_tool_call(tools_sidecar: Server) -> No
     assert [json.loads(arguments[i]) for i in (0, 1)] == [
         json.loads(c.message.tool_calls[0].function.arguments) for c in whole.choices
     ]
+
+
+def test_echo_without_generation_returns_the_prompt_alone(sidecar_server: Server) -> None:
+    """vLLM's echo with max_tokens 0 (older scoring harnesses send it): the prompt and its
+    logprobs, no completion token shown or counted; without echo max_tokens 0 is a 400."""
+    client = openai.OpenAI(base_url=sidecar_server.url, api_key="x")
+    fields = {"model": "demo", "prompt": PROMPT + "alone", "max_tokens": 0, "echo": True,
+              "logprobs": 1, "temperature": 0}  # fmt: skip
+    whole = client.completions.create(**fields)
+    (choice,) = whole.choices
+    assert choice.text == fields["prompt"] and choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == whole.usage.prompt_tokens
+    assert choice.logprobs.token_logprobs[0] is None
+    assert whole.usage.completion_tokens == 0
+    with_one = client.completions.create(**{**fields, "max_tokens": 1})
+    prompt_part = with_one.choices[0].logprobs.token_logprobs[: whole.usage.prompt_tokens]
+    assert choice.logprobs.token_logprobs == prompt_part
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **fields)
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == fields["prompt"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    r = httpx.post(
+        f"{sidecar_server.url}/completions", json={"prompt": "x", "max_tokens": 0}, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    wait_for_idle_blocks(sidecar_server.root)

@@ -157,12 +157,17 @@ class GenerationRoutes:
         try:
             for prompt in prompts:
                 rendered.append(await gate.completion_prompt(prompt, namespace))
+            # max_tokens 0 with echo (vLLM's echo without generation): the prompt alone, from
+            # a request of one token whose token is not shown
+            max_tokens = req.max_tokens or (None if req.max_tokens is None else 1)
             for i, prompt in enumerate(rendered):  # choice i * n + j: prompt i's choice j
                 jobs += self._submit(
-                    "completion", request_id, req, tenant, prompt, req.max_tokens, req.logprobs,
+                    "completion", request_id, req, tenant, prompt, max_tokens, req.logprobs,
                     first_index=i * n, batch=len(rendered) > 1,
                     echo=echo_text(prompt, prompts[i], self.engine.tokenizer) if req.echo else None,
                 )  # fmt: skip
+            for job in jobs:
+                job.prompt_only = req.max_tokens == 0
         except Exception:
             for job in jobs:  # an earlier prompt's choices: admitted, not started
                 job.stream.discard()

@@ -123,6 +123,7 @@ class Job:
     index: int = 0  # which of the request's choices (prompt i's choice j: i * choices + j)
     choices: int = 1  # n: choices per prompt
     echo: str | None = None  # completions' echo: the prompt text put before the completion
+    prompt_only: bool = False  # echo with max_tokens 0: its one generated token is not shown
 
 
 @dataclass(slots=True)
@@ -152,6 +153,8 @@ async def reply(
         results = await run_until_disconnect(collect_all(jobs), request.receive)
     finally:
         await close_jobs(jobs)  # aborts the engine requests still running
+    if job.prompt_only:
+        results = [prompt_alone(r) for r in results]
     usage = merged_usage(jobs, [r.usage for r in results])
     report = cache_report(usage, job.spans)
     head = (job.id, job.created, job.model)
@@ -184,6 +187,12 @@ async def reply(
 async def close_jobs(jobs: list[Job]) -> None:
     for job in jobs:
         await job.stream.aclose()
+
+
+def prompt_alone(result: Collected) -> Collected:
+    """An echo without generation: the one token the engine made is not shown or counted."""
+    usage = dataclasses.replace(result.usage, completion_tokens=0)
+    return Collected("", "length", usage, [], result.timing, [], result.prompt_logprobs)
 
 
 def merged_usage(jobs: list[Job], usages: list[Usage]) -> Usage:
@@ -322,6 +331,12 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
                 echoed = _echoed(job, tokenizer, out.prompt_logprobs)
             yield [_delta_choice(job, job.echo, None, echoed)], None
             offset = len(job.echo)
+            if job.prompt_only:  # one token was asked for: this output is the last
+                usage = dataclasses.replace(
+                    out.usage or fallback_usage(job, 0), completion_tokens=0
+                )
+                yield [_delta_choice(job, None, "length", None)], usage
+                return
         num_tokens += len(out.new_token_ids)
         logprobs = None
         if job.want_logprobs and out.logprobs:

@@ -169,7 +169,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
         str
         | list[Annotated[int, msgspec.Meta(ge=0)] | str | list[Annotated[int, msgspec.Meta(ge=0)]]]
     )
-    max_tokens: PositiveInt | None = 16
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = 16  # 0: with echo only
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     echo: bool | None = False
     suffix: str | None = None
@@ -345,6 +345,10 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 def check_completion(req: CompletionRequest) -> None:
     check_sampling(req)
     completion_prompts(req)
+    if req.max_tokens == 0 and not req.echo:
+        raise Error(
+            "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens"
+        )
     if req.suffix:
         raise Error("suffix is not supported", "suffix")
     if req.best_of not in (None, 1):
