@@ -98,8 +98,8 @@ class LLMEngine:
         )
         self.scheduler.reuse = self.chunk_reuse
         self.structured = StructuredOutput(self.tokenizer, self.loaded.config.vocab_size)
-        eos = frozenset(self.tokenizer.eos_token_ids)
-        self.sampler = Sampler(self.structured, hooks.logits_processors, eos)
+        self._stop_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.sampler = Sampler(self.structured, hooks.logits_processors, self._stop_token_ids)
         self.stats = EngineStats(self.block_manager, self.tier)
         self.stats.watch_gauges(lambda: self.num_running, lambda: self.num_waiting)
         # Why the last step failed as a whole (not attributable to one request); None once a
@@ -114,7 +114,6 @@ class LLMEngine:
         self.max_seq_len = min(self.max_model_len, num_blocks * config.block_size)
         self._sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
-        self._stop_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.kv_events: KVEventFeed | None = None
         if config.kv_events_endpoint:  # what the cache stores and evicts, published
             self.kv_events = KVEventFeed(config, self.block_manager.identity)

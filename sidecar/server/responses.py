@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -367,12 +367,19 @@ def raise_engine_error(error: str | None, finish_reason: str | None) -> None:
         raise server_error(f"generation failed: {error or 'engine error'}")
 
 
-def _logprobs(
-    job: Job, tokenizer: TokenizerAPI, entries: list[TokenLogprob], offset: int = 0
-) -> dict:
+def _decoder(tokenizer: TokenizerAPI) -> Callable[[list[int]], str]:
+    """Token ids to text for logprobs: special tokens kept (a logprob names any token)."""
+
     def decode(token_ids: list[int]) -> str:
         return tokenizer.decode(token_ids, skip_special_tokens=False)
 
+    return decode
+
+
+def _logprobs(
+    job: Job, tokenizer: TokenizerAPI, entries: list[TokenLogprob], offset: int = 0
+) -> dict:
+    decode = _decoder(tokenizer)
     if job.kind == "chat":
         return chat_logprobs(entries, decode, tokenizer.token_bytes)
     return completion_logprobs(entries, decode, offset)
@@ -387,11 +394,7 @@ def _delta_choice(job: Job, text: str | None, finish: str | None, logprobs: Any)
 def _echoed(job: Job, tokenizer: TokenizerAPI, prompt: list[TokenLogprob | None] | None) -> dict:
     """An echoed prompt's completions logprobs (its first token has none: null, as vLLM)."""
     ids = job.stream.request.prompt_token_ids
-
-    def decode(token_ids: list[int]) -> str:
-        return tokenizer.decode(token_ids, skip_special_tokens=False)
-
-    return completion_logprobs(prompt or [None] * len(ids), decode, 0, ids)
+    return completion_logprobs(prompt or [None] * len(ids), _decoder(tokenizer), 0, ids)
 
 
 def fallback_usage(job: Job, num_tokens: int) -> Usage:
