@@ -1,7 +1,7 @@
 """A replayed step (``step/step_replay.py``) gives every logit and every K/V byte of the eager
 step, bit for bit: over random schedules of prefill chunks, decodes and shared prefixes
-(hypothesis), for Llama, Qwen2 (biases), Qwen3 (q/k norms), GGUF-quantized weights and Gemma 3
-(sliding layers on their own pages and backend, GeGLU); and it stays off, with a reason,
+(hypothesis), for Llama, Qwen2 (biases), Qwen3 (q/k norms), GGUF-quantized weights, Gemma 3
+(sliding layers on their own pages and backend, GeGLU) and Llama-family sliding layers; and it stays off, with a reason,
 wherever one of its kernels is not the one that would run."""
 
 from __future__ import annotations
@@ -207,6 +207,20 @@ def test_gemma3_replays_at_all(demo_bf16: LoadedModel) -> None:
     (program,) = replayed.replay._programs.values()
     assert program.kinds.count(cpu_replay.GELU) == 6
     assert program.num_registers == 2 * NUM_REGISTERS  # the local backend's follow
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), every_layer=st.booleans())
+def test_sliding_llama_layers_replay_exactly(
+    demo_bf16: LoadedModel, seed: int, every_layer: bool
+) -> None:
+    """Mistral (every layer slides) and Qwen2 with ``use_sliding_window`` (the layers from
+    ``max_window_layers`` on): the sliding layers attend through the local backend, windowed."""
+    n = demo_bf16.config.num_layers
+    windows = tuple(WINDOW if every_layer or i >= n // 2 else 0 for i in range(n))
+    config = dataclasses.replace(demo_bf16.config, layer_windows=windows)
+    loaded = random_model(demo_bf16, config, f"sliding-{every_layer}", seed=2)
+    assert assert_same(loaded, with_local_tables(schedule(seed, config.vocab_size, 48))) > 0
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])

@@ -184,9 +184,10 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
             raw["rope_scaling"] = {"rope_type": scaling, "factor": factor}
         elif factor != 1.0:
             raw["rope_scaling"] = {"rope_type": "linear", "factor": factor}
-    if arch != "gemma3" and (window := get("attention.sliding_window")) is not None:
-        raw["sliding_window"] = int(window)
-        raw["use_sliding_window"] = True
+    if arch != "gemma3":
+        # llama.cpp's graphs for these attend fully whatever the file says (and Mistral's
+        # config would default an absent window to 4096): read, never applied.
+        raw["sliding_window"] = None
     for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         if (value := meta.get(f"tokenizer.ggml.{key}")) is not None:
             raw[name] = int(value)

@@ -8,7 +8,6 @@ present or derived, ``eos_token_id`` as an int or a list); ``from_dict`` accepts
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    sliding_window: int | None = None  # read, not applied (full attention); see docs/models.md
+    sliding_window: int | None = None  # applied through layer_windows (see _sliding_layers)
     # Per layer: 0 = global (full causal) attention, w > 0 = sliding window of w keys (the
     # query at position p sees keys k with p - w < k <= p, as transformers' sliding mask).
     # Empty = every layer global. Gemma 3 fills it from its local:global layer pattern.
@@ -79,7 +78,8 @@ class ModelConfig:
 
     @property
     def is_hybrid(self) -> bool:
-        """Some layers slide and some are global: the KV cache keeps two layer groups."""
+        """Some layers slide: the KV cache keeps them on local pages (two layer groups, or
+        the local one alone when every layer slides, as in Mistral 7B v0.1)."""
         return any(w > 0 for w in self.layer_windows)
 
     @property
@@ -157,22 +157,16 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_scaling is None:
                 rope_scaling = rope_params
-        gemma: dict[str, Any] = {}
+        extra: dict[str, Any] = {}  # fields of one family
         if model_type == "gemma3":
-            gemma = _gemma3_fields(raw)
-            rope_theta, rope_scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
+            extra = _gemma3_fields(raw)
+            rope_theta, rope_scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
         scaling = _normalise_rope_scaling(rope_scaling)
 
-        window = raw.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
-            window = None
         max_pos = int(raw.get("max_position_embeddings") or 4096)
-        if window is not None and int(window) < max_pos and model_type != "gemma3":
-            warnings.warn(
-                f"sliding_window={window} is not applied: attention is full, so outputs for "
-                f"sequences longer than {window} tokens differ from the reference model",
-                stacklevel=2,
-            )
+        window = raw.get("sliding_window")
+        if model_type in ("mistral", "qwen2", "qwen3"):
+            window, extra["layer_windows"] = _sliding_layers(model_type, raw, max_pos)
 
         eos = raw.get("eos_token_id")
         eos_ids = (
@@ -203,7 +197,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=None if window is None else int(window),
             hidden_activation=act,
-            **gemma,
+            **extra,
         )
 
 
@@ -247,6 +241,32 @@ def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
         "attn_logit_softcapping": _opt_float(raw.get("attn_logit_softcapping")),
         "final_logit_softcapping": _opt_float(raw.get("final_logit_softcapping")),
     }
+
+
+def _sliding_layers(
+    model_type: str, raw: dict[str, Any], max_pos: int
+) -> tuple[int | None, tuple[int, ...]]:
+    """(the window, ``layer_windows``) as transformers applies them: Mistral slides on every
+    layer (``sliding_window`` defaults to 4096 when the key is absent; ``null`` turns it off);
+    Qwen2 / Qwen3 only with ``use_sliding_window``, on ``layer_types``' sliding layers, else
+    on layers from ``max_window_layers`` (default 28) on. A window that no position can
+    outgrow (>= ``max_position_embeddings``) changes nothing and is left out."""
+    window = raw.get("sliding_window", 4096)
+    if window is None or (model_type != "mistral" and not raw.get("use_sliding_window", False)):
+        return None, ()
+    window, n = int(window), int(raw["num_hidden_layers"])
+    if model_type == "mistral":
+        sliding = [True] * n
+    elif isinstance(types := raw.get("layer_types"), list) and len(types) == n:
+        sliding = [t == "sliding_attention" for t in types]
+    else:
+        first = int(raw.get("max_window_layers", 28))
+        sliding = [i >= first for i in range(n)]
+    if window <= 0:
+        raise UnsupportedModelError(f"sliding_window {window} must be positive")
+    if window >= max_pos or not any(sliding):
+        return window, ()
+    return window, tuple(window if s else 0 for s in sliding)
 
 
 def _opt_float(value: Any) -> float | None:

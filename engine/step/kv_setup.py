@@ -1,6 +1,7 @@
 """The engine's KV memory: the pages, the block manager over them, and the KV tier. A
 hybrid (sliding-window + global) model gets two layer groups: its KV budget is split between
-the global pages and the sliding layers' local pages (docs/architecture.md, "Hybrid models").
+the global pages and the sliding layers' local pages (docs/architecture.md, "Hybrid models");
+a model whose every layer slides keeps the global pages as the prefix tree's blocks only.
 """
 
 from __future__ import annotations
@@ -118,6 +119,11 @@ def hybrid_pool_sizes(
     if config.num_blocks:
         return config.num_blocks, local(config.num_blocks, seqs)
     budget = config.kv_memory_bytes
+    if not g_bytes:
+        # Every layer slides (Mistral): a global page holds no KV, only the prefix tree's
+        # block, so the budget is all local pages, with 1 / swa_pool_ratio blocks per page.
+        num_local = max(2, budget // l_bytes)
+        return max(num_local, int(num_local / config.swa_pool_ratio)), num_local
     if local(1 << 40, seqs) * l_bytes > budget // 2:
         # Every sequence's window (max_num_seqs of them) would take over half the budget
         # (and once took the global pool down to one block): floor for one sequence. The

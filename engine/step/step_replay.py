@@ -13,8 +13,9 @@ It applies where every op of the layer is a kernel of the engine's: a prepared b
 or Gemma 3 model on the batch-invariant GEMMs (``Gemm``'s packed kernel or GGUF-quantized
 weights), the fused layer ops with SiLU- or GELU-and-mul, and the CPU row-attention backend
 over pages in the model's dtype or fp8 (the K/V write rounds as ``kv_dtype.to_kv`` does, in
-the kernel). Gemma 3's sliding layers attend through their own backend (the local pages'
-plan): its registers follow the global one's, and its layers rotate by the local rope base.
+the kernel). A hybrid model's sliding layers (Gemma 3's, Mistral's, Qwen2's with
+``use_sliding_window``) attend through their own backend (the local pages' plan): its
+registers follow the global one's; Gemma's sliding layers rotate by the local rope base.
 All rows go through the last layer (the eager path drops the rows without logits after
 attention): rows are independent, so the kept rows' bits are the same.
 """
@@ -60,10 +61,7 @@ def unsupported_reason(
         return f"{dtype} weights (the fused SiLU- and GELU-and-mul compute bf16 only)"
     if page_dtype != dtype and not kv_dtype.is_fp8(page_dtype):
         return f"{page_dtype} pages under {dtype} weights"
-    sliding = isinstance(model, Gemma3ForCausalLM) and any(
-        layer.sliding for layer in model.model.layers
-    )
-    for b in (backend, local_backend) if sliding else (backend,):
+    for b in (backend, local_backend) if model.config.is_hybrid else (backend,):
         if not isinstance(b, CpuKernelBackend) or not b.batch_invariant:
             name = None if b is None else b.name
             return f"the attention backend is {name}, not the CPU row kernel"
@@ -218,7 +216,7 @@ class StepReplay:
             attn = layer.self_attn
             calls.append(_projection_call(attn.qkv, hidden, b["qkv"]))
             calls.append(cpu_layer_ops.rotary_call(q, k, b["cos"], b["sin"], attn.qk_norms()))
-            calls += self._attend(b, i, False, q, k, v)
+            calls += self._attend(b, i, self._model.config.window_of(i) > 0, q, k, v)
             out = b["attention_out"]
             calls.append(_projection_call(attn.out, b["attention"].view(t, -1), out))
             post = layer.post_attention_layernorm
