@@ -11,6 +11,7 @@ kernels' own numerics.
   ``window_left = W >= 0`` (inclusive: W + 1 keys) also needs ``j >= i + Lk - Lq - W``, and
   the keys before the first row's window are not read at all (a sliding layer's null page
   may hold them; the split chunks stay aligned to absolute positions).
+- ``logits_soft_cap = c > 0`` caps each scaled logit x as ``c * tanh(x / c)``.
 - LSEs are base 2; a row that sees no key gives o = 0, lse = -inf; merges as in cascade.cuh.
 - Split-KV: keys are reduced in chunks of ``fixed_split_size`` pages merged in order; with no
   fixed size the chunk comes from the batch size (as FlashInfer's heuristic does), so outputs
@@ -39,7 +40,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # The keyword options each call accepts, with the documented defaults (0.7.4 signatures;
 # only those the engine may pass: any other name is an error here, as a typo would be).
 _PAGED = {"pos_encoding_mode": "NONE", "sm_scale": None, "window_left": -1,
-          "q_data_type": "float16", "kv_data_type": None}  # fmt: skip
+          "logits_soft_cap": None, "q_data_type": "float16", "kv_data_type": None}  # fmt: skip
 PREFILL_PLAN = {**_PAGED, "causal": False, "o_data_type": None, "non_blocking": True,
                 "fixed_split_size": None, "disable_split_kv": False}  # fmt: skip
 DECODE_PLAN = {**_PAGED, "o_data_type": None, "non_blocking": True,
@@ -101,6 +102,7 @@ def _attend(
     window: int,
     first: int,
     kv_len: int,
+    soft_cap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``o [Lq, Hq, D]`` and base-2 lse ``[Lq, Hq]`` of q over keys ``[first, first +
     len(k))`` of a request with ``kv_len`` keys, masks aligned bottom-right."""
@@ -111,6 +113,8 @@ def _attend(
     kf = k.float().repeat_interleave(g, dim=1)
     vf = v.float().repeat_interleave(g, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    if soft_cap > 0:  # logits_soft_cap: cap * tanh(x / cap) of the scaled logits x
+        s = soft_cap * torch.tanh(s / soft_cap)
     rows = torch.arange(lq)[:, None] + (kv_len - lq)  # each query's absolute position
     cols = torch.arange(first, first + k.shape[0])[None, :]
     keep = torch.ones(lq, k.shape[0], dtype=torch.bool)
@@ -205,8 +209,9 @@ class _PagedAttention:
                 if lo >= hi:
                     continue
                 part = _attend(
-                    qb, k[lo:hi], v[lo:hi], scale, p["causal"], window, lo + base, kv_len
-                )
+                    qb, k[lo:hi], v[lo:hi], scale, p["causal"], window, lo + base, kv_len,
+                    p["logits_soft_cap"] or 0.0,
+                )  # fmt: skip
                 merge_state_in_place(o, lse, *part)
             o_all[qo[b] : qo[b + 1]], lse_all[qo[b] : qo[b + 1]] = o, lse
         o_dtype = _dtype(p.get("o_data_type") or p["q_data_type"])

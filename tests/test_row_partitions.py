@@ -50,6 +50,7 @@ class Sequences:
         threads: int,
         window: int = 0,
         groups: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Sequence i's last rows[i] queries (q's rows in order) over its keys."""
         qo = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int64)
@@ -59,7 +60,7 @@ class Sequences:
         torch.set_num_threads(threads)
         try:
             return row_kernels.row_attention(
-                q, self.kv, self.tables, qo, kv_lens, scale, groups=groups, window=window
+                q, self.kv, self.tables, qo, kv_lens, scale, groups, window, softcap
             )
         finally:
             torch.set_num_threads(before)
@@ -92,6 +93,7 @@ def queries(n: int, hq: int, d: int, dtype: torch.dtype, seed: int) -> torch.Ten
     shape=st.sampled_from(SHAPES),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**16),
+    softcap=st.sampled_from([0.0, 0.0, 1.5]),
 )
 def test_a_row_is_the_same_on_any_threads_in_any_company(
     cached: int,
@@ -101,6 +103,7 @@ def test_a_row_is_the_same_on_any_threads_in_any_company(
     shape: tuple[int, int, int],
     dtype: torch.dtype,
     seed: int,
+    softcap: float,
 ) -> None:
     hq, hk, d = shape
     n = cached + new
@@ -109,39 +112,44 @@ def test_a_row_is_the_same_on_any_threads_in_any_company(
     mine = q[:new]
 
     solo = seqs.first()  # the chunk alone: fewer tasks than threads, partitions split
-    want = solo.attend(mine, [new], threads=1, window=window)
+    want = solo.attend(mine, [new], threads=1, window=window, softcap=softcap)
     for threads in (2, 3, 4):
-        got = solo.attend(mine, [new], threads=threads, window=window)
+        got = solo.attend(mine, [new], threads=threads, window=window, softcap=softcap)
         assert torch.equal(got, want), f"{threads} threads != 1"
 
     # Among companions (more tasks than threads: no split), at two threads.
-    batch = seqs.attend(q, [new, *(r for _, r in others)], threads=2, window=window)
+    rows = [new, *(r for _, r in others)]
+    batch = seqs.attend(q, rows, threads=2, window=window, softcap=softcap)
     assert torch.equal(batch[:new], want), "among other sequences != alone"
 
     # The chunk's last row as a decode of its own (its sequence cut after that key).
     for threads in (1, 2):
-        got = solo.attend(mine[-1:], [1], threads=threads, window=window)
+        got = solo.attend(mine[-1:], [1], threads=threads, window=window, softcap=softcap)
         assert torch.equal(got, want[-1:]), f"decode on {threads} threads != the chunk's row"
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("window", [0, 700])
 @pytest.mark.parametrize("n", [PART_KEYS - 1, PART_KEYS + 1, 3 * PART_KEYS + 500])
+@pytest.mark.parametrize("softcap", [0.0, 1.5])
 def test_partitioned_rows_equal_the_dense_softmax(
-    shape: tuple[int, int, int], window: int, n: int
+    shape: tuple[int, int, int], window: int, n: int, softcap: float
 ) -> None:
     """fp32 decodes over keys that cross partitions, on two threads (split), against a float64
-    softmax: within fp32 rounding. A fold that dropped a partition or skipped its rescale
-    would be off by far more than the bound."""
+    softmax (scores capped as softcap * tanh(s / softcap) where softcap > 0): within fp32
+    rounding. A fold that dropped a partition or skipped its rescale, or a cap applied to
+    the wrong value, would be off by far more than the bound."""
     hq, hk, d = shape
     seqs = Sequences([n], hk, d, torch.float32, n)
     q = queries(1, hq, d, torch.float32, n + 1) * 2.0  # peaked softmaxes: rescales matter
-    got = seqs.attend(q, [1], threads=2, window=window).double()
+    got = seqs.attend(q, [1], threads=2, window=window, softcap=softcap).double()
     k, v = seqs.keys(0, n)
     if window:
         k, v = k[-window:], v[-window:]
     g = hq // hk
     s = torch.einsum("hd,khd->hk", q[0].double(), k.repeat_interleave(g, 1)) / math.sqrt(d)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     ref = torch.einsum("hk,khd->hd", s.softmax(-1), v.repeat_interleave(g, 1))
     torch.testing.assert_close(got[0], ref, atol=2e-6, rtol=1e-5)
 
@@ -236,3 +244,30 @@ def test_a_decode_row_is_its_chunks_row_at_other_page_sizes(
     chunk = seqs.attend(q, [new], threads=2, window=window)
     alone = seqs.attend(q[-1:], [1], threads=2, window=window)
     assert torch.equal(alone, chunk[-1:])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window", [0, 90])
+def test_softcapped_bf16_rows_follow_the_dense_softmax(
+    shape: tuple[int, int, int], window: int
+) -> None:
+    """bf16 prefill rows (the AMX step where the CPU has it, else AVX512_BF16) with Gemma 2's
+    softcap, against a float64 reference of the same bf16 inputs: within bf16's rounding of
+    P and the output, while the uncapped softmax is far from it."""
+    hq, hk, d = shape
+    n = 300
+    seqs = Sequences([n], hk, d, torch.bfloat16, 7)
+    q = queries(n, hq, d, torch.bfloat16, 8) * 3.0  # scores past the cap
+    got = seqs.attend(q, [n], threads=2, window=window, softcap=2.0).double()
+    k, v = seqs.keys(0, n)
+    g = hq // hk
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.repeat_interleave(g, 1)) / math.sqrt(d)
+    pos = torch.arange(n)
+    drop = pos[None, :] > pos[:, None]
+    if window:
+        drop |= pos[None, :] <= pos[:, None] - window
+    for capped, close in ((2.0 * torch.tanh(s / 2.0), True), (s, False)):
+        p = capped.masked_fill(drop, -math.inf).softmax(-1)
+        ref = torch.einsum("hqk,khd->qhd", p, v.repeat_interleave(g, 1))
+        err = (got - ref).abs().max().item()
+        assert (err < 0.03) == close, err

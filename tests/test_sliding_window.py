@@ -13,6 +13,7 @@ rows are bitwise equal alone and in a batch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable
@@ -69,6 +70,7 @@ class Case:
     full_k: list[torch.Tensor]  # every sequence's keys, [kv_len, Hk, D], in the dtype
     full_v: list[torch.Tensor]
     null_pages: int  # block-table entries mapped to the null page
+    softcap: float = 0.0  # > 0: scores capped as softcap * tanh(s / softcap) (Gemma 2)
 
 
 def first_needed_page(start: int, window: int) -> int:
@@ -97,7 +99,7 @@ def make_case(
         total = start + n
         gen = torch.Generator().manual_seed(seed * 100_003 + start * 1_009 + n)
         kv = torch.randn(total, 2, hk, d, generator=gen).to(dtype)
-        skip = first_needed_page(start, window)
+        skip = first_needed_page(start, window) if window else 0  # window 0: full attention
         table = [NULL_PAGE] * skip + [free.pop() for _ in range(-(-total // BS) - skip)]
         nulls += skip
         for pos in range(skip * BS, start):  # the cached part in its pages
@@ -111,17 +113,22 @@ def make_case(
     return Case(seqs, window, kv_layer, torch.cat(qs), torch.cat(ks), torch.cat(vs), fk, fv, nulls)
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, softcap: float = 0.0
+) -> torch.Tensor:
     """Dense sliding-window causal attention of one sequence in float64: row i (position
-    ``Lk - Lq + i``) sees key j iff ``p - window < j <= p``."""
+    ``Lk - Lq + i``) sees key j iff ``p - window < j <= p`` (every key before it at window
+    0); scores capped as ``softcap * tanh(s / softcap)`` where softcap > 0."""
     lq, hq, d = q.shape
     lk, hk, _ = k.shape
     kf = k.double().repeat_interleave(hq // hk, dim=1)
     vf = v.double().repeat_interleave(hq // hk, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.double(), kf) / math.sqrt(d)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     p = torch.arange(lq)[:, None] + (lk - lq)
     j = torch.arange(lk)[None, :]
-    drop = (j > p) | (j <= p - window)
+    drop = (j > p) | ((j <= p - window) if window else torch.zeros_like(j > p))
     return torch.einsum("hqk,khd->qhd", s.masked_fill(drop, -math.inf).softmax(-1), vf)
 
 
@@ -130,7 +137,7 @@ def run_step(
 ) -> torch.Tensor:
     """The step's output rows; ``null_fill`` fills the null page first."""
     meta = AttentionMetadata.build(case.seqs, BS, "cpu", window=case.window)
-    shape = AttentionShape(hq, hk, case.q.shape[2], case.q.dtype)
+    shape = AttentionShape(hq, hk, case.q.shape[2], case.q.dtype, softcap=case.softcap)
     backend.prepare(shape, torch.device("cpu"))
     backend.plan(meta, shape)
     layer = case.kv_layer.clone()
@@ -143,7 +150,8 @@ def check_against_reference(out: torch.Tensor, case: Case) -> None:
     row = 0
     for i, s in enumerate(case.seqs):
         got = out[row : row + s.num_new]
-        want = reference(case.q[row : row + s.num_new], case.full_k[i], case.full_v[i], case.window)
+        q = case.q[row : row + s.num_new]
+        want = reference(q, case.full_k[i], case.full_v[i], case.window, case.softcap)
         if case.q.dtype == torch.float32:
             torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
         else:
@@ -191,20 +199,68 @@ def test_window_matches_the_dense_masked_reference(
     seed: int,
 ) -> None:
     available(name)
-    factory, dtypes_run, _ = BACKENDS[name]
-    if dtype not in dtypes_run:
-        dtype = dtypes_run[0]
-    spec, window = step
-    hq, hk = hh
-    case = make_case(spec, window, hq, hk, d, dtype, seed)
-    out = run_step(factory(), case, hq, hk)
+    case = draw_case(name, step, hh, dtype, d, seed)
+    out = run_step(BACKENDS[name][0](), case, *hh)
     check_against_reference(out, case)
+    factory, hq, hk = BACKENDS[name][0], *hh
     if case.null_pages:  # the null page's contents never matter...
         huge = run_step(factory(), case, hq, hk, torch.finfo(dtype).max)
         assert torch.equal(huge, out)
         # ... and it is never read: NaN there would reach any output that read it
         nan = run_step(factory(), case, hq, hk, math.nan)
         assert torch.equal(nan, out)
+
+
+def draw_case(
+    name: str,
+    step: tuple[list[tuple[int, int]], int],
+    hh: tuple[int, int],
+    dtype: torch.dtype,
+    d: int,
+    seed: int,
+    softcap: float = 0.0,
+) -> Case:
+    dtypes_run = BACKENDS[name][1]
+    spec, window = step
+    case = make_case(spec, window, *hh, d, dtype if dtype in dtypes_run else dtypes_run[0], seed)
+    case.softcap = softcap
+    return case
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    step=steps(),
+    full=st.booleans(),
+    softcap=st.sampled_from([0.5, 1.5, 50.0]),
+    hh=heads,
+    dtype=dtypes,
+    d=st.sampled_from([64, 256]),
+    seed=st.integers(0, 9),
+)
+def test_softcap_matches_the_dense_reference(
+    name: str,
+    step: tuple[list[tuple[int, int]], int],
+    full: bool,
+    softcap: float,
+    hh: tuple[int, int],
+    dtype: torch.dtype,
+    d: int,
+    seed: int,
+) -> None:
+    """Gemma 2's attention logit softcap, with and without a window: every backend (the
+    split kernel lacks it and steps on the torch reference) against the dense reference."""
+    available(name)
+    spec, window = step
+    case = draw_case(name, (spec, 0 if full else window), hh, dtype, d, seed, softcap)
+    case.q = case.q * 4.0  # scores well past the smaller caps
+    out = run_step(BACKENDS[name][0](), case, *hh)
+    check_against_reference(out, case)
+    seen = max(min(st + n, window if not full else st + n) for st, n in spec)
+    if softcap < 2.0 and seen >= 8:  # and the cap did bite (a row saw 8 keys or more)
+        uncapped = dataclasses.replace(case, softcap=0.0)
+        with pytest.raises(AssertionError):
+            check_against_reference(out, uncapped)
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))

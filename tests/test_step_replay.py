@@ -1,7 +1,8 @@
 """A replayed step (``step/step_replay.py``) gives every logit and every K/V byte of the eager
 step, bit for bit: over random schedules of prefill chunks, decodes and shared prefixes
 (hypothesis), for Llama, Qwen2 (biases), Qwen3 (q/k norms), GGUF-quantized weights, Gemma 3
-(sliding layers on their own pages and backend, GeGLU) and Llama-family sliding layers; and it stays off, with a reason,
+(sliding layers on their own pages and backend, GeGLU), Gemma 2 (softcapped attention) and
+Llama-family sliding layers; and it stays off, with a reason,
 wherever one of its kernels is not the one that would run."""
 
 from __future__ import annotations
@@ -76,6 +77,22 @@ def tiny_gemma3(demo: LoadedModel, query_pre_attn_scalar: int = 64) -> LoadedMod
         )
     )  # fmt: skip
     return random_model(demo, config, "tiny-gemma3", seed=3)
+
+
+def tiny_gemma2(demo: LoadedModel) -> LoadedModel:
+    """A random Gemma 2 of the demo's vocabulary: 4 layers, every other one sliding (window
+    ``WINDOW``), no q/k norms, one rope base, an attention softcap that bites (scores of
+    N(0, 0.2) weights reach several units) and a final one."""
+    config = ModelConfig.from_dict(
+        dict(
+            architectures=["Gemma2ForCausalLM"], model_type="gemma2",
+            vocab_size=demo.config.vocab_size, hidden_size=128, intermediate_size=256,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+            max_position_embeddings=1024, sliding_window=WINDOW, query_pre_attn_scalar=64,
+            attn_logit_softcapping=2.0, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
+        )
+    )  # fmt: skip
+    return random_model(demo, config, "tiny-gemma2", seed=4)
 
 
 def runner_pair(
@@ -195,6 +212,15 @@ def test_gemma3_replays_exactly(demo_bf16: LoadedModel, seed: int) -> None:
     loaded = tiny_gemma3(demo_bf16)
     steps = with_local_tables(schedule(seed, loaded.config.vocab_size, 48))
     assert_same(loaded, steps)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_gemma2_replays_exactly(demo_bf16: LoadedModel, seed: int) -> None:
+    """No q/k norms, one rope base, and the attention softcap inside the recorded kernel."""
+    loaded = tiny_gemma2(demo_bf16)
+    steps = with_local_tables(schedule(seed, loaded.config.vocab_size, 48))
+    assert assert_same(loaded, steps) > 0
 
 
 def test_gemma3_replays_at_all(demo_bf16: LoadedModel) -> None:

@@ -20,6 +20,7 @@ class AttentionShape:
     head_dim: int
     dtype: torch.dtype  # q, k, v and the output
     kv_dtype: torch.dtype | None = None  # the pages' (None: dtype); fp8 (kv_dtype.py) or dtype
+    softcap: float = 0.0  # > 0: scores capped as softcap * tanh(s / softcap) (Gemma 2)
 
     @property
     def page_dtype(self) -> torch.dtype:

@@ -34,7 +34,7 @@ class CpuKernelBackend(AttentionBackend):
     def __init__(self) -> None:
         self._reference: TorchBackend | None = None  # set by prepare() for shapes we lack
         self._write_rows = torch.empty(0, dtype=torch.int64)
-        self._scale = 1.0
+        self._scale, self._softcap = 1.0, 0.0
         self._rows = row_kernels.plan_rows(  # the step's tables, set by plan()
             torch.empty(0, 0, dtype=torch.int32),
             torch.zeros(1, dtype=torch.int64),
@@ -57,7 +57,7 @@ class CpuKernelBackend(AttentionBackend):
         return self._reference is None
 
     def prepare(self, shape: AttentionShape, device: torch.device) -> None:
-        self._scale = shape.scale
+        self._scale, self._softcap = shape.scale, shape.softcap
         if not self.supports(shape, device):
             self._reference = TorchBackend()
             self._reference.prepare(shape, device)
@@ -107,7 +107,9 @@ class CpuKernelBackend(AttentionBackend):
         write = row_kernels.write_kv_call(kv_layer, regs[-1], k, v)
         if write is None:
             return None
-        attend = row_kernels.attend_call(tuple(regs[:-1]), q, kv_layer, out, self._scale)
+        attend = row_kernels.attend_call(
+            tuple(regs[:-1]), q, kv_layer, out, self._scale, self._softcap
+        )
         return [write, attend]
 
     def step_registers(self) -> tuple[int, ...]:
@@ -121,4 +123,4 @@ class CpuKernelBackend(AttentionBackend):
         if self._reference is not None:
             return self._reference.forward(q, k, v, kv_layer)
         write_kv(kv_layer, self._write_rows, k, v)
-        return row_kernels.attend_rows(self._rows, q, kv_layer, self._scale)
+        return row_kernels.attend_rows(self._rows, q, kv_layer, self._scale, self._softcap)

@@ -33,7 +33,8 @@ template <int D, typename T>
 constexpr int64_t kBlockWords = kKeyBlock * D * static_cast<int64_t>(sizeof(T)) / 4;
 
 // One key block [k0, k0 + kKeyBlock) for rows [ra, rb) of a task: scores, the online-softmax
-// update, O = O * corr + P V. qw: each row's query as KW words. Row r sees keys
+// update, O = O * corr + P V. With a softcap (cap2f = cap * log2 e > 0; scale2f is then
+// scale / cap), each score s becomes cap2f * tanh(s * scale2f) before the softmax. qw: each row's query as KW words. Row r sees keys
 // [begin[r], limit[r]) (begin == nullptr: from 0; a sliding window's first key otherwise); the
 // packed words of the keys it does not see may be anything finite.
 #ifdef PC_NARROW_VECTORS
@@ -82,6 +83,16 @@ inline float hmax_ymm(__m256 v) {
   x = _mm_max_ps(x, _mm_movehl_ps(x, x));
   x = _mm_max_ss(x, _mm_movehdup_ps(x));
   return _mm_cvtss_f32(x);
+}
+
+// softcap_ps (cpu_simd.h) on 8 lanes: the same steps.
+inline __m256 softcap_ymm(__m256 x, __m256 cap2) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256 ax = _mm256_andnot_ps(sign_bit, x);
+  const __m256 e = exp2_ps_ymm(_mm256_mul_ps(ax, _mm256_set1_ps(-2.88539008178f)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  return _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(sign_bit, x)), cap2);
 }
 
 // Scores of rows row .. row + NR - 1 for keys [0, keys) of the block, scaled, into sbuf[NR]:
@@ -143,7 +154,7 @@ template <int D>
 void attend_packed_f32_ymm(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64_t ra,
                            int64_t rb, const uint32_t* qw, const int64_t* limit,
                            const int64_t* begin, float* m, float* l, float* obuf, float* pbuf,
-                           float scale2f) {
+                           float scale2f, float cap2f) {
   static_assert(D % 32 == 0, "head dims are multiples of 32");
   const float* kf = reinterpret_cast<const float*>(kblk);  // [D][kKeyBlock]
   const float* vf = reinterpret_cast<const float*>(vblk);  // [kKeyBlock][D]
@@ -173,6 +184,12 @@ void attend_packed_f32_ymm(const uint32_t* kblk, const uint32_t* vblk, int64_t k
       scores_f32_ymm<D, 2, 4>(kf, q, tile_keys, scale2, sbuf);
     else
       scores_f32_ymm<D, 1, 4>(kf, q, tile_keys, scale2, sbuf);
+    if (cap2f > 0.0f) {
+      const __m256 cap2 = _mm256_set1_ps(cap2f);
+      for (int64_t i = 0; i < nr; ++i)
+        for (int64_t c = 0; c * 8 < tile_keys; ++c)
+          _mm256_store_ps(sbuf[i] + c * 8, softcap_ymm(_mm256_load_ps(sbuf[i] + c * 8), cap2));
+    }
     float corr[kYmmRows];
     const float* prow[kYmmRows];
     float* orow[kYmmRows];
@@ -216,11 +233,12 @@ void attend_packed_f32_ymm(const uint32_t* kblk, const uint32_t* vblk, int64_t k
 template <int D, int R, typename T>
 void attend_packed(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64_t ra,
                    int64_t rb, const uint32_t* qw, const int64_t* limit, const int64_t* begin,
-                   float* m, float* l, float* obuf, float* pbuf, float scale2f) {
+                   float* m, float* l, float* obuf, float* pbuf, float scale2f,
+                   float cap2f = 0.0f) {
 #ifdef PC_NARROW_VECTORS
   if constexpr (kF32<T>) {
     attend_packed_f32_ymm<D>(kblk, vblk, k0, ra, rb, qw, limit, begin, m, l, obuf, pbuf,
-                             scale2f);
+                             scale2f, cap2f);
     return;
   }
 #endif
@@ -263,6 +281,12 @@ void attend_packed(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64
     }
     float corr[R];
     const int64_t nvec = (tile_keys + 15) / 16;
+    if (cap2f > 0.0f) {  // softcapped: scale2 was scale / cap, so these are score / cap
+      const __m512 cap2 = _mm512_set1_ps(cap2f);
+      for (int i = 0; i < nr; ++i)
+        for (int64_t c = 0; c < nvec; ++c)
+          _mm512_store_ps(&sbuf[i][c * 16], softcap_ps(_mm512_load_ps(&sbuf[i][c * 16]), cap2));
+    }
     for (int i = 0; i < nr; ++i) {
       const int64_t row = r0 + i;
       const int64_t valid = limit[row] - k0;

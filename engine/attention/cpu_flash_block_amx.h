@@ -119,13 +119,21 @@ PC_AMX inline void softmax_seen_rows(const float (*sbuf)[kKeyBlock], int64_t nve
 // Every way of computing the scores (attend_packed_amx, the decode step that reads K in
 // place) ends here, so a row's bits do not depend on which one ran.
 template <int D>
-PC_AMX void update_rows_amx(const float (*sbuf)[kKeyBlock], const uint32_t* vblk, int64_t k0,
+PC_AMX void update_rows_amx(float (*sbuf)[kKeyBlock], const uint32_t* vblk, int64_t k0,
                             int64_t r0, int nr, int64_t tile_keys, const int64_t* limit,
                             const int64_t* begin, float* m, float* l, float* obuf,
-                            float scale2f) {
+                            float scale2f, float cap2f) {
   constexpr int64_t BK = kKeyBlock;
   const bool two = nr > 16;
   const int rows = two ? 32 : 16;  // rows the tiles compute (those past nr are zeros)
+  if (cap2f > 0.0f) {  // softcapped in place (attend_packed's arithmetic), then unscaled
+    const __m512 s2 = _mm512_set1_ps(scale2f), cap2 = _mm512_set1_ps(cap2f);
+    for (int i = 0; i < nr; ++i)
+      for (int64_t c = 0; c * 16 < tile_keys; ++c)
+        _mm512_store_ps(&sbuf[i][c * 16],
+                        softcap_ps(_mm512_mul_ps(_mm512_load_ps(&sbuf[i][c * 16]), s2), cap2));
+    scale2f = 1.0f;
+  }
   const __m512 scale2 = _mm512_set1_ps(scale2f);
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   alignas(64) uint16_t pbf[32][BK];
@@ -212,7 +220,7 @@ template <int D>
 PC_AMX void attend_packed_amx(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64_t ra,
                               int64_t rb, const uint32_t* qw, const int64_t* limit,
                               const int64_t* begin, float* m, float* l, float* obuf,
-                              float scale2f) {
+                              float scale2f, float cap2f) {
   static_assert(D % 64 == 0, "the AMX step takes 32 columns of O a pass");
   constexpr int64_t KW = D / 2;  // words per query row
   constexpr int64_t BK = kKeyBlock;
@@ -238,7 +246,8 @@ PC_AMX void attend_packed_amx(const uint32_t* kblk, const uint32_t* vblk, int64_
                       BK * 4, two);
       store_two_by_two(&sbuf[0][kp * 32], BK * 4, two);
     }
-    update_rows_amx<D>(sbuf, vblk, k0, r0, nr, tile_keys, limit, begin, m, l, obuf, scale2f);
+    update_rows_amx<D>(sbuf, vblk, k0, r0, nr, tile_keys, limit, begin, m, l, obuf, scale2f,
+                       cap2f);
   }
 }
 

@@ -65,16 +65,17 @@ template <int D, int R, typename T>
 inline void attend_block(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64_t ra,
                          int64_t rb, const uint32_t* qw, const int64_t* limit,
                          const int64_t* begin, float* m, float* l, float* obuf, float* pbuf,
-                         float scale2) {
+                         float scale2, float cap2) {
 #ifndef PC_NARROW_VECTORS
   if constexpr (!kF32<T> && D % 64 == 0) {  // the only instantiations the AMX step has
     if (amx_rows<D, T>()) {
-      attend_packed_amx<D>(kblk, vblk, k0, ra, rb, qw, limit, begin, m, l, obuf, scale2);
+      attend_packed_amx<D>(kblk, vblk, k0, ra, rb, qw, limit, begin, m, l, obuf, scale2, cap2);
       return;
     }
   }
 #endif
-  attend_packed<D, R, T>(kblk, vblk, k0, ra, rb, qw, limit, begin, m, l, obuf, pbuf, scale2);
+  attend_packed<D, R, T>(kblk, vblk, k0, ra, rb, qw, limit, begin, m, l, obuf, pbuf, scale2,
+                         cap2);
 }
 
 // The 16 x 16 dwords at rows[0..16) + col (row-major; a null row reads as zeros) transposed
@@ -269,7 +270,8 @@ struct RowBatch {
   const int64_t* qo;       // [nseq + 1] query rows of each sequence
   const int64_t* kv_lens;  // [nseq] keys its last query sees
   T* out;                  // [tokens, hq, D]
-  float scale2;
+  float scale2;    // scale * log2 e; with a softcap, scale / cap
+  float cap2;      // 0: none; else the softcap * log2 e (attend_packed)
   int64_t window;  // 0: none
 
   // The first key any query of sequence s sees (its first query's window start).
@@ -437,7 +439,7 @@ PC_AMX void attend_in_place_amx(const uint16_t* kv, const int32_t* table, int64_
                                 int64_t row_elems, int64_t h, int64_t k0, int64_t kv_begin,
                                 int64_t ra, int nr, const uint32_t* qt, const uint32_t* vblk,
                                 const int64_t* limit, const int64_t* begin, float* m, float* l,
-                                float* obuf, float scale2f) {
+                                float* obuf, float scale2f, float cap2f) {
   const int64_t tile_keys = keys_seen(limit, k0, ra, nr);
   if (tile_keys <= 0) return;
   alignas(64) float sbuf[16][BK];
@@ -472,7 +474,8 @@ PC_AMX void attend_in_place_amx(const uint16_t* kv, const int32_t* table, int64_
       transpose16(rows, 0, reinterpret_cast<uint32_t*>(&sbuf[0][(t + u) * 16]), BK);
     }
   }
-  update_rows_amx<D>(sbuf, vblk, k0, ra, nr, tile_keys, limit, begin, m, l, obuf, scale2f);
+  update_rows_amx<D>(sbuf, vblk, k0, ra, nr, tile_keys, limit, begin, m, l, obuf, scale2f,
+                     cap2f);
 }
 #endif
 
@@ -491,7 +494,7 @@ void attend_blocks(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segmen
       pack_block<D, T>(rb.kv, rb.tables + s * rb.table_stride, rb.bs, row_elems, h, k0, 0,
                     rb.kv_lens[s], v_offset, kbuf, vbuf);
       attend_block<D, R, T>(kbuf, vbuf, k0, 0, tr.rows, tr.qw.data(), tr.limit.data(), nullptr,
-                            st.m.data(), st.l.data(), st.o.data(), pbuf, rb.scale2);
+                            st.m.data(), st.l.data(), st.o.data(), pbuf, rb.scale2, rb.cap2);
       continue;
     }
     int64_t ra = 0;
@@ -519,7 +522,7 @@ void attend_blocks(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segmen
               attend_in_place_amx<D>(rb.kv, table, rb.bs, row_elems, h, k0, seg_begin, ra,
                                      static_cast<int>(seg_rows), tr.qt.data() + qt_at, vbuf,
                                      tr.limit.data(), row_begin, st.m.data(), st.l.data(),
-                                     st.o.data(), rb.scale2);
+                                     st.o.data(), rb.scale2, rb.cap2);
               ra += seg_rows;
               continue;
             }
@@ -530,7 +533,7 @@ void attend_blocks(const RowBatch<T, KV>& rb, const Prepacked& pre, const Segmen
         }
         attend_block<D, R, T>(kb_words, vb_words, k0, ra, ra + seg_rows, tr.qw.data(),
                               tr.limit.data(), row_begin, st.m.data(), st.l.data(), st.o.data(),
-                              pbuf, rb.scale2);
+                              pbuf, rb.scale2, rb.cap2);
       }
       ra += seg_rows;
     }
@@ -776,12 +779,15 @@ template <typename T, typename KV>
 int row_entry(const T* q, int64_t q_tok, int64_t q_head, const void* kv, int64_t bs,
               const int32_t* tables, int64_t table_stride, const int64_t* qo,
               const int64_t* kv_lens, int64_t nseq, const int64_t* groups, int64_t n_groups,
-              T* out, int64_t hq, int64_t hk, int64_t d, float scale, int64_t window,
-              int nthreads) {
+              T* out, int64_t hq, int64_t hk, int64_t d, float scale, float softcap,
+              int64_t window, int nthreads) {
   if (window > 0 && n_groups > 0) return -2;
+  if (!(softcap >= 0.0f)) return -3;
+  constexpr float kLog2e = 1.44269504089f;
   const RowBatch<T, KV> rb{q,       q_tok, q_head, static_cast<const KV*>(kv), bs, hq, hk,
                            tables,  table_stride, qo, kv_lens, out,
-                           scale * 1.44269504089f, window};
+                           softcap > 0.0f ? scale / softcap : scale * kLog2e,
+                           softcap * kLog2e, window};
   return with_head_dim(d, [&](auto dim) {
     row_run<dim(), kTileRows<dim()>, T, KV>(rb, nseq, groups, n_groups, nthreads);
   });
@@ -854,54 +860,60 @@ int pc_row_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, cons
                           int64_t bs, const int32_t* tables, int64_t table_stride,
                           const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
                           const int64_t* groups, int64_t n_groups, uint16_t* out, int64_t hq,
-                          int64_t hk, int64_t d, float scale, int64_t window, int nthreads) {
+                          int64_t hk, int64_t d, float scale, float softcap, int64_t window,
+                          int nthreads) {
   return row_entry<uint16_t, uint16_t>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
-                          nseq, groups, n_groups, out, hq, hk, d, scale, window, nthreads);
+                          nseq, groups, n_groups, out, hq, hk, d, scale, softcap, window, nthreads);
 }
 
 int pc_row_attention_f32(const float* q, int64_t q_tok, int64_t q_head, const void* kv,
                          int64_t bs, const int32_t* tables, int64_t table_stride,
                          const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
                          const int64_t* groups, int64_t n_groups, float* out, int64_t hq,
-                         int64_t hk, int64_t d, float scale, int64_t window, int nthreads) {
+                         int64_t hk, int64_t d, float scale, float softcap, int64_t window,
+                          int nthreads) {
   return row_entry<float, float>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
-                          nseq, groups, n_groups, out, hq, hk, d, scale, window, nthreads);
+                          nseq, groups, n_groups, out, hq, hk, d, scale, softcap, window, nthreads);
 }
 
 int pc_row_attention_bf16_e4m3(const uint16_t* q, int64_t q_tok, int64_t q_head, const void* kv,
                                int64_t bs, const int32_t* tables, int64_t table_stride,
                                const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
                                const int64_t* groups, int64_t n_groups, uint16_t* out, int64_t hq,
-                               int64_t hk, int64_t d, float scale, int64_t window, int nthreads) {
+                               int64_t hk, int64_t d, float scale, float softcap, int64_t window,
+                          int nthreads) {
   return row_entry<uint16_t, Fp8E4M3>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
-                          nseq, groups, n_groups, out, hq, hk, d, scale, window, nthreads);
+                          nseq, groups, n_groups, out, hq, hk, d, scale, softcap, window, nthreads);
 }
 
 int pc_row_attention_bf16_e5m2(const uint16_t* q, int64_t q_tok, int64_t q_head, const void* kv,
                                int64_t bs, const int32_t* tables, int64_t table_stride,
                                const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
                                const int64_t* groups, int64_t n_groups, uint16_t* out, int64_t hq,
-                               int64_t hk, int64_t d, float scale, int64_t window, int nthreads) {
+                               int64_t hk, int64_t d, float scale, float softcap, int64_t window,
+                          int nthreads) {
   return row_entry<uint16_t, Fp8E5M2>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
-                          nseq, groups, n_groups, out, hq, hk, d, scale, window, nthreads);
+                          nseq, groups, n_groups, out, hq, hk, d, scale, softcap, window, nthreads);
 }
 
 int pc_row_attention_f32_e4m3(const float* q, int64_t q_tok, int64_t q_head, const void* kv,
                               int64_t bs, const int32_t* tables, int64_t table_stride,
                               const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
                               const int64_t* groups, int64_t n_groups, float* out, int64_t hq,
-                              int64_t hk, int64_t d, float scale, int64_t window, int nthreads) {
+                              int64_t hk, int64_t d, float scale, float softcap, int64_t window,
+                          int nthreads) {
   return row_entry<float, Fp8E4M3>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
-                          nseq, groups, n_groups, out, hq, hk, d, scale, window, nthreads);
+                          nseq, groups, n_groups, out, hq, hk, d, scale, softcap, window, nthreads);
 }
 
 int pc_row_attention_f32_e5m2(const float* q, int64_t q_tok, int64_t q_head, const void* kv,
                               int64_t bs, const int32_t* tables, int64_t table_stride,
                               const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
                               const int64_t* groups, int64_t n_groups, float* out, int64_t hq,
-                              int64_t hk, int64_t d, float scale, int64_t window, int nthreads) {
+                              int64_t hk, int64_t d, float scale, float softcap, int64_t window,
+                          int nthreads) {
   return row_entry<float, Fp8E5M2>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
-                          nseq, groups, n_groups, out, hq, hk, d, scale, window, nthreads);
+                          nseq, groups, n_groups, out, hq, hk, d, scale, softcap, window, nthreads);
 }
 
 // The step's new K and V into the pages, as backend.write_kv does: kv viewed as rows

@@ -132,6 +132,7 @@ class FlashInferBackend(AttentionBackend):
             "pos_encoding_mode": "NONE",
             "window_left": window_left,
             "sm_scale": shape.scale,
+            "logits_soft_cap": shape.softcap or None,  # cap * tanh(x / cap), x scaled
             "q_data_type": shape.dtype,
             "kv_data_type": shape.page_dtype,  # fp8 pages: FlashInfer's fp8 KV, scale 1
         }

@@ -58,7 +58,7 @@ def _declare_rows(lib: ctypes.CDLL) -> None:
         for suffix in ("", *FP8_SUFFIX.values()):  # pages in q's dtype, then fp8 pages
             fn = getattr(lib, name + suffix)
             fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr]
-            fn.argtypes += [i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
+            fn.argtypes += [i64, i64, i64, ctypes.c_float, ctypes.c_float, i64, ctypes.c_int]
             fn.restype = ctypes.c_int
     lib.pc_row_enable_amx.argtypes, lib.pc_row_enable_amx.restype = [], ctypes.c_int
     # refused by the AVX2 build, and where the kernel withholds the tile state
@@ -178,9 +178,11 @@ def attend_call(
     kv_layer: torch.Tensor,
     out: torch.Tensor,
     scale: float,
+    softcap: float = 0.0,
 ) -> KernelCall:
     """``attend_rows``' kernel call into ``out`` ``[T, Hq, D]`` (q's dtype, contiguous), over
-    a plan or the registers that will hold one (``ROW_PLAN_REGS``)."""
+    a plan or the registers that will hold one (``ROW_PLAN_REGS``). ``softcap`` > 0: each
+    score s (q.k times ``scale``) becomes ``softcap * tanh(s / softcap)`` (Gemma 2)."""
     lib = load_rows()
     if lib is None:
         raise RuntimeError("row_attention needs the CPU batch-invariant attention kernel")
@@ -208,17 +210,18 @@ def attend_call(
     return KernelCall(
         cpu_replay.ATTEND, fn,
         (q.data_ptr(), q.stride(0), q.stride(1), kv_layer.data_ptr(), bs, tables, stride, qo,
-         kv_lens, nseq, groups, n_groups, out.data_ptr(), hq, hk, d, scale, window,
+         kv_lens, nseq, groups, n_groups, out.data_ptr(), hq, hk, d, scale, softcap, window,
          torch.get_num_threads()),
     )  # fmt: skip
 
 
 def attend_rows(
-    plan: RowPlan, q: torch.Tensor, kv_layer: torch.Tensor, scale: float
+    plan: RowPlan, q: torch.Tensor, kv_layer: torch.Tensor, scale: float, softcap: float = 0.0
 ) -> torch.Tensor:
     """``row_attention`` over a ``plan_rows`` plan: the per-layer call."""
     out = torch.empty(q.shape, dtype=q.dtype)
-    check_rc(attend_call(plan, q, kv_layer, out, scale)(), q.shape[2])  # type: ignore[arg-type]
+    call = attend_call(plan, q, kv_layer, out, scale, softcap)
+    check_rc(call(), q.shape[2])  # type: ignore[arg-type]
     return out
 
 
@@ -234,10 +237,12 @@ def row_attention(
     scale: float,
     groups: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The batch-invariant attention: every query row over its sequence's keys in the pages,
     one arithmetic whatever the step holds (see ``cpu_row_attention.cpp``); with ``window`` > 0
-    (no groups), the row at position p over keys ``max(0, p - window + 1) .. p`` only.
+    (no groups), the row at position p over keys ``max(0, p - window + 1) .. p`` only; with
+    ``softcap`` > 0, scores capped as ``softcap * tanh(score / softcap)``.
 
     ``q`` ``[T, Hq, D]`` bf16 or fp32 (``kv_layer`` alike, or fp8 for any q), rows of sequence
     s at ``qo_indptr[s]:qo_indptr[s+1]``, its last query seeing ``kv_lens[s]`` keys
@@ -246,4 +251,5 @@ def row_attention(
     end, leading keys they share in the same pages), ascending and disjoint. Returns
     ``[T, Hq, D]`` in q's dtype. A step's layers share one ``plan_rows`` (what the CPU backend
     does); this is both in one call."""
-    return attend_rows(plan_rows(tables, qo_indptr, kv_lens, groups, window), q, kv_layer, scale)
+    plan = plan_rows(tables, qo_indptr, kv_lens, groups, window)
+    return attend_rows(plan, q, kv_layer, scale, softcap)

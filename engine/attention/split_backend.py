@@ -62,6 +62,7 @@ class SplitKernelBackend(AttentionBackend):
         return (
             device.type == "cpu"
             and shape.dtype == shape.page_dtype == torch.bfloat16  # fp8 pages: the reference
+            and not shape.softcap  # its prefill and decode kernels have no softcap step
             and shape.head_dim in cpu_kernels.HEAD_DIMS
             and cpu_kernels.load() is not None
         )

@@ -250,7 +250,12 @@ class TorchBackend(AttentionBackend):
         return out[0], out[1]
 
     def _window_prefill(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, p: _PrefillPlan, scale: float
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        p: _PrefillPlan,
+        scale: float,
+        softcap: float,
     ) -> torch.Tensor:
         """A prefill's rows over the keys of their windows (``p.cached_blocks``, gathered)."""
         w, start, first = self._window, p.num_cached, p.window_first
@@ -260,7 +265,7 @@ class TorchBackend(AttentionBackend):
             b = min(q.shape[0], a + _WINDOW_QUERY_CHUNK)
             lo, hi = max(first, start + a - w + 1) - first, start + b - first
             out[a:b] = banded_attention(
-                q[a:b], keys_k[lo:hi], keys_v[lo:hi], scale, start + a, first + lo, w
+                q[a:b], keys_k[lo:hi], keys_v[lo:hi], scale, start + a, first + lo, w, softcap
             )
         return out
 
@@ -270,7 +275,7 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         assert self._meta is not None and self._shape is not None, "plan() first"
         bs = self._meta.block_size
-        scale = self._shape.scale
+        scale, softcap = self._shape.scale, self._shape.softcap
         hk, d = kv_layer.shape[3:]
         write_kv(kv_layer, self._write_rows, k, v)
         # The new tokens attend to their own K/V as the pages hold them (fp8: rounded), as a
@@ -282,19 +287,19 @@ class TorchBackend(AttentionBackend):
         for gp in self._prefill_groups:  # the shared prefix is read once
             qg = q[gp.q_begin : gp.q_end]
             sk, sv = self._gather(kv_layer, gp.shared_blocks)
-            group_states.append(dense_attention(qg, sk, sv, scale, False))
+            group_states.append(dense_attention(qg, sk, sv, scale, False, softcap))
         for p in self._prefills:
             qs = q[p.q_begin : p.q_end]
             if self._window:
-                out[p.q_begin : p.q_end] = self._window_prefill(qs, kv_layer, p, scale)
+                out[p.q_begin : p.q_end] = self._window_prefill(qs, kv_layer, p, scale, softcap)
                 continue
             o, lse = dense_attention(
-                qs, k[p.q_begin : p.q_end], v[p.q_begin : p.q_end], scale, causal=True
+                qs, k[p.q_begin : p.q_end], v[p.q_begin : p.q_end], scale, True, softcap
             )
             if p.num_cached:
                 ck, cv = self._gather(kv_layer, p.cached_blocks)
                 o_c, lse_c = dense_attention(
-                    qs, ck[: p.num_cached], cv[: p.num_cached], scale, causal=False
+                    qs, ck[: p.num_cached], cv[: p.num_cached], scale, False, softcap
                 )
                 o, lse = merge_states(o_c, lse_c, o, lse)
             if p.group is not None:
@@ -317,6 +322,7 @@ class TorchBackend(AttentionBackend):
                 dp.lens,
                 scale,
                 dp.starts,
+                softcap,
             )
             out[dp.q_begin : dp.q_end] = o
             own_lse[dp.q_begin - d0 : dp.q_end - d0] = lse
@@ -324,7 +330,7 @@ class TorchBackend(AttentionBackend):
             rows = slice(cp.q_begin, cp.q_end)
             sk, sv = self._gather(kv_layer, cp.shared_blocks)  # each prefix read once
             qs = q[rows] if cp.pad_rows is None else q[rows].index_select(0, cp.pad_rows)
-            o_s, lse_s = grouped_dense_attention(qs, sk, sv, cp.num_groups, scale)
+            o_s, lse_s = grouped_dense_attention(qs, sk, sv, cp.num_groups, scale, softcap)
             if cp.valid_rows is not None:
                 o_s, lse_s = (
                     o_s.index_select(0, cp.valid_rows),

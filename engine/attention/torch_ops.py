@@ -36,19 +36,26 @@ def merge_states(
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[Lq, Hq, D]`` over contiguous ``k``/``v`` ``[Lk, Hk, D]``.
 
-    ``causal`` requires ``Lq == Lk`` (the square of new tokens). Returns the output
-    ``[Lq, Hq, D]`` (q's dtype) and the base-2 LSE ``[Lq, Hq]`` (float32).
+    ``causal`` requires ``Lq == Lk`` (the square of new tokens). ``softcap`` > 0 caps each
+    score s as ``softcap * tanh(s / softcap)`` (Gemma 2; torch's flash kernel has no such
+    step, so the generic path runs). Returns the output ``[Lq, Hq, D]`` (q's dtype) and the
+    base-2 LSE ``[Lq, Hq]`` (float32).
     """
     lq, hq, d = q.shape
     lk, hk, _ = k.shape
     g = hq // hk
     if lk == 0:
         return q.new_zeros(q.shape), q.new_full((lq, hq), -math.inf, dtype=torch.float32)
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and not softcap:
         if causal:
             assert lq == lk
             if g > 1:
@@ -65,20 +72,25 @@ def dense_attention(
         o = o.view(hk, g, lq, d).permute(2, 0, 1, 3).reshape(lq, hq, d)
         lse = lse.view(hk, g, lq).permute(2, 0, 1).reshape(lq, hq) * LOG2E
         return o, lse
-    return _dense_attention_generic(q, k, v, scale, causal)
+    return _dense_attention_generic(q, k, v, scale, causal, softcap)
 
 
 def grouped_dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_groups: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_groups: int,
+    scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``num_groups`` equal groups of queries, each over its own keys, no mask.
 
     ``q`` ``[G * n, Hq, D]`` (group-major), ``k``/``v`` ``[G * L, Hk, D]``. Returns the output
     ``[G * n, Hq, D]`` and base-2 LSE ``[G * n, Hq]`` (float32), as ``dense_attention`` would
     per group."""
-    if num_groups == 1 or q.device.type != "cpu":
+    if num_groups == 1 or q.device.type != "cpu" or softcap:
         states = [
-            dense_attention(qg, kg, vg, scale, causal=False)
+            dense_attention(qg, kg, vg, scale, causal=False, softcap=softcap)
             for qg, kg, vg in zip(
                 q.chunk(num_groups), k.chunk(num_groups), v.chunk(num_groups), strict=True
             )
@@ -105,6 +117,7 @@ def banded_attention(
     q_first: int,
     k_first: int,
     window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Sliding-window causal attention over contiguous operands: query row i, at position
     ``q_first + i``, sees key j, at position ``k_first + j``, iff ``q_pos - window < k_pos <=
@@ -116,7 +129,7 @@ def banded_attention(
     q_pos = torch.arange(q_first, q_first + lq, device=q.device)[:, None]
     k_pos = torch.arange(k_first, k_first + lk, device=q.device)[None, :]
     drop = (k_pos > q_pos) | (k_pos <= q_pos - window)  # [Lq, Lk]
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and not softcap:
         # The g query heads of a kv head folded into the row axis (head-major), as above.
         mask = torch.zeros(g * lq, lk, dtype=q.dtype).masked_fill_(drop.repeat(g, 1), -math.inf)
         qh = q.view(lq, hk, g, d).permute(1, 2, 0, 3).reshape(1, hk, g * lq, d)
@@ -125,14 +138,26 @@ def banded_attention(
             qh, kh, vh, False, scale, attn_mask=mask[None, None]
         )
         return o.view(hk, g, lq, d).permute(2, 0, 1, 3).reshape(lq, hq, d)
-    s = torch.einsum("qhgd,khd->hgqk", q.float().view(lq, hk, g, d), k.float()) * scale
+    s = cap(
+        torch.einsum("qhgd,khd->hgqk", q.float().view(lq, hk, g, d), k.float()) * scale, softcap
+    )
     p = s.masked_fill(drop, -math.inf).softmax(-1)
     o = torch.einsum("hgqk,khd->qhgd", p, v.float())
     return o.reshape(lq, hq, d).to(q.dtype)
 
 
+def cap(s: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Scores capped as ``softcap * tanh(s / softcap)`` (none at 0)."""
+    return softcap * torch.tanh(s / softcap) if softcap else s
+
+
 def _dense_attention_generic(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     lq, hq, d = q.shape
     lk, hk, _ = k.shape
@@ -145,6 +170,7 @@ def _dense_attention_generic(
         b = min(lq, a + _QUERY_CHUNK)
         qc = q[a:b].float().view(b - a, hk, g, d).permute(1, 2, 0, 3)  # [Hk, g, n, D]
         s = torch.matmul(qc.reshape(hk, g * (b - a), d), kf).view(hk, g, b - a, lk) * scale
+        s = cap(s, softcap)
         if causal:
             rows = torch.arange(a, b, device=q.device)[:, None]
             cols = torch.arange(lk, device=q.device)[None, :]
@@ -164,6 +190,7 @@ def padded_decode_attention(
     lens: torch.Tensor,
     scale: float,
     starts: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per sequence over its own keys, batched with padding.
 
@@ -180,21 +207,28 @@ def padded_decode_attention(
         pad |= cols < starts[:, None]
     qh = q.view(b, hk, g, d)
     kh, vh = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [B, Hk, L, D] views
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and not softcap:
         mask = torch.zeros(b, 1, 1, length, dtype=q.dtype).masked_fill_(
             pad[:, None, None, :], -math.inf
         )
         o, lse = torch_private.flash_attention_cpu(qh, kh, vh, False, scale, attn_mask=mask)
         return o.reshape(b, hq, d), lse.reshape(b, hq) * LOG2E
-    return _padded_decode_generic(qh, kh, vh, pad, scale)
+    return _padded_decode_generic(qh, kh, vh, pad, scale, softcap)
 
 
 def _padded_decode_generic(
-    qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, pad: torch.Tensor, scale: float
+    qh: torch.Tensor,
+    kh: torch.Tensor,
+    vh: torch.Tensor,
+    pad: torch.Tensor,
+    scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, hk, g, d = qh.shape
     hq = hk * g
-    s = torch.matmul(qh.float(), kh.float().transpose(-1, -2)) * scale  # [B, Hk, g, L]
+    s = cap(
+        torch.matmul(qh.float(), kh.float().transpose(-1, -2)) * scale, softcap
+    )  # [B, Hk, g, L]
     s.masked_fill_(pad[:, None, None, :], -math.inf)
     lse = torch.logsumexp(s, dim=-1)
     o = torch.matmul(torch.exp(s - lse[..., None]), vh.float())

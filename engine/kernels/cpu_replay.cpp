@@ -78,9 +78,10 @@ int call(const i64* row) {
           a[11], a[12], a[13], a[14]);
     case ATTEND:
       return reinterpret_cast<int (*)(P, i64, i64, P, i64, P, i64, P, P, i64, P, i64, P, i64, i64,
-                                      i64, float, i64, int)>(entry)(
+                                      i64, float, float, i64, int)>(entry)(
           ptr(a, 0), a[1], a[2], ptr(a, 3), a[4], ptr(a, 5), a[6], ptr(a, 7), ptr(a, 8), a[9],
-          ptr(a, 10), a[11], ptr(a, 12), a[13], a[14], a[15], real(a, 16), a[17], num(a, 18));
+          ptr(a, 10), a[11], ptr(a, 12), a[13], a[14], a[15], real(a, 16), real(a, 17), a[18],
+          num(a, 19));
     case GEMMA_NORMS:
       return reinterpret_cast<int (*)(P, P, P, P, P, i64, i64, float, int)>(entry)(
           ptr(a, 0), ptr(a, 1), ptr(a, 2), ptr(a, 3), ptr(a, 4), a[5], a[6], real(a, 7),

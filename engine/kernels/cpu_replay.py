@@ -26,7 +26,7 @@ SOURCE = Path(__file__).with_name("cpu_replay.cpp")
 
 # The prototypes cpu_replay.cpp knows (its Kind), and which of their arguments are floats.
 NORM, ROTARY, SILU, GEMM_BF16, GEMM_F32, QGEMM, WRITE_KV, ATTEND, GEMMA_NORMS, GELU = range(10)
-FLOAT_ARGS = {NORM: {9}, ROTARY: {15, 16}, ATTEND: {16}, GEMMA_NORMS: {7}}
+FLOAT_ARGS = {NORM: {9}, ROTARY: {15, 16}, ATTEND: {16, 17}, GEMMA_NORMS: {7}}
 
 
 @dataclass(frozen=True, slots=True)

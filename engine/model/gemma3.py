@@ -1,5 +1,5 @@
-"""Gemma 3's text decoder over the engine's flat batch, as transformers' Gemma3ForCausalLM
-computes it.
+"""Gemma 3's and Gemma 2's text decoders over the engine's flat batch, as transformers'
+Gemma3ForCausalLM and Gemma2ForCausalLM compute them.
 
 The same calling convention as ``llama.py`` (``forward(input_ids, positions, attend,
 out_rows)``, ``compute_logits``, ``prepare``), its fused projections and rotary reused. What
@@ -10,6 +10,10 @@ scale ``query_pre_attn_scalar ** -0.5``, sliding layers on their own rope base
 (``rope_local_base_freq``, never scaled) and global ones on ``rope_theta`` with the config's
 scaling, and an optional final logit softcap. Which layers slide is ``config.layer_windows``;
 the window itself is applied by the attention backend behind ``attend``.
+
+Gemma 2 is the same decoder without the q/k norms, with one rope base for every layer and an
+attention logit softcap (``cap * tanh(score / cap)``), which the attention backends apply
+(``AttentionShape.softcap``, set from ``config.attn_logit_softcapping``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from .llama import (
     Rotation,
     _Concat,
 )
-from .model_config import ModelConfig, UnsupportedModelError
+from .model_config import ModelConfig
 
 
 class GemmaRMSNorm(nn.Module):
@@ -60,8 +64,11 @@ class GemmaRMSNorm(nn.Module):
 class Gemma3Attention(Attention):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
-        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        self.q_norm: GemmaRMSNorm | None = None  # Gemma 3 only
+        self.k_norm: GemmaRMSNorm | None = None
+        if config.model_type == "gemma3":
+            self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
         # The backends scale q.k by head_dim ** -0.5; Gemma's scale differs where
         # query_pre_attn_scalar != head_dim, and then q is scaled by the ratio first.
         self.q_scale = config.attention_scale * config.head_dim**0.5
@@ -78,8 +85,7 @@ class Gemma3Attention(Attention):
         qkv = self.qkv(x)
         q, k, v = qkv.view(t, hq + 2 * hk, d).split((hq, hk, hk), dim=1)  # views, one op
         cos, sin = rotation
-        norms = (self.q_norm.scale, self.k_norm.scale, self.q_norm.eps)
-        q, k = self.ops.gemma_rotary(q, k, cos, sin, norms)
+        q, k = self.ops.gemma_rotary(q, k, cos, sin, self.qk_norms())
         if self.q_scale != 1.0:
             q = q * self.q_scale
         o = attend(self.layer_idx, q, k, v).reshape(t, hq * d)
@@ -88,6 +94,12 @@ class Gemma3Attention(Attention):
                 return x.new_empty((0, x.shape[1]))
             o = o.index_select(0, rows)
         return self.out(o)
+
+    def qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """Gemma 3's per-head q/k norms (fp32 ``1 + weight``), None for Gemma 2."""
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return self.q_norm.scale, self.k_norm.scale, self.q_norm.eps
 
 
 class Gemma3MLP(MLP):
@@ -141,21 +153,17 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        if config.attn_logit_softcapping is not None:
-            raise UnsupportedModelError(
-                "attention logit softcapping is not supported by the attention backends"
-            )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)  # global layers: rope_theta and its scaling
-        local = dataclasses.replace(
-            config,
-            rope_theta=config.rope_local_base_freq or config.rope_theta,
-            rope_scaling=None,
-        )
-        self.rotary_emb_local = RotaryEmbedding(local)
+        self.rotary_emb_local = self.rotary_emb  # Gemma 2: every layer on it
+        if config.rope_local_base_freq is not None:
+            local = dataclasses.replace(
+                config, rope_theta=config.rope_local_base_freq, rope_scaling=None
+            )
+            self.rotary_emb_local = RotaryEmbedding(local)
         self.ops: TorchLayerOps = TORCH_OPS  # the first layer's input norm
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -197,8 +205,8 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Gemma 3 (text). A ``LlamaForCausalLM`` for ``prepare()`` (fused QKV and gate/up GEMMs,
-    packed head) and the engine's typing; its own modules otherwise."""
+    """Gemma 3 (text), and Gemma 2. A ``LlamaForCausalLM`` for ``prepare()`` (fused QKV and
+    gate/up GEMMs, packed head) and the engine's typing; its own modules otherwise."""
 
     def __init__(self, config: ModelConfig) -> None:
         nn.Module.__init__(self)

@@ -12,7 +12,7 @@ llama.cpp's converter permutes the rows of q and k for llama and mistral (its Ro
 interleaved pairs, Hugging Face's rotates halves); that permutation is undone here. qwen2 and
 qwen3 files are written unpermuted. llama.cpp's converter adds 1 to every Gemma norm weight
 (llama.cpp scales by the weight, Gemma by 1 + weight); as transformers does, 1 is taken off
-again (float32) for gemma3.
+again (float32) for gemma2 and gemma3.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 _PERMUTED_QK = ("llama", "mistral")  # written with interleaved-pair RoPE rows
 # Tensor types dequantized at load (names as gguf.GGMLQuantizationType spells them).
@@ -77,15 +78,16 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Gemma 3's four norms per layer (gguf's tensor map for MODEL_ARCH.GEMMA3).
-_GEMMA3_LAYER_NAMES = {
+# Gemma's four norms per layer (gguf's tensor maps for MODEL_ARCH.GEMMA2 and GEMMA3).
+_GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES,
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
-_GEMMA_NORM_OFFSET = ("gemma3",)  # architectures whose norms llama.cpp wrote as 1 + weight
-GEMMA3_SLIDING_PATTERN = 6  # transformers' Gemma3TextConfig default: 5 sliding, 1 global
+_GEMMA = ("gemma2", "gemma3")  # norms written as 1 + weight, four a layer, own config
+GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}  # transformers' defaults (and llama.cpp's)
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # their 27B: scale by hidden / heads
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-pair frequency divisors
 
@@ -175,8 +177,8 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "hidden_act": "silu",
     }
-    if arch == "gemma3":
-        raw.update(_gemma3_config(meta, raw))
+    if arch in _GEMMA:
+        raw.update(_gemma_config(arch, meta, raw))
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
         factor = float(get("rope.scaling.factor") or 1.0)
@@ -184,7 +186,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
             raw["rope_scaling"] = {"rope_type": scaling, "factor": factor}
         elif factor != 1.0:
             raw["rope_scaling"] = {"rope_type": "linear", "factor": factor}
-    if arch != "gemma3":
+    if arch not in _GEMMA:
         # llama.cpp's graphs for these attend fully whatever the file says (and Mistral's
         # config would default an absent window to 4096): read, never applied.
         raw["sliding_window"] = None
@@ -194,15 +196,16 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
     return raw
 
 
-def _gemma3_config(meta: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's fields. Where the file is silent (the 270M file names no layer pattern, local
-    rope base nor attention scale), transformers' Gemma3TextConfig defaults, which are also
-    llama.cpp's: every 6th layer global, local base 10000, scale head_dim ** -0.5 (llama.cpp's
-    rule, hidden / heads for the 62-layer 27B, is kept). ``rope.scaling.*`` (read after this)
-    applies to the global layers only, in llama.cpp as in transformers."""
-    a = "gemma3"
+def _gemma_config(a: str, meta: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's and 3's fields. Where the file is silent (the Gemma 3 270M file names no
+    layer pattern, local rope base nor attention scale), transformers' defaults, which are
+    also llama.cpp's: Gemma 3 every 6th layer global, local base 10000; Gemma 2 every other
+    layer; scale head_dim ** -0.5 (llama.cpp's rule, hidden / heads for the 27B models, is
+    kept). ``rope.scaling.*`` (read after this) applies to Gemma 3's global layers only, in
+    llama.cpp as in transformers. Softcaps as the file gives them (llama.cpp's converter
+    writes Gemma 2's; the file's silence means none)."""
     layers = raw["num_hidden_layers"]
-    pattern = meta.get(f"{a}.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+    pattern = meta.get(f"{a}.attention.sliding_window_pattern", GEMMA_SLIDING_PATTERN[a])
     if isinstance(pattern, list):  # newer llama.cpp: one flag per layer, true = sliding
         sliding = [bool(p) for p in pattern]
     else:
@@ -213,24 +216,25 @@ def _gemma3_config(meta: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
         "hidden_activation": "gelu_pytorch_tanh",
         "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
         "sliding_window": int(meta.get(f"{a}.attention.sliding_window", 4096)),
-        "rope_local_base_freq": float(meta.get(f"{a}.rope.freq_base_swa", 10000.0)),
     }
+    if a == "gemma3":
+        out["rope_local_base_freq"] = float(meta.get(f"{a}.rope.freq_base_swa", 10000.0))
     if (scale := meta.get(f"{a}.attention.scale")) is not None:
         out["query_pre_attn_scalar"] = float(scale) ** -2
-    elif layers == 62:
+    elif layers == GEMMA_27B_LAYERS[a]:
         out["query_pre_attn_scalar"] = raw["hidden_size"] // raw["num_attention_heads"]
     else:
         out["query_pre_attn_scalar"] = raw["head_dim"]
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if (cap := meta.get(f"{a}.{key}")) is not None:
-            out[key] = float(cap)
+        cap = meta.get(f"{a}.{key}")
+        out[key] = None if cap is None else float(cap)
     return out
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
     if (m := _LAYER_TENSOR.fullmatch(gguf_name)) and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
@@ -336,7 +340,7 @@ def load_gguf(
                 w = unpermute_rope_rows(w, config.num_heads)
             elif permute and ".attn_k." in gguf_name:
                 w = unpermute_rope_rows(w, config.num_kv_heads)
-            elif arch in _GEMMA_NORM_OFFSET and gguf_name.endswith("norm.weight"):
+            elif arch in _GEMMA and gguf_name.endswith("norm.weight"):
                 w = w - np.float32(1.0)
             state[hf] = torch.from_numpy(w).to(device=device, dtype=dtype)
             del w  # one float32 tensor at a time

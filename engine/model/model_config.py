@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma2ForCausalLM": "gemma2",
 }
 # model_type spellings that name a supported architecture (Gemma 3's text model saves
 # "gemma3_text").
@@ -32,6 +33,17 @@ GEMMA3_DEFAULTS: dict[str, Any] = {  # transformers' Gemma3TextConfig defaults
     "tie_word_embeddings": True,
     "head_dim": 256,
 }
+GEMMA2_DEFAULTS: dict[str, Any] = {  # transformers' Gemma2Config defaults
+    "query_pre_attn_scalar": 256,
+    "rope_theta": 10_000.0,
+    "sliding_window": 4096,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+    "head_dim": 256,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+}
+GEMMA_DEFAULTS = {"gemma2": GEMMA2_DEFAULTS, "gemma3": GEMMA3_DEFAULTS}
 GEGLU_ACTIVATIONS = ("gelu_pytorch_tanh",)  # GELU, tanh approximation
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -66,10 +78,10 @@ class ModelConfig:
     # query at position p sees keys k with p - w < k <= p, as transformers' sliding mask).
     # Empty = every layer global. Gemma 3 fills it from its local:global layer pattern.
     layer_windows: tuple[int, ...] = ()
-    hidden_activation: str = "silu"  # Gemma 3: gelu_pytorch_tanh (GeGLU MLP)
-    query_pre_attn_scalar: float | None = None  # Gemma 3: attention scale = this ** -0.5
+    hidden_activation: str = "silu"  # Gemma: gelu_pytorch_tanh (GeGLU MLP)
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale = this ** -0.5
     rope_local_base_freq: float | None = None  # Gemma 3: the sliding layers' rope base
-    attn_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap)
     final_logit_softcapping: float | None = None
 
     def window_of(self, layer: int) -> int:
@@ -129,11 +141,13 @@ class ModelConfig:
                 f"unsupported architecture {got!r}: prefixcache supports {supported}"
             )
         model_type = SUPPORTED_ARCHITECTURES[arch]
-        if model_type == "gemma3":
-            raw = {**GEMMA3_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
+        if model_type in GEMMA_DEFAULTS:
+            # Defaults under the file's values; a softcap the file sets to null stays off.
+            given = {k: v for k, v in raw.items() if v is not None or k.endswith("softcapping")}
+            raw = {**GEMMA_DEFAULTS[model_type], **given}
             act = raw.get("hidden_activation") or raw.get("hidden_act")
             if act not in GEGLU_ACTIVATIONS:
-                raise UnsupportedModelError(f"unsupported Gemma 3 hidden_activation {act!r}")
+                raise UnsupportedModelError(f"unsupported Gemma hidden_activation {act!r}")
         else:
             act = raw.get("hidden_act", "silu")
             if act not in ("silu", "swish"):
@@ -158,8 +172,8 @@ class ModelConfig:
             if rope_scaling is None:
                 rope_scaling = rope_params
         extra: dict[str, Any] = {}  # fields of one family
-        if model_type == "gemma3":
-            extra = _gemma3_fields(raw)
+        if model_type in GEMMA_DEFAULTS:
+            extra = _gemma_fields(raw, model_type)
             rope_theta, rope_scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
         scaling = _normalise_rope_scaling(rope_scaling)
 
@@ -201,23 +215,37 @@ class ModelConfig:
         )
 
 
-def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's own fields: the sliding/full layer pattern as ``layer_windows``, the two
-    rope bases (rope scaling on the full layers only), the attention scale and softcaps.
-    ``raw`` already carries Gemma3TextConfig's defaults."""
+def _gemma_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Gemma 2's and 3's own fields: the sliding/full layer pattern as ``layer_windows``, the
+    rope bases (Gemma 3: a local one for the sliding layers, rope scaling on the full layers
+    only; Gemma 2: one for all), the attention scale and softcaps. ``raw`` already carries
+    the family's transformers defaults."""
     num_layers = int(raw["num_hidden_layers"])
     types = raw.get("layer_types")
-    if types is None:
-        pattern = int(raw["sliding_window_pattern"])
+    if types is None:  # Gemma 2: every other layer slides, from the first; Gemma 3: 5 in 6
+        pattern = int(raw["sliding_window_pattern"]) if model_type == "gemma3" else 2
         types = [
             "sliding_attention" if (i + 1) % pattern else "full_attention"
             for i in range(num_layers)
         ]
     if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise UnsupportedModelError(f"unsupported Gemma 3 layer_types {types!r}")
+        raise UnsupportedModelError(f"unsupported Gemma layer_types {types!r}")
     if raw.get("use_bidirectional_attention"):
-        raise UnsupportedModelError("Gemma 3 with use_bidirectional_attention is not supported")
+        raise UnsupportedModelError("Gemma with use_bidirectional_attention is not supported")
     window = int(raw["sliding_window"])
+    if model_type == "gemma2":
+        params = raw.get("rope_parameters")
+        scaling = dict(params) if isinstance(params, dict) else raw.get("rope_scaling")
+        theta = (params or {}).get("rope_theta", raw.get("rope_theta"))
+        return {
+            "layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types),
+            "rope_theta": float(theta),
+            "rope_scaling": scaling,
+            "rope_local_base_freq": None,  # every layer on rope_theta
+            "query_pre_attn_scalar": float(raw["query_pre_attn_scalar"]),
+            "attn_logit_softcapping": _opt_float(raw.get("attn_logit_softcapping")),
+            "final_logit_softcapping": _opt_float(raw.get("final_logit_softcapping")),
+        }
     params = raw.get("rope_parameters")
     full: dict[str, Any] = {}
     local_theta = raw.get("rope_local_base_freq")

@@ -92,7 +92,12 @@ class ModelRunner:
                 f"KV cache dtype {spec.dtype} is neither fp8 nor the model's {loaded.dtype}"
             )
         self.shape = AttentionShape(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, spec.dtype
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            loaded.dtype,
+            spec.dtype,
+            cfg.attn_logit_softcapping or 0.0,
         )
         backend.prepare(self.shape, torch.device(self.device))
         if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (

@@ -245,7 +245,7 @@ class StepReplay:
             attn = layer.self_attn
             calls.append(_projection_call(attn.qkv, hidden, b["qkv"]))
             cos, sin = (b["cos_local"], b["sin_local"]) if layer.sliding else (b["cos"], b["sin"])
-            norms = (attn.q_norm.scale, attn.k_norm.scale, attn.q_norm.eps)
+            norms = attn.qk_norms()
             calls.append(cpu_layer_ops.rotary_call(q, k, cos, sin, norms, gemma_norms=True))
             calls += self._attend(b, i, layer.sliding, q, k, v)
             out = b["attention_out"]

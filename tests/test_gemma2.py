@@ -1,0 +1,250 @@
+"""Gemma 2: tiny random checkpoints written by transformers' Gemma2ForCausalLM, served by the
+whole engine. Gemma 2 is Gemma 3's decoder without q/k norms, on one rope base, with every
+other layer sliding and an attention logit softcap (``cap * tanh(score / cap)``) that the
+attention backends apply. Greedy tokens equal transformers' past the window (float32, where
+the softcap and the window both change them), and cached, uncached, chunked and batched runs
+give the same tokens at the default dtype (hypothesis)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+transformers = pytest.importorskip("transformers")
+
+from test_sliding_window_models import hf_greedy  # noqa: E402
+
+from prefixcache.engine.config import EngineConfig  # noqa: E402
+from prefixcache.engine.engine import LLMEngine  # noqa: E402
+from prefixcache.engine.memory.local_pages import HybridBlockManager  # noqa: E402
+from prefixcache.engine.model.demo_model import ASSETS  # noqa: E402
+from prefixcache.engine.model.gemma3 import Gemma3ForCausalLM  # noqa: E402
+from prefixcache.engine.model.loader import load_model  # noqa: E402
+from prefixcache.engine.model.model_config import ModelConfig  # noqa: E402
+from prefixcache.engine.request import EngineRequest, SamplingParams  # noqa: E402
+
+WINDOW = 24
+TINY = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=192,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    max_position_embeddings=512,
+    sliding_window=WINDOW,
+    query_pre_attn_scalar=64,
+    attn_logit_softcapping=1.0,  # small: a tiny model's scores are small
+    final_logit_softcapping=2.0,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_hf(seed: int = 0, **overrides: object) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{**TINY, **overrides}))
+    with torch.no_grad():  # the init leaves the norms at 0 (1 + w = 1) and q.k small
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            elif "q_proj" in name or "k_proj" in name:
+                p.mul_(6.0)
+    return model.eval()
+
+
+def save(hf: torch.nn.Module, folder: Path) -> Path:
+    hf.save_pretrained(folder)
+    shutil.copy(ASSETS / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    hf = make_hf()
+    return save(hf, tmp_path_factory.mktemp("gemma2")), hf
+
+
+def engine_for(folder: Path, dtype: str, **overrides: object) -> LLMEngine:
+    loaded = load_model(str(folder), dtype=dtype, device="cpu")
+    config = EngineConfig(model=str(folder), dtype=dtype, device="cpu", num_blocks=128, **overrides)
+    return LLMEngine(config, loaded)
+
+
+def greedy(
+    engine: LLMEngine, prompts: list[list[int]], tag: str, max_tokens: int = 8
+) -> list[tuple[list[int], int]]:
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    outs = engine.generate([EngineRequest(f"{tag}{i}", p, sampling) for i, p in enumerate(prompts)])
+    engine.block_manager.check_invariants()
+    return [(list(o.token_ids), o.usage.cached_tokens) for o in outs]
+
+
+def random_prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
+
+
+def test_config_follows_gemma2config(checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    folder, _ = checkpoint
+    cfg = ModelConfig.from_file(folder / "config.json")
+    assert cfg.model_type == "gemma2" and cfg.architecture == "Gemma2ForCausalLM"
+    assert cfg.layer_windows == (WINDOW, 0, WINDOW, 0)  # every other layer, from the first
+    assert cfg.attn_logit_softcapping == 1.0 and cfg.final_logit_softcapping == 2.0
+    assert cfg.rope_local_base_freq is None and cfg.attention_scale == 64**-0.5
+    # transformers' defaults where the file is silent; a softcap set to null stays off
+    bare = {"architectures": ["Gemma2ForCausalLM"], **{k: TINY[k] for k in list(TINY)[:6]}}
+    cfg = ModelConfig.from_dict({**bare, "num_hidden_layers": 3})
+    assert cfg.attn_logit_softcapping == 50.0 and cfg.final_logit_softcapping == 30.0
+    assert cfg.layer_windows == (4096, 0, 4096) and cfg.rope_theta == 10000.0
+    assert (
+        ModelConfig.from_dict({**bare, "attn_logit_softcapping": None}).attn_logit_softcapping
+        is None
+    )
+
+
+def test_loaded_model_equals_transformers(checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    """float32 logits of every position, prompts within the window (no attention mask
+    differs there), through the loader and a dense reference ``attend`` with the softcap."""
+    folder, hf = checkpoint
+    loaded = load_model(str(folder), dtype="float32", device="cpu")
+    assert isinstance(loaded.model, Gemma3ForCausalLM)
+    assert loaded.model.model.layers[0].self_attn.q_norm is None
+    cfg = loaded.config
+    cap = cfg.attn_logit_softcapping
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        g = cfg.num_queries_per_kv
+        kh, vh = (
+            k.repeat_interleave(g, 1).transpose(0, 1),
+            v.repeat_interleave(g, 1).transpose(0, 1),
+        )
+        s = q.transpose(0, 1) @ kh.transpose(1, 2) * cfg.head_dim**-0.5
+        s = cap * torch.tanh(s / cap)
+        n = q.shape[0]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return (s.softmax(-1) @ vh).transpose(0, 1)
+
+    prompt = random_prompts(0, (WINDOW,))[0]
+    with torch.inference_mode():
+        ours = loaded.model.compute_logits(
+            loaded.model(torch.tensor(prompt), torch.arange(len(prompt)), attend)
+        )
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_equals_transformers_past_the_window(
+    checkpoint: tuple[Path, torch.nn.Module],
+) -> None:
+    folder, hf = checkpoint
+    engine = engine_for(folder, "float32", max_num_batched_tokens=64)  # chunked prefill too
+    assert isinstance(engine.block_manager, HybridBlockManager)
+    prompts = random_prompts(1, (10, 60, 150))
+    assert [t for t, _ in greedy(engine, prompts, "cold")] == [hf_greedy(hf, p) for p in prompts]
+    warm_prompts = [p + t for p, t in zip(prompts, random_prompts(2, (5, 5, 5)), strict=True)]
+    warm = greedy(engine, warm_prompts, "warm")
+    assert [c for _, c in warm] == [10, 60, 144]  # shared tokens in stored blocks
+    assert [t for t, _ in warm] == [hf_greedy(hf, p) for p in warm_prompts]
+
+
+def test_the_softcap_and_the_window_matter(checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    """A guard for the test above: without either, transformers gives other tokens."""
+    _, hf = checkpoint
+    prompts = random_prompts(1, (60, 150))
+    want = [hf_greedy(hf, p) for p in prompts]
+    for change in ({"attn_logit_softcapping": None}, {"sliding_window": 4096}):
+        other = make_hf(**change)
+        other.load_state_dict(hf.state_dict())
+        assert [hf_greedy(other, p) for p in prompts] != want, change
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    prefix=st.integers(1, 120),
+    suffixes=st.lists(st.integers(1, 40), min_size=2, max_size=4),
+)
+def test_cached_chunked_and_batched_runs_agree_at_the_default_dtype(
+    checkpoint: tuple[Path, torch.nn.Module], seed: int, prefix: int, suffixes: list[int]
+) -> None:
+    folder, _ = checkpoint
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 256) for _ in range(prefix)]
+    prompts = [shared + [rng.randrange(3, 256) for _ in range(n)] for n in suffixes]
+    plain = engine_for(folder, "auto", enable_prefix_caching=False)
+    cold = [greedy(plain, [p], f"c{i}")[0][0] for i, p in enumerate(prompts)]
+    cached = engine_for(folder, "auto")
+    warm = [greedy(cached, [p], f"w{i}")[0] for i, p in enumerate(prompts)]
+    assert [t for t, _ in warm] == cold
+    if prefix >= 32:
+        assert all(c >= 16 for _, c in warm[1:])
+    chunked = engine_for(folder, "auto", max_num_batched_tokens=16)
+    assert [t for t, _ in greedy(chunked, prompts, "k")] == cold
+    assert [t for t, _ in greedy(cached, prompts, "b")] == cold
+
+
+def test_a_written_gemma2_gguf_equals_transformers(
+    checkpoint: tuple[Path, torch.nn.Module], tmp_path: Path
+) -> None:
+    """A gemma2 GGUF as llama.cpp's converter writes one (norms as 1 + weight, the softcaps
+    and window in the metadata, the layer pattern left to the default), from the tiny
+    checkpoint: the engine's float32 greedy tokens equal transformers' past the window."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+    from test_gemma3 import _gguf_name
+
+    _, hf = checkpoint
+    path = tmp_path / "tiny-gemma2.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma2")
+    w.add_context_length(TINY["max_position_embeddings"])
+    w.add_embedding_length(TINY["hidden_size"])
+    w.add_block_count(TINY["num_hidden_layers"])
+    w.add_feed_forward_length(TINY["intermediate_size"])
+    w.add_head_count(TINY["num_attention_heads"])
+    w.add_head_count_kv(TINY["num_key_value_heads"])
+    w.add_key_length(TINY["head_dim"])
+    w.add_value_length(TINY["head_dim"])
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_sliding_window(WINDOW)
+    w.add_attn_logit_softcapping(TINY["attn_logit_softcapping"])
+    w.add_final_logit_softcapping(TINY["final_logit_softcapping"])
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(252))]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types([3, 3, 3, 3] + [6] * (len(tokens) - 4))
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_add_space_prefix(False)
+    for name, p in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        a = p.detach().float().numpy()
+        w.add_tensor(_gguf_name(name), a + np.float32(1.0) if "norm" in name else a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    cfg = loaded.config
+    assert cfg.model_type == "gemma2" and cfg.layer_windows == (WINDOW, 0, WINDOW, 0)
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (1.0, 2.0)
+    engine = LLMEngine(
+        EngineConfig(model=str(path), dtype="float32", device="cpu", num_blocks=128), loaded
+    )
+    prompts = random_prompts(3, (40, 130))
+    assert [t for t, _ in greedy(engine, prompts, "g")] == [hf_greedy(hf, p) for p in prompts]
