@@ -13,9 +13,10 @@ what ``PREFIXCACHE_CPU_KERNELS=0`` runs for the same step (the torch reference b
 
 Shapes are SmolLM2's (9 query / 3 KV heads of 64) and Gemma 3's (4 / 1 of 256). Prints
 milliseconds (median of wall time) and the ratio row / torch (below 1: the row kernel is
-faster), with the CPU named.
+faster), with the CPU named. ``--softcap CAP`` also times the row kernel with Gemma 2's score
+softcap (``CAP * tanh(s / CAP)`` on every score) and prints its cost: capped / plain.
 
-    .venv/bin/python bench/row_attention.py [--threads 2] [--scale 1.0] [--json]
+    .venv/bin/python bench/row_attention.py [--threads 2] [--scale 1.0] [--softcap 50] [--json]
 """
 
 from __future__ import annotations
@@ -61,7 +62,12 @@ def gather(kv: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def measure(
-    dtype: torch.dtype, case: tuple, gen: torch.Generator, scale_len: float, reps: int
+    dtype: torch.dtype,
+    case: tuple,
+    gen: torch.Generator,
+    scale_len: float,
+    reps: int,
+    softcap: float = 0.0,
 ) -> dict:
     name, b, new, cached, hq, hk, d = case
     new = max(1, int(new * scale_len)) if name != "decode" else 1
@@ -78,6 +84,9 @@ def measure(
 
     def row() -> object:
         return row_kernels.row_attention(q, kv, tables, qo, lens, sm)
+
+    def row_capped() -> object:
+        return row_kernels.row_attention(q, kv, tables, qo, lens, sm, softcap=softcap)
 
     # A prefill's new K/V come from the step itself (contiguous); only cached pages are gathered.
     all_k, all_v = gather(kv, tables.reshape(-1))
@@ -100,7 +109,12 @@ def measure(
     err = row().float() - (expected[0] if name == "decode" else expected).float()
     row_ms = per_call_ms(row, reps=reps, runs=5)
     torch_ms = per_call_ms(reference, reps=reps, runs=5)
+    capped = {}
+    if softcap:
+        capped_ms = per_call_ms(row_capped, reps=reps, runs=5)
+        capped = {"capped_ms": round(capped_ms, 3), "capped_over_row": round(capped_ms / row_ms, 3)}
     return {
+        **capped,
         "case": name,
         "dtype": str(dtype).removeprefix("torch."),
         "seqs": b,
@@ -121,6 +135,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies every token count")
     ap.add_argument("--reps", type=int, default=5, help="calls per timed run")
+    ap.add_argument("--softcap", type=float, default=0.0, help="also time this score softcap")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if (reason := row_kernels.row_unavailable_reason()) or row_kernels.load_rows() is None:
@@ -137,13 +152,18 @@ def main() -> None:
     jobs = [(dt, c) for dt in dtypes for c in CASES]
     rows = []
     for dt, case in progress_iter(jobs, "row kernel vs torch"):
-        r = measure(dt, case, gen, args.scale, args.reps)
+        r = measure(dt, case, gen, args.scale, args.reps, args.softcap)
         rows.append(r)
+        capped = (
+            f", softcapped {r['capped_ms']:.3f} ms: {r['capped_over_row']:.2f}x"
+            if args.softcap
+            else ""
+        )
         print(
             f"{r['dtype']:8s} {r['case']:11s} {r['seqs']:2d} x {r['new']:5d} new over "
             f"{r['keys']:5d} keys (hq {r['hq']}, hk {r['hk']}, d {r['d']}): row "
             f"{r['row_ms']:.3f} ms, torch {r['torch_ms']:.3f} ms, row/torch "
-            f"{r['row_over_torch']:.2f} (max |diff| {r['max_abs_diff']:.1e})",
+            f"{r['row_over_torch']:.2f} (max |diff| {r['max_abs_diff']:.1e}){capped}",
             flush=True,
         )
     if args.json:
@@ -155,6 +175,7 @@ def main() -> None:
                     "avx512_bf16": native_bf16,
                     "target": row_kernels.row_target(),
                     "threads": args.threads,
+                    "softcap": args.softcap,
                     "rows": rows,
                 }
             )
