@@ -3,7 +3,8 @@ torch backend and a dense reference, in bf16. Skipped elsewhere (every CPU run, 
 bench/gpu_check.py on a lent GPU (docs/models.md, "GPU check").
 
 Prefill (fresh, after cached pages, partial pages) next to decodes; decodes over a shared
-prefix with the cascade wrapper and without; a sliding window; a sequence's output bitwise
+prefix with the cascade wrapper and without; a sliding window; Gemma 2's logits_soft_cap; a
+sequence's output bitwise
 the same alone and in a batch with the fixed split; the demo model end to end, on bf16 and
 on fp8 pages.
 """
@@ -78,6 +79,26 @@ def test_flashinfer_metadata_window_over_null_pages(window: int) -> None:
     layer = case.kv_layer.clone()
     layer[sw.NULL_PAGE] = torch.finfo(torch.bfloat16).max
     out = backend.forward(case.q, case.k, case.v, layer).cpu()
+    case.q = case.q.cpu()
+    sw.check_against_reference(out, case)
+
+
+@pytest.mark.parametrize("window", [0, 64])
+def test_flashinfer_logits_soft_cap(window: int) -> None:
+    """Gemma 2's attention softcap through ``logits_soft_cap`` (cap * tanh(x / cap) of the
+    scaled scores), with and without a window: the dense capped reference."""
+    import test_sliding_window as sw
+
+    hq, hk, d = 8, 4, 256  # Gemma 2's head size
+    spec = [(900, 200), (3000, 1), (700, 1), (40, 1)]
+    case = sw.make_case(spec, window, hq, hk, d, torch.bfloat16, seed=5)
+    case.softcap = 1.5
+    case.kv_layer, case.q = case.kv_layer.cuda(), case.q.cuda() * 4.0
+    case.k, case.v = case.k.cuda(), case.v.cuda()
+    meta = sw.AttentionMetadata.build(case.seqs, sw.BS, "cuda", window=window)
+    backend = FlashInferBackend("cuda")
+    backend.plan(meta, sw.AttentionShape(hq, hk, d, torch.bfloat16, softcap=case.softcap))
+    out = backend.forward(case.q, case.k, case.v, case.kv_layer.clone()).cpu()
     case.q = case.q.cpu()
     sw.check_against_reference(out, case)
 
