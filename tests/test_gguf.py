@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -589,3 +590,34 @@ def test_bench_export_writes_the_gguf_as_a_checkpoint_transformers_serves(
     assert tok.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False
     ) == loaded.tokenizer.apply_chat_template(messages)
+
+
+def test_yarn_metadata_becomes_transformers_yarn() -> None:
+    """llama.cpp's YaRN keys (a Qwen file converted with its 4x recipe): ModelConfig's yarn,
+    with the pretraining length; llama.cpp's frequencies and attention factor are
+    transformers' (the same correction dims, ramp and 0.1 ln(factor) + 1)."""
+    from prefixcache.engine.model.gguf_loader import config_from_metadata
+    from prefixcache.engine.model.model_config import ModelConfig
+    from prefixcache.engine.model.rope import RotaryEmbedding
+
+    meta = {
+        "general.architecture": "qwen2",
+        "qwen2.block_count": 2,
+        "qwen2.context_length": 131072,
+        "qwen2.embedding_length": 64,
+        "qwen2.feed_forward_length": 96,
+        "qwen2.attention.head_count": 4,
+        "qwen2.attention.head_count_kv": 2,
+        "qwen2.rope.freq_base": 1e6,
+        "qwen2.rope.scaling.type": "yarn",
+        "qwen2.rope.scaling.factor": 4.0,
+        "qwen2.rope.scaling.original_context_length": 32768,
+        "tokenizer.ggml.tokens": ["a"] * 256,
+    }
+    config = ModelConfig.from_dict(config_from_metadata(meta, {"token_embd.weight"}))
+    assert config.rope_scaling == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32768,
+    }
+    assert RotaryEmbedding(config).attention_factor == pytest.approx(0.1 * math.log(4) + 1)

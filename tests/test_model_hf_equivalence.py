@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -220,3 +221,39 @@ def test_greedy_with_repetition_penalty_equals_transformers_generate(tmp_path: P
         [EngineRequest("p", prompt.tolist(), SamplingParams(40, ignore_eos=True))]
     )
     assert plain[0].token_ids != expected  # the penalty changed something worth checking
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize(
+    "yarn",
+    [
+        {"factor": 4.0, "original_max_position_embeddings": 64},  # Qwen's model-card recipe
+        {"factor": 8.0, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+        {"factor": 2.0, "attention_factor": 1.3},
+    ],
+)
+def test_yarn_rope_scaling_equals_transformers(tmp_path: Path, kind: str, yarn: dict) -> None:
+    """Static YaRN: interpolated low frequencies, a ramp, cos and sin scaled by the attention
+    factor (given, or 0.1 ln(factor) + 1); the pretraining length from the file, else
+    max_position_embeddings."""
+    from prefixcache.engine.model.rope import RotaryEmbedding
+
+    hf = make_hf(kind, seed=10, rope_scaling={"rope_type": "yarn", **yarn}, rope_theta=10000.0)
+    folder = save_checkpoint(hf, tmp_path)
+    config = load_model(str(folder)).config
+    assert config.rope_type == "yarn"
+    rotary = RotaryEmbedding(config)
+    want = yarn.get("attention_factor", 0.1 * math.log(yarn["factor"]) + 1.0)
+    assert rotary.attention_factor == pytest.approx(want)
+    plain = 1.0 / 10000.0 ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
+    assert not torch.allclose(rotary.inv_freq_cpu, plain)  # the scaling does something
+    check_equivalence(hf, folder)
+
+
+def test_partial_rotary_is_refused(tmp_path: Path) -> None:
+    hf = make_hf("llama", seed=11)
+    folder = save_checkpoint(hf, tmp_path)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "partial_rotary_factor": 0.5}))
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        load_model(str(folder))

@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.model.layer_ops import TORCH_OPS
-from prefixcache.engine.model.llama import RotaryEmbedding, rope_inv_freq
 from prefixcache.engine.model.loader import LoadedModel, load_model
-from prefixcache.engine.model.rope_shift import shift_keys, shift_rotation
+from prefixcache.engine.model.rope import RotaryEmbedding, rope_inv_freq, shift_keys, shift_rotation
 from prefixcache.engine.request import EngineRequest, SamplingParams, SegmentSpan
 from prefixcache.engine.step.chunk_reuse import chunk_namespace, plan_placements, stored_length
 from prefixcache.engine.step.generate import GenerationResult

@@ -23,7 +23,7 @@ from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.memory.local_pages import NULL_PAGE, HybridBlockManager
 from prefixcache.engine.model.loader import LoadedModel, load_model
-from prefixcache.engine.model.rope_shift import shift_keys, shift_rotation
+from prefixcache.engine.model.rope import shift_keys, shift_rotation
 
 transformers = pytest.importorskip("transformers")
 

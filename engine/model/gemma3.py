@@ -30,11 +30,10 @@ from .llama import (
     Attention,
     LlamaForCausalLM,
     Projection,
-    RotaryEmbedding,
-    Rotation,
     _Concat,
 )
 from .model_config import ModelConfig
+from .rope import RotaryEmbedding, Rotation
 
 
 class GemmaRMSNorm(nn.Module):

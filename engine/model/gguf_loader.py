@@ -31,10 +31,11 @@ import torch
 from ..text import gguf_index
 from ..text.tokenizer import Tokenizer
 from . import gguf_weights
-from .llama import LlamaForCausalLM, rope_inv_freq
+from .llama import LlamaForCausalLM
 from .model_config import ModelConfig, UnsupportedModelError
 from .progress import progress_bar
 from .registry import causal_lm_class
+from .rope import rope_inv_freq
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -184,6 +185,8 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
         factor = float(get("rope.scaling.factor") or 1.0)
         if scaling != "linear":  # yarn and the rest: ModelConfig names what it supports
             raw["rope_scaling"] = {"rope_type": scaling, "factor": factor}
+            if (orig := get("rope.scaling.original_context_length")) is not None:
+                raw["rope_scaling"]["original_max_position_embeddings"] = int(orig)
         elif factor != 1.0:
             raw["rope_scaling"] = {"rope_type": "linear", "factor": factor}
     if arch not in _GEMMA:

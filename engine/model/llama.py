@@ -7,7 +7,6 @@ Parameter names match Hugging Face checkpoints, so a safetensors state dict load
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -18,53 +17,9 @@ from ..kernels.linear import Gemm
 from .layer_ops import TORCH_OPS, TorchLayerOps, require_fused_ops
 from .model_config import ModelConfig
 from .quantized_linear import QLinear, fused_kernel
+from .rope import RotaryEmbedding, Rotation
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Per-pair rotation frequencies (float32, CPU), with linear or llama3 scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta
-        ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
-    )
-    scaling = config.rope_scaling or {}
-    rope_type = config.rope_type
-    if rope_type == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        inv_freq = torch.where(in_band, blended, scaled)
-    return inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.inv_freq_cpu = rope_inv_freq(config)
-        self._inv_freq: torch.Tensor | None = None
-
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, D/2]`` for the step's positions, computed once for all layers."""
-        if self._inv_freq is None or self._inv_freq.device != positions.device:
-            self._inv_freq = self.inv_freq_cpu.to(positions.device)
-        freqs = positions.float()[:, None] * self._inv_freq[None, :]  # [T, D/2]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
-
-
-Rotation = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) from RotaryEmbedding
 
 
 class RMSNorm(nn.Module):

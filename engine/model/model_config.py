@@ -45,7 +45,7 @@ GEMMA2_DEFAULTS: dict[str, Any] = {  # transformers' Gemma2Config defaults
 }
 GEMMA_DEFAULTS = {"gemma2": GEMMA2_DEFAULTS, "gemma3": GEMMA3_DEFAULTS}
 GEGLU_ACTIVATIONS = ("gelu_pytorch_tanh",)  # GELU, tanh approximation
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class UnsupportedModelError(ValueError):
@@ -176,8 +176,17 @@ class ModelConfig:
             extra = _gemma_fields(raw, model_type)
             rope_theta, rope_scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
         scaling = _normalise_rope_scaling(rope_scaling)
-
         max_pos = int(raw.get("max_position_embeddings") or 4096)
+        if scaling is not None and scaling["rope_type"] == "yarn":
+            # transformers' rule: the file's pretraining length, else max_position_embeddings
+            orig = raw.get("original_max_position_embeddings") or max_pos
+            scaling.setdefault("original_max_position_embeddings", orig)
+        for where in (raw, rope_params if isinstance(rope_params, dict) else {}):
+            if float(where.get("partial_rotary_factor") or 1.0) != 1.0:
+                raise UnsupportedModelError(
+                    "partial_rotary_factor != 1 (RoPE on part of each head) is not supported"
+                )
+
         window = raw.get("sliding_window")
         if model_type in ("mistral", "qwen2", "qwen3"):
             window, extra["layer_windows"] = _sliding_layers(model_type, raw, max_pos)

@@ -37,7 +37,7 @@ from ..memory.block_manager import BlockManager
 from ..memory.block_types import BlockTable, PrefixMatch
 from ..memory.kv_cache import KVCache
 from ..memory.local_pages import NULL_PAGE, HybridBlockManager
-from ..model.rope_shift import shift_keys, shift_rotation
+from ..model.rope import shift_keys, shift_rotation
 from ..request import SegmentSpan
 from .model_runner import BatchEntry
 from .sequence import Sequence
