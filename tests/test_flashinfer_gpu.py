@@ -4,9 +4,8 @@ bench/gpu_check.py on a lent GPU (docs/models.md, "GPU check").
 
 Prefill (fresh, after cached pages, partial pages) next to decodes; decodes over a shared
 prefix with the cascade wrapper and without; a sliding window; Gemma 2's logits_soft_cap; a
-sequence's output bitwise
-the same alone and in a batch with the fixed split; the demo model end to end, on bf16 and
-on fp8 pages.
+sequence's output bitwise the same alone and in a batch with the fixed split; the demo model
+end to end, on bf16 and on fp8 pages.
 """
 
 from __future__ import annotations

@@ -45,6 +45,10 @@ def make_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg_kwargs))
     elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg_kwargs))
+    elif kind == "phi3":
+        model = transformers.Phi3ForCausalLM(
+            transformers.Phi3Config(pad_token_id=0, eos_token_id=2, **cfg_kwargs)
+        )
     elif kind == "mistral":
         model = transformers.MistralForCausalLM(
             transformers.MistralConfig(sliding_window=None, **cfg_kwargs)
@@ -256,4 +260,26 @@ def test_partial_rotary_is_refused(tmp_path: Path) -> None:
     raw = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**raw, "partial_rotary_factor": 0.5}))
     with pytest.raises(ValueError, match="partial_rotary_factor"):
+        load_model(str(folder))
+
+
+def test_phi3_equals_transformers(tmp_path: Path) -> None:
+    """Phi-3: Llama's layers with q/k/v and gate/up fused in the checkpoint (split at load)."""
+    hf = make_hf("phi3", seed=12)
+    folder = save_checkpoint(hf, tmp_path)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in hf.state_dict()
+    loaded = load_model(str(folder))
+    assert loaded.config.model_type == "phi3" and loaded.config.layer_windows == ()
+    check_equivalence(hf, folder)
+
+
+def test_phi3_longrope_is_refused(tmp_path: Path) -> None:
+    """Phi-3.5's longrope rotates a token by the sequence's length: no prefix could be reused."""
+    hf = make_hf("phi3", seed=13)
+    folder = save_checkpoint(hf, tmp_path)
+    raw = json.loads((folder / "config.json").read_text())
+    half = TINY["hidden_size"] // TINY["num_attention_heads"] // 2
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * half, "long_factor": [2.0] * half}
+    (folder / "config.json").write_text(json.dumps({**raw, "rope_scaling": longrope}))
+    with pytest.raises(ValueError, match="longrope"):
         load_model(str(folder))

@@ -1,9 +1,10 @@
-"""Mistral's and Qwen2/Qwen3's sliding windows, applied as transformers applies them: Mistral
-slides on every layer (no global layer at all), Qwen2/Qwen3 with ``use_sliding_window`` on the
-layers from ``max_window_layers`` on. Tiny random checkpoints written by transformers, served
-by the whole engine on the CPU kernels: greedy tokens equal transformers' past the window
-(float32), and cached, uncached, chunked and batched runs give the same tokens at the default
-dtype (hypothesis), with running sequences holding only their window of local pages."""
+"""Mistral's, Phi-3's and Qwen2/Qwen3's sliding windows, applied as transformers applies them:
+Mistral and Phi-3 slide on every layer (no global layer at all), Qwen2/Qwen3 with
+``use_sliding_window`` on the layers from ``max_window_layers`` on. Tiny random checkpoints
+written by transformers, served by the whole engine on the CPU kernels: greedy tokens equal
+transformers' past the window (float32), and cached, uncached, chunked and batched runs give
+the same tokens at the default dtype (hypothesis), with running sequences holding only their
+window of local pages."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ TINY = dict(
     head_dim=64,  # the CPU kernels' head sizes
     max_position_embeddings=512,
 )
-KINDS = ("mistral", "qwen2")
+KINDS = ("mistral", "qwen2", "phi3")
 
 
 def make_hf(kind: str, window: int | None = WINDOW, seed: int = 0) -> torch.nn.Module:
@@ -46,6 +47,10 @@ def make_hf(kind: str, window: int | None = WINDOW, seed: int = 0) -> torch.nn.M
     if kind == "mistral":
         model = transformers.MistralForCausalLM(
             transformers.MistralConfig(sliding_window=window, **TINY)
+        )
+    elif kind == "phi3":  # every layer slides (Phi-3-mini-4k: 2047 of 4096)
+        model = transformers.Phi3ForCausalLM(
+            transformers.Phi3Config(sliding_window=window, pad_token_id=0, **TINY)
         )
     else:  # layer 0 global, layers 1 and 2 sliding
         cfg = transformers.Qwen2Config(
@@ -117,6 +122,9 @@ def test_configs_slide_as_transformers_decides() -> None:
     # MistralConfig's default window (4096) when the key is absent; past every position: off
     assert windows_of(**mistral, max_position_embeddings=32768) == (4096,) * 3
     assert windows_of(**mistral) == ()
+    phi3 = {"architectures": ["Phi3ForCausalLM"]}
+    assert windows_of(**phi3, sliding_window=WINDOW) == (WINDOW,) * 3
+    assert windows_of(**phi3, max_position_embeddings=32768) == ()  # no default window
     for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         qwen = {"architectures": [arch], "sliding_window": WINDOW}
         assert windows_of(**qwen) == ()  # use_sliding_window defaults to off

@@ -28,7 +28,7 @@ from ..text.tokenizer import Tokenizer
 from .llama import LlamaForCausalLM
 from .model_config import ModelConfig, UnsupportedModelError
 from .progress import progress_bar
-from .registry import causal_lm_class
+from .registry import causal_lm_class, model_tensors
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -271,7 +271,8 @@ def build_model(
                     continue
                 if key == "lm_head.weight" and config.tie_word_embeddings:
                     continue
-                state[key] = tensor.to(device=device, dtype=dtype)  # one source tensor at a time
+                for name, part in model_tensors(config, key, tensor):
+                    state[name] = part.to(device=device, dtype=dtype)  # one source at a time
         bar.update(total - done)  # a pickle's own framing
 
     if "lm_head.weight" in expected and "lm_head.weight" not in state:

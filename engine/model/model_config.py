@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma2ForCausalLM": "gemma2",
+    "Phi3ForCausalLM": "phi3",  # Llama's layers, q/k/v and gate/up fused in the checkpoint
 }
 # model_type spellings that name a supported architecture (Gemma 3's text model saves
 # "gemma3_text").
@@ -188,7 +189,7 @@ class ModelConfig:
                 )
 
         window = raw.get("sliding_window")
-        if model_type in ("mistral", "qwen2", "qwen3"):
+        if model_type in ("mistral", "phi3", "qwen2", "qwen3"):
             window, extra["layer_windows"] = _sliding_layers(model_type, raw, max_pos)
 
         eos = raw.get("eos_token_id")
@@ -284,15 +285,17 @@ def _sliding_layers(
     model_type: str, raw: dict[str, Any], max_pos: int
 ) -> tuple[int | None, tuple[int, ...]]:
     """(the window, ``layer_windows``) as transformers applies them: Mistral slides on every
-    layer (``sliding_window`` defaults to 4096 when the key is absent; ``null`` turns it off);
+    layer (``sliding_window`` defaults to 4096 when the key is absent; ``null`` turns it off),
+    Phi-3 too (no default: Phi-3-mini-4k's 2047);
     Qwen2 / Qwen3 only with ``use_sliding_window``, on ``layer_types``' sliding layers, else
     on layers from ``max_window_layers`` (default 28) on. A window that no position can
     outgrow (>= ``max_position_embeddings``) changes nothing and is left out."""
-    window = raw.get("sliding_window", 4096)
-    if window is None or (model_type != "mistral" and not raw.get("use_sliding_window", False)):
+    window = raw.get("sliding_window", None if model_type == "phi3" else 4096)
+    every_layer = model_type in ("mistral", "phi3")
+    if window is None or (not every_layer and not raw.get("use_sliding_window", False)):
         return None, ()
     window, n = int(window), int(raw["num_hidden_layers"])
-    if model_type == "mistral":
+    if every_layer:
         sliding = [True] * n
     elif isinstance(types := raw.get("layer_types"), list) and len(types) == n:
         sliding = [t == "sliding_attention" for t in types]
