@@ -108,9 +108,10 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     cfg = {**CONFIG, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}
     with pytest.raises(UnsupportedModelError, match=r"unsupported architecture.*GPT2LMHeadModel"):
         load_model(str(write_folder(tmp_path / "g", cfg)))
-    cfg = {**CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
-    with pytest.raises(UnsupportedModelError, match="rope_scaling type 'yarn'"):
-        ModelConfig.from_dict(cfg)
+    for dynamic in ("dynamic", "longrope"):  # a token's rotation depends on the length
+        cfg = {**CONFIG, "rope_scaling": {"rope_type": dynamic, "factor": 4.0}}
+        with pytest.raises(UnsupportedModelError, match=f"rope_scaling type '{dynamic}'"):
+            ModelConfig.from_dict(cfg)
 
 
 def test_shape_mismatch(tmp_path: Path) -> None:

@@ -318,8 +318,11 @@ def _normalise_rope_scaling(scaling: Any) -> dict[str, Any] | None:
         return None
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
+        why = ""
+        if rope_type in ("dynamic", "longrope", "su"):
+            why = " (it rotates a token by the sequence's current length, so no cached prefix stays valid)"
         raise UnsupportedModelError(
-            f"unsupported rope_scaling type {rope_type!r}: supported are "
+            f"unsupported rope_scaling type {rope_type!r}{why}: supported are "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type == "default":
