@@ -41,6 +41,7 @@ class SamplingParams:
     # position (vLLM's prompt_logprobs; /v1/completions' echo). Every prompt token's logits
     # are needed, so such a request computes its whole prompt (it takes no cache hit).
     prompt_logprobs: int | None = None
+    prompt_logprob_ranks: bool = False  # each prompt token's rank too (vLLM reports it)
     # OpenAI's: subtracted once per generated token that already appeared / per appearance.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -164,6 +165,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    # prompt logprobs: how many vocabulary entries have a logprob >= this one (1: the best;
+    # ties count, as vLLM ranks them); None for sampled tokens
+    rank: int | None = None
 
 
 @dataclass(slots=True, frozen=True)

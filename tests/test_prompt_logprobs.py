@@ -95,8 +95,9 @@ def test_prompt_logprobs_equal_each_prefix_computed_alone(demo_fp32: LoadedModel
     rng = random.Random(7)
     vocab = demo_fp32.config.vocab_size
     prompt = [rng.randrange(4, vocab) for _ in range(37)]
+    sampling = SamplingParams(max_tokens=1, prompt_logprobs=1, prompt_logprob_ranks=True)
     out = engine(demo_fp32, max_num_batched_tokens=16).generate(
-        [EngineRequest("p", prompt, SamplingParams(max_tokens=1, prompt_logprobs=1))]
+        [EngineRequest("p", prompt, sampling)]
     )[0]
     runner = ModelRunner(
         demo_fp32,
@@ -110,6 +111,11 @@ def test_prompt_logprobs_equal_each_prefix_computed_alone(demo_fp32: LoadedModel
         assert entry.token_id == prompt[p + 1]
         assert entry.logprob == pytest.approx(float(logp[prompt[p + 1]]), abs=1e-4)
         assert entry.top[0][0] == int(logp.argmax())
+        # the rank: vocabulary entries at least as likely (the reference's own count, give or
+        # take entries within rounding of the token's logprob)
+        at = float(logp[prompt[p + 1]])
+        assert int((logp >= at + 1e-4).sum()) <= entry.rank - 1
+        assert entry.rank <= int((logp >= at - 1e-4).sum())
 
 
 def test_prompt_logprobs_out_of_range_are_refused() -> None:

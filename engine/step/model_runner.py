@@ -8,6 +8,7 @@ cascade or prefill groups, slid-out pages mapped to the null page) and their own
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -207,7 +208,7 @@ class ModelRunner:
             n = len(sink.targets)
             for lo in range(0, n, prompt_logprobs.ROWS_PER_SLICE):
                 hi = min(n, lo + prompt_logprobs.ROWS_PER_SLICE)
-                part = PromptLogprobSink(sink.targets[lo:hi], sink.top, sink.into, sink.first + lo)
+                part = dataclasses.replace(sink, targets=sink.targets[lo:hi], first=sink.first + lo)
                 prompt_logprobs.fill(part, self.model.compute_logits(hidden[at + lo : at + hi]))
             at += n
 

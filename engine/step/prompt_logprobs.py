@@ -29,6 +29,7 @@ class PromptLogprobSink:
     top: int
     into: list[TokenLogprob | None]
     first: int
+    ranks: bool = False  # count each target's rank (a pass over every row: off unless asked)
 
 
 def sink_for(seq: Sequence, start: int, end: int) -> PromptLogprobSink | None:
@@ -42,15 +43,20 @@ def sink_for(seq: Sequence, start: int, end: int) -> PromptLogprobSink | None:
     targets = seq.token_ids[start + 1 : min(end + 1, seq.num_prompt_tokens)]
     if not targets:
         return None
-    return PromptLogprobSink(targets, top, seq.prompt_logprobs, start + 1)
+    ranks = seq.request.sampling.prompt_logprob_ranks
+    return PromptLogprobSink(targets, top, seq.prompt_logprobs, start + 1, ranks)
 
 
 def fill(sink: PromptLogprobSink, logits: torch.Tensor) -> None:
-    """``logits`` float32 ``[len(targets), vocab]``: each row's log-softmax at its target and,
-    with ``top``, the top k (as the sampler reports a sampled token's)."""
+    """``logits`` float32 ``[len(targets), vocab]``: each row's log-softmax at its target, its
+    rank there and, with ``top``, the top k (as the sampler reports a sampled token's)."""
     logp = torch.log_softmax(logits, dim=-1)
     targets = torch.tensor(sink.targets, dtype=torch.int64)
-    chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
+    chosen_col = logp.gather(1, targets[:, None])
+    ranks: list[int | None] = [None] * len(sink.targets)
+    if sink.ranks:  # as a float sum: 1.5x faster than a bool tensor's count
+        ranks = [int(r) for r in (logp >= chosen_col).float().sum(dim=-1).tolist()]
+    chosen = chosen_col[:, 0].tolist()
     tops: list[list[tuple[int, float]]] = [[] for _ in sink.targets]
     if sink.top == 1:  # lm-eval's logprobs=1: max (the first maximum), half topk's time
         best, at = logp.max(dim=-1)
@@ -61,5 +67,6 @@ def fill(sink: PromptLogprobSink, logits: torch.Tensor) -> None:
         tops = [
             list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
         ]
-    for r, (token, lp, top) in enumerate(zip(sink.targets, chosen, tops, strict=True)):
-        sink.into[sink.first + r] = TokenLogprob(token_id=token, logprob=lp, top=top)
+    rows = zip(sink.targets, chosen, tops, ranks, strict=True)
+    for r, (token, lp, top, rank) in enumerate(rows):
+        sink.into[sink.first + r] = TokenLogprob(token, lp, top, rank)

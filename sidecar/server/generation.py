@@ -213,6 +213,7 @@ class GenerationRoutes:
         ``first_index`` (a batch's later prompts); a refused request leaves nothing of its
         prompt in the memos and no choice running."""
         jobs: list[Job] = []
+        asked = None if req.stream else req.prompt_logprobs
         try:
             num_prompt = len(prompt.token_ids)
             context = self.engine.max_model_len
@@ -245,8 +246,10 @@ class GenerationRoutes:
                     stop_token_ids=self.gate.stop_token_ids(req.stop_token_ids),
                     ignore_eos=req.ignore_eos,
                     logprobs=logprobs,
-                    # echo with logprobs: the prompt's own, each choice computing its prompt
-                    prompt_logprobs=logprobs if echo is not None else None,
+                    # echo with logprobs, vLLM's prompt_logprobs: the prompt's own, each choice
+                    # computing its prompt (none when streamed: vLLM sends none then)
+                    prompt_logprobs=_most(logprobs if echo is not None else None, asked),
+                    prompt_logprob_ranks=asked is not None,
                     presence_penalty=req.presence_penalty,
                     frequency_penalty=req.frequency_penalty,
                     repetition_penalty=self._sampling(req.repetition_penalty, "repetition_penalty"),
@@ -284,6 +287,7 @@ class GenerationRoutes:
                     index=index,
                     choices=n,
                     echo=echo,
+                    prompt_logprobs=asked,
                 )
                 jobs.append(job)
             return jobs
@@ -301,6 +305,12 @@ class GenerationRoutes:
             model = self.engine.sampling_defaults if self.use_generation_config else {}
             self._sampling_defaults = {**p.SAMPLING_FALLBACKS, **model}
         return self._sampling_defaults[name]
+
+
+def _most(*ks: int | None) -> int | None:
+    """The largest of the top-k counts asked for (None if none is)."""
+    given = [k for k in ks if k is not None]
+    return max(given) if given else None
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:

@@ -1,5 +1,6 @@
 """Logprobs in OpenAI's two reply shapes: chat's ``content`` list and the legacy completions
-lists (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)."""
+lists (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``); and vLLM's
+``prompt_logprobs`` (per prompt token, a map of token id to logprob, rank and text)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,26 @@ def joined(first: dict, then: dict | None) -> dict:
     if then is None:
         return first
     return {key: [*values, *then[key]] for key, values in first.items()}
+
+
+def vllm_prompt_logprobs(
+    entries: Sequence[TokenLogprob | None], top: int, decode: Decode
+) -> list[dict | None]:
+    """vLLM's shape: null for the first prompt token, then for each one a map from token id (a
+    string, as JSON keys are) to ``{logprob, rank, decoded_token}``: the prompt token with its
+    rank among the vocabulary, then the ``top`` best at that position (ranks 1..top; the
+    prompt token keeps its own entry where it is one of them)."""
+
+    def item(token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": decode([token_id])}
+
+    out: list[dict | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        position = {str(entry.token_id): item(entry.token_id, entry.logprob, entry.rank)}
+        for i, (token_id, logprob) in enumerate(entry.top[:top]):
+            position.setdefault(str(token_id), item(token_id, logprob, i + 1))
+        out.append(position)
+    return out

@@ -32,7 +32,7 @@ from ..http.errors import APIError, server_error
 from ..http.streaming import DONE, SSEResponse, interleave, run_until_disconnect, sse_event
 from ..wire import reply_types as rt
 from .admission import EngineStream
-from .logprob_format import chat_logprobs, completion_logprobs, joined
+from .logprob_format import chat_logprobs, completion_logprobs, joined, vllm_prompt_logprobs
 
 log = logging.getLogger("prefixcache.sidecar")
 
@@ -124,6 +124,7 @@ class Job:
     choices: int = 1  # n: choices per prompt
     echo: str | None = None  # completions' echo: the prompt text put before the completion
     prompt_only: bool = False  # echo with max_tokens 0: its one generated token is not shown
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs=k: shown as vLLM shows them
 
 
 @dataclass(slots=True)
@@ -166,6 +167,7 @@ async def reply(
             message, finish = _chat_message(j, result)
             chat_choices.append(rt.ChatChoice(j.index, message, finish, logprobs))
         body = rt.ChatCompletion(*head, chat_choices, usage_info(usage), report, job.fingerprint)
+        body.prompt_logprobs = _vllm_prompt_logprobs(job, tokenizer, results[0])
     else:
         text_choices = []
         for j, result in zip(jobs, results, strict=True):
@@ -174,9 +176,11 @@ async def reply(
                 logprobs = _logprobs(j, tokenizer, result.logprobs, len(echo))
                 if j.echo is not None:
                     logprobs = joined(_echoed(j, tokenizer, result.prompt_logprobs), logprobs)
-            text_choices.append(
-                rt.CompletionChoice(j.index, echo + result.text, result.finish_reason, logprobs)
+            choice = rt.CompletionChoice(
+                j.index, echo + result.text, result.finish_reason, logprobs
             )
+            choice.prompt_logprobs = _vllm_prompt_logprobs(j, tokenizer, result)
+            text_choices.append(choice)
         body = rt.Completion(*head, text_choices, usage_info(usage), report, job.fingerprint)
     response = json_response(body)
     if results[0].timing is not None:
@@ -395,6 +399,14 @@ def _echoed(job: Job, tokenizer: TokenizerAPI, prompt: list[TokenLogprob | None]
     """An echoed prompt's completions logprobs (its first token has none: null, as vLLM)."""
     ids = job.stream.request.prompt_token_ids
     return completion_logprobs(prompt or [None] * len(ids), _decoder(tokenizer), 0, ids)
+
+
+def _vllm_prompt_logprobs(job: Job, tokenizer: TokenizerAPI, result: Collected) -> Any:
+    if job.prompt_logprobs is None:
+        return msgspec.UNSET  # not asked: no field (vLLM's clients read it where they asked)
+    ids = job.stream.request.prompt_token_ids
+    entries = result.prompt_logprobs or [None] * len(ids)
+    return vllm_prompt_logprobs(entries, job.prompt_logprobs, _decoder(tokenizer))
 
 
 def fallback_usage(job: Job, num_tokens: int) -> Usage:

@@ -76,6 +76,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: (
         Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=256)] | None
     ) = None  # vLLM's field
+    # vLLM's: each prompt token's logprob and rank, and the top k at its position (not streamed)
+    prompt_logprobs: int | None = None
     # vLLM's options that change the output and are not implemented here: decoded so that
     # check_sampling refuses them by name (null, or beam search false, is accepted)
     guided_json: Any = None
@@ -208,6 +210,13 @@ def check_sampling(req: SamplingFields) -> None:
         raise Error("'use_beam_search' is not supported by this server", "use_beam_search")
     if req.stream_options is not None and not req.stream:
         raise Error("stream_options is only allowed with stream=true", "stream_options")
+    if (k := req.prompt_logprobs) is not None:
+        if req.stream and (k > 0 or k == -1):  # vLLM's rule and message
+            raise Error(
+                "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+            )
+        if not 0 <= k <= 20:  # -1 (the whole vocabulary) too: vLLM's default max_logprobs
+            raise Error("prompt_logprobs must be in [0, 20]", "prompt_logprobs")
 
 
 def check_cache_breakpoints(messages: list[Message] | None, segments: list[Segment] | None) -> None:

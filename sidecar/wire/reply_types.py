@@ -81,6 +81,8 @@ class ChatCompletion(msgspec.Struct):
     prefixcache: CacheReport
     system_fingerprint: str
     object: str = "chat.completion"
+    # vLLM's, where the request asked for them: per prompt token, null for the first
+    prompt_logprobs: list[dict | None] | msgspec.UnsetType = msgspec.UNSET
 
 
 class FunctionDelta(msgspec.Struct, omit_defaults=True):
@@ -115,6 +117,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     finish_reason: str | None
     logprobs: dict | None = None
+    prompt_logprobs: list[dict | None] | msgspec.UnsetType = msgspec.UNSET  # vLLM's
 
 
 class Completion(msgspec.Struct):
