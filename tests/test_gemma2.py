@@ -19,7 +19,12 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
-from test_sliding_window_models import hf_greedy  # noqa: E402
+from test_sliding_window_models import (  # noqa: E402
+    assert_runs_agree,
+    engine_for,
+    greedy,
+    hf_greedy,
+)
 
 from prefixcache.engine.config import EngineConfig  # noqa: E402
 from prefixcache.engine.engine import LLMEngine  # noqa: E402
@@ -28,7 +33,6 @@ from prefixcache.engine.model.demo_model import ASSETS  # noqa: E402
 from prefixcache.engine.model.gemma3 import Gemma3ForCausalLM  # noqa: E402
 from prefixcache.engine.model.loader import load_model  # noqa: E402
 from prefixcache.engine.model.model_config import ModelConfig  # noqa: E402
-from prefixcache.engine.request import EngineRequest, SamplingParams  # noqa: E402
 
 WINDOW = 24
 TINY = dict(
@@ -73,21 +77,6 @@ def save(hf: torch.nn.Module, folder: Path) -> Path:
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     hf = make_hf()
     return save(hf, tmp_path_factory.mktemp("gemma2")), hf
-
-
-def engine_for(folder: Path, dtype: str, **overrides: object) -> LLMEngine:
-    loaded = load_model(str(folder), dtype=dtype, device="cpu")
-    config = EngineConfig(model=str(folder), dtype=dtype, device="cpu", num_blocks=128, **overrides)
-    return LLMEngine(config, loaded)
-
-
-def greedy(
-    engine: LLMEngine, prompts: list[list[int]], tag: str, max_tokens: int = 8
-) -> list[tuple[list[int], int]]:
-    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    outs = engine.generate([EngineRequest(f"{tag}{i}", p, sampling) for i, p in enumerate(prompts)])
-    engine.block_manager.check_invariants()
-    return [(list(o.token_ids), o.usage.cached_tokens) for o in outs]
 
 
 def random_prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
@@ -178,20 +167,7 @@ def test_the_softcap_and_the_window_matter(checkpoint: tuple[Path, torch.nn.Modu
 def test_cached_chunked_and_batched_runs_agree_at_the_default_dtype(
     checkpoint: tuple[Path, torch.nn.Module], seed: int, prefix: int, suffixes: list[int]
 ) -> None:
-    folder, _ = checkpoint
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 256) for _ in range(prefix)]
-    prompts = [shared + [rng.randrange(3, 256) for _ in range(n)] for n in suffixes]
-    plain = engine_for(folder, "auto", enable_prefix_caching=False)
-    cold = [greedy(plain, [p], f"c{i}")[0][0] for i, p in enumerate(prompts)]
-    cached = engine_for(folder, "auto")
-    warm = [greedy(cached, [p], f"w{i}")[0] for i, p in enumerate(prompts)]
-    assert [t for t, _ in warm] == cold
-    if prefix >= 32:
-        assert all(c >= 16 for _, c in warm[1:])
-    chunked = engine_for(folder, "auto", max_num_batched_tokens=16)
-    assert [t for t, _ in greedy(chunked, prompts, "k")] == cold
-    assert [t for t, _ in greedy(cached, prompts, "b")] == cold
+    assert_runs_agree(checkpoint[0], seed, prefix, suffixes)
 
 
 def test_a_written_gemma2_gguf_equals_transformers(
@@ -200,45 +176,16 @@ def test_a_written_gemma2_gguf_equals_transformers(
     """A gemma2 GGUF as llama.cpp's converter writes one (norms as 1 + weight, the softcaps
     and window in the metadata, the layer pattern left to the default), from the tiny
     checkpoint: the engine's float32 greedy tokens equal transformers' past the window."""
-    gguf = pytest.importorskip("gguf")
-    import numpy as np
-    from test_gemma3 import _gguf_name
+    from test_gemma3 import write_gemma_gguf
 
     _, hf = checkpoint
     path = tmp_path / "tiny-gemma2.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma2")
-    w.add_context_length(TINY["max_position_embeddings"])
-    w.add_embedding_length(TINY["hidden_size"])
-    w.add_block_count(TINY["num_hidden_layers"])
-    w.add_feed_forward_length(TINY["intermediate_size"])
-    w.add_head_count(TINY["num_attention_heads"])
-    w.add_head_count_kv(TINY["num_key_value_heads"])
-    w.add_key_length(TINY["head_dim"])
-    w.add_value_length(TINY["head_dim"])
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
-    w.add_sliding_window(WINDOW)
-    w.add_attn_logit_softcapping(TINY["attn_logit_softcapping"])
-    w.add_final_logit_softcapping(TINY["final_logit_softcapping"])
-    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(252))]
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_types([3, 3, 3, 3] + [6] * (len(tokens) - 4))
-    w.add_bos_token_id(2)
-    w.add_eos_token_id(1)
-    w.add_unk_token_id(3)
-    w.add_add_space_prefix(False)
-    for name, p in hf.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied
-        a = p.detach().float().numpy()
-        w.add_tensor(_gguf_name(name), a + np.float32(1.0) if "norm" in name else a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
+    def softcaps(w: object) -> None:
+        w.add_attn_logit_softcapping(TINY["attn_logit_softcapping"])  # type: ignore[attr-defined]
+        w.add_final_logit_softcapping(TINY["final_logit_softcapping"])  # type: ignore[attr-defined]
+
+    write_gemma_gguf(path, "gemma2", hf, TINY, 10000.0, softcaps)
     loaded = load_model(str(path), dtype="float32", device="cpu")
     cfg = loaded.config
     assert cfg.model_type == "gemma2" and cfg.layer_windows == (WINDOW, 0, WINDOW, 0)

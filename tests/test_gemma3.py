@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -242,38 +244,35 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{part}"
 
 
-def test_a_written_gemma3_gguf_equals_transformers(tmp_path: Path) -> None:
-    """A gemma3 GGUF as llama.cpp writes one (norms as 1 + weight, Gemma 3's defaults left
-    out of the metadata), from a tiny random model: our loader's logits equal it."""
+def write_gemma_gguf(
+    path: Path,
+    arch: str,
+    hf: torch.nn.Module,
+    shape: dict,
+    rope_base: float,
+    extra: Callable[[Any], None] | None = None,
+) -> None:
+    """``hf``'s weights as llama.cpp's converter writes a Gemma GGUF (norms as 1 + weight, the
+    head tied), with ``shape``'s sizes and window, a byte-level SentencePiece vocabulary and
+    what ``extra`` adds to the writer."""
     gguf = pytest.importorskip("gguf")
-    layers = 6  # the default pattern: 5 sliding, then 1 global
-    hf = make_tiny_hf(
-        seed=3,
-        num_hidden_layers=layers,
-        layer_types=None,
-        query_pre_attn_scalar=TINY["head_dim"],
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        },
-        final_logit_softcapping=None,
-    )
-    path = tmp_path / "tiny-gemma3.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_context_length(TINY["max_position_embeddings"])
-    w.add_embedding_length(TINY["hidden_size"])
-    w.add_block_count(layers)
-    w.add_feed_forward_length(TINY["intermediate_size"])
-    w.add_head_count(TINY["num_attention_heads"])
-    w.add_head_count_kv(TINY["num_key_value_heads"])
-    w.add_key_length(TINY["head_dim"])
-    w.add_value_length(TINY["head_dim"])
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(shape["max_position_embeddings"])
+    w.add_embedding_length(shape["hidden_size"])
+    w.add_block_count(shape["num_hidden_layers"])
+    w.add_feed_forward_length(shape["intermediate_size"])
+    w.add_head_count(shape["num_attention_heads"])
+    w.add_head_count_kv(shape["num_key_value_heads"])
+    w.add_key_length(shape["head_dim"])
+    w.add_value_length(shape["head_dim"])
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(1e6)
-    w.add_sliding_window(TINY["sliding_window"])
+    w.add_rope_freq_base(rope_base)
+    w.add_sliding_window(shape["sliding_window"])
+    if extra is not None:
+        extra(w)
+    vocab = shape["vocab_size"]
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256))]
-    tokens += [f"tok{i}" for i in range(TINY["vocab_size"] - len(tokens))]
-    tokens = tokens[: TINY["vocab_size"]]
+    tokens = (tokens + [f"tok{i}" for i in range(vocab - len(tokens))])[:vocab]
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores([0.0] * len(tokens))
@@ -292,6 +291,25 @@ def test_a_written_gemma3_gguf_equals_transformers(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
 
+
+def test_a_written_gemma3_gguf_equals_transformers(tmp_path: Path) -> None:
+    """A gemma3 GGUF as llama.cpp writes one (norms as 1 + weight, Gemma 3's defaults left
+    out of the metadata), from a tiny random model: our loader's logits equal it."""
+    pytest.importorskip("gguf")
+    layers = 6  # the default pattern: 5 sliding, then 1 global
+    hf = make_tiny_hf(
+        seed=3,
+        num_hidden_layers=layers,
+        layer_types=None,
+        query_pre_attn_scalar=TINY["head_dim"],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        final_logit_softcapping=None,
+    )
+    path = tmp_path / "tiny-gemma3.gguf"
+    write_gemma_gguf(path, "gemma3", hf, {**TINY, "num_hidden_layers": layers}, 1e6)
     loaded = load_model(str(path), dtype="float32", device="cpu")
     cfg = loaded.config
     assert cfg.model_type == "gemma3" and cfg.layer_windows == (8, 8, 8, 8, 8, 0)

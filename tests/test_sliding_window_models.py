@@ -179,7 +179,13 @@ def test_cached_chunked_and_batched_runs_agree_at_the_default_dtype(
     prefix: int,
     suffixes: list[int],
 ) -> None:
-    folder, _ = checkpoints[kind]
+    assert_runs_agree(checkpoints[kind][0], seed, prefix, suffixes)
+
+
+def assert_runs_agree(folder: Path, seed: int, prefix: int, suffixes: list[int]) -> None:
+    """Prompts sharing ``prefix`` random tokens, each with its own suffix, at the default
+    dtype: uncached one by one, cached one by one (the shared full blocks hit), chunked and
+    batched: the same greedy tokens."""
     rng = random.Random(seed)
     shared = [rng.randrange(3, 256) for _ in range(prefix)]
     prompts = [shared + [rng.randrange(3, 256) for _ in range(n)] for n in suffixes]
@@ -189,7 +195,7 @@ def test_cached_chunked_and_batched_runs_agree_at_the_default_dtype(
     warm = [greedy(cached, [p], f"w{i}")[0] for i, p in enumerate(prompts)]
     assert [t for t, _ in warm] == cold
     if prefix >= 32:
-        assert all(c >= 16 for _, c in warm[1:])  # the shared full blocks hit
+        assert all(c >= 16 for _, c in warm[1:])
     chunked = engine_for(folder, "auto", max_num_batched_tokens=16)
     assert [t for t, _ in greedy(chunked, prompts, "k")] == cold
     assert [t for t, _ in greedy(cached, prompts, "b")] == cold  # batched, all cached
