@@ -104,6 +104,8 @@ def gguf_name(hf: str) -> str:
         "mlp.gate_proj.weight": "ffn_gate",
         "mlp.up_proj.weight": "ffn_up",
         "mlp.down_proj.weight": "ffn_down",
+        "self_attn.qkv_proj.weight": "attn_qkv",  # Phi-3's fused projections
+        "mlp.gate_up_proj.weight": "ffn_up",
     }
     return f"blk.{layer}.{local[rest]}.weight"
 
@@ -621,3 +623,42 @@ def test_yarn_metadata_becomes_transformers_yarn() -> None:
         "original_max_position_embeddings": 32768,
     }
     assert RotaryEmbedding(config).attention_factor == pytest.approx(0.1 * math.log(4) + 1)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0], ids=lambda q: q.name)
+def test_a_phi3_gguf_splits_its_fused_projections(tmp_path: Path, qtype: Q) -> None:
+    """llama.cpp's phi3 file: q/k/v in one ``attn_qkv`` and gate/up in one ``ffn_up``, as
+    written (no q/k permutation). Split at load, dequantized or kept quantized (each part's
+    rows packed on their own): transformers' logits on the checkpoint, and on the same file."""
+    torch.manual_seed(1)
+    cfg = transformers.Phi3Config(
+        vocab_size=len(demo_vocab()[0]), hidden_size=HIDDEN, intermediate_size=INTER,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        max_position_embeddings=512, rms_norm_eps=1e-5, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    hf = transformers.Phi3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.08) if p.dim() == 2 else p.uniform_(0.5, 1.5)
+    path = tmp_path / "tiny-phi3.gguf"
+    write_gguf(path, hf, qtype, arch="phi3")
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float()
+    tolerance = 1e-5 if qtype == Q.F32 else QUANT_TOLERANCE[qtype]
+    for weights in ("dequantized", "quantized"):
+        loaded = load_model(str(path), dtype="float32", device="cpu", gguf_weights=weights)
+        assert loaded.config.model_type == "phi3"
+        assert relative_error(run_logits(loaded, PROMPT), ref) < tolerance, weights
+        from prefixcache.engine.kernels import cpu_qgemm
+
+        if weights == "quantized" and qtype != Q.F32 and cpu_qgemm.computes(torch.float32):
+            layer = loaded.model.model.layers[0]  # each part's rows packed on their own
+            kinds = {type(m).__name__ for m in (layer.self_attn.q_proj, layer.mlp.up_proj)}
+            assert kinds == {"QLinear"}
+    hf_gguf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32, pad_token_id=0
+    ).eval()  # (Phi3Config's default pad id, 32000, lies past this vocabulary)
+    with torch.no_grad():
+        theirs = hf_gguf(torch.tensor([PROMPT])).logits[0].float()
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    assert relative_error(run_logits(loaded, PROMPT), theirs) < 1e-4

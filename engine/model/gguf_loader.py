@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,7 +33,7 @@ from . import gguf_weights
 from .llama import LlamaForCausalLM
 from .model_config import ModelConfig, UnsupportedModelError
 from .progress import progress_bar
-from .registry import causal_lm_class
+from .registry import causal_lm_class, fused_parts, hf_tensor_name
 from .rope import rope_inv_freq
 
 if TYPE_CHECKING:
@@ -48,6 +47,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 _PERMUTED_QK = ("llama", "mistral")  # written with interleaved-pair RoPE rows
 # Tensor types dequantized at load (names as gguf.GGMLQuantizationType spells them).
@@ -57,39 +57,9 @@ SUPPORTED_TENSOR_TYPES = (
 )  # fmt: skip
 _FINGERPRINT_SAMPLE = 1 << 20  # bytes of tensor data hashed from each end of the file
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-# Gemma's four norms per layer (gguf's tensor maps for MODEL_ARCH.GEMMA2 and GEMMA3).
-_GEMMA_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}
 _GEMMA = ("gemma2", "gemma3")  # norms written as 1 + weight, four a layer, own config
 GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}  # transformers' defaults (and llama.cpp's)
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # their 27B: scale by hidden / heads
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-pair frequency divisors
 
 
@@ -234,15 +204,6 @@ def _gemma_config(a: str, meta: dict[str, Any], raw: dict[str, Any]) -> dict[str
     return out
 
 
-def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
-    if (m := _LAYER_TENSOR.fullmatch(gguf_name)) and m.group(2) in names:
-        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
-    return None
-
-
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row order: per head, rows (0, D/2, 1, D/2+1, ...) -> (0..D-1),
     i.e. interleaved rotation pairs back to rotate-half halves. Works for weights and biases."""
@@ -306,11 +267,16 @@ def load_gguf(
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    unknown = [n for n in tensors if n != ROPE_FREQS and hf_tensor_name(n, arch) is None]
-    unexpected = [n for n in tensors if (hf := hf_tensor_name(n, arch)) and hf not in expected]
+
+    def parts(hf: str) -> list[tuple[str, int, int]]:  # the model's rows in tensor `hf`
+        return fused_parts(config, hf) or [(hf, 0, expected.get(hf, (0,))[0])]
+
+    placed = {n: parts(hf) for n in tensors if (hf := hf_tensor_name(n, arch)) is not None}
+    unknown = [n for n in tensors if n != ROPE_FREQS and n not in placed]
+    unexpected = [n for n, ps in placed.items() if any(p not in expected for p, _, _ in ps)]
     if unknown or unexpected:
         raise GGUFLoadError(f"{path.name}: tensors the engine cannot place: {unknown + unexpected}")
-    missing = sorted(set(expected) - {hf_tensor_name(n, arch) for n in tensors})
+    missing = sorted(set(expected) - {p for ps in placed.values() for p, _, _ in ps})
     if missing:
         raise GGUFLoadError(f"{path.name}: missing tensors: {missing[:6]}")
 
@@ -319,21 +285,22 @@ def load_gguf(
     packed: dict[str, Any] = {}
     head_name = gguf_weights.HEAD if gguf_weights.HEAD in expected else gguf_weights.EMBEDDING
     head_q8 = None  # the head's Q8_0 integers and scales, for its GEMM (q8_head_source)
-    placed = [t for n, t in tensors.items() if hf_tensor_name(n, arch) is not None]
-    with progress_bar("dequantize", sum(int(t.n_bytes) for t in placed), unit="B") as bar:
-        for gguf_name, t in tensors.items():
-            hf = hf_tensor_name(gguf_name, arch)
-            if hf is None:
-                continue
-            if tuple(int(d) for d in reversed(t.shape.tolist())) != expected[hf]:
+    with progress_bar("dequantize", sum(int(tensors[n].n_bytes) for n in placed), unit="B") as bar:
+        for gguf_name, hf_parts in placed.items():
+            t, hf = tensors[gguf_name], hf_parts[0][0]
+            shape = (hf_parts[-1][2], *expected[hf][1:])  # a fused tensor: its parts' rows
+            if tuple(int(d) for d in reversed(t.shape.tolist())) != shape:
                 raise GGUFLoadError(
                     f"{path.name}: tensor {gguf_name} has shape {list(reversed(t.shape.tolist()))} but "
-                    f"the metadata implies {list(expected[hf])}"
+                    f"the metadata implies {list(shape)}"
                 )
             if quantize and gguf_weights.quantizable_name(hf):
-                order = _row_order(gguf_name, expected[hf][0], config) if permute else None
-                if (qw := gguf_weights.pack_tensor(t, order)) is not None:
-                    packed[hf] = qw
+                orders = [np.arange(a, b) for _, a, b in hf_parts]  # a fused tensor's parts
+                if len(hf_parts) == 1:
+                    orders = [_row_order(gguf_name, shape[0], config) if permute else None]
+                qws = [gguf_weights.pack_tensor(t, order) for order in orders]
+                if all(qw is not None for qw in qws):
+                    packed.update((p, qw) for (p, _, _), qw in zip(hf_parts, qws, strict=True))
                     bar.update(int(t.n_bytes))
                     continue
             if hf == head_name and dtype == torch.bfloat16:
@@ -345,7 +312,8 @@ def load_gguf(
                 w = unpermute_rope_rows(w, config.num_kv_heads)
             elif arch in _GEMMA and gguf_name.endswith("norm.weight"):
                 w = w - np.float32(1.0)
-            state[hf] = torch.from_numpy(w).to(device=device, dtype=dtype)
+            for part, a, b in hf_parts:
+                state[part] = torch.from_numpy(w[a:b]).to(device=device, dtype=dtype)
             del w  # one float32 tensor at a time
             bar.update(int(t.n_bytes))
     model.load_state_dict(state, strict=False, assign=True)
