@@ -34,9 +34,10 @@ constexpr int64_t kBlockWords = kKeyBlock * D * static_cast<int64_t>(sizeof(T)) 
 
 // One key block [k0, k0 + kKeyBlock) for rows [ra, rb) of a task: scores, the online-softmax
 // update, O = O * corr + P V. With a softcap (cap2f = cap * log2 e > 0; scale2f is then
-// scale / cap), each score s becomes cap2f * tanh(s * scale2f) before the softmax. qw: each row's query as KW words. Row r sees keys
-// [begin[r], limit[r]) (begin == nullptr: from 0; a sliding window's first key otherwise); the
-// packed words of the keys it does not see may be anything finite.
+// scale / cap), each score s becomes cap2f * tanh(s * scale2f) before the softmax. qw: each
+// row's query as KW words. Row r sees keys [begin[r], limit[r]) (begin == nullptr: from 0; a
+// sliding window's first key otherwise); the packed words of the keys it does not see may be
+// anything finite.
 #ifdef PC_NARROW_VECTORS
 // The AVX2 build's fp32 block (see attend_packed): native 256-bit code, one row at a time,
 // because SIMDe's 512-bit values live in memory and spill every accumulator (7-9x slower

@@ -320,7 +320,7 @@ def _normalise_rope_scaling(scaling: Any) -> dict[str, Any] | None:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         why = ""
         if rope_type in ("dynamic", "longrope", "su"):
-            why = " (it rotates a token by the sequence's current length, so no cached prefix stays valid)"
+            why = " (it rotates a token by the sequence's length: no cached prefix stays valid)"
         raise UnsupportedModelError(
             f"unsupported rope_scaling type {rope_type!r}{why}: supported are "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
