@@ -662,3 +662,27 @@ def test_a_phi3_gguf_splits_its_fused_projections(tmp_path: Path, qtype: Q) -> N
         theirs = hf_gguf(torch.tensor([PROMPT])).logits[0].float()
     loaded = load_model(str(path), dtype="float32", device="cpu")
     assert relative_error(run_logits(loaded, PROMPT), theirs) < 1e-4
+
+
+def test_a_longrope_phi3_gguf_is_refused_by_name(tmp_path: Path) -> None:
+    """Phi-3 128K files carry LongRoPE's per-pair factors as tensors: refused, saying why."""
+    gguf_mod = pytest.importorskip("gguf")
+    path = tmp_path / "longrope.gguf"
+    w = gguf_mod.GGUFWriter(str(path), "phi3")
+    for key, value in (("block_count", 1), ("embedding_length", 64), ("context_length", 512)):
+        w.add_uint32(f"phi3.{key}", value)
+    w.add_uint32("phi3.feed_forward_length", 96)
+    w.add_uint32("phi3.attention.head_count", 4)
+    tokens, merges, types, _ = demo_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_tensor("rope_factors_long.weight", np.ones(8, dtype=np.float32))
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="LongRoPE"):
+        load_model(str(path), dtype="float32", device="cpu")

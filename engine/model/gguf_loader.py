@@ -273,6 +273,11 @@ def load_gguf(
 
     placed = {n: parts(hf) for n in tensors if (hf := hf_tensor_name(n, arch)) is not None}
     unknown = [n for n in tensors if n != ROPE_FREQS and n not in placed]
+    if any(n.startswith("rope_factors_") for n in unknown):  # Phi-3 128K, Phi-3.5
+        raise UnsupportedModelError(
+            f"{path.name}: LongRoPE (rope_factors_long / _short) rotates a token by the "
+            "sequence's length, so no cached prefix stays valid: not supported"
+        )
     unexpected = [n for n, ps in placed.items() if any(p not in expected for p, _, _ in ps)]
     if unknown or unexpected:
         raise GGUFLoadError(f"{path.name}: tensors the engine cannot place: {unknown + unexpected}")
