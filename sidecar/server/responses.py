@@ -156,6 +156,23 @@ async def reply(
         await close_jobs(jobs)  # aborts the engine requests still running
     if job.prompt_only:
         results = [prompt_alone(r) for r in results]
+
+    def encoded() -> bytes:
+        return msgspec.json.encode(reply_body(jobs, results, tokenizer))
+
+    if job.prompt_logprobs is not None or (job.echo is not None and job.want_logprobs):
+        data = await asyncio.to_thread(encoded)  # entries per prompt token: off the event loop
+    else:
+        data = encoded()
+    response = Response(data, 200, media_type="application/json")
+    if results[0].timing is not None:
+        response.headers["server-timing"] = server_timing(results[0].timing)
+    return response
+
+
+def reply_body(jobs: list[Job], results: list[Collected], tokenizer: TokenizerAPI) -> Any:
+    """The whole (non-streamed) reply to a request's choices."""
+    job = jobs[0]
     usage = merged_usage(jobs, [r.usage for r in results])
     report = cache_report(usage, job.spans)
     head = (job.id, job.created, job.model)
@@ -182,10 +199,7 @@ async def reply(
             choice.prompt_logprobs = _vllm_prompt_logprobs(j, tokenizer, result)
             text_choices.append(choice)
         body = rt.Completion(*head, text_choices, usage_info(usage), report, job.fingerprint)
-    response = json_response(body)
-    if results[0].timing is not None:
-        response.headers["server-timing"] = server_timing(results[0].timing)
-    return response
+    return body
 
 
 async def close_jobs(jobs: list[Job]) -> None:
