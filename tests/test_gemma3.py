@@ -337,3 +337,42 @@ def test_through_the_model_runner_within_the_window(tmp_path: Path) -> None:
     with torch.inference_mode():
         ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_multimodal_checkpoint_serves_its_text_decoder(tmp_path: Path) -> None:
+    """Gemma 3 4B-27B are ``Gemma3ForConditionalGeneration``: the text decoder under
+    ``language_model.`` (or ``model.language_model.``), a vision tower beside it. Its text
+    decoder is served (the vision tensors left unread): greedy tokens equal transformers' on
+    text, past the window, in both namings."""
+    from safetensors.torch import load_file, save_file
+    from test_sliding_window_models import engine_for, greedy, hf_greedy, random_prompts
+
+    torch.manual_seed(5)
+    text = {k: TINY[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads")}
+    text.update(vocab_size=300, num_hidden_layers=2, num_key_value_heads=1, head_dim=64)
+    text.update(sliding_window=16, query_pre_attn_scalar=64, max_position_embeddings=512)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=32, patch_size=16,
+    )  # fmt: skip
+    cfg = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+        boi_token_index=297, eoi_token_index=298,
+    )  # fmt: skip
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    folder = save_tiny(hf, tmp_path / "written")
+    weights = load_file(str(folder / "model.safetensors"))
+    assert any(k.startswith("vision_tower.") for k in weights)
+    prompts = random_prompts(1, (10, 40))
+    want = [hf_greedy(hf, p) for p in prompts]
+    assert [t for t, _ in greedy(engine_for(folder, "float32"), prompts, "a")] == want
+    renamed = {
+        k.replace("language_model.model.", "model.language_model."): v for k, v in weights.items()
+    }
+    renamed = {k.replace("vision_tower.", "model.vision_tower."): v for k, v in renamed.items()}
+    save_file(renamed, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert [t for t, _ in greedy(engine_for(folder, "float32"), prompts, "b")] == want

@@ -269,9 +269,9 @@ def build_model(
                 done += size
                 if key.endswith("rotary_emb.inv_freq"):
                     continue
-                if key == "lm_head.weight" and config.tie_word_embeddings:
-                    continue
                 for name, part in model_tensors(config, key, tensor):
+                    if name == "lm_head.weight" and config.tie_word_embeddings:
+                        continue
                     state[name] = part.to(device=device, dtype=dtype)  # one source at a time
         bar.update(total - done)  # a pickle's own framing
 

@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    # Gemma 3 4B-27B: its text decoder (the vision tower's tensors are left unread)
+    "Gemma3ForConditionalGeneration": "gemma3",
     "Gemma2ForCausalLM": "gemma2",
     "Phi3ForCausalLM": "phi3",  # Llama's layers, q/k/v and gate/up fused in the checkpoint
 }

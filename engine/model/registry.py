@@ -93,11 +93,27 @@ def fused_parts(config: ModelConfig, name: str) -> list[tuple[str, int, int]] | 
     return [(f"{base}{part}.weight", a, b) for part, a, b in parts]
 
 
+# A multimodal checkpoint's text decoder, named as the text model's (transformers' own
+# checkpoints write the first form, its later conversion the second); the rest is not read.
+_TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model."}
+_TEXT_HEAD = ("language_model.lm_head.weight", "lm_head.weight")
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")
+_NOT_TEXT += ("model.multi_modal_projector.",)
+
+
 def model_tensors(
     config: ModelConfig, name: str, tensor: torch.Tensor
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's tensors for one checkpoint tensor: itself, or its ``fused_parts`` (a
-    fused tensor of another size is left whole, for the shape check to name)."""
+    """The model's tensors for one checkpoint tensor: itself, its text decoder's name in a
+    multimodal checkpoint (none for the vision tower's), or its ``fused_parts`` (a fused
+    tensor of another size is left whole, for the shape check to name)."""
+    if config.architecture.endswith("ForConditionalGeneration"):
+        if name.startswith(_NOT_TEXT):
+            return
+        for prefix, text in _TEXT_MODEL_PREFIXES.items():
+            if name.startswith(prefix):
+                name = text + name.removeprefix(prefix)
+        name = _TEXT_HEAD[1] if name == _TEXT_HEAD[0] else name
     parts = fused_parts(config, name)
     if parts is None or tensor.shape[0] != parts[-1][2]:
         yield name, tensor
