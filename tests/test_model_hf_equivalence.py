@@ -283,3 +283,30 @@ def test_phi3_longrope_is_refused(tmp_path: Path) -> None:
     (folder / "config.json").write_text(json.dumps({**raw, "rope_scaling": longrope}))
     with pytest.raises(ValueError, match="longrope"):
         load_model(str(folder))
+
+
+def test_mistral3_serves_its_text_decoder(tmp_path: Path) -> None:
+    """Mistral Small 3.1 / 3.2 are ``Mistral3ForConditionalGeneration``: the Mistral text
+    decoder under ``language_model.``, a Pixtral vision tower beside it (left unread)."""
+    from test_sliding_window_models import engine_for, greedy, hf_greedy, random_prompts
+
+    torch.manual_seed(14)
+    text = {**TINY, "num_key_value_heads": 2, "sliding_window": None}
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=32, patch_size=16, head_dim=16,
+    )  # fmt: skip
+    cfg = transformers.Mistral3Config(
+        text_config=text, vision_config=vision, image_token_index=TINY["vocab_size"] - 1
+    )
+    hf = transformers.Mistral3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    folder = save_checkpoint(hf, tmp_path)
+    loaded = load_model(str(folder))
+    assert loaded.config.model_type == "mistral" and loaded.config.layer_windows == ()
+    prompts = random_prompts(2, (9, 60))
+    got = [t for t, _ in greedy(engine_for(folder, "float32"), prompts, "m")]
+    assert got == [hf_greedy(hf, p) for p in prompts]

@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",
     # Gemma 3 4B-27B: its text decoder (the vision tower's tensors are left unread)
     "Gemma3ForConditionalGeneration": "gemma3",
+    "Mistral3ForConditionalGeneration": "mistral",  # Mistral Small 3.1 / 3.2: its text decoder
     "Gemma2ForCausalLM": "gemma2",
     "Phi3ForCausalLM": "phi3",  # Llama's layers, q/k/v and gate/up fused in the checkpoint
 }
