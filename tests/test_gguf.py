@@ -173,9 +173,10 @@ def write_gguf(
     arch: str = "llama",
     tokenizer: str = "gpt2",
     pre: str = "default",
+    layers: int = LAYERS,
 ) -> None:
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(LAYERS)
+    w.add_block_count(layers)
     w.add_context_length(512)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(INTER)
@@ -686,3 +687,27 @@ def test_a_longrope_phi3_gguf_is_refused_by_name(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(ValueError, match="LongRoPE"):
         load_model(str(path), dtype="float32", device="cpu")
+
+
+def test_a_smollm3_gguf_leaves_rope_out_of_every_fourth_layer(tmp_path: Path) -> None:
+    """llama.cpp's smollm3: llama's tensors (q/k rows permuted), no RoPE in layers 4, 8, ...
+    (its fixed step of 4, transformers' default): transformers' logits on the checkpoint."""
+    torch.manual_seed(2)
+    cfg = transformers.SmolLM3Config(
+        vocab_size=len(demo_vocab()[0]), hidden_size=HIDDEN, intermediate_size=INTER,
+        num_hidden_layers=4, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        max_position_embeddings=512, rms_norm_eps=1e-5, pad_token_id=0, eos_token_id=1,
+        bos_token_id=0, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},  # write_gguf's base
+    )  # fmt: skip
+    hf = transformers.SmolLM3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.08) if p.dim() == 2 else p.uniform_(0.5, 1.5)
+    path = tmp_path / "tiny-smollm3.gguf"
+    write_gguf(path, hf, Q.F32, arch="smollm3", layers=4)
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    assert loaded.config.rope_layers == (True, True, True, False)
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT])).logits[0].float()
+    assert relative_error(run_logits(loaded, PROMPT), ref) < 1e-5

@@ -45,6 +45,10 @@ def make_hf(kind: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg_kwargs))
     elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg_kwargs))
+    elif kind == "smollm3":
+        model = transformers.SmolLM3ForCausalLM(
+            transformers.SmolLM3Config(pad_token_id=0, **cfg_kwargs)
+        )
     elif kind == "phi3":
         model = transformers.Phi3ForCausalLM(
             transformers.Phi3Config(pad_token_id=0, eos_token_id=2, **cfg_kwargs)
@@ -310,3 +314,17 @@ def test_mistral3_serves_its_text_decoder(tmp_path: Path) -> None:
     prompts = random_prompts(2, (9, 60))
     got = [t for t, _ in greedy(engine_for(folder, "float32"), prompts, "m")]
     assert got == [hf_greedy(hf, p) for p in prompts]
+
+
+def test_smollm3_nope_layers_equal_transformers(tmp_path: Path) -> None:
+    """SmolLM3: Llama's layers, every ``no_rope_layer_interval``-th one without RoPE (NoPE)."""
+    hf = make_hf("smollm3", seed=15, no_rope_layer_interval=2, tie_word_embeddings=True)
+    folder = save_checkpoint(hf, tmp_path)
+    config = load_model(str(folder)).config
+    assert config.model_type == "smollm3" and config.rope_layers == (True, False)
+    check_equivalence(hf, folder)
+    # the NoPE layer matters: the same weights with RoPE everywhere give other logits
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "no_rope_layers": [1, 1]}))
+    with pytest.raises(AssertionError):
+        check_equivalence(hf, folder)

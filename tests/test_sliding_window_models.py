@@ -122,6 +122,10 @@ def test_configs_slide_as_transformers_decides() -> None:
     # MistralConfig's default window (4096) when the key is absent; past every position: off
     assert windows_of(**mistral, max_position_embeddings=32768) == (4096,) * 3
     assert windows_of(**mistral) == ()
+    smol = {"architectures": ["SmolLM3ForCausalLM"], "no_rope_layer_interval": 3}
+    assert windows_of(**smol, sliding_window=WINDOW) == ()  # use_sliding_window off
+    on = {**smol, "sliding_window": WINDOW, "use_sliding_window": True}
+    assert windows_of(**on) == (0, 0, WINDOW)  # transformers' rule: the NoPE layers slide
     phi3 = {"architectures": ["Phi3ForCausalLM"]}
     assert windows_of(**phi3, sliding_window=WINDOW) == (WINDOW,) * 3
     assert windows_of(**phi3, max_position_embeddings=32768) == ()  # no default window

@@ -249,6 +249,19 @@ def test_sliding_llama_layers_replay_exactly(
     assert assert_same(loaded, with_local_tables(schedule(seed, config.vocab_size, 48))) > 0
 
 
+def test_nope_layers_replay_exactly(demo_bf16: LoadedModel) -> None:
+    """SmolLM3's layers without RoPE: no rotary call recorded for them, the same bits."""
+    n = demo_bf16.config.num_layers
+    rope = tuple(i % 2 == 0 for i in range(n))
+    config = dataclasses.replace(demo_bf16.config, model_type="smollm3", rope_layers=rope)
+    loaded = random_model(demo_bf16, config, "nope", seed=6)
+    assert assert_same(loaded, schedule(8, config.vocab_size, 48)) > 0
+    _, replayed = runner_pair(loaded)
+    replayed.execute(schedule(8, config.vocab_size, 48)[0])
+    (program,) = replayed.replay._programs.values()
+    assert program.kinds.count(cpu_replay.ROTARY) == sum(rope)
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_biases_and_qk_norms_replay_exactly(demo_bf16: LoadedModel, model_type: str) -> None:
     loaded = variant(demo_bf16, model_type)

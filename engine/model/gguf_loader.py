@@ -48,8 +48,9 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma3": "Gemma3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",  # every 4th layer without RoPE, as llama.cpp runs it
 }
-_PERMUTED_QK = ("llama", "mistral")  # written with interleaved-pair RoPE rows
+_PERMUTED_QK = ("llama", "mistral", "smollm3")  # written with interleaved-pair RoPE rows
 # Tensor types dequantized at load (names as gguf.GGMLQuantizationType spells them).
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",

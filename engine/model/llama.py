@@ -54,6 +54,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=o_bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.use_rope = config.uses_rope(layer_idx)
         # The projections: the checkpoint's linears until prepare() fuses and packs them.
         self.qkv: Projection = _Concat(self.q_proj, self.k_proj, self.v_proj)
         self.out: Projection = _Concat(self.o_proj)
@@ -89,7 +90,8 @@ class Attention(nn.Module):
         qkv = self.qkv(x)
         q, k, v = qkv.view(t, hq + 2 * hk, d).split((hq, hk, hk), dim=1)  # views, one op
         cos, sin = rotation  # applied before K is written to the cache
-        q, k = self.ops.rotary(q, k, cos, sin, self.qk_norms())
+        if self.use_rope:  # SmolLM3's NoPE layers attend unrotated
+            q, k = self.ops.rotary(q, k, cos, sin, self.qk_norms())
         o = attend(self.layer_idx, q, k, v).reshape(t, hq * d)
         if rows is not None:
             if rows.numel() == 0:
@@ -323,8 +325,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.ops.fused
 
     def layer_inv_freqs(self) -> list[torch.Tensor]:
-        """Each layer's RoPE frequencies, as its keys were rotated (chunk_reuse shifts them)."""
-        return [self.model.rotary_emb.inv_freq_cpu] * len(self.model.layers)
+        """Each layer's RoPE frequencies, as its keys were rotated (chunk_reuse shifts them;
+        a NoPE layer's are zeros: shifting its keys changes nothing)."""
+        inv_freq = self.model.rotary_emb.inv_freq_cpu
+        layers = self.model.layers
+        return [inv_freq if layer.self_attn.use_rope else inv_freq * 0 for layer in layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()

@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Mistral3ForConditionalGeneration": "mistral",  # Mistral Small 3.1 / 3.2: its text decoder
     "Gemma2ForCausalLM": "gemma2",
     "Phi3ForCausalLM": "phi3",  # Llama's layers, q/k/v and gate/up fused in the checkpoint
+    "SmolLM3ForCausalLM": "smollm3",  # Llama's layers, RoPE left out of every 4th (NoPE)
 }
 # model_type spellings that name a supported architecture (Gemma 3's text model saves
 # "gemma3_text").
@@ -87,10 +88,16 @@ class ModelConfig:
     rope_local_base_freq: float | None = None  # Gemma 3: the sliding layers' rope base
     attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap)
     final_logit_softcapping: float | None = None
+    # Per layer, whether q and k are rotated (SmolLM3's NoPE layers are not); empty = all
+    rope_layers: tuple[bool, ...] = ()
 
     def window_of(self, layer: int) -> int:
         """The layer's sliding window (0: global attention)."""
         return self.layer_windows[layer] if self.layer_windows else 0
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether the layer rotates q and k (False: a NoPE layer)."""
+        return self.rope_layers[layer] if self.rope_layers else True
 
     @property
     def is_hybrid(self) -> bool:
@@ -192,7 +199,9 @@ class ModelConfig:
                 )
 
         window = raw.get("sliding_window")
-        if model_type in ("mistral", "phi3", "qwen2", "qwen3"):
+        if model_type == "smollm3":
+            extra["rope_layers"] = _smollm3_rope_layers(raw)
+        if model_type in ("mistral", "phi3", "qwen2", "qwen3", "smollm3"):
             window, extra["layer_windows"] = _sliding_layers(model_type, raw, max_pos)
 
         eos = raw.get("eos_token_id")
@@ -293,7 +302,7 @@ def _sliding_layers(
     Qwen2 / Qwen3 only with ``use_sliding_window``, on ``layer_types``' sliding layers, else
     on layers from ``max_window_layers`` (default 28) on. A window that no position can
     outgrow (>= ``max_position_embeddings``) changes nothing and is left out."""
-    window = raw.get("sliding_window", None if model_type == "phi3" else 4096)
+    window = raw.get("sliding_window", None if model_type in ("phi3", "smollm3") else 4096)
     every_layer = model_type in ("mistral", "phi3")
     if window is None or (not every_layer and not raw.get("use_sliding_window", False)):
         return None, ()
@@ -302,6 +311,8 @@ def _sliding_layers(
         sliding = [True] * n
     elif isinstance(types := raw.get("layer_types"), list) and len(types) == n:
         sliding = [t == "sliding_attention" for t in types]
+    elif model_type == "smollm3":  # transformers' rule: the NoPE layers slide
+        sliding = [not rope for rope in _smollm3_rope_layers(raw)]
     else:
         first = int(raw.get("max_window_layers", 28))
         sliding = [i >= first for i in range(n)]
@@ -310,6 +321,19 @@ def _sliding_layers(
     if window >= max_pos or not any(sliding):
         return window, ()
     return window, tuple(window if s else 0 for s in sliding)
+
+
+def _smollm3_rope_layers(raw: dict[str, Any]) -> tuple[bool, ...]:
+    """SmolLM3's ``no_rope_layers`` (1: the layer uses RoPE), else transformers' default: every
+    ``no_rope_layer_interval``-th layer (4) without it."""
+    n = int(raw["num_hidden_layers"])
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = int(raw.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(n)]
+    if len(flags) != n:
+        raise UnsupportedModelError(f"no_rope_layers has {len(flags)} entries for {n} layers")
+    return tuple(bool(f) for f in flags)
 
 
 def _opt_float(value: Any) -> float | None:

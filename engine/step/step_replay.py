@@ -215,7 +215,8 @@ class StepReplay:
                 )
             attn = layer.self_attn
             calls.append(_projection_call(attn.qkv, hidden, b["qkv"]))
-            calls.append(cpu_layer_ops.rotary_call(q, k, b["cos"], b["sin"], attn.qk_norms()))
+            if attn.use_rope:  # SmolLM3's NoPE layers: no rotation
+                calls.append(cpu_layer_ops.rotary_call(q, k, b["cos"], b["sin"], attn.qk_norms()))
             calls += self._attend(b, i, self._model.config.window_of(i) > 0, q, k, v)
             out = b["attention_out"]
             calls.append(_projection_call(attn.out, b["attention"].view(t, -1), out))
