@@ -329,3 +329,34 @@ def test_smollm3_nope_layers_equal_transformers(tmp_path: Path) -> None:
     (folder / "config.json").write_text(json.dumps({**raw, "no_rope_layers": [1, 1]}))
     with pytest.raises(AssertionError):
         check_equivalence(hf, folder)
+
+
+def test_qwen2_5_vl_serves_its_text_decoder(tmp_path: Path) -> None:
+    """Qwen2.5-VL: the Qwen2 text decoder (q/k/v biases) beside a ``visual`` tower left
+    unread; on text alone M-RoPE's three position components are equal, so its sections
+    rotate as plain RoPE does: transformers' greedy tokens."""
+    from test_sliding_window_models import engine_for, greedy, hf_greedy, random_prompts
+
+    torch.manual_seed(16)
+    mrope = {"type": "mrope", "mrope_section": [2, 3, 3]}  # of head_dim / 2 = 8 pairs
+    text = {**TINY, "rope_scaling": mrope, "bos_token_id": 1, "eos_token_id": 2}
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+        out_hidden_size=TINY["hidden_size"], spatial_merge_size=2, fullatt_block_indexes=[0],
+    )  # fmt: skip
+    v = TINY["vocab_size"]
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=v - 1, video_token_id=v - 2,
+        vision_start_token_id=v - 3,
+    )  # fmt: skip
+    hf = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    folder = save_checkpoint(hf, tmp_path)
+    config = load_model(str(folder)).config
+    assert config.model_type == "qwen2" and config.attention_bias and config.rope_scaling is None
+    prompts = random_prompts(3, (9, 70))
+    got = [t for t, _ in greedy(engine_for(folder, "float32"), prompts, "q")]
+    assert got == [hf_greedy(hf, p) for p in prompts]

@@ -21,6 +21,10 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # Gemma 3 4B-27B: its text decoder (the vision tower's tensors are left unread)
     "Gemma3ForConditionalGeneration": "gemma3",
     "Mistral3ForConditionalGeneration": "mistral",  # Mistral Small 3.1 / 3.2: its text decoder
+    # Qwen2-VL / Qwen2.5-VL: the Qwen2 text decoder; on text alone M-RoPE's three position
+    # components are equal, which is plain RoPE
+    "Qwen2VLForConditionalGeneration": "qwen2",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2",
     "Gemma2ForCausalLM": "gemma2",
     "Phi3ForCausalLM": "phi3",  # Llama's layers, q/k/v and gate/up fused in the checkpoint
     "SmolLM3ForCausalLM": "smollm3",  # Llama's layers, RoPE left out of every 4th (NoPE)
@@ -344,6 +348,8 @@ def _normalise_rope_scaling(scaling: Any) -> dict[str, Any] | None:
     if not isinstance(scaling, dict):
         return None
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type == "mrope":  # Qwen-VL's M-RoPE: plain RoPE where every token is text
+        rope_type = "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         why = ""
         if rope_type in ("dynamic", "longrope", "su"):

@@ -98,7 +98,7 @@ def fused_parts(config: ModelConfig, name: str) -> list[tuple[str, int, int]] | 
 _TEXT_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model."}
 _TEXT_HEAD = ("language_model.lm_head.weight", "lm_head.weight")
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")
-_NOT_TEXT += ("model.multi_modal_projector.",)
+_NOT_TEXT += ("model.multi_modal_projector.", "visual.", "model.visual.")  # + Qwen-VL's
 
 
 def model_tensors(
