@@ -6,7 +6,10 @@ down projections (the prepared model's own ``Gemm``s, the engine's default kerne
 TFLOP/s, and the ratio of that rate to the rate at ``--full-rows`` (2,048: a cold prefill
 chunk). At few rows each weight panel serves few row tiles, so the rate falls; a warm suffix
 (64 rows) is where the hybrid bench's efficiency is decided. Then the LM head at each row
-count up to 64, as loaded, against the bf16 packing of its weight (``head_ms``).
+count up to 64, as loaded, against the bf16 packing of its weight (``head_ms``). Where the
+layers read their GGUF blocks (a dequantized bf16 GGUF model on AMX), the same pass on the
+blocks against the bf16 panels of the same weights, alternated, a 400 MB sweep before each
+(``blocks_vs_panels``: the same bits, fewer bytes).
 
     .venv/bin/python bench/layer_gemms.py [--model gemma3] [--rows 1 16 64 256] [--json]
 """
@@ -58,6 +61,55 @@ def pass_ms(model: torch.nn.Module, rows: int, seconds: float) -> tuple[float, i
     return statistics.median(times) * 1e3, macs * rows
 
 
+def _layer_calls(model: torch.nn.Module) -> list[cpu_gemm.PackedLinear]:
+    return [
+        proj.invariant
+        for layer in model.model.layers
+        for proj in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down)
+    ]
+
+
+def _panels(model: torch.nn.Module) -> list[cpu_gemm.PackedLinear]:
+    """The layer projections' bf16 panels, packed from the same (fused) weights."""
+    out = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+        qkv_bias = None if biases[0] is None else torch.cat(biases)
+        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight])
+        out += [cpu_gemm.PackedLinear(qkv, qkv_bias), cpu_gemm.PackedLinear(a.o_proj.weight, None)]
+        out += [
+            cpu_gemm.PackedLinear(gate_up, None),
+            cpu_gemm.PackedLinear(m.down_proj.weight, None),
+        ]
+    return out
+
+
+def blocks_vs_panels(
+    calls: list[cpu_gemm.PackedLinear],
+    panels: list[cpu_gemm.PackedLinear],
+    rows: int,
+    seconds: float,
+) -> dict[str, float]:
+    """Median ms of a pass over every layer projection at ``rows`` rows, as loaded (blocks)
+    and on bf16 panels, alternated, a 400 MB sweep before each pass."""
+    xs = [torch.randn(rows, c.in_features).to(torch.bfloat16) for c in calls]
+    sweep = torch.empty(100_000_000, dtype=torch.float32)
+    times: dict[str, list[float]] = {"blocks": [], "panels": []}
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times["blocks"]) < 3:
+        for name, fns in (("blocks", calls), ("panels", panels)):
+            sweep.add_(1.0)
+            start = time.perf_counter()
+            for fn, x in zip(fns, xs, strict=True):
+                fn(x)
+            times[name].append(time.perf_counter() - start)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return {"rows": rows, "blocks_ms": round(ms["blocks"], 2), "panels_ms": round(ms["panels"], 2),
+            "ratio": round(ms["blocks"] / ms["panels"], 3)}  # fmt: skip
+
+
 def head_ms(model: torch.nn.Module, rows: int, seconds: float) -> dict[str, float | str]:
     """The prepared LM head (its kernel as loaded: ``q8_amx`` reads a GGUF head's Q8_0 blocks)
     against the bf16 packing of the same weight, alternated, after a 400 MB sweep each call
@@ -104,6 +156,19 @@ def main() -> None:
             f"{rate / full_rate:.3f}x the rate at {args.full_rows} rows"
         )
     print(f"{args.full_rows:5d} rows: {full_ms:8.2f} ms a pass, {full_rate:6.3f} TFLOP/s")
+    blocks = []
+    calls = _layer_calls(model)
+    kinds = sorted({c.kernel for c in calls})
+    if any(k.endswith("_amx") and k != "amx" for k in kinds):
+        panels = _panels(model)
+        for m in args.rows:
+            blocks.append(blocks_vs_panels(calls, panels, m, args.seconds))
+            b = blocks[-1]
+            print(
+                f"layers from their GGUF blocks ({'/'.join(kinds)}), {m:5d} rows: "
+                f"{b['blocks_ms']:7.2f} ms against the bf16 panels' {b['panels_ms']:7.2f}: "
+                f"{b['ratio']:.3f}x"
+            )
     heads = []
     for m in args.rows:
         if m <= 64 and getattr(model.head, "invariant", None) is not None:
@@ -121,6 +186,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "full": {"rows": args.full_rows, "ms": round(full_ms, 2), "tflops": full_rate},
             "rows": rows,
+            "blocks_vs_panels": blocks,
             "head": heads,
         }
         print(json.dumps(figures))

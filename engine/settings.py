@@ -15,6 +15,9 @@ standard library only, no torch.
   (whose kernel is the default there); how the two kernels are compared on one machine.
 - ``PREFIXCACHE_STEP_REPLAY``: ``0`` runs every step's kernels one Python call at a time, never
   as a recorded program (``step/step_replay.py``); how the two are compared.
+- ``PREFIXCACHE_GGUF_BLOCKS``: ``0`` packs a dequantized bf16 GGUF model's weights as bf16
+  panels only, never read from their GGUF blocks on AMX (``cpu_gemm.PackedLinear.from_blocks``,
+  the same bits); how the two are compared.
 - ``CXX``: the C++ compiler that builds those kernels (else ``g++``, else ``c++``).
 """
 
@@ -29,6 +32,7 @@ PROGRESS_ENV = "PREFIXCACHE_PROGRESS"
 CPU_KERNELS_ENV = "PREFIXCACHE_CPU_KERNELS"
 CPU_AMX_ENV = "PREFIXCACHE_CPU_AMX"
 STEP_REPLAY_ENV = "PREFIXCACHE_STEP_REPLAY"
+GGUF_BLOCKS_ENV = "PREFIXCACHE_GGUF_BLOCKS"
 CXX_ENV = "CXX"
 
 _ON = ("1", "on", "true", "yes")
@@ -80,6 +84,11 @@ def cpu_amx_enabled() -> bool:
 def step_replay_enabled() -> bool:
     """False when ``$PREFIXCACHE_STEP_REPLAY`` is ``0``/``off``/``false``/``no``."""
     return os.environ.get(STEP_REPLAY_ENV, "1").strip().lower() not in _OFF
+
+
+def gguf_blocks_enabled() -> bool:
+    """False when ``$PREFIXCACHE_GGUF_BLOCKS`` is ``0``/``off``/``false``/``no``."""
+    return os.environ.get(GGUF_BLOCKS_ENV, "1").strip().lower() not in _OFF
 
 
 def compiler_override() -> str | None:

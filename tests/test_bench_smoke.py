@@ -90,7 +90,7 @@ CASES = {
     ),
     "layer_gemms.py": (
         ["--model", "demo", "--rows", "1", "4", "--full-rows", "32", "--seconds", "0.05"],
-        {"cpu", "threads", "full", "rows"},
+        {"cpu", "threads", "full", "rows", "blocks_vs_panels"},
     ),
     "row_attention.py": (["--scale", "0.05", "--reps", "1"], {"cpu", "target", "threads", "rows"}),
     "qgemm.py": (  # SmolLM2 (the named model, fetched once), tiny sizes

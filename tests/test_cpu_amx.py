@@ -154,58 +154,121 @@ def test_row_attention_on_amx_agrees_with_the_avx512_step(tmp_path: Path) -> Non
     assert (amx.float() - avx512.float()).abs().mean() < 1e-3
 
 
-def q8_weights(n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
-    """GGUF Q8_0-like integers and fp16-valued scales, and the dequantized bf16 weight."""
+def block_source(n: int, k: int, seed: int, form: str) -> tuple[cpu_gemm.BlockSource, torch.Tensor]:
+    """GGUF-like block integers with fp16-valued scales (and minimums), and the dequantized
+    bf16 weight: ``q8`` (Q8_0, Q5_0: int8, no minimum), ``q4_1`` (Q4_1: 0..15, + m), ``q4_k``
+    (Q4_K: 0..15, - dmin m with 17-bit scales), ``q4_0`` (Q4_0: -8..7, no minimum)."""
     rng = np.random.default_rng(seed)
-    q = rng.integers(-128, 128, size=(n, k), dtype=np.int8)
-    scale = (rng.random((n, k // 32)) * 0.02).astype(np.float16).astype(np.float32)
-    w = torch.from_numpy(q).float().view(n, -1, 32) * torch.from_numpy(scale)[..., None]
-    return q, scale, w.view(n, k).to(torch.bfloat16)
+
+    def half(scale: float) -> np.ndarray:
+        return (rng.random((n, k // 32)) * scale).astype(np.float16).astype(np.float32)
+
+    minimum = None
+    if form == "q8":
+        q = rng.integers(-128, 128, size=(n, k), dtype=np.int8)
+    elif form == "q4_0":
+        q = rng.integers(-8, 8, size=(n, k), dtype=np.int8)
+    else:
+        q = rng.integers(0, 16, size=(n, k), dtype=np.int8)
+        minimum = -half(0.1)
+    scale = half(0.02)
+    if form == "q4_k":  # d * sc and dmin * m: an fp16 times a 6-bit integer
+        scale = scale * rng.integers(0, 64, size=scale.shape).astype(np.float32)
+        minimum = minimum * rng.integers(0, 64, size=scale.shape).astype(np.float32)
+    source = (q, scale, minimum)
+    return source, cpu_gemm.block_weights(*source)
+
+
+FORMS = {"q8": "q8_amx", "q4_0": "q4_amx", "q4_1": "q4_amx", "q4_k": "q4_amx"}
 
 
 @pytest.mark.parametrize(("n", "k"), [(1000, 640), (33, 64), (96, 2048)])
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("float_out", [True, False])
-def test_a_q8_source_gives_the_bf16_kernels_bits(n: int, k: int, float_out: bool) -> None:
-    """``PackedLinear.from_q8`` (the int8 blocks converted in the kernel) against the bf16 AMX
-    kernel on their dequantized weight: equal at every M, one row tile, one block of two or
-    many chunks, on 1 and 2 threads."""
-    q, scale, w = q8_weights(n, k, n + k)
-    ref = cpu_gemm.PackedLinear(w, None, float_out)
-    q8 = cpu_gemm.PackedLinear.from_q8(w, q, scale, float_out)
-    assert q8 is not None and q8.kernel == "q8_amx" and ref.kernel == "amx"
+def test_a_block_source_gives_the_bf16_kernels_bits(
+    n: int, k: int, form: str, float_out: bool
+) -> None:
+    """``PackedLinear.from_blocks`` (the blocks converted in the kernel) against the bf16
+    AMX kernel on their dequantized weight: equal at every M, one row tile, one block of two
+    or many chunks (with and without panels for the long calls), with a bias, on 1 and 2
+    threads."""
+    source, w = block_source(n, k, n + k, form)
+    bias = None if float_out else torch.randn(n, generator=torch.Generator().manual_seed(n))
+    ref = cpu_gemm.PackedLinear(w, bias, float_out)
+    blocks = cpu_gemm.PackedLinear.from_blocks(w, bias, source, float_out)
+    both = cpu_gemm.PackedLinear.from_blocks(w, bias, source, float_out, long_rows=64)
+    assert blocks is not None and both is not None and ref.kernel == "amx"
+    assert blocks.kernel == both.kernel == FORMS[form]
+    assert blocks.panels is None and both.panels is not None
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
     threads = torch.get_num_threads()
     try:
         for t in sorted({1, threads}):
             torch.set_num_threads(t)
-            for m in (1, 2, 15, 16, 17, 31, 32, 33, 64, 70, 257, 300):
-                assert torch.equal(q8(x[:m]), ref(x[:m])), (t, m)
+            for m in (1, 2, 15, 16, 17, 31, 32, 33, 64, 65, 70, 257, 300):
+                expected = ref(x[:m])
+                assert torch.equal(blocks(x[:m]), expected), (t, m)
+                assert torch.equal(both(x[:m]), expected), (t, m)
     finally:
         torch.set_num_threads(threads)
 
 
-def test_a_q8_source_that_is_not_the_weight_is_refused() -> None:
-    q, scale, w = q8_weights(64, 64, 1)
+def test_a_block_source_that_is_not_the_weight_is_refused() -> None:
+    source, w = block_source(64, 64, 1, "q4_1")
     other = w.clone()
     other[3, 5] = other[3, 5] * 2 + 1
-    assert cpu_gemm.PackedLinear.from_q8(other, q, scale) is None
-    assert cpu_gemm.PackedLinear.from_q8(w.float(), q, scale) is None  # bf16 weights only
-    assert cpu_gemm.PackedLinear.from_q8(w, q, scale) is not None
+    assert cpu_gemm.PackedLinear.from_blocks(other, None, source) is None
+    assert cpu_gemm.PackedLinear.from_blocks(w.float(), None, source) is None  # bf16 only
+    q, scale, minimum = source
+    wide = (q.astype(np.int16) * 2).astype(np.int8)  # 0..30 with a minimum: no kernel's form
+    assert cpu_gemm.PackedLinear.from_blocks(
+        cpu_gemm.block_weights(wide, scale, minimum), None, (wide, scale, minimum)
+    ) is None  # fmt: skip
+    full = scale * np.float32(1.0 + 2**-20)  # 24 significant bits: q * scale not exact
+    assert cpu_gemm.PackedLinear.from_blocks(
+        cpu_gemm.block_weights(q, full, minimum), None, (q, full, minimum)
+    ) is None  # fmt: skip
+    assert cpu_gemm.PackedLinear.from_blocks(w, None, source) is not None
 
 
-def test_a_gguf_q8_head_runs_from_its_blocks(tmp_path: Path) -> None:
-    """A dequantized bf16 GGUF model whose head is Q8_0: the head's GEMM reads the blocks, and
-    its logits are the bf16 kernel's on the loaded weight."""
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K"])
+def test_a_gguf_models_linears_run_from_their_blocks(tmp_path: Path, qtype: str) -> None:
+    """A dequantized bf16 GGUF model, every weight ``qtype``: each projection and the tied
+    head read their blocks (llama's q/k rows permuted back, q/k/v and
+    gate/up fused), and the logits are the bf16 panels' on the loaded weights, bit for
+    bit, at one row and over a prompt."""
     test_gguf = pytest.importorskip("test_gguf")
     model = test_gguf.random_checkpoint(tmp_path, len(test_gguf.demo_vocab()[0]), tied=True)
     path = tmp_path / "tiny.gguf"
-    test_gguf.write_gguf(path, model, test_gguf.Q.Q8_0)
+    test_gguf.write_gguf(path, model, getattr(test_gguf.Q, qtype))
     loaded = load_model(str(path), dtype="bfloat16", device="cpu")
+    panels = load_model(str(path), dtype="bfloat16", device="cpu")
+    for module in panels.model.modules():  # the same weights without their blocks
+        module.__dict__.pop("block_source", None)
     loaded.model.prepare()
-    head = loaded.model.head
-    assert isinstance(head, Gemm) and head.invariant is not None
-    assert head.invariant.kernel == "q8_amx"
-    assert not hasattr(loaded.model.lm_head, "q8_source")  # packed; the arrays let go
-    ref = cpu_gemm.PackedLinear(loaded.model.lm_head.weight, None, float_out=True)
-    x = torch.randn(5, loaded.config.hidden_size).to(torch.bfloat16)
-    assert torch.equal(head(x), ref(x))
+    panels.model.prepare()
+    kernel = "q8_amx" if qtype in ("Q8_0", "Q5_0") else "q4_amx"
+    for layer in loaded.model.model.layers:
+        for proj in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down):
+            assert isinstance(proj, Gemm) and proj.invariant is not None
+            assert proj.invariant.kernel == kernel
+    assert loaded.model.head.invariant.kernel == kernel  # the tied embedding's blocks
+    assert not any(hasattr(m, "block_source") for m in loaded.model.modules())  # let go
+    assert panels.model.head.invariant.kernel == "amx"
+    ids = list(range(3, 40))
+    assert torch.equal(test_gguf.run_logits(loaded, ids), test_gguf.run_logits(panels, ids))
+    assert torch.equal(test_gguf.run_logits(loaded, ids[:1]), test_gguf.run_logits(panels, ids[:1]))
+
+
+def test_gguf_blocks_off_packs_bf16_panels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PREFIXCACHE_GGUF_BLOCKS=0``: the same model keeps no blocks and runs the bf16 panels."""
+    test_gguf = pytest.importorskip("test_gguf")
+    model = test_gguf.random_checkpoint(tmp_path, len(test_gguf.demo_vocab()[0]), tied=True)
+    path = tmp_path / "tiny.gguf"
+    test_gguf.write_gguf(path, model, test_gguf.Q.Q4_1)
+    monkeypatch.setenv(engine_settings.GGUF_BLOCKS_ENV, "0")
+    loaded = load_model(str(path), dtype="bfloat16", device="cpu")
+    assert not any(hasattr(m, "block_source") for m in loaded.model.modules())
+    loaded.model.prepare()
+    assert loaded.model.head.invariant.kernel == "amx"
+    assert {layer.mlp.down.invariant.kernel for layer in loaded.model.model.layers} == {"amx"}

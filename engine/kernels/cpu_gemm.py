@@ -29,6 +29,8 @@ SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 AMX_SOURCE = Path(__file__).with_name("cpu_gemm_amx.cpp")
 AMX_K_STEP = 32  # the AMX kernel's k per tile step; other K keep the AVX-512 kernel
 DTYPES = (torch.bfloat16, torch.float32)
+# A weight's GGUF blocks: q int8 [N, K], scale and minimum (or None) fp32 [N, K / 32]
+BlockSource = tuple[np.ndarray, np.ndarray, np.ndarray | None]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -48,7 +50,7 @@ def _declare_amx(lib: ctypes.CDLL) -> None:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.pc_amx_enable.argtypes = []
     lib.pc_amx_enable.restype = c_int
-    for fn in (lib.pc_gemm_bf16_amx, lib.pc_gemm_q8_amx):
+    for fn in (lib.pc_gemm_bf16_amx, lib.pc_gemm_q8_amx, lib.pc_gemm_q4_amx):
         fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int, c_int]
         fn.restype = None
 
@@ -101,22 +103,50 @@ def q8_pack(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
     """``pc_gemm_q8_amx``'s layout of ``q`` int8 ``[N, K]`` and ``scale`` ``[N, K / 32]``: per
     group of 32 columns (N padded with zero columns) and block of 32 k, the integers as
     ``[16 k-pairs][32 columns][2]``, then the block's 32 fp32 scales."""
+    ints, groups, blocks = _tile_order(q)
+    return _blocks(groups, blocks, ints.view(np.uint8).reshape(groups, blocks, 1024), scale)
+
+
+def q4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> torch.Tensor:
+    """``pc_gemm_q4_amx``'s layout of ``q`` in 0..15 ``[N, K]``, ``scale`` and ``minimum``
+    ``[N, K / 32]``: per group of 32 columns and block of 32 k, for each k-pair and tile of
+    16 columns 16 bytes (byte j: the tile row's value j, low nibble, and j + 16, high), then
+    the block's 32 fp32 scales and 32 fp32 minimums."""
+    ints, groups, blocks = _tile_order(q)
+    rows = ints.astype(np.uint8).reshape(groups, blocks, 16, 2, 2, 16)
+    nibbles = rows[..., 0, :] | (rows[..., 1, :] << 4)
+    return _blocks(groups, blocks, nibbles.reshape(groups, blocks, 512), scale, minimum)
+
+
+def _tile_order(q: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """``q`` ``[N, K]`` as ``[groups][blocks][16 k-pairs][32 columns][2]`` (zero columns pad N)."""
     n, k = q.shape
     groups, blocks = -(-n // 32), k // 32
-    qp = np.zeros((groups * 32, k), dtype=np.int8)
+    qp = np.zeros((groups * 32, k), dtype=q.dtype)
     qp[:n] = q
-    sp = np.zeros((groups * 32, blocks), dtype=np.float32)
-    sp[:n] = scale
     ints = qp.reshape(groups, 32, blocks, 16, 2).transpose(0, 2, 3, 1, 4)
-    scales = sp.reshape(groups, 32, blocks).transpose(0, 2, 1)
-    packed = np.concatenate(
-        [
-            np.ascontiguousarray(ints).view(np.uint8).reshape(groups, blocks, 1024),
-            np.ascontiguousarray(scales).view(np.uint8).reshape(groups, blocks, 128),
-        ],
-        axis=2,
-    )
-    return torch.from_numpy(packed.reshape(-1))
+    return np.ascontiguousarray(ints), groups, blocks
+
+
+def _blocks(groups: int, blocks: int, ints: np.ndarray, *per_column: np.ndarray) -> torch.Tensor:
+    """Each block's integers, then its 32 columns' fp32 values from each of ``per_column``."""
+    parts = [ints]
+    for values in per_column:
+        vp = np.zeros((groups * 32, blocks), dtype=np.float32)
+        vp[: values.shape[0]] = values
+        cols = np.ascontiguousarray(vp.reshape(groups, 32, blocks).transpose(0, 2, 1))
+        parts.append(cols.view(np.uint8).reshape(groups, blocks, 128))
+    return torch.from_numpy(np.concatenate(parts, axis=2).reshape(-1))
+
+
+def block_weights(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None) -> torch.Tensor:
+    """The bf16 weights ``[N, K]`` that the block kernels form: ``q * scale (+ minimum)`` per
+    32 k in fp32 (the product exact, one rounding for the sum), rounded to bf16."""
+    n, k = q.shape
+    w = torch.from_numpy(q).float().view(n, k // 32, 32) * torch.from_numpy(scale)[..., None]
+    if minimum is not None:
+        w += torch.from_numpy(minimum)[..., None]
+    return w.view(n, k).to(torch.bfloat16)
 
 
 def _lib() -> ctypes.CDLL:
@@ -135,6 +165,7 @@ class PackedLinear:
 
     __slots__ = ("_bias_ptr", "_f32_out", "_fn", "_packed_ptr", "_what", "bias", "dtype")
     __slots__ += ("in_features", "kernel", "out_dtype", "out_features", "packed")
+    __slots__ += ("_long", "long_rows", "panels")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False
@@ -168,40 +199,67 @@ class PackedLinear:
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
         self._what = f"PackedLinear({self.in_features} -> {self.out_features}, {self.dtype})"
+        self.long_rows, self.panels, self._long = None, None, (self._fn, self._packed_ptr)
 
     @classmethod
-    def from_q8(
-        cls, weight: torch.Tensor, q: np.ndarray, scale: np.ndarray, float_out: bool = False
+    def from_blocks(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        source: BlockSource,
+        float_out: bool = False,
+        long_rows: int | None = None,
     ) -> PackedLinear | None:
-        """``PackedLinear(weight, None, float_out)`` on AMX from ``weight``'s Q8 source
-        (GGUF's Q8_0: ``q`` int8 ``[N, K]``, ``scale`` ``[N, K / 32]``, ``weight`` = bf16(scale
-        * q)): the same outputs to the bit, the weights read at 1.06 bytes instead of 2 (the
-        LM head at one row reads its whole weight). None where AMX does not run here, or
-        where ``weight`` is not that rounding of the source."""
+        """``PackedLinear(weight, bias, float_out)`` on AMX from ``weight``'s GGUF blocks
+        (``source``: ``q`` int8 ``[N, K]``, ``scale`` and ``minimum`` or None ``[N, K / 32]``,
+        ``weight`` = bf16(q * scale (+ minimum)), ``gguf_blocks.split_blocks``'s form): the
+        same outputs to the bit, the weights read at 0.75 (4-bit integers) or 1.06 bytes
+        (wider) instead of 2 (a one-row step reads every weight). None where AMX does not run
+        here, or where ``weight`` is not that rounding of the source."""
         amx = _amx_lib()
+        q, scale, minimum = source
         n, k = q.shape
         if amx is None or weight.dtype != torch.bfloat16 or k % AMX_K_STEP:
             return None
         if tuple(weight.shape) != (n, k) or scale.shape != (n, k // 32):
             return None
-        for start in range(0, n, 8192):  # the kernel's weights are bf16(scale * q), exactly
+        if minimum is not None and minimum.shape != scale.shape:
+            return None
+        for start in range(0, n, 8192):  # the kernels' weights, exactly
             rows = slice(start, start + 8192)
-            w = torch.from_numpy(q[rows]).float().view(-1, k // 32, 32)
-            w = (w * torch.from_numpy(scale[rows]).float()[..., None]).view(-1, k)
-            if not torch.equal(w.to(torch.bfloat16), weight[rows]):
+            part = None if minimum is None else minimum[rows]
+            if not torch.equal(block_weights(q[rows], scale[rows], part), weight[rows]):
                 return None
+        low, high = int(q.min(initial=0)), int(q.max(initial=0))
+        if minimum is None and low >= -8 and high <= 7:  # Q4_0: q + 8, minimum -8 scale
+            q, minimum, low, high = q + np.int8(8), scale * np.float32(-8), low + 8, high + 8
         self = cls.__new__(cls)
+        # 0..15 times a scale of at most 20 significant bits is exact in fp32, so the
+        # kernel's one fma rounds as torch's product and sum (which the check above compared
+        # only after the bf16 rounding)
+        exact = not (scale.view(np.uint32) & np.uint32(0xF)).any()
+        if minimum is not None and low >= 0 and high <= 15 and exact:
+            self.packed, self._fn, self.kernel = (
+                q4_pack(q, scale, minimum),
+                amx.pc_gemm_q4_amx,
+                "q4_amx",
+            )
+        elif minimum is None:
+            self.packed, self._fn, self.kernel = q8_pack(q, scale), amx.pc_gemm_q8_amx, "q8_amx"
+        else:
+            return None
         self.out_features, self.in_features = n, k
         self.dtype = torch.bfloat16
-        self.packed = q8_pack(q, scale)
-        self.bias = None
-        self._fn = amx.pc_gemm_q8_amx
-        self.kernel = "q8_amx"
+        self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_dtype = torch.float32 if float_out else torch.bfloat16
         self._f32_out = (int(float_out),)
         self._packed_ptr = self.packed.data_ptr()
-        self._bias_ptr = None
-        self._what = f"PackedLinear({k} -> {n}, Q8 source, AMX)"
+        self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
+        self._what = f"PackedLinear({k} -> {n}, GGUF blocks, {self.kernel})"
+        self.long_rows, self.panels, self._long = long_rows, None, (self._fn, self._packed_ptr)
+        if long_rows is not None:
+            panels = cls(weight, bias, float_out)
+            self.panels, self._long = panels.packed, (panels._fn, panels._packed_ptr)
         return self
 
     def call(self, x2: torch.Tensor, out: torch.Tensor) -> cpu_replay.KernelCall:
@@ -217,9 +275,10 @@ class PackedLinear:
             "out [M, N] of the kernel's out dtype, the last axis contiguous",
         )
         kind = cpu_replay.GEMM_BF16 if self._f32_out else cpu_replay.GEMM_F32
+        fn, packed = self._long if m > (self.long_rows or m) else (self._fn, self._packed_ptr)
         return cpu_replay.KernelCall(
-            kind, self._fn,
-            (x2.data_ptr(), x2.stride(0), m, self._packed_ptr, n, self.in_features,
+            kind, fn,
+            (x2.data_ptr(), x2.stride(0), m, packed, n, self.in_features,
              self._bias_ptr, out.data_ptr(), out.stride(0), *self._f32_out,
              torch.get_num_threads()),
         )  # fmt: skip

@@ -14,9 +14,9 @@
 // last rows), 6-7 two B blocks (16 k-pairs x 16 columns, read in place from the packed panel
 // at its 256-byte row stride).
 //
-// pc_gemm_q8_amx runs the same row tiles on B tiles it writes from a weight's GGUF Q8_0
-// blocks (cpu_gemm.py's q8_pack): the bf16 values of scale * q, so the bits of
-// pc_gemm_bf16_amx on the dequantized weight, from half the bytes.
+// pc_gemm_q8_amx and pc_gemm_q4_amx run the same row tiles on B tiles they write from a
+// weight's GGUF blocks (cpu_gemm.py's q8_pack, q4_pack): the dequantized weight's bf16 values,
+// so the bits of pc_gemm_bf16_amx on that weight, from 1.06 or 0.75 bytes a weight, not 2.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -148,24 +148,42 @@ PC_AMX void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m, BTiles 
   }
 }
 
-// Q8 weights (q8_pack in cpu_gemm.py): per group of 32 columns and k step of 32, 1,024 int8
-// as [16 k-pairs][32 columns][2], then the 32 columns' fp32 scales: QB bytes a block.
-constexpr int64_t QB = 1024 + 32 * 4;
-constexpr int64_t Q8_AHEAD = 4;  // blocks prefetched ahead while converting
+// Weights from GGUF blocks (cpu_gemm.py's q8_pack / q4_pack), one block per group of 32
+// columns and k step of 32, turned into its two B tiles as the dequantized model's bf16
+// weights: each value is formed in fp32 as the gguf package's dequantizer forms it, then
+// rounded to bf16 nearest-even as torch's cast rounds.
+//
+// Q8: 1,024 int8 as [16 k-pairs][32 columns][2], then the 32 columns' fp32 scales:
+// w = q * scale, exact in fp32 (11 + 8 significant bits; Q8_0, Q5_0).
+struct Q8Blocks {
+  static constexpr int64_t BYTES = 1024 + 32 * 4;
+  PC_AMX static void to_tiles(const uint8_t* blk, uint32_t* tiles);
+};
+// Q4: per k-pair row and tile, 16 bytes whose byte j holds the tile row's value j (low
+// nibble) and j + 16 (high nibble), 0..15; then 32 fp32 scales, 32 fp32 minimums:
+// w = fma(q, scale, minimum), one rounding, the value of gguf's (d * q) + m (Q4_1) and
+// d * q - dm (Q4_K) whose products are exact (Q4_0 comes as q + 8, minimum -8 d: exact).
+struct Q4Blocks {
+  static constexpr int64_t BYTES = 512 + 32 * 4 * 2;
+  PC_AMX static void to_tiles(const uint8_t* blk, uint32_t* tiles);
+};
+constexpr int64_t BLOCKS_AHEAD = 4;  // blocks prefetched ahead while converting
 
-// One Q8 block -> its two B tiles as the dequantized model's bf16 weights: fp32(q) * scale is
-// exact (11 + 8 significant bits), then rounded to bf16 nearest-even as torch's cast rounds.
-PC_AMX void q8_to_tiles(const uint8_t* blk, uint32_t* tiles) {
-  const int8_t* q = reinterpret_cast<const int8_t*>(blk);
-  const float* scale = reinterpret_cast<const float*>(blk + 1024);
+// Each of the 32 columns' values twice (a tile row's k-pairs): [tile][cols 0-7 | 8-15].
+PC_AMX inline void pair_columns(const float* per_column, __m512 out[2][2]) {
   const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
-  __m512 s[2][2];
   for (int t = 0; t < 2; ++t) {
-    const __m512 cols = _mm512_loadu_ps(scale + 16 * t);
-    s[t][0] = _mm512_permutexvar_ps(lo_cols, cols);
-    s[t][1] = _mm512_permutexvar_ps(hi_cols, cols);
+    const __m512 cols = _mm512_loadu_ps(per_column + 16 * t);
+    out[t][0] = _mm512_permutexvar_ps(lo_cols, cols);
+    out[t][1] = _mm512_permutexvar_ps(hi_cols, cols);
   }
+}
+
+PC_AMX void Q8Blocks::to_tiles(const uint8_t* blk, uint32_t* tiles) {
+  const int8_t* q = reinterpret_cast<const int8_t*>(blk);
+  __m512 s[2][2];
+  pair_columns(reinterpret_cast<const float*>(blk + 1024), s);
   for (int r = 0; r < 16; ++r) {
     for (int t = 0; t < 2; ++t) {
       const int8_t* src = q + r * 64 + t * 32;
@@ -177,6 +195,96 @@ PC_AMX void q8_to_tiles(const uint8_t* blk, uint32_t* tiles) {
       _mm512_store_si512(tiles + t * 256 + r * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
   }
+}
+
+PC_AMX void Q4Blocks::to_tiles(const uint8_t* blk, uint32_t* tiles) {
+  __m512 s[2][2], mn[2][2];
+  pair_columns(reinterpret_cast<const float*>(blk + 512), s);
+  pair_columns(reinterpret_cast<const float*>(blk + 512 + 128), mn);
+  const __m512i low4 = _mm512_set1_epi32(15);
+  for (int r = 0; r < 16; ++r) {
+    for (int t = 0; t < 2; ++t) {
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + r * 32 + t * 16)));
+      const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s[t][0],
+                                        mn[t][0]);
+      const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s[t][1],
+                                        mn[t][1]);
+      _mm512_store_si512(tiles + t * 256 + r * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// pc_gemm_bf16_amx's contract for weights packed as Format's blocks (k a multiple of 32):
+// each task turns its 32 columns' blocks into bf16 B tiles (the dequantized weights to the
+// bit), then runs pc_gemm_bf16_amx's row tiles on them: that kernel's outputs on those
+// weights, bit for bit, from fewer bytes a weight.
+// Calls over more than one row chunk (a prefill) convert the weight once into a shared bf16
+// copy of at most this many bytes (larger ones, the 262K head, convert per chunk).
+constexpr int64_t SHARED_TILES_MAX = int64_t{64} << 20;
+
+template <class Format>
+PC_AMX void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed,
+                        int64_t n, int64_t k, const float* bias, uint16_t* out, int64_t ldo,
+                        int f32_out, int nthreads) {
+  constexpr int64_t QB = Format::BYTES;
+  const int64_t groups = (n + 31) / 32, steps = k / KSTEP;
+  const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
+  const int64_t tasks = chunks * groups;
+  const int64_t group_bytes = steps * 2048;
+  // One chunk converts each group once anyway; more share one conversion of the weight
+  // (per chunk it cost 1.12x the bf16 kernel's time at 2,048 rows).
+  uint32_t* shared = chunks > 1 && groups * group_bytes <= SHARED_TILES_MAX
+                         ? static_cast<uint32_t*>(std::aligned_alloc(64, groups * group_bytes))
+                         : nullptr;
+#pragma omp parallel num_threads(nthreads)
+  {
+    pc_amx::configure();
+    alignas(64) uint16_t pad[2 * 16 * KSTEP];
+    // A task of one row block converts each step just before its tile loads (the block
+    // reads overlap the tile work); longer ones convert all their steps once, first.
+    const bool one_block = m <= 32;
+    uint32_t* tiles = shared ? nullptr
+                             : static_cast<uint32_t*>(
+                                   std::aligned_alloc(64, one_block ? 2048 : group_bytes));
+    auto convert_into = [&](int64_t g, int64_t s, uint32_t* dst) {
+      const uint8_t* blk = packed + (g * steps + s) * QB;
+      for (int64_t line = 0; line < QB; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + BLOCKS_AHEAD * QB + line), _MM_HINT_T0);
+      Format::to_tiles(blk, dst);
+    };
+    if (shared) {
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t s = 0; s < steps; ++s) convert_into(g, s, shared + (g * steps + s) * 512);
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t chunk = t / groups, g = t % groups;
+      const int64_t r_end = std::min(m, (chunk + 1) * ROW_CHUNK);
+      if (one_block) {
+        auto convert = [&](int64_t s) { convert_into(g, s, tiles); };
+        const BTiles bt = {tiles, 16, 256, 0};
+        if (m <= 16)
+          block<1, false>(x, ldx, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
+        else
+          block<2, false>(x, ldx, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
+        continue;
+      }
+      uint32_t* own = shared ? shared + g * steps * 512 : tiles;
+      if (!shared)
+        for (int64_t s = 0; s < steps; ++s) convert_into(g, s, own + s * 512);
+      const BTiles bt = {own, 16, 256, 512};
+      for (int64_t r0 = chunk * ROW_CHUNK; r0 < r_end; r0 += 32) {
+        if (r_end - r0 <= 16)
+          block<1, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad);
+        else
+          block<2, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad);
+      }
+    }
+    std::free(tiles);
+    pc_amx::release();
+  }
+  std::free(shared);
 }
 
 }  // namespace
@@ -224,56 +332,20 @@ void pc_gemm_bf16_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t*
   }
 }
 
-// Same contract as pc_gemm_bf16_amx for weights packed by q8_pack (k a multiple of 32): each
-// task first turns its 32 columns' blocks into bf16 B tiles (q8_to_tiles, the dequantized
-// weights to the bit), then runs pc_gemm_bf16_amx's row tiles on them, so the outputs are
-// pc_gemm_bf16_amx's on those weights, bit for bit, from 1.06 bytes a weight instead of 2.
+// pc_gemm_bf16_amx's contract for weights packed by cpu_gemm.py's q8_pack (Q8Blocks).
 PC_AMX
 void pc_gemm_q8_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n,
                     int64_t k, const float* bias, uint16_t* out, int64_t ldo, int f32_out,
                     int nthreads) {
-  const int64_t groups = (n + 31) / 32, steps = k / KSTEP;
-  const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
-  const int64_t tasks = chunks * groups;
-#pragma omp parallel num_threads(nthreads)
-  {
-    pc_amx::configure();
-    alignas(64) uint16_t pad[2 * 16 * KSTEP];
-    // A task of one row block converts each step just before its tile loads (the int8 reads
-    // overlap the tile work); longer ones convert all their steps once, first.
-    const bool one_block = m <= 32;
-    uint32_t* tiles = static_cast<uint32_t*>(std::aligned_alloc(64, (one_block ? 1 : steps) * 2048));
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t chunk = t / groups, g = t % groups;
-      const uint8_t* first = packed + g * steps * QB;
-      auto convert = [&](int64_t s) {
-        const uint8_t* blk = first + s * QB;
-        for (int64_t line = 0; line < QB; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(blk + Q8_AHEAD * QB + line), _MM_HINT_T0);
-        q8_to_tiles(blk, one_block ? tiles : tiles + s * 512);
-      };
-      const int64_t r_end = std::min(m, (chunk + 1) * ROW_CHUNK);
-      if (one_block) {
-        const BTiles bt = {tiles, 16, 256, 0};
-        if (m <= 16)
-          block<1, false>(x, ldx, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
-        else
-          block<2, false>(x, ldx, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
-        continue;
-      }
-      for (int64_t s = 0; s < steps; ++s) convert(s);
-      const BTiles bt = {tiles, 16, 256, 512};
-      for (int64_t r0 = chunk * ROW_CHUNK; r0 < r_end; r0 += 32) {
-        if (r_end - r0 <= 16)
-          block<1, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad);
-        else
-          block<2, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad);
-      }
-    }
-    std::free(tiles);
-    pc_amx::release();
-  }
+  gemm_blocks<Q8Blocks>(x, ldx, m, packed, n, k, bias, out, ldo, f32_out, nthreads);
+}
+
+// The same for q4_pack's layout (Q4Blocks).
+PC_AMX
+void pc_gemm_q4_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n,
+                    int64_t k, const float* bias, uint16_t* out, int64_t ldo, int f32_out,
+                    int nthreads) {
+  gemm_blocks<Q4Blocks>(x, ldx, m, packed, n, k, bias, out, ldo, f32_out, nthreads);
 }
 
 }  // extern "C"

@@ -4,7 +4,6 @@ is then called per step. The models' projections (``model/llama.py``) are ``Gemm
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -19,8 +18,9 @@ class Gemm:
     reordered once into oneDNN's blocked layout (1.4x faster than a plain bf16 ``linear`` at
     32 rows, 2.5x at one, which reorders the weight on every call), and fp32 runs MKL.
     ``float_out`` (the LM head): the invariant kernel returns its fp32 sums unrounded.
-    ``q8``: the weight's GGUF Q8_0 source (integers, scales); where AMX runs and ``weight`` is
-    its bf16 rounding, the invariant kernel reads it instead (the same bits, half the bytes)."""
+    ``source``: the weight's GGUF blocks (integers, scales, minimums or None); where AMX runs
+    and ``weight`` is their bf16 rounding, the invariant kernel reads them instead (the same
+    bits, 0.4-0.5x the bytes)."""
 
     __slots__ = ("bias", "invariant", "packed", "weight")
 
@@ -30,14 +30,18 @@ class Gemm:
         bias: torch.Tensor | None,
         batch_invariant: bool = True,
         float_out: bool = False,
-        q8: tuple[np.ndarray, np.ndarray] | None = None,
+        source: cpu_gemm.BlockSource | None = None,
     ) -> None:
         self.weight, self.bias = weight, bias
         self.invariant: cpu_gemm.PackedLinear | None = None
         self.packed: torch.Tensor | None = None
         if batch_invariant and cpu_gemm.supports(weight):
-            if q8 is not None and bias is None:
-                self.invariant = cpu_gemm.PackedLinear.from_q8(weight, *q8, float_out=float_out)
+            if source is not None:
+                # the head (float_out) only reads blocks; the layers' long calls their panels
+                long_rows = None if float_out else LONG_ROWS
+                self.invariant = cpu_gemm.PackedLinear.from_blocks(
+                    weight, bias, source, float_out, long_rows
+                )
             if self.invariant is None:
                 self.invariant = cpu_gemm.PackedLinear(weight, bias, float_out)
         elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _MKLDNN:
@@ -52,4 +56,8 @@ class Gemm:
 
 
 _MKLDNN = torch_private.onednn_linear_available()
-_PACK_ROWS_HINT = 32  # oneDNN's layout choice; any row count runs on it
+_PACK_ROWS_HINT = 32
+# Calls of more rows run a block-sourced weight's bf16 panels: from 257 rows its blocks'
+# conversion cost more than their bytes saved (SmolLM2's layers: 0.67x at 1-16 rows, 0.96x
+# at 256, 1.15x at 257, 1.07x at 2,048; bench/layer_gemms.py)
+LONG_ROWS = 256  # oneDNN's layout choice; any row count runs on it

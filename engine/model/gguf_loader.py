@@ -27,6 +27,7 @@ import msgspec
 import numpy as np
 import torch
 
+from ..kernels.cpu_gemm import BlockSource
 from ..text import gguf_index
 from ..text.tokenizer import Tokenizer
 from . import gguf_weights
@@ -290,7 +291,7 @@ def load_gguf(
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, Any] = {}
     head_name = gguf_weights.HEAD if gguf_weights.HEAD in expected else gguf_weights.EMBEDDING
-    head_q8 = None  # the head's Q8_0 integers and scales, for its GEMM (q8_head_source)
+    sources: dict[str, BlockSource] = {}  # blocks the bf16 GEMMs read (AMX)
     with progress_bar("dequantize", sum(int(tensors[n].n_bytes) for n in placed), unit="B") as bar:
         for gguf_name, hf_parts in placed.items():
             t, hf = tensors[gguf_name], hf_parts[0][0]
@@ -300,17 +301,21 @@ def load_gguf(
                     f"{path.name}: tensor {gguf_name} has shape {list(reversed(t.shape.tolist()))} but "
                     f"the metadata implies {list(shape)}"
                 )
+            orders = [np.arange(a, b) for _, a, b in hf_parts]  # a fused tensor's parts
+            if len(hf_parts) == 1:
+                orders = [_row_order(gguf_name, shape[0], config) if permute else None]
             if quantize and gguf_weights.quantizable_name(hf):
-                orders = [np.arange(a, b) for _, a, b in hf_parts]  # a fused tensor's parts
-                if len(hf_parts) == 1:
-                    orders = [_row_order(gguf_name, shape[0], config) if permute else None]
                 qws = [gguf_weights.pack_tensor(t, order) for order in orders]
                 if all(qw is not None for qw in qws):
                     packed.update((p, qw) for (p, _, _), qw in zip(hf_parts, qws, strict=True))
                     bar.update(int(t.n_bytes))
                     continue
-            if hf == head_name and dtype == torch.bfloat16:
-                head_q8 = gguf_weights.q8_head_source(t)
+            if hf == head_name or (
+                hf != gguf_weights.EMBEDDING and gguf_weights.quantizable_name(hf)
+            ):
+                found = gguf_weights.block_sources(t, orders, dtype, device)
+                if found is not None:
+                    sources.update((p, src) for (p, _, _), src in zip(hf_parts, found, strict=True))
             w = dequantize_tensor(t)
             if permute and ".attn_q." in gguf_name:
                 w = unpermute_rope_rows(w, config.num_heads)
@@ -327,8 +332,14 @@ def load_gguf(
         model.lm_head.weight = model.model.embed_tokens.weight
     if packed:
         gguf_weights.install(model, packed, config.tie_word_embeddings, dtype)
-    elif head_q8 is not None:  # the same logits, the head read at 1.06 bytes a weight
-        model.lm_head.q8_source = head_q8
+    else:  # the same logits, each weight read at 0.75-1.06 bytes instead of 2
+        for name, src in sources.items():
+            linear = (
+                model.lm_head
+                if name == head_name
+                else model.get_submodule(name.removesuffix(".weight"))
+            )
+            linear.block_source = src
     if ROPE_FREQS in tensors:  # divides each pair's frequency, as llama.cpp's rope does
         factors = torch.from_numpy(dequantize_tensor(tensors[ROPE_FREQS]).reshape(-1))
         model.model.rotary_emb.inv_freq_cpu = rope_inv_freq(config) / factors

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..kernels import cpu_qgemm
+from .. import settings
+from ..kernels import cpu_gemm, cpu_qgemm
 from .gguf_blocks import split_blocks
 from .llama import LlamaForCausalLM
 from .quantized_linear import QEmbedding, QLinear
@@ -50,15 +51,31 @@ def quantizable_name(hf_name: str) -> bool:
     return hf_name in (EMBEDDING, HEAD) or hf_name.endswith(_LINEAR_SUFFIXES)
 
 
-def q8_head_source(t: Any) -> tuple[np.ndarray, np.ndarray] | None:
-    """A dequantized model's LM head tensor as its Q8_0 integers and scales (``q`` int8
-    ``[n, k]``, ``scale`` float32 ``[n, k / 32]``), or None for another type: its bf16 GEMM
-    runs from them (``cpu_gemm.PackedLinear.from_q8``), the same logits from half the bytes."""
-    if t.tensor_type.name != "Q8_0":
+def block_sources(
+    t: Any, orders: list[np.ndarray | None], dtype: torch.dtype, device: torch.device
+) -> list[cpu_gemm.BlockSource] | None:
+    """A dequantized model's linear weight as its GGUF blocks (``q`` int8 ``[n, k]``,
+    ``scale`` and ``minimum`` or None float32 ``[n, k / 32]``), one per row order in
+    ``orders`` (a fused tensor's parts, llama's q/k permutation undone): its bf16 GEMM runs
+    from them on AMX (``cpu_gemm.PackedLinear.from_blocks``), the same bits from under half
+    the bytes. None where that cannot run (another dtype or device, no AMX, a type
+    ``gguf_blocks`` does not split)."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or not settings.gguf_blocks_enabled():
+        return None
+    if not cpu_gemm.amx_available():
         return None
     n, k = (int(d) for d in reversed(t.shape.tolist()))
-    ints = split_blocks(t.data, "Q8_0", n, k)
-    return None if ints is None else (ints.q, ints.scale)
+    ints = split_blocks(t.data, t.tensor_type.name, n, k)
+    if ints is None:
+        return None
+    out: list[cpu_gemm.BlockSource] = []
+    for order in orders:
+        if order is None:
+            out.append((ints.q, ints.scale, ints.minimum))
+            continue
+        minimum = None if ints.minimum is None else ints.minimum[order]
+        out.append((ints.q[order], ints.scale[order], minimum))
+    return out
 
 
 def pack_tensor(t: Any, row_order: np.ndarray | None = None) -> cpu_qgemm.QuantizedWeight | None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
 from ..kernels import cpu_layer_ops
+from ..kernels.cpu_gemm import BlockSource
 from ..kernels.linear import Gemm
 from .layer_ops import TORCH_OPS, TorchLayerOps, require_fused_ops
 from .model_config import ModelConfig
@@ -151,13 +153,15 @@ def fused_projection(
     for GGUF-quantized ones (``QLinear``, batch-invariant always) one quantized kernel where
     their packings concatenate, else each on its own kernel. ``float_out``: one linear (the
     LM head) whose batch-invariant GEMM keeps its fp32 sums (``Gemm``)."""
-    if len(linears) == 1 and isinstance(linears[0], nn.Linear):
-        lin = linears[0]
-        q8 = getattr(lin, "q8_source", None)  # a GGUF head's Q8_0 blocks (gguf_loader)
-        return Gemm(lin.weight, lin.bias, batch_invariant, float_out, q8)
     if all(isinstance(lin, nn.Linear) for lin in linears):
+        # a GGUF model's blocks (gguf_loader); packed now, or not used here
+        sources = [lin.__dict__.pop("block_source", None) for lin in linears]
+        source = _fuse_sources(sources)
+        if len(linears) == 1:
+            lin = linears[0]
+            return Gemm(lin.weight, lin.bias, batch_invariant, float_out, source)
         weight, bias = _fuse_linears(*linears)  # type: ignore[arg-type]
-        return Gemm(weight, bias, batch_invariant)
+        return Gemm(weight, bias, batch_invariant, source=source)
     fused = fused_kernel(linears)
     if fused is not None:
         return fused
@@ -168,6 +172,20 @@ def fused_projection(
         else:
             parts.append(Gemm(lin.weight, lin.bias, batch_invariant))  # type: ignore[arg-type]
     return _Concat(*parts)
+
+
+def _fuse_sources(sources: list[BlockSource | None]) -> BlockSource | None:
+    """Linears' GGUF blocks stacked as their fused weight's, where each has them and the
+    minimums agree on being there."""
+    if any(s is None for s in sources):
+        return None
+    parts = [s for s in sources if s is not None]
+    if len(parts) == 1:
+        return parts[0]
+    if len({s[2] is None for s in parts}) != 1:
+        return None
+    minimum = None if parts[0][2] is None else np.concatenate([s[2] for s in parts])  # type: ignore[misc]
+    return np.concatenate([s[0] for s in parts]), np.concatenate([s[1] for s in parts]), minimum
 
 
 def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -290,7 +308,6 @@ class LlamaForCausalLM(nn.Module):
         # fp32 logits: a bf16 rounding of the head's sums ties the argmax between tokens that
         # the sums tell apart (SmolLM2 at bf16, tests/test_real_model.py's tenth question)
         self.head = fused_projection((self.lm_head,), batch_invariant, float_out=True)
-        self.lm_head.__dict__.pop("q8_source", None)  # packed now, or not used here
         dtype = self.model.norm.weight.dtype
         self.set_fused_ops(
             cpu_layer_ops.supports(self.model.norm.weight)
