@@ -45,7 +45,7 @@ TINY = dict(
     head_dim=64,
     max_position_embeddings=512,
     sliding_window=WINDOW,
-    query_pre_attn_scalar=64,
+    query_pre_attn_scalar=48,  # != head_dim, as on the 27B (144 and 128): the backends' scale
     attn_logit_softcapping=1.0,  # small: a tiny model's scores are small
     final_logit_softcapping=2.0,
     pad_token_id=0,
@@ -90,7 +90,7 @@ def test_config_follows_gemma2config(checkpoint: tuple[Path, torch.nn.Module]) -
     assert cfg.model_type == "gemma2" and cfg.architecture == "Gemma2ForCausalLM"
     assert cfg.layer_windows == (WINDOW, 0, WINDOW, 0)  # every other layer, from the first
     assert cfg.attn_logit_softcapping == 1.0 and cfg.final_logit_softcapping == 2.0
-    assert cfg.rope_local_base_freq is None and cfg.attention_scale == 64**-0.5
+    assert cfg.rope_local_base_freq is None and cfg.attention_scale == 48**-0.5
     # transformers' defaults where the file is silent; a softcap set to null stays off
     bare = {"architectures": ["Gemma2ForCausalLM"], **{k: TINY[k] for k in list(TINY)[:6]}}
     cfg = ModelConfig.from_dict({**bare, "num_hidden_layers": 3})
@@ -118,7 +118,7 @@ def test_loaded_model_equals_transformers(checkpoint: tuple[Path, torch.nn.Modul
             k.repeat_interleave(g, 1).transpose(0, 1),
             v.repeat_interleave(g, 1).transpose(0, 1),
         )
-        s = q.transpose(0, 1) @ kh.transpose(1, 2) * cfg.head_dim**-0.5
+        s = q.transpose(0, 1) @ kh.transpose(1, 2) * cfg.attention_scale
         s = cap * torch.tanh(s / cap)
         n = q.shape[0]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
@@ -184,6 +184,8 @@ def test_a_written_gemma2_gguf_equals_transformers(
     def softcaps(w: object) -> None:
         w.add_attn_logit_softcapping(TINY["attn_logit_softcapping"])  # type: ignore[attr-defined]
         w.add_final_logit_softcapping(TINY["final_logit_softcapping"])  # type: ignore[attr-defined]
+        # llama.cpp infers the 27B's scale from its layer count; a tiny model names it
+        w.add_attention_scale(TINY["query_pre_attn_scalar"] ** -0.5)  # type: ignore[attr-defined]
 
     write_gemma_gguf(path, "gemma2", hf, TINY, 10000.0, softcaps)
     loaded = load_model(str(path), dtype="float32", device="cpu")

@@ -81,7 +81,7 @@ class WindowedAttend:
             g = cfg.num_queries_per_kv
             kh = ks.repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, L, D]
             vh = vs.repeat_interleave(g, dim=1).transpose(0, 1)
-            s = qs.transpose(0, 1).float() @ kh.float().transpose(1, 2) * cfg.head_dim**-0.5
+            s = qs.transpose(0, 1).float() @ kh.float().transpose(1, 2) * cfg.attention_scale
             s = s.masked_fill(~mask, float("-inf")).softmax(-1)
             out.append((s @ vh.float()).to(q.dtype).transpose(0, 1))
         return torch.cat(out)

@@ -223,6 +223,14 @@ def test_gemma2_replays_exactly(demo_bf16: LoadedModel, seed: int) -> None:
     assert assert_same(loaded, steps) > 0
 
 
+def test_gemma_with_its_own_attention_scale_replays_exactly(demo_bf16: LoadedModel) -> None:
+    """query_pre_attn_scalar != head_dim (Gemma 2 / 3 27B): the scale is the backends'
+    argument, recorded like any other."""
+    loaded = tiny_gemma3(demo_bf16, query_pre_attn_scalar=48)
+    steps = with_local_tables(schedule(11, loaded.config.vocab_size, 48))
+    assert assert_same(loaded, steps) > 0
+
+
 def test_gemma3_replays_at_all(demo_bf16: LoadedModel) -> None:
     loaded = tiny_gemma3(demo_bf16)
     steps = with_local_tables(schedule(5, loaded.config.vocab_size, 48))
@@ -319,10 +327,10 @@ def test_replay_stays_off_where_a_kernel_would_differ(
     cache = KVCache(gemma.kv_cache_spec(BLOCK), 8, 8, local)
     runner = ModelRunner(gemma, cache, create_backend("auto", "cpu"), local_backend=TorchBackend())
     assert runner.replay is None and "torch" in (runner.replay_off_reason or "")
-    runner = ModelRunner(
+    runner = ModelRunner(  # query_pre_attn_scalar != head_dim: the backends' scale, replayed
         gemma, cache, create_backend("auto", "cpu"), local_backend=create_backend("auto", "cpu")
     )
-    assert "query_pre_attn_scalar" in (runner.replay_off_reason or "")
+    assert runner.replay_off_reason is None and runner.shape.scale == 48**-0.5
     assert "float32" in reason(load_model("demo", dtype="float32", device="cpu"))
     assert reason(demo_bf16, pages=torch.float8_e4m3fn) is None  # fp8 pages replay too
     assert "torch" in reason(demo_bf16, backend="torch")

@@ -21,6 +21,7 @@ class AttentionShape:
     dtype: torch.dtype  # q, k, v and the output
     kv_dtype: torch.dtype | None = None  # the pages' (None: dtype); fp8 (kv_dtype.py) or dtype
     softcap: float = 0.0  # > 0: scores capped as softcap * tanh(s / softcap) (Gemma 2)
+    sm_scale: float | None = None  # q.k's scale where not head_dim ** -0.5 (Gemma's 27B)
 
     @property
     def page_dtype(self) -> torch.dtype:
@@ -28,7 +29,7 @@ class AttentionShape:
 
     @property
     def scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
+        return 1.0 / math.sqrt(self.head_dim) if self.sm_scale is None else self.sm_scale
 
 
 class AttentionBackend(ABC):

@@ -68,9 +68,6 @@ class Gemma3Attention(Attention):
         if config.model_type == "gemma3":
             self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
-        # The backends scale q.k by head_dim ** -0.5; Gemma's scale differs where
-        # query_pre_attn_scalar != head_dim, and then q is scaled by the ratio first.
-        self.q_scale = config.attention_scale * config.head_dim**0.5
 
     def forward(
         self,
@@ -85,8 +82,6 @@ class Gemma3Attention(Attention):
         q, k, v = qkv.view(t, hq + 2 * hk, d).split((hq, hk, hk), dim=1)  # views, one op
         cos, sin = rotation
         q, k = self.ops.gemma_rotary(q, k, cos, sin, self.qk_norms())
-        if self.q_scale != 1.0:
-            q = q * self.q_scale
         o = attend(self.layer_idx, q, k, v).reshape(t, hq * d)
         if rows is not None:
             if rows.numel() == 0:

@@ -120,6 +120,13 @@ class ModelConfig:
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
+    def sm_scale(self) -> float | None:
+        """The attention backends' scale where it is not their ``head_dim ** -0.5`` (Gemma's
+        ``query_pre_attn_scalar``, 168 or 144 on the 27B models), else None."""
+        qpas = self.query_pre_attn_scalar
+        return None if qpas is None or qpas == self.head_dim else self.attention_scale
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 

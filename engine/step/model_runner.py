@@ -99,6 +99,7 @@ class ModelRunner:
             loaded.dtype,
             spec.dtype,
             cfg.attn_logit_softcapping or 0.0,
+            cfg.sm_scale,
         )
         backend.prepare(self.shape, torch.device(self.device))
         if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (

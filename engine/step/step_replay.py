@@ -65,9 +65,6 @@ def unsupported_reason(
         if not isinstance(b, CpuKernelBackend) or not b.batch_invariant:
             name = None if b is None else b.name
             return f"the attention backend is {name}, not the CPU row kernel"
-    gemma = isinstance(model, Gemma3ForCausalLM)
-    if gemma and any(layer.self_attn.q_scale != 1.0 for layer in model.model.layers):
-        return "Gemma's query_pre_attn_scalar differs from head_dim (q is scaled first)"
     projections = []
     for layer in model.model.layers:
         projections += [layer.self_attn.qkv, layer.self_attn.out]
