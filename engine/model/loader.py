@@ -9,6 +9,8 @@ generation_config.json.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import json
 import logging
@@ -382,3 +384,11 @@ __all__ = [
     "resolve_device",
     "resolve_dtype",
 ]
+
+
+def release_freed_heap() -> None:
+    """Hand the heap pages that loading and packing freed back to the OS (glibc's
+    ``malloc_trim``; a no-op elsewhere): glibc keeps a freed chunk below a live one, and a
+    GGUF model's dequantization and block packing left 360 MB of SmolLM2's 1.3 GB resident."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -19,7 +19,7 @@ from ..attention import AttentionBackend, AttentionMetadata, AttentionShape, Seq
 from ..attention.cpu_backend import CpuKernelBackend
 from ..attention.metadata import find_prefill_groups, plan_step_order
 from ..memory.kv_cache import KVCache
-from ..model.loader import LoadedModel
+from ..model.loader import LoadedModel, release_freed_heap
 from . import prompt_logprobs, step_replay
 from .prompt_logprobs import PromptLogprobSink
 from .step_replay import StepReplay
@@ -82,6 +82,7 @@ class ModelRunner:
         self.loaded = loaded
         self.model = loaded.model
         self.model.prepare(batch_invariant)
+        release_freed_heap()  # the load's and the packing's temporaries
         self.kv_cache = kv_cache
         self.backend = backend
         self.enable_cascade = enable_cascade
