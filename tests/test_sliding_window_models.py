@@ -236,3 +236,29 @@ def test_an_all_sliding_model_spends_its_budget_on_local_pages(
     engine = LLMEngine(config, loaded)
     assert engine.kv_cache.num_local_pages == 40
     assert engine.kv_cache.num_blocks == 80  # 1 / swa_pool_ratio blocks a page, no KV in them
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_window_no_sequence_outgrows_keeps_one_layer_group(
+    checkpoints: dict[str, tuple[Path, object]], kind: str
+) -> None:
+    """``--max-model-len`` at or under the window: the sliding layers attend as global ones
+    (no local pages, ``--kv-offload`` accepted, replayed at bf16), and every token equals the
+    hybrid engine's and transformers' for sequences that fit."""
+    folder, hf = checkpoints[kind]
+    prompts = random_prompts(4, (9, 15, 17))  # 17 + 7 generated = the window
+    one_group = engine_for(folder, "float32", max_model_len=WINDOW, kv_offload="host:0.01")
+    assert not isinstance(one_group.block_manager, HybridBlockManager)
+    assert one_group.kv_cache.local_layers == () and one_group.tier is not None
+    hybrid = engine_for(folder, "float32", max_model_len=WINDOW + 1)
+    assert isinstance(hybrid.block_manager, HybridBlockManager)
+    want = [hf_greedy(hf, p, 7) for p in prompts]
+    assert [t for t, _ in greedy(one_group, prompts, "o", 7)] == want
+    assert [t for t, _ in greedy(hybrid, prompts, "h", 7)] == want
+    bf16, bf16_hybrid = (
+        engine_for(folder, "bfloat16", max_model_len=WINDOW),
+        engine_for(folder, "bfloat16"),
+    )
+    assert bf16.runner.replay_off_reason == bf16_hybrid.runner.replay_off_reason  # None: AMX
+    ours = [t for t, _ in greedy(bf16, prompts, "b", 7)]
+    assert ours == [t for t, _ in greedy(bf16_hybrid, prompts, "c", 7)]

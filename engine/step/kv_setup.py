@@ -44,8 +44,9 @@ def build_kv(
     spec = loaded.kv_cache_spec(
         config.block_size, kv_dtype.resolve(config.kv_cache_dtype, loaded.dtype)
     )
-    if loaded.config.is_hybrid:
-        cache, hybrid = build_hybrid(config, spec, loaded.config.layer_windows, identity, clock)
+    windows = effective_windows(config, loaded)
+    if any(windows):
+        cache, hybrid = build_hybrid(config, spec, windows, identity, clock)
         return KVMemory(cache, hybrid, None, hybrid.local_table)
     num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_memory_bytes)
     cache = KVCache(spec, num_blocks)
@@ -68,6 +69,15 @@ def build_kv(
         clock=clock,
     )
     return KVMemory(cache, manager, tier)
+
+
+def effective_windows(config: EngineConfig, loaded: LoadedModel) -> tuple[int, ...]:
+    """The model's sliding windows, less those no sequence can outgrow (>= the context,
+    ``--max-model-len``): such a layer attends as a global one, and the model keeps one
+    layer group (with ``--kv-offload`` and prefix files) when every window is one of them."""
+    cfg = loaded.config
+    context = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    return tuple(w if w < context else 0 for w in cfg.layer_windows)
 
 
 def build_hybrid(

@@ -61,7 +61,7 @@ def unsupported_reason(
         return f"{dtype} weights (the fused SiLU- and GELU-and-mul compute bf16 only)"
     if page_dtype != dtype and not kv_dtype.is_fp8(page_dtype):
         return f"{page_dtype} pages under {dtype} weights"
-    for b in (backend, local_backend) if model.config.is_hybrid else (backend,):
+    for b in (backend, local_backend) if local_backend is not None else (backend,):
         if not isinstance(b, CpuKernelBackend) or not b.batch_invariant:
             name = None if b is None else b.name
             return f"the attention backend is {name}, not the CPU row kernel"
@@ -184,6 +184,11 @@ class StepReplay:
         t = b["qkv"].shape[0]
         return b["qkv"].view(t, hq + 2 * hk, d).split((hq, hk, hk), dim=1)
 
+    def _slides(self, layer: int) -> bool:
+        """Whether the layer attends over the local pages (none where the cache kept every
+        layer global: a window no sequence outgrows)."""
+        return self._local_backend is not None and self._model.config.window_of(layer) > 0
+
     def _attend(
         self, b: dict[str, torch.Tensor], layer: int, local: bool, q: torch.Tensor, k: torch.Tensor,
         v: torch.Tensor,
@@ -214,7 +219,7 @@ class StepReplay:
             calls.append(_projection_call(attn.qkv, hidden, b["qkv"]))
             if attn.use_rope:  # SmolLM3's NoPE layers: no rotation
                 calls.append(cpu_layer_ops.rotary_call(q, k, b["cos"], b["sin"], attn.qk_norms()))
-            calls += self._attend(b, i, self._model.config.window_of(i) > 0, q, k, v)
+            calls += self._attend(b, i, self._slides(i), q, k, v)
             out = b["attention_out"]
             calls.append(_projection_call(attn.out, b["attention"].view(t, -1), out))
             post = layer.post_attention_layernorm
@@ -245,7 +250,7 @@ class StepReplay:
             cos, sin = (b["cos_local"], b["sin_local"]) if layer.sliding else (b["cos"], b["sin"])
             norms = attn.qk_norms()
             calls.append(cpu_layer_ops.rotary_call(q, k, cos, sin, norms, gemma_norms=True))
-            calls += self._attend(b, i, layer.sliding, q, k, v)
+            calls += self._attend(b, i, self._slides(i), q, k, v)
             out = b["attention_out"]
             calls.append(_projection_call(attn.out, b["attention"].view(t, -1), out))
             post, pre = layer.post_attention_layernorm.scale, layer.pre_feedforward_layernorm.scale
