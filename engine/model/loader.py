@@ -389,6 +389,6 @@ __all__ = [
 def release_freed_heap() -> None:
     """Hand the heap pages that loading and packing freed back to the OS (glibc's
     ``malloc_trim``; a no-op elsewhere): glibc keeps a freed chunk below a live one, and a
-    GGUF model's dequantization and block packing left 360 MB of SmolLM2's 1.3 GB resident."""
+    GGUF model's dequantization and block packing left 315 MB of SmolLM2's 1.3 GB resident."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
