@@ -55,6 +55,7 @@ class EngineConfig:
     # keep block-quantized weights quantized (quantized; auto: where the CPU kernel runs, bf16
     # models), which is faster for one stream only (model/gguf_weights.py).
     gguf_weights: str = "dequantized"
+    chat_template: str | None = None  # a jinja template replacing the model's (or its lack)
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None  # wins over kv_memory_bytes when set
     kv_memory_bytes: int = 512 * 1024**2

@@ -7,6 +7,7 @@ happened to its stats collector (engine_stats.py); logits processors live in the
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -41,7 +42,7 @@ from .step.sampler import Sampler
 from .step.scheduler import Scheduler, SchedulerOutput
 from .step.sequence import Sequence
 from .step.structured_output import StructuredOutput
-from .text.tokenizer import IncrementalDetokenizer
+from .text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("prefixcache.engine")
 
@@ -58,6 +59,9 @@ class LLMEngine:
         self.loaded = loaded or load_model(
             config.model, dtype=config.dtype, device=config.device, gguf_weights=config.gguf_weights
         )
+        if config.chat_template is not None:  # --chat-template: the model's own replaced
+            tokenizer = Tokenizer.from_spec(self.loaded.tokenizer.to_spec(), config.chat_template)
+            self.loaded = dataclasses.replace(self.loaded, tokenizer=tokenizer)
         self.tokenizer = self.loaded.tokenizer
         self._listeners = BlockListeners()  # the activity, then the KV event recorder
         identity = self.cache_identity(self.loaded, config.kv_cache_dtype)

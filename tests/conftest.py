@@ -198,19 +198,11 @@ def wait_for_idle_blocks(root: str, timeout: float = 10, headers: dict | None = 
 
 @pytest.fixture(scope="session")
 def tools_sidecar(server_loop: ServerLoop, demo_loaded: Any) -> Iterator[Server]:
-    """The demo model with a Llama-3.1-style tools template (on the engine thread), answering
+    """The demo model with a Llama-3.1-style tools template (``--chat-template``), answering
     to "demo" and "claude-test": for the Messages and Responses API tests."""
-    import copy
-    import dataclasses
-
     from tool_templates import LLAMA31_STYLE
 
-    from prefixcache.engine.text.tokenizer import _compile_template
-
-    tokenizer = copy.copy(demo_loaded.tokenizer)
-    tokenizer.chat_template = LLAMA31_STYLE
-    tokenizer._template = _compile_template(LLAMA31_STYLE)
-    engine = demo_engine(dataclasses.replace(demo_loaded, tokenizer=tokenizer))
+    engine = demo_engine(demo_loaded, chat_template=LLAMA31_STYLE)  # --chat-template
     settings = SidecarSettings(model_aliases=("demo", "claude-test"))
     server = serve(server_loop, create_app(engine, settings))
     yield server

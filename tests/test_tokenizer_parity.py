@@ -21,7 +21,7 @@ from sidecar_fake_engine import FakeEngine
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from prefixcache.engine.text.tokenizer import Tokenizer, _compile_template
+from prefixcache.engine.text.tokenizer import Tokenizer, compile_template
 from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 transformers = pytest.importorskip("transformers")
@@ -334,7 +334,7 @@ async def test_add_generation_prompt_false_equals_transformers(
 async def test_continue_final_message_a_template_drops_is_400(folders: dict[str, Path]) -> None:
     engine = FakeEngine(max_model_len=4096)
     engine.tokenizer = Tokenizer.from_folder(folders["chatml"])  # type: ignore[assignment]
-    engine.tokenizer._template = _compile_template(  # drops assistant turns
+    engine.tokenizer._template = compile_template(  # drops assistant turns
         "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}"
         "{% endfor %}"
     )

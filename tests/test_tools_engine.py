@@ -20,7 +20,7 @@ from tool_templates import LLAMA31_STYLE
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.serving.process_engine import ProcessEngine
-from prefixcache.engine.text.tokenizer import _compile_template
+from prefixcache.engine.text.tokenizer import compile_template
 from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 pytest.importorskip("llguidance")
@@ -77,7 +77,7 @@ def client(
     else:
         tokenizer = copy.copy(demo_loaded.tokenizer)
         tokenizer.chat_template = LLAMA31_STYLE
-        tokenizer._template = _compile_template(LLAMA31_STYLE)
+        tokenizer._template = compile_template(LLAMA31_STYLE)
         engine = demo_engine(dataclasses.replace(demo_loaded, tokenizer=tokenizer))
     server = serve(server_loop, create_app(engine, SidecarSettings(model_aliases=("demo",))))
     yield openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)

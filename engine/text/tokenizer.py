@@ -90,7 +90,7 @@ class Tokenizer:
         self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos_ids if i is not None))
         self.eos_token = eos_tokens[0] if eos_tokens else None
         self._eos_tokens = list(eos_tokens)
-        self._template = None if chat_template is None else _compile_template(chat_template)
+        self._template = None if chat_template is None else compile_template(chat_template)
         h = hashlib.sha256(self._source)
         h.update(json.dumps([chat_template, bos_token, list(eos_tokens)]).encode())
         h.update(json.dumps(self.special_tokens, sort_keys=True).encode())  # what templates see
@@ -163,11 +163,12 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_spec(cls, spec: TokenizerSpec) -> Tokenizer:
-        """The tokenizer ``to_spec`` described, built anew (torch-free, no model files read)."""
+    def from_spec(cls, spec: TokenizerSpec, chat_template: str | None = None) -> Tokenizer:
+        """The tokenizer ``to_spec`` described, built anew (torch-free, no model files read);
+        ``chat_template`` replaces the spec's (``--chat-template``)."""
         return cls(
             HFTokenizer.from_str(spec.pipeline),
-            chat_template=spec.chat_template,
+            chat_template=spec.chat_template if chat_template is None else chat_template,
             bos_token=spec.bos_token,
             eos_tokens=spec.eos_tokens,
             extra_eos_ids=spec.eos_token_ids,  # the eos tokens' ids first, then the extras
@@ -317,7 +318,7 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     return table
 
 
-def _compile_template(source: str) -> Any:
+def compile_template(source: str) -> Any:
     from jinja2 import nodes
     from jinja2.exceptions import TemplateError
     from jinja2.ext import Extension, loopcontrols

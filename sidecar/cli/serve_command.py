@@ -39,6 +39,29 @@ def read_secret(
     return os.urandom(32) if keys_enabled else SINGLE_TENANT_SECRET
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the value itself where it reads as a template
+    (has a brace or a newline, as vLLM decides); compiled here, at start."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+    elif any(c in value for c in "{}\n"):
+        text = value
+    else:
+        raise ValueError(f"--chat-template {value!r}: no such file, and not a template")
+    from jinja2 import TemplateError
+
+    from prefixcache.engine.text.tokenizer import compile_template
+
+    try:
+        compile_template(text)  # as the engine will: its extensions and filters
+    except TemplateError as exc:
+        raise ValueError(f"--chat-template: {exc}") from exc
+    return text
+
+
 def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = None) -> None:
     import uvicorn
 
@@ -57,6 +80,7 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
             kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             gguf_weights=args.gguf_weights,
+            chat_template=read_chat_template(args.chat_template),
             attention_backend=args.attention_backend,
             block_size=args.block_size,
             num_blocks=args.num_blocks,

@@ -226,6 +226,13 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         "with the same --secret-file",
     )
     parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a jinja chat template replacing the model's (or giving one to a model without, "
+        "such as the base gemma3): a file, or the template itself (vLLM's flag)",
+    )
+    parser.add_argument(
         "--tool-call-parser",
         choices=["auto", "hermes", "llama3_json", "mistral"],
         default="auto",
