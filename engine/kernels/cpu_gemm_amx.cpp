@@ -214,14 +214,14 @@ PC_AMX void Q4Blocks::to_tiles(const uint8_t* blk, uint32_t* tiles) {
   }
 }
 
-// pc_gemm_bf16_amx's contract for weights packed as Format's blocks (k a multiple of 32):
-// each task turns its 32 columns' blocks into bf16 B tiles (the dequantized weights to the
-// bit), then runs pc_gemm_bf16_amx's row tiles on them: that kernel's outputs on those
-// weights, bit for bit, from fewer bytes a weight.
 // Calls over more than one row chunk (a prefill) convert the weight once into a shared bf16
 // copy of at most this many bytes (larger ones, the 262K head, convert per chunk).
 constexpr int64_t SHARED_TILES_MAX = int64_t{64} << 20;
 
+// pc_gemm_bf16_amx's contract for weights packed as Format's blocks (k a multiple of 32):
+// each task turns its 32 columns' blocks into bf16 B tiles (the dequantized weights to the
+// bit), then runs pc_gemm_bf16_amx's row tiles on them: that kernel's outputs on those
+// weights, bit for bit, from fewer bytes a weight.
 template <class Format>
 PC_AMX void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed,
                         int64_t n, int64_t k, const float* bias, uint16_t* out, int64_t ldo,

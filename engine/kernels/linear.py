@@ -56,8 +56,8 @@ class Gemm:
 
 
 _MKLDNN = torch_private.onednn_linear_available()
-_PACK_ROWS_HINT = 32
+_PACK_ROWS_HINT = 32  # oneDNN's layout choice; any row count runs on it
 # Calls of more rows run a block-sourced weight's bf16 panels: from 257 rows its blocks'
 # conversion cost more than their bytes saved (SmolLM2's layers: 0.67x at 1-16 rows, 0.96x
 # at 256, 1.15x at 257, 1.07x at 2,048; bench/layer_gemms.py)
-LONG_ROWS = 256  # oneDNN's layout choice; any row count runs on it
+LONG_ROWS = 256
