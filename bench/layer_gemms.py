@@ -70,7 +70,8 @@ def _layer_calls(model: torch.nn.Module) -> list[cpu_gemm.PackedLinear]:
 
 
 def _panels(model: torch.nn.Module) -> list[cpu_gemm.PackedLinear]:
-    """The layer projections' bf16 panels, packed from the same (fused) weights."""
+    """The layer projections' bf16 panels, packed from the same (fused) weights (before
+    ``prepare()``)."""
     out = []
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
@@ -142,6 +143,9 @@ def main() -> None:
     args = ap.parse_args()
     loaded = load_model(args.model, dtype=args.dtype, device="cpu")
     model = loaded.model
+    # packed before prepare(), which frees the layer weights the kernels packed
+    has_blocks = any(hasattr(m, "block_source") for m in model.modules())
+    panels = _panels(model) if has_blocks else None
     model.prepare()
     full_ms, full_macs = pass_ms(model, args.full_rows, args.seconds)
     full_rate = 2 * full_macs / full_ms / 1e9
@@ -159,8 +163,7 @@ def main() -> None:
     blocks = []
     calls = _layer_calls(model)
     kinds = sorted({c.kernel for c in calls})
-    if any(k.endswith("_amx") and k != "amx" for k in kinds):
-        panels = _panels(model)
+    if panels is not None:
         for m in args.rows:
             blocks.append(blocks_vs_panels(calls, panels, m, args.seconds))
             b = blocks[-1]

@@ -57,3 +57,35 @@ def test_batch_invariant_prepare_stays_close_to_torch(dtype: str) -> None:
         after = model.compute_logits(model(ids, positions, causal_attend))
     tol = 1e-4 if dtype == "float32" else 0.15
     torch.testing.assert_close(after, before, atol=tol, rtol=tol)
+
+
+def test_the_invariant_prepare_frees_the_layer_weights_it_packed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The batch-invariant GEMMs pack their own copy, so ``prepare()`` frees the layer
+    weights (names, shapes and dtypes stay; the embedding, which the tied head also reads,
+    stays whole), and the logits are the bits of the same model that kept them."""
+    from prefixcache.engine.kernels import cpu_gemm
+    from prefixcache.engine.kernels.linear import Gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("the batch-invariant GEMM does not load here")
+    ids = torch.randint(0, 500, (29,), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(29)
+    kept = load_model("demo", dtype="bfloat16", device="cpu").model
+    with monkeypatch.context() as m:
+        m.setattr(Gemm, "release_weight", lambda self: None)
+        kept.prepare()
+    model = load_model("demo", dtype="bfloat16", device="cpu").model
+    embedding = model.model.embed_tokens.weight.clone()
+    model.prepare()
+    layer = model.model.layers[0]
+    for lin in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert lin.weight.untyped_storage().nbytes() == 0
+        assert lin.weight.dtype == torch.bfloat16 and lin.weight.shape[1] > 0
+    assert kept.model.layers[0].self_attn.q_proj.weight.untyped_storage().nbytes() > 0
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    with torch.inference_mode():
+        ours = model.compute_logits(model(ids, positions, causal_attend))
+        want = kept.compute_logits(kept(ids, positions, causal_attend))
+    assert torch.equal(ours, want)

@@ -158,8 +158,9 @@ def _lib() -> ctypes.CDLL:
 
 class PackedLinear:
     """``x @ weight.T + bias`` for a weight fixed at load, packed once into the kernel's
-    panels (the packed copy replaces oneDNN's; the original weight stays for the state
-    dict). ``kernel`` names the one it runs for life: ``amx``, ``avx512`` or ``f32``.
+    panels (the packed copy replaces oneDNN's; a layer's original weight is then freed,
+    ``linear.Gemm.release_weight``). ``kernel`` names the one it runs for life: ``amx``,
+    ``avx512``, ``f32``, or from GGUF blocks ``q8_amx`` / ``q4_amx``.
     ``float_out``: a bf16 weight's outputs are the fp32 sums, not rounded to bf16 (the LM
     head: logits a bf16 rounding would tie at the argmax)."""
 

@@ -69,9 +69,11 @@ class Attention(nn.Module):
         self.out = _Concat(self.o_proj)
 
     def prepare(self, batch_invariant: bool = True) -> None:
-        """One [q; k; v] GEMM; q/k/v_proj.weight become views of its weight (same names)."""
+        """One [q; k; v] GEMM; q/k/v_proj.weight become views of its weight (same names),
+        whose values are freed once the batch-invariant kernel has packed them."""
         self.qkv = fused_projection((self.q_proj, self.k_proj, self.v_proj), batch_invariant)
         self.out = fused_projection((self.o_proj,), batch_invariant)
+        release_weights(self.qkv, self.out)
 
     def qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         if self.q_norm is None or self.k_norm is None:
@@ -121,6 +123,7 @@ class MLP(nn.Module):
     def prepare(self, batch_invariant: bool = True) -> None:
         self.gate_up = fused_projection((self.gate_proj, self.up_proj), batch_invariant)
         self.down = fused_projection((self.down_proj,), batch_invariant)
+        release_weights(self.gate_up, self.down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.ops.silu_and_mul(self.gate_up(x), self.intermediate_size))
@@ -172,6 +175,14 @@ def fused_projection(
         else:
             parts.append(Gemm(lin.weight, lin.bias, batch_invariant))  # type: ignore[arg-type]
     return _Concat(*parts)
+
+
+def release_weights(*projections: Projection) -> None:
+    """The layer weights the invariant GEMMs packed (``Gemm.release_weight``); not the head's,
+    which may be the embedding table."""
+    for projection in projections:
+        if isinstance(projection, Gemm):
+            projection.release_weight()
 
 
 def _fuse_sources(sources: list[BlockSource | None]) -> BlockSource | None:
