@@ -31,6 +31,7 @@ import torch
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.kernels.cpu_features import cpu_model_name
+from prefixcache.engine.kernels.linear import Gemm
 from prefixcache.engine.model.loader import LoadedModel, load_model
 from prefixcache.engine.model.progress import progress_iter
 from prefixcache.engine.model.quantized_linear import quantized_bytes
@@ -84,16 +85,20 @@ def bandwidth_gb_s(gib: float) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads from the weights: every parameter, buffer and GGUF-quantized
-    weight once (a tied embedding once: the head reads it whole, the lookup one row)."""
-    seen: set[int] = set()
+    """Bytes a decode step reads from the weights: each GEMM's own copy once (its bf16 panels
+    or GGUF blocks, what a one-row call reads; prepare() lets the checkpoint's tensors go),
+    the GGUF-quantized weights, the norms. The embedding lookup reads one row: not counted."""
     total = quantized_bytes(model)
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
+    projections = [model.head]
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        projections += [a.qkv, a.out, m.gate_up, m.down]
+    for p in projections:
+        if isinstance(p, Gemm):
+            w = p.weight if p.invariant is None else p.invariant.packed
+            total += w.numel() * w.element_size()
+    norms = (t for name, t in model.named_parameters() if "norm" in name)
+    return total + sum(t.numel() * t.element_size() for t in norms)
 
 
 def main() -> None:

@@ -32,6 +32,10 @@ def test_the_value_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
         read_chat_template("{% for m in messages %}never closed")
     # transformers' {% generation %} tag compiles as the engine compiles it
     assert read_chat_template("{% generation %}x{% endgeneration %}") is not None
+    long = "{% for m in messages %}" + "x" * 300 + "{{ m.content }}{% endfor %}"
+    assert read_chat_template(long) == long  # no path (ENAMETOOLONG), a template
+    # escapes in a one-line value read as vLLM reads them; other characters kept
+    assert read_chat_template(r"{{ bos_token }}\n[é]\t{{ x }}") == "{{ bos_token }}\n[é]\t{{ x }}"
 
 
 def test_a_bad_template_stops_serve_at_start() -> None:

@@ -47,16 +47,6 @@ class Gemm:
         elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _MKLDNN:
             self.packed = torch_private.onednn_pack_weight(weight, _PACK_ROWS_HINT)
 
-    def release_weight(self) -> None:
-        """Free the checkpoint weight's memory where the invariant kernel packed its own copy
-        (a bf16 model held each layer weight twice): the parameter keeps its name, shape and
-        dtype, its values are gone. Only a weight that owns its whole (resizable) storage."""
-        w = self.weight
-        storage = w.untyped_storage()
-        owned = w.storage_offset() == 0 and storage.nbytes() == w.numel() * w.element_size()
-        if self.invariant is not None and owned and storage.resizable():
-            storage.resize_(0)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.invariant is not None:
             return self.invariant(x)

@@ -70,10 +70,11 @@ class Attention(nn.Module):
 
     def prepare(self, batch_invariant: bool = True) -> None:
         """One [q; k; v] GEMM; q/k/v_proj.weight become views of its weight (same names),
-        whose values are freed once the batch-invariant kernel has packed them."""
+        let go once the batch-invariant kernel has packed it (``release_weights``)."""
         self.qkv = fused_projection((self.q_proj, self.k_proj, self.v_proj), batch_invariant)
         self.out = fused_projection((self.o_proj,), batch_invariant)
-        release_weights(self.qkv, self.out)
+        release_weights((self.q_proj, self.k_proj, self.v_proj), self.qkv)
+        release_weights((self.o_proj,), self.out)
 
     def qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         if self.q_norm is None or self.k_norm is None:
@@ -123,7 +124,8 @@ class MLP(nn.Module):
     def prepare(self, batch_invariant: bool = True) -> None:
         self.gate_up = fused_projection((self.gate_proj, self.up_proj), batch_invariant)
         self.down = fused_projection((self.down_proj,), batch_invariant)
-        release_weights(self.gate_up, self.down)
+        release_weights((self.gate_proj, self.up_proj), self.gate_up)
+        release_weights((self.down_proj,), self.down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.ops.silu_and_mul(self.gate_up(x), self.intermediate_size))
@@ -177,12 +179,16 @@ def fused_projection(
     return _Concat(*parts)
 
 
-def release_weights(*projections: Projection) -> None:
-    """The layer weights the invariant GEMMs packed (``Gemm.release_weight``); not the head's,
-    which may be the embedding table."""
-    for projection in projections:
-        if isinstance(projection, Gemm):
-            projection.release_weight()
+def release_weights(linears: tuple[nn.Module, ...], projection: Projection) -> None:
+    """Once ``projection``'s batch-invariant kernel has packed its own copy, the linears'
+    weights (and the fused weight they view) are let go: each parameter becomes a meta tensor
+    of its name, shape and dtype (reading its values raises), so a bf16 model no longer holds
+    its layer weights twice. Never the head's (it may be the embedding table)."""
+    if not isinstance(projection, Gemm) or projection.invariant is None:
+        return
+    projection.weight = projection.weight.to("meta")
+    for lin in linears:
+        lin.weight = nn.Parameter(lin.weight.to("meta"), requires_grad=False)
 
 
 def _fuse_sources(sources: list[BlockSource | None]) -> BlockSource | None:
@@ -322,7 +328,10 @@ class LlamaForCausalLM(nn.Module):
         dtype = self.model.norm.weight.dtype
         self.set_fused_ops(
             cpu_layer_ops.supports(self.model.norm.weight)
-            and all(p.dtype == dtype and p.device.type == "cpu" for p in self.parameters())
+            # meta: a layer weight its packed GEMM let go (release_weights)
+            and all(
+                p.dtype == dtype and p.device.type in ("cpu", "meta") for p in self.parameters()
+            )
         )
 
     def link_projections(self) -> None:

@@ -41,16 +41,18 @@ def read_secret(
 
 def read_chat_template(value: str | None) -> str | None:
     """``--chat-template``: a file's text, or the value itself where it reads as a template
-    (has a brace or a newline, as vLLM decides); compiled here, at start."""
+    (has a brace or a newline) with its backslash escapes decoded, as vLLM decides; compiled
+    here, at start."""
     if value is None:
         return None
-    path = Path(value).expanduser()
-    if path.is_file():
-        text = path.read_text(encoding="utf-8")
-    elif any(c in value for c in "{}\n"):
-        text = value
-    else:
+    try:  # a long one-line template is no path (ENAMETOOLONG): it reads as a template
+        text: str | None = Path(value).expanduser().read_text(encoding="utf-8")
+    except OSError:
+        text = None
+    if text is None and not any(c in value for c in "{}\n"):
         raise ValueError(f"--chat-template {value!r}: no such file, and not a template")
+    if text is None:  # its escapes (\n, \t) read as vLLM reads them; other text kept
+        text = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
     from jinja2 import TemplateError
 
     from prefixcache.engine.text.tokenizer import compile_template
