@@ -97,6 +97,15 @@ def test_parser_maps_options() -> None:
         build_parser().parse_args(["serve", "--attention-backend", "magic"])
 
 
+def test_vllms_names_of_shared_options_parse() -> None:
+    """A vLLM command line's spelling of the options both servers have."""
+    args = build_parser().parse_args(
+        ["serve", "--max-num-batched-tokens", "512", "--enable-prefix-caching"]
+    )
+    assert (args.max_batch_tokens, args.no_prefix_caching) == (512, False)
+    assert build_parser().parse_args(["serve", "--no-enable-prefix-caching"]).no_prefix_caching
+
+
 def test_an_unknown_kv_cache_dtype_is_refused_with_the_names_it_takes() -> None:
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
     assert args.kv_cache_dtype == "fp8"

@@ -91,6 +91,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-batch-tokens",
+        "--max-num-batched-tokens",  # vLLM's name
         type=int,
         default=2048,
         help="token budget of one engine step; long prompts are prefilled in chunks of this size",
@@ -158,8 +159,16 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-prefix-caching",
+        "--no-enable-prefix-caching",  # vLLM's name
         action="store_true",
-        help="turn prefix caching off (every request computes its whole prompt)",
+        help="turn prefix caching off (every request computes its whole prompt); it is on "
+        "by default, and vLLM's --enable-prefix-caching is taken as the default it names",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        dest="no_prefix_caching",
+        action="store_false",
+        help=argparse.SUPPRESS,
     )
     parser.add_argument(
         "--no-batch-invariance",
