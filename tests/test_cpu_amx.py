@@ -157,13 +157,19 @@ def test_row_attention_on_amx_agrees_with_the_avx512_step(tmp_path: Path) -> Non
 def block_source(n: int, k: int, seed: int, form: str) -> tuple[cpu_gemm.BlockSource, torch.Tensor]:
     """GGUF-like block integers with fp16-valued scales (and minimums), and the dequantized
     bf16 weight: ``q8`` (Q8_0, Q5_0: int8, no minimum), ``q4_1`` (Q4_1: 0..15, + m), ``q4_k``
-    (Q4_K: 0..15, - dmin m with 17-bit scales), ``q4_0`` (Q4_0: -8..7, no minimum)."""
+    (Q4_K: 0..15, - dmin m with 17-bit scales), ``q4_0`` (Q4_0: -8..7, no minimum), ``q6_k``
+    (Q6_K: -32..31 with a scale per 16 k)."""
     rng = np.random.default_rng(seed)
 
     def half(scale: float) -> np.ndarray:
         return (rng.random((n, k // 32)) * scale).astype(np.float16).astype(np.float32)
 
     minimum = None
+    if form == "q6_k":  # a scale per 16 k: fp16 d times an int8, q in -32..31
+        q = rng.integers(-32, 32, size=(n, k), dtype=np.int8)
+        d = (rng.random((n, k // 16)) * 0.001).astype(np.float16).astype(np.float32)
+        scale = d * rng.integers(-128, 128, size=d.shape).astype(np.float32)
+        return (q, scale, None), cpu_gemm.block_weights(q, scale, None)
     if form == "q8":
         q = rng.integers(-128, 128, size=(n, k), dtype=np.int8)
     elif form == "q4_0":
@@ -179,7 +185,7 @@ def block_source(n: int, k: int, seed: int, form: str) -> tuple[cpu_gemm.BlockSo
     return source, cpu_gemm.block_weights(*source)
 
 
-FORMS = {"q8": "q8_amx", "q4_0": "q4_amx", "q4_1": "q4_amx", "q4_k": "q4_amx"}
+FORMS = {"q8": "q8_amx", "q4_0": "q4_amx", "q4_1": "q4_amx", "q4_k": "q4_amx", "q6_k": "q8h_amx"}
 
 
 @pytest.mark.parametrize(("n", "k"), [(1000, 640), (33, 64), (96, 2048)])
@@ -272,3 +278,39 @@ def test_gguf_blocks_off_packs_bf16_panels(tmp_path: Path, monkeypatch: pytest.M
     loaded.model.prepare()
     assert loaded.model.head.invariant.kernel == "amx"
     assert {layer.mlp.down.invariant.kernel for layer in loaded.model.model.layers} == {"amx"}
+
+
+def test_q6_k_blocks_split_as_gguf_dequantizes_them() -> None:
+    """``split_q6_k`` over random Q6_K bytes (a finite fp16 d each): its ``q * scale`` per 16
+    weights is ``gguf.dequantize``'s value exactly."""
+    gguf = pytest.importorskip("gguf")
+    from prefixcache.engine.model.gguf_blocks import split_q6_k
+
+    rng = np.random.default_rng(0)
+    n, k = 48, 512
+    raw = rng.integers(0, 256, size=(n * k // 256, 210), dtype=np.uint8)
+    d = (rng.random(n * k // 256) * 0.01).astype(np.float16)
+    raw[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
+    ints = split_q6_k(raw, n, k)
+    assert ints is not None and ints.scale.shape == (n, k // 16)
+    ours = (ints.q.astype(np.float32).reshape(n, k // 16, 16) * ints.scale[..., None]).reshape(n, k)
+    want = gguf.dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(n, k)
+    assert np.array_equal(ours, want)
+
+
+def test_fused_parts_with_per_16_and_per_32_scales_share_one_kernel() -> None:
+    """A Q6_K part (Gemma's ffn_down in some layers, many files' attn_v) fused with Q5_0-like
+    ones: the per-32 scales repeated per 16, one ``q8h_amx`` weight, the parts' bits."""
+    from prefixcache.engine.model.llama import _fuse_sources
+
+    a, wa = block_source(64, 256, 1, "q8")
+    b, wb = block_source(32, 256, 2, "q6_k")
+    fused = _fuse_sources([a, b])
+    assert fused is not None and fused[1].shape == (96, 256 // 16)
+    w = torch.cat([wa, wb])
+    kernel = cpu_gemm.PackedLinear.from_blocks(w, None, fused)
+    assert kernel is not None and kernel.kernel == "q8h_amx"
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    assert torch.equal(kernel(x), cpu_gemm.PackedLinear(w, None)(x))
+    c, _ = block_source(32, 256, 3, "q4_1")  # a minimum beside per-16 scales: no one form
+    assert _fuse_sources([b, c]) is None

@@ -50,7 +50,7 @@ def _declare_amx(lib: ctypes.CDLL) -> None:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.pc_amx_enable.argtypes = []
     lib.pc_amx_enable.restype = c_int
-    for fn in (lib.pc_gemm_bf16_amx, lib.pc_gemm_q8_amx, lib.pc_gemm_q4_amx):
+    for fn in (lib.pc_gemm_bf16_amx, lib.pc_gemm_q8_amx, lib.pc_gemm_q8h_amx, lib.pc_gemm_q4_amx):
         fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int, c_int]
         fn.restype = None
 
@@ -102,9 +102,11 @@ def amx_available() -> bool:
 def q8_pack(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
     """``pc_gemm_q8_amx``'s layout of ``q`` int8 ``[N, K]`` and ``scale`` ``[N, K / 32]``: per
     group of 32 columns (N padded with zero columns) and block of 32 k, the integers as
-    ``[16 k-pairs][32 columns][2]``, then the block's 32 fp32 scales."""
+    ``[16 k-pairs][32 columns][2]``, then the block's 32 fp32 scales. A ``scale`` per 16 k
+    (``[N, K / 16]``, ``pc_gemm_q8h_amx``) puts the block's first halves' 32, then the second's."""
     ints, groups, blocks = _tile_order(q)
-    return _blocks(groups, blocks, ints.view(np.uint8).reshape(groups, blocks, 1024), scale)
+    per_column = [scale] if scale.shape[1] == blocks else [scale[:, 0::2], scale[:, 1::2]]
+    return _blocks(groups, blocks, ints.view(np.uint8).reshape(groups, blocks, 1024), *per_column)
 
 
 def q4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> torch.Tensor:
@@ -141,9 +143,11 @@ def _blocks(groups: int, blocks: int, ints: np.ndarray, *per_column: np.ndarray)
 
 def block_weights(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None) -> torch.Tensor:
     """The bf16 weights ``[N, K]`` that the block kernels form: ``q * scale (+ minimum)`` per
-    32 k in fp32 (the product exact, one rounding for the sum), rounded to bf16."""
+    32 (or, with a scale per 16, 16) k in fp32 (the product exact, one rounding for the sum),
+    rounded to bf16."""
     n, k = q.shape
-    w = torch.from_numpy(q).float().view(n, k // 32, 32) * torch.from_numpy(scale)[..., None]
+    g = k // scale.shape[1]
+    w = torch.from_numpy(q).float().view(n, k // g, g) * torch.from_numpy(scale)[..., None]
     if minimum is not None:
         w += torch.from_numpy(minimum)[..., None]
     return w.view(n, k).to(torch.bfloat16)
@@ -213,18 +217,22 @@ class PackedLinear:
     ) -> PackedLinear | None:
         """``PackedLinear(weight, bias, float_out)`` on AMX from ``weight``'s GGUF blocks
         (``source``: ``q`` int8 ``[N, K]``, ``scale`` and ``minimum`` or None ``[N, K / 32]``,
-        ``weight`` = bf16(q * scale (+ minimum)), ``gguf_blocks.split_blocks``'s form): the
-        same outputs to the bit, the weights read at 0.75 (4-bit integers) or 1.06 bytes
-        (wider) instead of 2 (a one-row step reads every weight). None where AMX does not run
-        here, or where ``weight`` is not that rounding of the source."""
+        ``weight`` = bf16(q * scale (+ minimum)), ``gguf_blocks.split_blocks``'s form, or a
+        scale per 16 k ``[N, K / 16]`` and no minimum, ``split_q6_k``'s): the same outputs to
+        the bit, the weights read at 0.75 (4-bit integers), 1.06 or 1.25 bytes (wider)
+        instead of 2 (a one-row step reads every weight). The blocks are converted once per
+        call, which a long prefill pays (1.07x the panels' time at 2,048 rows, SmolLM2):
+        ``long_rows`` keeps the bf16 panels too, for calls of more rows (the same bits).
+        None where AMX does not run here, or where ``weight`` is not that rounding."""
         amx = _amx_lib()
         q, scale, minimum = source
         n, k = q.shape
         if amx is None or weight.dtype != torch.bfloat16 or k % AMX_K_STEP:
             return None
-        if tuple(weight.shape) != (n, k) or scale.shape != (n, k // 32):
+        halves = scale.shape == (n, k // 16)  # Q6_K: a scale per 16 k, no minimum
+        if tuple(weight.shape) != (n, k) or not (scale.shape == (n, k // 32) or halves):
             return None
-        if minimum is not None and minimum.shape != scale.shape:
+        if minimum is not None and (minimum.shape != scale.shape or halves):
             return None
         for start in range(0, n, 8192):  # the kernels' weights, exactly
             rows = slice(start, start + 8192)
@@ -232,23 +240,22 @@ class PackedLinear:
             if not torch.equal(block_weights(q[rows], scale[rows], part), weight[rows]):
                 return None
         low, high = int(q.min(initial=0)), int(q.max(initial=0))
-        if minimum is None and low >= -8 and high <= 7:  # Q4_0: q + 8, minimum -8 scale
+        if minimum is None and low >= -8 and high <= 7 and not halves:  # Q4_0: q + 8, -8 scale
             q, minimum, low, high = q + np.int8(8), scale * np.float32(-8), low + 8, high + 8
-        self = cls.__new__(cls)
         # 0..15 times a scale of at most 20 significant bits is exact in fp32, so the
         # kernel's one fma rounds as torch's product and sum (which the check above compared
         # only after the bf16 rounding)
         exact = not (scale.view(np.uint32) & np.uint32(0xF)).any()
-        if minimum is not None and low >= 0 and high <= 15 and exact:
-            self.packed, self._fn, self.kernel = (
-                q4_pack(q, scale, minimum),
-                amx.pc_gemm_q4_amx,
-                "q4_amx",
-            )
+        if halves:
+            packed, fn, kernel = q8_pack(q, scale), amx.pc_gemm_q8h_amx, "q8h_amx"
+        elif minimum is not None and low >= 0 and high <= 15 and exact:
+            packed, fn, kernel = q4_pack(q, scale, minimum), amx.pc_gemm_q4_amx, "q4_amx"
         elif minimum is None:
-            self.packed, self._fn, self.kernel = q8_pack(q, scale), amx.pc_gemm_q8_amx, "q8_amx"
+            packed, fn, kernel = q8_pack(q, scale), amx.pc_gemm_q8_amx, "q8_amx"
         else:
             return None
+        self = cls.__new__(cls)
+        self.packed, self._fn, self.kernel = packed, fn, kernel
         self.out_features, self.in_features = n, k
         self.dtype = torch.bfloat16
         self.bias = None if bias is None else bias.detach().float().contiguous()

@@ -159,6 +159,12 @@ struct Q8Blocks {
   static constexpr int64_t BYTES = 1024 + 32 * 4;
   PC_AMX static void to_tiles(const uint8_t* blk, uint32_t* tiles);
 };
+// Q8H: Q8's integers, then 64 fp32 scales, the 32 columns' for k 0-15 and for k 16-31
+// (Q6_K: a scale per 16 weights); w = q * scale as in Q8.
+struct Q8HalvesBlocks {
+  static constexpr int64_t BYTES = 1024 + 64 * 4;
+  PC_AMX static void to_tiles(const uint8_t* blk, uint32_t* tiles);
+};
 // Q4: per k-pair row and tile, 16 bytes whose byte j holds the tile row's value j (low
 // nibble) and j + 16 (high nibble), 0..15; then 32 fp32 scales, 32 fp32 minimums:
 // w = fma(q, scale, minimum), one rounding, the value of gguf's (d * q) + m (Q4_1) and
@@ -192,6 +198,26 @@ PC_AMX void Q8Blocks::to_tiles(const uint8_t* blk, uint32_t* tiles) {
       const __m512 hi = _mm512_mul_ps(
           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 16)))),
           s[t][1]);
+      _mm512_store_si512(tiles + t * 256 + r * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+PC_AMX void Q8HalvesBlocks::to_tiles(const uint8_t* blk, uint32_t* tiles) {
+  const int8_t* q = reinterpret_cast<const int8_t*>(blk);
+  __m512 s[2][2][2];  // [k half][tile][columns 0-7 | 8-15]
+  pair_columns(reinterpret_cast<const float*>(blk + 1024), s[0]);
+  pair_columns(reinterpret_cast<const float*>(blk + 1024 + 128), s[1]);
+  for (int r = 0; r < 16; ++r) {  // k-pair r holds k 2r, 2r + 1: the first half below 8
+    const int h = r / 8;
+    for (int t = 0; t < 2; ++t) {
+      const int8_t* src = q + r * 64 + t * 32;
+      const __m512 lo = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)src))),
+          s[h][t][0]);
+      const __m512 hi = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 16)))),
+          s[h][t][1]);
       _mm512_store_si512(tiles + t * 256 + r * 16, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
   }
@@ -338,6 +364,14 @@ void pc_gemm_q8_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* pa
                     int64_t k, const float* bias, uint16_t* out, int64_t ldo, int f32_out,
                     int nthreads) {
   gemm_blocks<Q8Blocks>(x, ldx, m, packed, n, k, bias, out, ldo, f32_out, nthreads);
+}
+
+// The same for q8_pack's layout with a scale per 16 k (Q8HalvesBlocks).
+PC_AMX
+void pc_gemm_q8h_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n,
+                     int64_t k, const float* bias, uint16_t* out, int64_t ldo, int f32_out,
+                     int nthreads) {
+  gemm_blocks<Q8HalvesBlocks>(x, ldx, m, packed, n, k, bias, out, ldo, f32_out, nthreads);
 }
 
 // The same for q4_pack's layout (Q4Blocks).

@@ -76,3 +76,19 @@ def _split_q4_k(raw: np.ndarray, n: int, k: int) -> BlockInts | None:
     scale = (d[..., None] * sc.astype(np.float32)).reshape(n, k // 32)
     minimum = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, k // 32)
     return BlockInts(q.reshape(n, k), scale.astype(np.float32), minimum.astype(np.float32))
+
+
+def split_q6_k(data: np.ndarray, n: int, k: int) -> BlockInts | None:
+    """Q6_K (256 weights: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, fp16
+    d): ``w = (d * scale_j) * (q - 32)`` per 16 weights, so this ``scale`` is per 16 k
+    (``[n, k / 16]``), exact in fp32 (11 + 8 bits). For the bf16 GEMM's blocks only
+    (``cpu_gemm.PackedLinear.from_blocks``); ``cpu_qgemm`` takes per-32 scales."""
+    if k % 256:
+        return None
+    blocks = np.ascontiguousarray(data).reshape(-1).view(np.uint8).reshape(-1, 210)
+    nb = blocks.shape[0]
+    lo = blocks[:, :128].reshape(nb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    hi = blocks[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    q = ((lo & 0x0F).reshape(nb, 8, 32) | ((hi & 0x03).reshape(nb, 8, 32) << 4)).astype(np.int8)
+    scale = _f16(blocks[:, 208:210])[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
+    return BlockInts((q - np.int8(32)).reshape(n, k), scale.reshape(n, k // 16), None)

@@ -18,7 +18,7 @@ import torch
 
 from .. import settings
 from ..kernels import cpu_gemm, cpu_qgemm
-from .gguf_blocks import split_blocks
+from .gguf_blocks import split_blocks, split_q6_k
 from .llama import LlamaForCausalLM
 from .quantized_linear import QEmbedding, QLinear
 
@@ -65,7 +65,8 @@ def block_sources(
     if not cpu_gemm.amx_available():
         return None
     n, k = (int(d) for d in reversed(t.shape.tolist()))
-    ints = split_blocks(t.data, t.tensor_type.name, n, k)
+    name = t.tensor_type.name
+    ints = split_q6_k(t.data, n, k) if name == "Q6_K" else split_blocks(t.data, name, n, k)
     if ints is None:
         return None
     out: list[cpu_gemm.BlockSource] = []

@@ -202,7 +202,13 @@ def _fuse_sources(sources: list[BlockSource | None]) -> BlockSource | None:
     if len({s[2] is None for s in parts}) != 1:
         return None
     minimum = None if parts[0][2] is None else np.concatenate([s[2] for s in parts])  # type: ignore[misc]
-    return np.concatenate([s[0] for s in parts]), np.concatenate([s[1] for s in parts]), minimum
+    scales = [s[1] for s in parts]
+    if len({sc.shape[1] for sc in scales}) > 1:  # Q6_K's per-16 scales beside per-32 ones
+        if minimum is not None:
+            return None
+        per16 = max(sc.shape[1] for sc in scales)
+        scales = [sc if sc.shape[1] == per16 else np.repeat(sc, 2, axis=1) for sc in scales]
+    return np.concatenate([s[0] for s in parts]), np.concatenate(scales), minimum
 
 
 def _fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
