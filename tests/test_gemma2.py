@@ -28,7 +28,7 @@ from test_sliding_window_models import (  # noqa: E402
 
 from prefixcache.engine.config import EngineConfig  # noqa: E402
 from prefixcache.engine.engine import LLMEngine  # noqa: E402
-from prefixcache.engine.memory.local_pages import HybridBlockManager  # noqa: E402
+from prefixcache.engine.memory.hybrid.manager import HybridBlockManager  # noqa: E402
 from prefixcache.engine.model.demo_model import ASSETS  # noqa: E402
 from prefixcache.engine.model.gemma3 import Gemma3ForCausalLM  # noqa: E402
 from prefixcache.engine.model.loader import load_model  # noqa: E402

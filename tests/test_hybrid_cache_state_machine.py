@@ -33,8 +33,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.memory.block_types import BlockTable, OutOfBlocksError, PrefixMatch
+from prefixcache.engine.memory.hybrid.local_pages import NULL_PAGE
+from prefixcache.engine.memory.hybrid.manager import HybridBlockManager
 from prefixcache.engine.memory.kv_cache import KVCacheSpec
-from prefixcache.engine.memory.local_pages import NULL_PAGE, HybridBlockManager
 from prefixcache.engine.paging import ceil_div
 from prefixcache.engine.request import SegmentSpan
 from prefixcache.engine.step.chunk_reuse import chunk_namespace, plan_placements, stored_length

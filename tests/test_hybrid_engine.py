@@ -17,8 +17,7 @@ from hybrid_reference import WindowedReferenceBackend
 from prefixcache.engine import engine as engine_module
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.memory.local_pages import HybridBlockManager
-from prefixcache.engine.memory.prefix_store import PrefixStoreError
+from prefixcache.engine.memory.hybrid.manager import HybridBlockManager
 from prefixcache.engine.model import demo_model
 from prefixcache.engine.model.loader import LoadedModel, load_model
 from prefixcache.engine.request import EngineRequest, SamplingParams
@@ -140,14 +139,9 @@ def test_incomplete_window_shrinks_the_hit(hybrid_loaded: LoadedModel) -> None:
     assert cached == 112 and warm == cold
 
 
-def test_hybrid_refuses_the_kv_tier_and_prefix_files(
-    hybrid_loaded: LoadedModel, tmp_path: Any
-) -> None:
+def test_hybrid_refuses_the_kv_tier(hybrid_loaded: LoadedModel) -> None:
     with pytest.raises(ValueError, match="kv-offload"):
         make_engine(hybrid_loaded, kv_offload="host:0.01")
-    engine = make_engine(hybrid_loaded)
-    with pytest.raises(PrefixStoreError):
-        engine.save_pinned(tmp_path / "p.safetensors")
 
 
 def test_a_backend_without_windows_is_refused(

@@ -21,7 +21,8 @@ from test_reuse_anywhere import BS, FP32_EPS, assert_same_outputs, make_rag, out
 from prefixcache.engine import engine as engine_module
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.memory.local_pages import NULL_PAGE, HybridBlockManager
+from prefixcache.engine.memory.hybrid.local_pages import NULL_PAGE
+from prefixcache.engine.memory.hybrid.manager import HybridBlockManager
 from prefixcache.engine.model.loader import LoadedModel, load_model
 from prefixcache.engine.model.rope import shift_keys, shift_rotation
 

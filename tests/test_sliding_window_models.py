@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from prefixcache.engine.config import EngineConfig  # noqa: E402
 from prefixcache.engine.engine import LLMEngine  # noqa: E402
-from prefixcache.engine.memory.local_pages import HybridBlockManager  # noqa: E402
+from prefixcache.engine.memory.hybrid.manager import HybridBlockManager  # noqa: E402
 from prefixcache.engine.model.demo_model import ASSETS  # noqa: E402
 from prefixcache.engine.model.loader import LoadedModel, load_model  # noqa: E402
 from prefixcache.engine.model.model_config import ModelConfig  # noqa: E402

@@ -3,7 +3,7 @@
 Each layer holds ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``; ``[:, 0]`` is K and
 ``[:, 1]`` is V. A block id indexes the same page in every layer. A hybrid model's sliding
 layers (``local_layers``) hold ``num_local_pages`` pages instead, indexed by local page
-(``local_pages.py``; page 0 is the null page).
+(``hybrid/local_pages.py``; page 0 is the null page).
 """
 
 from __future__ import annotations
@@ -69,12 +69,8 @@ class KVCache:
         ]
         self._global = [t for i, t in enumerate(self.layers) if i not in local]
         self._local = [t for i, t in enumerate(self.layers) if i in local]
-        # On the CPU, each layer's pages as bytes (views of the same memory): the tier's copies
-        self._host: list[np.ndarray] | None = None
-        if self.layers[0].device.type == "cpu" and not local:
-            self._host = [
-                layer.view(torch.uint8).numpy().reshape(num_blocks, -1) for layer in self.layers
-            ]
+        self.global_io = PageBytes(self._global)  # by block id
+        self.local_io = PageBytes(self._local)  # by local page (hybrid models)
 
     @property
     def block_size(self) -> int:
@@ -104,15 +100,41 @@ class KVCache:
         for layer in self._local:
             layer[dst_page, :, :num_tokens].copy_(layer[src_page, :, :num_tokens])
 
-    # The KV tier's side (``kv_tier.PageIO``): whole pages as bytes, every layer in order.
+    # The KV tier's side (``kv_tier.PageIO``): whole pages as bytes. A hybrid model has two
+    # groups of pages, each its own PageIO: ``global_io`` (by block) and ``local_io``.
 
     @property
     def bytes_per_block(self) -> int:
-        return self.spec.bytes_per_block
+        return self.global_io.bytes_per_block
+
+    def read_pages(self, pages: list[int]) -> np.ndarray:
+        return self.global_io.read_pages(pages)
+
+    def write_pages(self, pages: list[int], data: np.ndarray | Sequence[np.ndarray]) -> None:
+        self.global_io.write_pages(pages, data)
+
+
+class PageBytes:
+    """One layer group's pages as bytes (``kv_tier.PageIO``): a page is the same index in
+    every layer of the group, its bytes the layers' in order. A group of no layer (a model
+    whose every layer slides has no global KV) reads and writes zero bytes a page."""
+
+    __slots__ = ("_host", "bytes_per_block", "layers")
+
+    def __init__(self, layers: list[torch.Tensor]) -> None:
+        self.layers = layers
+        self.bytes_per_block = sum(layer[0].numel() * layer.element_size() for layer in layers)
+        # On the CPU, each layer's pages as bytes (views of the same memory): the tier's copies
+        self._host: list[np.ndarray] | None = None
+        if layers and layers[0].device.type == "cpu":
+            self._host = [
+                layer.view(torch.uint8).numpy().reshape(layer.shape[0], -1) for layer in layers
+            ]
 
     def read_pages(self, pages: list[int]) -> np.ndarray:
         """A host copy of the pages' KV: uint8 ``[len(pages), bytes_per_block]``."""
-        assert not self.local_layers, "the KV tier does not carry a hybrid model's local pages"
+        if not self.layers:
+            return np.empty((len(pages), 0), dtype=np.uint8)
         if self._host is not None:  # one copy, on this thread (no torch intra-op workers)
             out = np.empty((len(pages), self.bytes_per_block), dtype=np.uint8)
             width = self.bytes_per_block // len(self._host)
@@ -130,7 +152,8 @@ class KVCache:
         On the CPU each row goes straight into its page, layer by layer, on this thread: a
         plain memory copy. torch's ``index_copy_`` over the same bytes ran at 0.3-0.9 GB/s
         on a shared 2-vCPU box (its intra-op workers wait on each other)."""
-        assert not self.local_layers, "the KV tier does not carry a hybrid model's local pages"
+        if not self.layers:
+            return
         if self._host is not None:
             width = self.bytes_per_block // len(self._host)
             for page, row in zip(pages, data, strict=True):

@@ -54,16 +54,20 @@ def saved_blocks(manager: BlockManager) -> list[SavedBlock]:
 
 
 def restore_blocks(
-    manager: BlockManager, saved: list[SavedBlock], write: WriteBlock
+    manager: BlockManager,
+    saved: list[SavedBlock],
+    write: WriteBlock,
+    reused: WriteBlock | None = None,
 ) -> RestoreResult:
     """Cache saved blocks (parents first) that are not cached yet, filling each new page with
     ``write(index, page)``, then re-apply their pins. Pages come from the free list or by
-    evicting idle unpinned blocks, never from running requests or pinned prefixes."""
+    evicting idle unpinned blocks, never from running requests or pinned prefixes.
+    ``reused(index, page)``: told of each saved block found cached here, while it is held."""
     if not manager.enable_caching:
         return RestoreResult(0, 0, len(saved), 0)
     nodes: list[Node | None] = []
     held: list[int] = []  # one ref on every restored or reused page until the end
-    restored = reused = 0
+    restored = num_reused = 0
     try:
         for i, item in enumerate(saved):
             parent = nodes[item.parent] if 0 <= item.parent < len(nodes) else None
@@ -76,7 +80,9 @@ def restore_blocks(
                 if new:
                     restored += 1
                 else:
-                    reused += 1
+                    num_reused += 1
+                    if reused is not None:
+                        reused(i, node.block)
             nodes.append(node)
     finally:
         manager.release(held)  # children turn idle before their parents
@@ -85,4 +91,4 @@ def restore_blocks(
         if node is not None and item.pins and not node.own_pins:
             manager.pin_path(node, item.pins)
             pinned += 1
-    return RestoreResult(restored, reused, len(saved) - restored - reused, pinned)
+    return RestoreResult(restored, num_reused, len(saved) - restored - num_reused, pinned)

@@ -3,7 +3,9 @@
 A file is one safetensors file: per layer the KV pages of every block on a pinned prefix
 (``kv.<layer>``, ``[n, 2, block_size, kv_heads, head_dim]``, the cache's own layout and dtype)
 and the tree around them (``tokens``, ``parents``, ``pins``, ``roots``: parents before
-children; a root is the namespace root digest of a top block). Its metadata carries the
+children; a root is the namespace root digest of a top block). A hybrid model's sliding
+layers (metadata ``local_layers``) keep only the blocks ``local_blocks`` lists: those of each
+pinned prefix's last window that still had their local page, all a hit on it reads. Its metadata carries the
 format, a digest of the engine identity (model and tokenizer fingerprints, dtype), the block
 size, and an HMAC-SHA256 over everything else keyed by a key the caller passes (the
 sidecar derives it from the server secret: tenancy.cache_file_key), so a file from another model, tokenizer, dtype or
@@ -23,7 +25,7 @@ import json
 import os
 import tempfile
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +34,7 @@ from safetensors.torch import save_file
 
 from ..api import LoadResult, PrefixStoreError, SaveResult
 from .block_manager import BlockManager
+from .hybrid.manager import HybridBlockManager
 from .kv_cache import KVCache
 from .pinned_blocks import SavedBlock, restore_blocks, saved_blocks
 
@@ -48,15 +51,12 @@ class Snapshot:
     identity: str  # sha256 hex of the engine identity
     block_size: int
     path: str = ""  # the file it was read from ("": taken from the pages)
+    local_layers: tuple[int, ...] = ()  # hybrid: their kv has a row per local_blocks entry
+    local_blocks: list[int] = field(default_factory=list)  # indices into blocks, ascending
 
     @property
     def num_prefixes(self) -> int:
         return sum(1 for b in self.blocks if b.pins)
-
-
-def _refuse_hybrid(cache: KVCache) -> None:
-    if cache.local_layers:
-        raise PrefixStoreError("pinned-prefix files do not carry a hybrid model's local pages yet")
 
 
 def identity_digest(identity: bytes) -> str:
@@ -65,21 +65,68 @@ def identity_digest(identity: bytes) -> str:
 
 def snapshot(manager: BlockManager, cache: KVCache) -> Snapshot:
     """Copy out every pinned prefix (engine thread)."""
-    _refuse_hybrid(cache)
     blocks = saved_blocks(manager)
-    pages = torch.tensor([b.page for b in blocks], dtype=torch.long, device=cache.spec.device)
-    kv = [cache.select_pages(layer, pages).cpu() for layer in cache.layers]
-    return Snapshot(blocks, kv, identity_digest(manager.identity), manager.block_size)
+    local_blocks: list[int] = []
+    local_pages: list[int] = []
+    if cache.local_layers:
+        assert isinstance(manager, HybridBlockManager)
+        local_blocks = _last_windows(blocks, manager)
+        local_pages = [manager.local.page_of[blocks[i].page] for i in local_blocks]
+    device = cache.spec.device
+    pages = torch.tensor([b.page for b in blocks], dtype=torch.long, device=device)
+    local = torch.tensor(local_pages, dtype=torch.long, device=device)
+    kv = [
+        cache.select_pages(layer, local if i in cache.local_layers else pages).cpu()
+        for i, layer in enumerate(cache.layers)
+    ]
+    identity = identity_digest(manager.identity)
+    return Snapshot(blocks, kv, identity, manager.block_size, "", cache.local_layers, local_blocks)
+
+
+def _last_windows(blocks: list[SavedBlock], manager: HybridBlockManager) -> list[int]:
+    """The saved blocks whose local pages a hit on a pinned prefix reads (its last window,
+    or that of the longest hit whose window is complete, as ``fit`` finds it)."""
+    out: set[int] = set()
+    for i, block in enumerate(blocks):
+        if not block.pins:
+            continue
+        chain = [i]
+        while blocks[chain[-1]].parent >= 0:
+            chain.append(blocks[chain[-1]].parent)
+        chain.reverse()  # root first: chain[j] is block j of the prefix
+        index = {blocks[j].page: j for j in chain}
+        out.update(index[b] for b in manager.hit_window([blocks[j].page for j in chain]))
+    return sorted(out)
 
 
 def restore(snap: Snapshot, manager: BlockManager, cache: KVCache) -> LoadResult:
     """Cache and pin what a snapshot holds (engine thread). Checks were done by ``read``."""
+    local = set(snap.local_layers)
+    local_row = {index: row for row, index in enumerate(snap.local_blocks)}
 
     def write(index: int, page: int) -> None:  # page by page: no second copy of the file
-        for layer, kv in zip(cache.layers, snap.kv, strict=True):
-            layer[page].copy_(kv[index])
+        for i, (layer, kv) in enumerate(zip(cache.layers, snap.kv, strict=True)):
+            if i not in local:
+                layer[page].copy_(kv[index])
+        if local:
+            assert isinstance(manager, HybridBlockManager)
+            row = local_row.get(index)
+            if row is None:
+                manager.local.drop(page)  # no saved KV: no hit may count on this page
+            else:
+                write_local(row, manager.local.page_of[page])
 
-    restored = restore_blocks(manager, snap.blocks, write)
+    def write_local(row: int, local_page: int) -> None:
+        for i in snap.local_layers:
+            cache.layers[i][local_page].copy_(snap.kv[i][row])
+
+    def reused(index: int, block: int) -> None:  # cached here, maybe without its local page
+        row = local_row.get(index)
+        if row is not None:
+            assert isinstance(manager, HybridBlockManager)
+            manager.fill_local(block, lambda local_page: write_local(row, local_page))
+
+    restored = restore_blocks(manager, snap.blocks, write, reused if local else None)
     return LoadResult(
         snap.path,
         snap.num_prefixes,
@@ -102,6 +149,8 @@ def write(snap: Snapshot, path: str | Path, key: bytes) -> SaveResult:
         "block_size": str(snap.block_size),
         "num_layers": str(len(snap.kv)),
     }
+    if snap.local_layers:
+        metadata["local_layers"] = ",".join(map(str, snap.local_layers))
     metadata["hmac"] = sign(key, metadata, tensors)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -118,7 +167,6 @@ def write(snap: Snapshot, path: str | Path, key: bytes) -> SaveResult:
 def read(path: str | Path, identity: bytes, cache: KVCache, key: bytes) -> Snapshot:
     """A file's snapshot, refused unless it was signed with ``key`` and made by this engine
     identity and layout. Every refusal is a ``PrefixStoreError`` (a ValueError)."""
-    _refuse_hybrid(cache)
     source, path = str(path), Path(path)
     if not path.is_file():
         raise PrefixStoreError(f"{path}: no such file")
@@ -167,12 +215,32 @@ def _checked(
         t is None or tuple(t.shape[1:]) != page_shape or t.dtype != spec.dtype for t in kv
     ):
         raise PrefixStoreError("its KV layout differs from this engine's cache")
+    local_layers = tuple(int(i) for i in metadata.get("local_layers", "").split(",") if i)
+    if local_layers != cache.local_layers:
+        raise PrefixStoreError(
+            f"saved with sliding-window layers {list(local_layers)}, this engine has "
+            f"{list(cache.local_layers)} (another --max-model-len?)"
+        )
     blocks = _blocks(tensors, spec.block_size)
-    if any(t.shape[0] != len(blocks) for t in kv):  # type: ignore[union-attr]
+    local_blocks = tensors["local_blocks"].tolist() if local_layers else []
+    if any(not 0 <= b < len(blocks) for b in local_blocks) or local_blocks != sorted(
+        set(local_blocks)
+    ):
+        raise PrefixStoreError("its local blocks are malformed")
+    rows = [len(local_blocks) if i in local_layers else len(blocks) for i in range(num_layers)]
+    if any(t.shape[0] != n for t, n in zip(kv, rows, strict=True)):  # type: ignore[union-attr]
         raise PrefixStoreError("its KV and its tree disagree on the number of blocks")
     if not all(bool(torch.isfinite(_wide(t)).all()) for t in kv):  # type: ignore[arg-type]
         raise PrefixStoreError("its KV pages hold non-finite values (NaN or inf)")
-    return Snapshot(blocks, kv, metadata["identity"], spec.block_size, source)  # type: ignore[arg-type]
+    return Snapshot(
+        blocks,
+        kv,  # type: ignore[arg-type]
+        metadata["identity"],
+        spec.block_size,
+        source,
+        local_layers,
+        local_blocks,
+    )
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -192,6 +260,8 @@ def _tensors(snap: Snapshot) -> dict[str, torch.Tensor]:
     }
     for i, layer in enumerate(snap.kv):
         out[f"kv.{i}"] = layer.contiguous()
+    if snap.local_layers:
+        out["local_blocks"] = torch.tensor(snap.local_blocks, dtype=torch.int64)
     return out
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..memory.hybrid.manager import HybridBlockManager
 from ..memory.kv_tier import TierStats
-from ..memory.local_pages import HybridBlockManager
 from .metrics import EngineMetrics, GaugeValues
 
 if TYPE_CHECKING:

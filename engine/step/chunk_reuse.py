@@ -35,8 +35,9 @@ import torch
 from ..attention import kv_dtype
 from ..memory.block_manager import BlockManager
 from ..memory.block_types import BlockTable, PrefixMatch
+from ..memory.hybrid.local_pages import NULL_PAGE
+from ..memory.hybrid.manager import HybridBlockManager
 from ..memory.kv_cache import KVCache
-from ..memory.local_pages import NULL_PAGE, HybridBlockManager
 from ..model.rope import shift_keys, shift_rotation
 from ..request import SegmentSpan
 from .model_runner import BatchEntry

@@ -14,9 +14,9 @@ from ..attention import kv_dtype
 from ..config import EngineConfig, TierSpec
 from ..memory.block_manager import BlockManager
 from ..memory.block_types import BlockTable
+from ..memory.hybrid.manager import HybridBlockManager
 from ..memory.kv_cache import KVCache, KVCacheSpec
 from ..memory.kv_tier import KVTier, create_tier
-from ..memory.local_pages import HybridBlockManager
 from ..model.loader import LoadedModel
 from ..paging import ceil_div
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..config import EngineConfig
 from ..memory.block_manager import BlockManager
 from ..memory.block_types import PrefixMatch
-from ..memory.local_pages import HybridBlockManager
+from ..memory.hybrid.manager import HybridBlockManager
 from ..request import SegmentMiss
 from .sequence import Sequence, SequenceStatus
 

@@ -1,0 +1,1 @@
+"""Hybrid models' KV memory: the sliding layers' local pages and the manager over them."""
