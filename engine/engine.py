@@ -67,6 +67,7 @@ class LLMEngine:
         identity = self.cache_identity(self.loaded, config.kv_cache_dtype)
         kv = build_kv(config, self.loaded, identity, hooks.clock)
         self.kv_cache, self.tier, self.block_manager = kv.cache, kv.tier, kv.manager
+        self.local_tier, self._tiers = kv.local_tier, [t for t in (kv.tier, kv.local_tier) if t]
         self.block_manager.listener = self._listeners
         self.hybrid, self._local_table_of = kv.local_table_of is not None, kv.local_table_of
         num_blocks = self.block_manager.num_blocks
@@ -135,8 +136,8 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release the KV tier's writer and file, and the event publisher (it sends its queue)."""
-        if self.tier is not None:
-            self.tier.close()
+        for tier in self._tiers:
+            tier.close()
         if self.kv_events is not None:
             self.kv_events.close()
 
@@ -359,16 +360,16 @@ class LLMEngine:
         """Evict the pool's idle blocks (and empty the KV tier, unless ``keep_tier``: then the
         evicted blocks spill into it)."""
         evicted = self.block_manager.evict_all(include_pinned, keep_tier)
-        if self.tier is not None:
-            self.tier.drain()
+        for tier in self._tiers:
+            tier.drain()
         self.flush_kv_events()
         self.stats.admin_evicted(evicted)
         return evicted
 
     def cache_stats(self) -> CacheStats:
-        tier = self.tier.stats() if self.tier is not None else None
-        pages = kv_dtype.name_of(self.kv_cache.spec.dtype)
-        return cache_report.cache_stats(self.block_manager.stats(), tier, self.piece_stats(), pages)
+        tier, local = (t.stats() if t is not None else None for t in (self.tier, self.local_tier))
+        pages, manager = kv_dtype.name_of(self.kv_cache.spec.dtype), self.block_manager.stats()
+        return cache_report.cache_stats(manager, tier, self.piece_stats(), pages, local)
 
     def tier_stats(self) -> TierStats | None:
         return self.tier.stats() if self.tier is not None else None

@@ -43,6 +43,9 @@ class TierBlockStats(msgspec.Struct):
     used: int = 0  # blocks it holds
     bytes_total: int = 0
     bytes_used: int = 0
+    # hybrid models only: the sliding layers' pages it can hold and holds (bytes_* count them)
+    local_total: int | msgspec.UnsetType = msgspec.UNSET
+    local_used: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class LocalPageStats(msgspec.Struct):

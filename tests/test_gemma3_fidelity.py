@@ -142,13 +142,15 @@ MODES: dict[str, dict[str, object]] = {
     "warm": {},
     "chunked": {"enable_prefix_caching": False, "max_num_batched_tokens": 80},
     "batched": {},
+    "reloaded": {"kv_offload": "host:0.5"},  # every hit copied back from the KV tier
 }
 _RUNS: dict[tuple[int, str], list] = {}
 
 
 def run(loaded: LoadedModel, mode: str) -> list:
     """Every prompt's result in ``mode``: one at a time (warm: after the document's KV was
-    computed by a first request), or all at once (batched)."""
+    computed by a first request; reloaded: the same, each request's hit reloaded from the KV
+    tier), or all at once (batched)."""
     key = (id(loaded), mode)
     if key not in _RUNS:
         eng = engine(loaded, **MODES[mode])
@@ -156,9 +158,15 @@ def run(loaded: LoadedModel, mode: str) -> list:
         if mode == "batched":
             _RUNS[key] = eng.generate(reqs)
         else:
-            if mode == "warm":
+            if mode in ("warm", "reloaded"):
                 eng.generate(requests(loaded, "warm-up")[:1])  # computes the document's KV once
-            _RUNS[key] = [eng.generate([r])[0] for r in reqs]
+            results = []
+            for r in reqs:
+                if mode == "reloaded":  # the pool emptied into the tier: global and local pages
+                    eng.evict_all(keep_tier=True)
+                results.append(eng.generate([r])[0])
+            eng.close()
+            _RUNS[key] = results
     return _RUNS[key]
 
 
@@ -189,7 +197,7 @@ def test_greedy_continuations_equal_transformers(
         assert result.token_ids == expected, (
             f"{mode} {i}: {tok.decode(result.token_ids)!r} != {tok.decode(expected)!r}"
         )
-    if mode == "warm":  # the document is reported cached and was not recomputed
+    if mode in ("warm", "reloaded"):  # the document is reported cached, not recomputed
         shared = shared_tokens(loaded)
         for i, result in enumerate(results[:NUM_SHARED]):
             assert result.usage.cached_tokens >= shared // BLOCK_SIZE * BLOCK_SIZE, i
@@ -213,7 +221,7 @@ def test_default_dtype_tokens_are_the_same_cold_warm_chunked_and_batched(
     loaded_default: LoadedModel,
 ) -> None:
     cold = [r.token_ids for r in run(loaded_default, "cold")]
-    for mode in ("warm", "chunked", "batched"):
+    for mode in ("warm", "chunked", "batched", "reloaded"):
         got = [r.token_ids for r in run(loaded_default, mode)]
         for i, (mine, ref) in enumerate(zip(got, cold, strict=True)):
             assert mine == ref, f"{mode} {i}: {mine} != cold {ref}"

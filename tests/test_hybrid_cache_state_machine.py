@@ -1,6 +1,8 @@
 """The hybrid block manager (global pages + the sliding layers' local pages) under random
 interleavings of admit (match + allocate, copy-on-write hits), prefill chunks, decodes, commits
-(with dedupe), frees, preemptions and evictions, over random windows and local pool sizes.
+(with dedupe), frees, preemptions and evictions, over random windows and local pool sizes,
+with or without a small KV tier (both parts: global and local pages; spills on eviction and on
+local pressure, reloads and refills, LRU drops, corrupt entries).
 
 Fake KV: one int per token slot in each group. A sequence writes, at position p, a signature of
 (namespace, tokens[: p + 1]) into its global page and its local page. After every step each
@@ -36,6 +38,7 @@ from prefixcache.engine.memory.block_types import BlockTable, OutOfBlocksError, 
 from prefixcache.engine.memory.hybrid.local_pages import NULL_PAGE
 from prefixcache.engine.memory.hybrid.manager import HybridBlockManager
 from prefixcache.engine.memory.kv_cache import KVCacheSpec
+from prefixcache.engine.memory.kv_tier import HostSlots, KVTier
 from prefixcache.engine.paging import ceil_div
 from prefixcache.engine.request import SegmentSpan
 from prefixcache.engine.step.chunk_reuse import chunk_namespace, plan_placements, stored_length
@@ -65,6 +68,26 @@ def placed_value(stored: int) -> int:
     return (stored * 31 + 7) % MOD
 
 
+class ArrayPages:
+    """The fake KV as the tier's ``PageIO``: a page's int64 slots as bytes."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self.bytes_per_block = array.shape[1] * array.itemsize
+
+    def read_pages(self, pages: list[int]) -> np.ndarray:
+        return self.array[pages].view(np.uint8)
+
+    def write_pages(self, pages: list[int], data: np.ndarray | list[np.ndarray]) -> None:
+        for page, row in zip(pages, data, strict=True):
+            self.array[page] = np.frombuffer(np.ascontiguousarray(row).tobytes(), np.int64)
+
+
+def tier_of(array: np.ndarray, slots: int) -> KVTier:
+    io = ArrayPages(array)
+    return KVTier(HostSlots(slots, io.bytes_per_block, False), io, writer=False)
+
+
 @dataclass(eq=False)
 class Seq:
     table: BlockTable
@@ -81,8 +104,11 @@ class HybridMachine(RuleBasedStateMachine):
         self.seqs: list[Seq] = []
         self.manager: HybridBlockManager | None = None
 
-    @initialize(window=st.integers(1, 14), extra=st.integers(0, NUM_BLOCKS))
-    def setup(self, window: int, extra: int) -> None:
+    @initialize(
+        window=st.integers(1, 14), extra=st.integers(0, NUM_BLOCKS), tier=st.integers(0, 20)
+    )
+    def setup(self, window: int, extra: int, tier: int) -> None:
+        """``tier``: its global slots (0: no tier; half as many local ones)."""
         num_local = 1 + min(NUM_BLOCKS, (window + 2 * BS) // BS + 2 + extra)
         self.kv = np.zeros((NUM_BLOCKS, BS), dtype=np.int64)
         self.local_kv = np.zeros((num_local, BS), dtype=np.int64)
@@ -95,8 +121,17 @@ class HybridMachine(RuleBasedStateMachine):
             assert NULL_PAGE not in (src, dst)
             self.local_kv[dst, :k] = self.local_kv[src, :k]
 
+        tiers = (tier_of(self.kv, tier), tier_of(self.local_kv, max(1, tier // 2))) if tier else ()
         self.manager = HybridBlockManager(
-            NUM_BLOCKS, BS, b"id", window, num_local, copy, copy_local
+            NUM_BLOCKS,
+            BS,
+            b"id",
+            window,
+            num_local,
+            copy,
+            copy_local,
+            tier=tiers[0] if tiers else None,
+            local_tier=tiers[1] if tiers else None,
         )
         self.window = window
 
@@ -124,11 +159,21 @@ class HybridMachine(RuleBasedStateMachine):
             with pytest.raises(OutOfBlocksError):
                 self.m.allocate(tokens, ns, match, target)
             return
+        refills = self.m.local_tier.stats().reloads if self.m.local_tier is not None else 0
         table = self.m.allocate(tokens, ns, match, target)
-        assert table.num_cached_tokens == match.num_tokens
+        if match.tier:
+            event("hit reloaded from the tier")
+        if self.m.local_tier is not None and self.m.local_tier.stats().reloads > refills:
+            event("window refilled from the tier")
+        if self.m.tier is None:
+            assert table.num_cached_tokens == match.num_tokens
+        else:  # a tier entry dropped by the spills its allocation made, or corrupt: shorter
+            assert table.num_cached_tokens <= match.num_tokens
+            if table.num_cached_tokens < match.num_tokens:
+                event("hit cut at allocation")
         seq = Seq(table, tokens, table.num_cached_tokens)
         self.seqs.append(seq)
-        self._compute(seq, target)
+        self._compute(seq, target - match.num_tokens + table.num_cached_tokens)  # the chunk
 
     @precondition(lambda self: len(self.seqs) < MAX_SEQS)
     @rule(
@@ -152,6 +197,9 @@ class HybridMachine(RuleBasedStateMachine):
         if whole == 0 or not self.m.can_allocate(stored, whole):
             return
         source = Seq(self.m.allocate(stored_tokens, chunk_ns, stored, whole), stored_tokens, 0)
+        if source.table.num_slots < whole:  # a tier entry lost: chunk_reuse gives up
+            self.m.free(source.table)
+            return
         source.num_computed = source.table.num_cached_tokens
         self._compute(source, whole)
         prompt = prefix + doc + suffix
@@ -168,6 +216,11 @@ class HybridMachine(RuleBasedStateMachine):
             return
         table = self.m.allocate(prompt, ns, match, len(prompt))
         seq = Seq(table, prompt, table.num_cached_tokens)
+        if table.num_slots < len(prompt):  # a tier entry lost: the scheduler drops placements
+            self.m.free(source.table)
+            self.seqs.append(seq)
+            self._compute(seq, len(prompt) - match.num_tokens + table.num_cached_tokens)
+            return
         _, start, end = plans[0]
         assert start >= seq.num_computed  # placed spans start past the exact hit
         page_of = self.m.local.page_of
@@ -212,9 +265,28 @@ class HybridMachine(RuleBasedStateMachine):
     def unpin(self, base: int, length: int, ns: str) -> None:
         self.m.unpin(BASES[base][:length], ns)
 
-    @rule(include_pinned=st.booleans())
-    def evict_all(self, include_pinned: bool) -> None:
-        self.m.evict_all(include_pinned=include_pinned)
+    @rule(include_pinned=st.booleans(), keep_tier=st.booleans())
+    def evict_all(self, include_pinned: bool, keep_tier: bool) -> None:
+        self.m.evict_all(include_pinned=include_pinned, keep_tier=keep_tier)
+
+    @precondition(
+        lambda self: self.manager is not None and self.manager.tier and len(self.seqs) < MAX_SEQS
+    )
+    @rule(base=st.integers(0, 1), length=st.integers(2, 28), ns=st.sampled_from(NAMESPACES))
+    def spill_and_readmit(self, base: int, length: int, ns: str) -> None:
+        """Everything idle into the tier, then a prompt that may hit it."""
+        self.m.evict_all(keep_tier=True)
+        self.admit(base, length, [], ns, 28)
+
+    @precondition(lambda self: self.manager is not None and self.manager.tier is not None)
+    @rule(local=st.booleans(), i=st.integers(0, 40))
+    def corrupt(self, local: bool, i: int) -> None:
+        """Damage one entry's bytes: a later reload or refill must read it as a miss."""
+        tier = self.m.local_tier if local else self.m.tier
+        assert tier is not None
+        digests = list(tier._entries)
+        if digests and tier.slot_bytes:
+            tier.corrupt_slot(digests[i % len(digests)])
 
     # ---- helpers
 
@@ -245,14 +317,19 @@ class HybridMachine(RuleBasedStateMachine):
         if n == 0:
             return
         h = history(ns, tokens)
-        blocks = match.blocks + ([match.partial_block] if match.partial_tokens else [])
+        blocks = match.blocks + [-1] * len(match.tier)
+        blocks += [match.partial_block] if match.partial_tokens else []
         page_of = self.m.local.page_of
         for p in range(max(0, n - self.window + 1), n):
-            page = page_of[blocks[p // BS]]
+            block = blocks[p // BS]
+            page = page_of[block] if block >= 0 else NULL_PAGE
+            if page == NULL_PAGE and self.m.local_tier is not None:
+                continue  # refilled at allocation (checked then, by the invariant)
             assert page != NULL_PAGE, f"a hit of {n} claims block {p // BS} without a local page"
             assert self.local_kv[page, p % BS] == h[p], "a hit's window reads another history"
         for p in range(n):
-            assert self.kv[blocks[p // BS], p % BS] == h[p]
+            if blocks[p // BS] >= 0:  # a tier block: checked once reloaded
+                assert self.kv[blocks[p // BS], p % BS] == h[p]
 
     # ---- invariants
 
@@ -286,7 +363,7 @@ class HybridMachine(RuleBasedStateMachine):
 
 TestHybridMachine = HybridMachine.TestCase
 TestHybridMachine.settings = settings(
-    max_examples=300,
+    max_examples=500,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

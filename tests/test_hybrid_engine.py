@@ -42,9 +42,8 @@ def reference_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def make_engine(loaded: LoadedModel, **overrides: Any) -> LLMEngine:
-    config = EngineConfig(
-        model="demo", dtype="float32", device="cpu", num_blocks=64, max_num_seqs=4, **overrides
-    )
+    settings: dict[str, Any] = {"num_blocks": 64, "max_num_seqs": 4, **overrides}
+    config = EngineConfig(model="demo", dtype="float32", device="cpu", **settings)
     engine = LLMEngine(config, loaded)
     local = engine.kv_cache.layers[engine.kv_cache.local_layers[0]]
     for i in engine.kv_cache.local_layers:  # the null page: never read, or the output is NaN
@@ -137,11 +136,6 @@ def test_incomplete_window_shrinks_the_hit(hybrid_loaded: LoadedModel) -> None:
     assert m.num_tokens == 7 * 16  # 112: its window (73..111) is complete
     ((warm, cached),) = run(engine, [base])
     assert cached == 112 and warm == cold
-
-
-def test_hybrid_refuses_the_kv_tier(hybrid_loaded: LoadedModel) -> None:
-    with pytest.raises(ValueError, match="kv-offload"):
-        make_engine(hybrid_loaded, kv_offload="host:0.01")
 
 
 def test_a_backend_without_windows_is_refused(

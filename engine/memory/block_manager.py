@@ -20,9 +20,8 @@ release their blocks last first, so a parent turns idle after its children; pinn
 whole path deepest first, and a pin covers every block above it. Hence the LRU head is always
 a leaf, and evicting it is O(1); ``tree.remove`` asserts the leaf.
 
-Pinning is the base class's (``block_pins.py``); the match, table and stats types are
-``block_types.py``'s. Saving pinned prefixes and restoring them is ``pinned_blocks.py``'s job,
-over ``pinned_nodes``, ``cache_block``, ``release`` and ``pin_path``.
+Pinning is the base class's (``block_pins.py``), the types ``block_types.py``'s; saving and
+restoring pinned prefixes ``pinned_blocks.py``'s (``pinned_nodes``, ``cache_block``, ``pin_path``).
 
 With a KV tier, evictions spill into it and a match continues through it; ``allocate`` reloads
 those blocks (``tier_link.py``). Reloaded tokens count as hits and, apart, as
@@ -85,22 +84,19 @@ class BlockManager(BlockPins):
         self._roots: dict[str, bytes] = {}
         self._stats = ManagerStats(num_blocks=num_blocks, block_size=block_size)
         self.listener = listener
-        self.tier = tier if enable_caching else None
-        self._tier_link = (
-            TierLink(
-                tier,
-                self._pool,
-                self._tree,
-                block_size,
-                spill_policy,
-                self._take_block,
-                self._cache,
-            )
-            if self.tier is not None
-            else None
-        )
         self._ttl = TTLPins(self.pin_path, clock)
+        self._link_tier(tier, spill_policy)
+
+    def _link_tier(self, tier: KVTier | None, spill_policy: str) -> None:
+        """Spill into ``tier`` and match through it (hybrid: once its pool is in place)."""
+        self.tier = tier if self.enable_caching else None
+        self._tier_link = None
         if self.tier is not None:
+            take = self._take_reload_block
+            link = TierLink(
+                self.tier, self._pool, self._tree, self.block_size, spill_policy, take, self._cache
+            )
+            self._tier_link = link
             self.tier.on_drop = self._tier_dropped
 
     # ---- counters
@@ -381,6 +377,10 @@ class BlockManager(BlockPins):
             block = self._pool.take_free()
             assert block == victim
         return block
+
+    def _take_reload_block(self) -> int:
+        """A fresh block for KV copied back from the tier."""
+        return self._take_block()
 
     def _evict(
         self, block: int, cause: str = "pressure", spill: bool = True, wait: bool = False

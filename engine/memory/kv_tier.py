@@ -163,7 +163,7 @@ class KVTier:
         self._entries: OrderedDict[bytes, TierEntry] = OrderedDict()  # LRU, oldest first
         self._free = list(range(storage.num_slots - 1, -1, -1))
         self._stats = TierStats(storage.kind, storage.num_slots, self.slot_bytes)
-        self._max_pending = max(16, max_pending_bytes // self.slot_bytes)  # staged copies
+        self._max_pending = max(16, max_pending_bytes // max(1, self.slot_bytes))  # staged
         self._queue: queue.Queue[tuple[TierEntry, np.ndarray] | None] | None = None
         self._thread: threading.Thread | None = None
         self.on_drop: Callable[[bytes], None] | None = None  # an entry left (KV events)
@@ -181,6 +181,11 @@ class KVTier:
         """Whether the tier holds this block (read-only: no LRU touch)."""
         entry = self._entries.get(digest)
         return entry is not None and entry.parent == parent and entry.tokens == tokens
+
+    def source(self, digest: bytes) -> tuple[bytes, bytes] | None:
+        """The parent digest and token bytes an entry was stored with (None: not held)."""
+        entry = self._entries.get(digest)
+        return None if entry is None else (entry.parent, entry.tokens)
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._entries
@@ -323,14 +328,22 @@ class KVTier:
         self.storage.close()
 
 
-def create_tier(spec: TierSpec, pages: PageIO, device: str, keep_files: bool = False) -> KVTier:
-    """The tier ``--kv-offload`` asks for, its slots sized to the pool's pages."""
+def create_tier(
+    spec: TierSpec,
+    pages: PageIO,
+    device: str,
+    keep_files: bool = False,
+    num_slots: int | None = None,
+) -> KVTier:
+    """The tier ``--kv-offload`` asks for, its slots sized to the pool's pages; ``num_slots``:
+    how many (default: as many as its bytes hold; a hybrid model splits them, kv_setup.py)."""
     slot_bytes = pages.bytes_per_block
-    num_slots = spec.num_bytes // slot_bytes
+    if num_slots is None:
+        num_slots = spec.num_bytes // slot_bytes
     if num_slots < 1:
         raise ValueError(f"--kv-offload: {spec.num_bytes} bytes hold no {slot_bytes}-byte block")
     storage: SlotStorage
-    if spec.kind == "host":
+    if spec.kind == "host" or not slot_bytes:  # no bytes (no global layer): an index only
         pin = device.startswith("cuda") and torch.cuda.is_available()
         storage = HostSlots(num_slots, slot_bytes, pin_memory=pin)
     else:

@@ -27,6 +27,7 @@ def cache_stats(
     tier: TierStats | None,
     pieces: TokenizerPieceStats | msgspec.UnsetType = msgspec.UNSET,
     kv_cache_dtype: str = "",
+    local_tier: TierStats | None = None,
 ) -> CacheStats:
     return CacheStats(
         block_size=s.block_size,
@@ -46,7 +47,7 @@ def cache_stats(
         ),
         hit_rate=s.hit_tokens / s.query_tokens if s.query_tokens else 0.0,
         tokenizer_pieces=pieces,
-        tier=tier_blocks(tier) if tier is not None else msgspec.UNSET,
+        tier=tier_blocks(tier, local_tier) if tier is not None else msgspec.UNSET,
         local_pages=local_pages(s) if s.num_local_pages else msgspec.UNSET,
     )
 
@@ -60,14 +61,21 @@ def local_pages(s: ManagerStats) -> LocalPageStats:
     )
 
 
-def tier_blocks(t: TierStats) -> TierBlockStats:
-    return TierBlockStats(
+def tier_blocks(t: TierStats, local: TierStats | None = None) -> TierBlockStats:
+    """The tier's blocks (their global layers' KV) and, for a hybrid model, its local pages;
+    bytes count both."""
+    out = TierBlockStats(
         kind=t.kind,
         total=t.num_slots,
         used=t.num_entries,
         bytes_total=t.num_slots * t.slot_bytes,
         bytes_used=t.bytes_used,
     )
+    if local is not None:
+        out.local_total, out.local_used = local.num_slots, local.num_entries
+        out.bytes_total += local.num_slots * local.slot_bytes
+        out.bytes_used += local.bytes_used
+    return out
 
 
 def piece_stats(tokenizer: Tokenizer | None) -> TokenizerPieceStats | msgspec.UnsetType:

@@ -194,6 +194,9 @@ class ChunkReuse:
         if not manager.can_allocate(match, len(tokens)):
             return None
         table = manager.allocate(tokens, namespace, match, len(tokens))
+        if table.num_slots < len(tokens):  # a tier entry lost at allocation: not this time
+            manager.free(table)
+            return None
         cached = table.num_cached_tokens
         if cached < len(tokens):
             local = self.hybrid.local_table(table) if self.hybrid is not None else None

@@ -27,6 +27,7 @@ class KVMemory:
     manager: BlockManager
     tier: KVTier | None = None
     local_table_of: Callable[[BlockTable], list[int]] | None = None  # hybrid models only
+    local_tier: KVTier | None = None  # hybrid models with a tier: their local pages' part
 
 
 def cache_identity(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> bytes:
@@ -46,8 +47,8 @@ def build_kv(
     )
     windows = effective_windows(config, loaded)
     if any(windows):
-        cache, hybrid = build_hybrid(config, spec, windows, identity, clock)
-        return KVMemory(cache, hybrid, None, hybrid.local_table)
+        cache, hybrid, tier, local_tier = build_hybrid(config, spec, windows, identity, clock)
+        return KVMemory(cache, hybrid, tier, hybrid.local_table, local_tier)
     num_blocks = config.num_blocks or spec.num_blocks_for(config.kv_memory_bytes)
     cache = KVCache(spec, num_blocks)
     tier = None
@@ -86,16 +87,14 @@ def build_hybrid(
     windows: tuple[int, ...],
     identity: bytes,
     clock: Callable[[], float],
-) -> tuple[KVCache, HybridBlockManager]:
-    """The two-group cache and its manager; refuses what cannot carry local pages yet."""
-    if config.kv_offload:
-        raise ValueError(
-            "--kv-offload is not supported for hybrid (sliding-window) models yet: the KV "
-            "tier does not carry the sliding layers' local pages"
-        )
+) -> tuple[KVCache, HybridBlockManager, KVTier | None, KVTier | None]:
+    """The two-group cache, its manager and (``--kv-offload``) the tier of each group."""
     num_blocks, num_local = hybrid_pool_sizes(config, spec, windows)
     local_layers = [i for i, w in enumerate(windows) if w > 0]
     cache = KVCache(spec, num_blocks, num_local, local_layers)
+    tier = local_tier = None
+    if config.kv_offload and config.enable_prefix_caching:
+        tier, local_tier = hybrid_tiers(config, cache, spec.device)
     manager = HybridBlockManager(
         num_blocks,
         config.block_size,
@@ -106,8 +105,31 @@ def build_hybrid(
         copy_local_slots=cache.copy_local_slots,
         enable_caching=config.enable_prefix_caching,
         clock=clock,
+        tier=tier,
+        local_tier=local_tier,
+        spill_policy=config.kv_spill_policy,
     )
-    return cache, manager
+    return cache, manager, tier, local_tier
+
+
+def hybrid_tiers(config: EngineConfig, cache: KVCache, device: str) -> tuple[KVTier, KVTier]:
+    """The ``--kv-offload`` bytes split as the pool is: ``swa_pool_ratio`` local-page slots
+    per global-page slot (a model whose every layer slides: global slots of no bytes, the
+    tree's blocks only)."""
+    spec = TierSpec.parse(config.kv_offload)
+    g_bytes, l_bytes = cache.global_io.bytes_per_block, cache.local_io.bytes_per_block
+    ratio = config.swa_pool_ratio
+    num_global = int(spec.num_bytes // (g_bytes + ratio * l_bytes))
+    num_local = int(ratio * num_global)
+    if num_local < 1:
+        raise ValueError(
+            f"--kv-offload: {spec.num_bytes} bytes hold no {l_bytes}-byte local page "
+            f"beside {1 / ratio:g} global ones"
+        )
+    keep = config.kv_offload_keep_files
+    tier = create_tier(spec, cache.global_io, device, keep, num_slots=num_global)
+    local_tier = create_tier(spec, cache.local_io, device, keep, num_slots=num_local)
+    return tier, local_tier
 
 
 def hybrid_pool_sizes(

@@ -124,6 +124,9 @@ class Scheduler:
                 seq.miss = self.explain_miss(seq, match)
             seq.table = manager.allocate(seq.token_ids, seq.namespace, match, target)
             seq.num_computed_tokens = seq.table.num_cached_tokens  # < match if no room to copy
+            if placements and seq.table.num_slots < seq.num_tokens:  # hybrid tier entry lost
+                self._release_chunks(placements)
+                placements = []
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
                 seq.num_reloaded_tokens = seq.table.num_reloaded_tokens

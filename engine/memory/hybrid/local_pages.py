@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+from ..block_pool import BlockPool
 from ..block_types import OutOfBlocksError
 
 NULL_PAGE = 0
@@ -33,6 +34,7 @@ class LocalPages:
         "is_pinned",
         "num_detached",
         "num_pages",
+        "on_detach",
         "page_of",
     )
 
@@ -49,6 +51,7 @@ class LocalPages:
         self._idle_pinned: OrderedDict[int, None] = OrderedDict()
         self.is_pinned: Callable[[int], bool] = lambda block: False
         self.num_detached = 0  # idle pages taken from their block under local pressure
+        self.on_detach: Callable[[int, int], None] | None = None  # (block, page), still intact
 
     @property
     def num_free(self) -> int:
@@ -74,6 +77,8 @@ class LocalPages:
             page = self._free.pop()
         elif self._behind or self._idle or self._idle_pinned:
             page, _ = (self._behind or self._idle or self._idle_pinned).popitem(last=False)
+            if self.on_detach is not None:
+                self.on_detach(self.block_of[page], page)
             self.page_of[self.block_of[page]] = NULL_PAGE
             self.num_detached += 1
         else:
@@ -168,3 +173,43 @@ class LocalPages:
             assert (self.holders[page] == 0) == (page in idle), f"local page {page} hold/LRU"
         attached = sum(1 for p in self.page_of if p != NULL_PAGE)
         assert attached == self.num_pages - 1 - len(free), "block -> local page map is off"
+
+
+class WatchedPool(BlockPool):
+    """The block pool, telling the local pages when a global page is taken or freed."""
+
+    def __init__(self, num_blocks: int, local: LocalPages, orphans: dict[int, int]) -> None:
+        super().__init__(num_blocks)
+        self.local, self.orphans = local, orphans
+
+    def take_free(self) -> int | None:
+        if not self.num_free:
+            return None
+        if not self.local.num_available:
+            raise OutOfBlocksError("no free or idle local page")
+        block = super().take_free()
+        assert block is not None
+        self.local.attach(block)
+        return block
+
+    def evict(self, block: int) -> None:
+        super().evict(block)
+        self._freed(block)
+
+    def pin(self, block: int) -> None:
+        super().pin(block)
+        self.local.repin(block)
+
+    def unpin(self, block: int) -> None:
+        super().unpin(block)
+        self.local.repin(block)
+
+    def deref(self, block: int) -> None:
+        super().deref(block)
+        if self.ref_count[block] == 0 and not self.cached[block]:
+            self._freed(block)
+
+    def _freed(self, block: int) -> None:
+        page = self.local.block_freed(block)
+        if page != NULL_PAGE:
+            self.orphans[block] = page

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from ..block_manager import BlockManager
-from ..block_pool import BlockPool
 from ..block_types import (
     BlockListener,
     BlockTable,
@@ -18,52 +18,17 @@ from ..block_types import (
     OutOfBlocksError,
     PrefixMatch,
 )
-from ..prefix_tree import Node
-from .local_pages import NULL_PAGE, LocalPages
+from ..prefix_tree import Node, token_bytes
+from .local_pages import NULL_PAGE, LocalPages, WatchedPool
+from .local_tier import LocalTierLink
 
-
-class _WatchedPool(BlockPool):
-    """The block pool, telling the local pages when a global page is taken or freed."""
-
-    def __init__(self, num_blocks: int, local: LocalPages, orphans: dict[int, int]) -> None:
-        super().__init__(num_blocks)
-        self.local, self.orphans = local, orphans
-
-    def take_free(self) -> int | None:
-        if not self.num_free:
-            return None
-        if not self.local.num_available:
-            raise OutOfBlocksError("no free or idle local page")
-        block = super().take_free()
-        assert block is not None
-        self.local.attach(block)
-        return block
-
-    def evict(self, block: int) -> None:
-        super().evict(block)
-        self._freed(block)
-
-    def pin(self, block: int) -> None:
-        super().pin(block)
-        self.local.repin(block)
-
-    def unpin(self, block: int) -> None:
-        super().unpin(block)
-        self.local.repin(block)
-
-    def deref(self, block: int) -> None:
-        super().deref(block)
-        if self.ref_count[block] == 0 and not self.cached[block]:
-            self._freed(block)
-
-    def _freed(self, block: int) -> None:
-        page = self.local.block_freed(block)
-        if page != NULL_PAGE:
-            self.orphans[block] = page
+if TYPE_CHECKING:
+    from ..kv_tier import KVTier
 
 
 class HybridBlockManager(BlockManager):
-    """``BlockManager`` plus the local pages of one sliding window (no KV tier)."""
+    """``BlockManager`` plus the local pages of one sliding window; with a KV tier, a second
+    one for local pages (``local_tier.py``)."""
 
     def __init__(
         self,
@@ -77,8 +42,14 @@ class HybridBlockManager(BlockManager):
         enable_caching: bool = True,
         clock: Callable[[], float] = time.monotonic,
         listener: BlockListener | None = None,
+        tier: KVTier | None = None,
+        local_tier: KVTier | None = None,
+        spill_policy: str = "all",
     ) -> None:
-        """``copy_local_slots(src, dst, k)`` copies local pages' first k slots."""
+        """``copy_local_slots(src, dst, k)`` copies local pages' first k slots. ``tier`` takes
+        the global pages' KV, ``local_tier`` the local pages' (both or neither)."""
+        if (tier is None) != (local_tier is None):
+            raise ValueError("a hybrid manager's KV tier needs both its global and local parts")
         if window < 1:
             raise ValueError(f"a hybrid manager needs a sliding window >= 1, got {window}")
         super().__init__(
@@ -89,15 +60,25 @@ class HybridBlockManager(BlockManager):
             enable_caching=enable_caching,
             clock=clock,
             listener=listener,
+            spill_policy=spill_policy,
         )
         self.window = window
         self.local = LocalPages(num_local_pages, num_blocks)
         self._orphans: dict[int, int] = {}
-        self._pool = pool = _WatchedPool(num_blocks, self.local, self._orphans)
+        self._pool = pool = WatchedPool(num_blocks, self.local, self._orphans)
         self.local.is_pinned = lambda block: pool.pin_count[block] > 0
         self._copy_global, self._copy_local = copy_slots, copy_local_slots
         self._copy_slots = self._copy_both if copy_slots is not None else None
         self.shrunk_tokens = 0  # hit tokens given up because a window was incomplete
+        self._link_tier(tier, spill_policy)  # over the watched pool
+        self._local_link: LocalTierLink | None = None
+        if self.tier is not None and local_tier is not None:
+            self._local_link = LocalTierLink(local_tier, spill_policy)
+            self.local.on_detach = self._spill_detached
+
+    @property
+    def local_tier(self) -> KVTier | None:
+        return self._local_link.tier if self._local_link is not None else None
 
     def window_start(self, num_tokens: int) -> int:
         """The first block a query at position ``num_tokens`` still sees a key of."""
@@ -120,23 +101,42 @@ class HybridBlockManager(BlockManager):
         return fitted
 
     def _fitted(self, match: PrefixMatch) -> PrefixMatch:
-        bs, page_of, blocks = self.block_size, self.local.page_of, match.blocks
-        partial = match.partial_block if match.partial_tokens else None
-        n = match.num_tokens
+        """Shortened to the longest hit whose window blocks have a local page, or one the
+        local tier holds (then without a partial block: a refill that fails shortens a
+        hit of full blocks only, ``_prefetch``)."""
+        bs, blocks, tier = self.block_size, match.blocks, match.tier
+        n, from_tier = match.num_tokens, False
         while n > 0:
             missing = -1
             for j in range((n - 1) // bs, self.window_start(n) - 1, -1):
-                block = blocks[j] if j < len(blocks) else partial
-                assert block is not None
-                if page_of[block] == NULL_PAGE:
+                where = self._local_source(match, j)
+                from_tier |= where == "tier"
+                if where is None:
                     missing = j
                     break
             if missing < 0:
                 break
             n = missing * bs  # every shorter hit ending after block `missing` still sees it
         if n == match.num_tokens:
+            if from_tier and match.partial_tokens:
+                return self._fitted(PrefixMatch(blocks, None, 0, bs, tier))
             return match
-        return PrefixMatch(blocks[: n // bs], None, 0, bs)
+        k = n // bs
+        return PrefixMatch(blocks[:k], None, 0, bs, tier[: max(0, k - len(blocks))])
+
+    def _local_source(self, match: PrefixMatch, j: int) -> str | None:
+        """Where block ``j`` of a match has its local page: "page", "tier" or nowhere."""
+        blocks, link = match.blocks, self._local_link
+        if j >= len(blocks) + len(match.tier):  # the partial block: its own page only
+            assert match.partial_block is not None
+            return "page" if self.local.page_of[match.partial_block] != NULL_PAGE else None
+        if j < len(blocks) and self.local.page_of[blocks[j]] != NULL_PAGE:
+            return "page"
+        if link is None or self.tier is None:
+            return None
+        if j < len(blocks):
+            return "tier" if link.holds_node(self._tree.node_of(blocks[j])) else None
+        return "tier" if link.holds_entry(match.tier[j - len(blocks)], self.tier) else None
 
     def hit_window(self, blocks: list[int]) -> list[int]:
         """The blocks whose local pages a hit over these cached full blocks reads, once
@@ -144,11 +144,23 @@ class HybridBlockManager(BlockManager):
         return self._window_blocks(self._fitted(PrefixMatch(blocks, None, 0, self.block_size)))
 
     def _window_blocks(self, match: PrefixMatch) -> list[int]:
+        """The window's blocks with a local page now (not those the tier refills)."""
         n = match.num_tokens
         if n == 0:
             return []
-        blocks = match.blocks + ([match.partial_block] if match.partial_block is not None else [])
-        return blocks[self.window_start(n) : (n - 1) // self.block_size + 1]
+        partial = [match.partial_block] if match.partial_block is not None else []
+        blocks = match.blocks + [-1] * len(match.tier) + partial
+        window = blocks[self.window_start(n) : (n - 1) // self.block_size + 1]
+        return [b for b in window if b >= 0 and self.local.page_of[b] != NULL_PAGE]
+
+    def _num_refills(self, match: PrefixMatch) -> int:
+        """Window blocks without a local page (the local tier has theirs: ``_fitted``)."""
+        n = match.num_tokens
+        if n == 0:
+            return 0
+        return (
+            (n - 1) // self.block_size + 1 - self.window_start(n) - len(self._window_blocks(match))
+        )
 
     # ---- capacity: every new block takes a local page too
 
@@ -171,7 +183,9 @@ class HybridBlockManager(BlockManager):
         holders = self.local.holders
         page_of = self.local.page_of
         idle = sum(1 for b in self._window_blocks(match) if holders[page_of[b]] == 0)
-        return self._blocks_needed(match, num_tokens) + idle <= self.local.num_available
+        # tier blocks take a page each and give it back at once, unless refilled
+        new = self._blocks_needed(match, num_tokens) - len(match.tier)
+        return new + idle + self._num_refills(match) <= self.local.num_available
 
     def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
         need = self._blocks_to_grow(table, num_tokens)
@@ -183,15 +197,82 @@ class HybridBlockManager(BlockManager):
         if not self.can_allocate(match, num_tokens):
             raise OutOfBlocksError(f"cannot allocate {num_tokens} tokens")
         match = self.honoured(match)
+        reloaded = 0
+        if match.tier or self._num_refills(match):
+            match, num_tokens, reloaded = self._prefetch(token_ids, namespace, match, num_tokens)
         window = self._window_blocks(match)
-        assert all(self.local.page_of[b] for b in window), "a hit with an incomplete window"
         for block in window:  # held before any page is taken: none of them is detached
             self.local.hold(block)
         table = super().allocate(token_ids, namespace, match, num_tokens)  # copies a partial:
         assert table.num_cached_tokens == match.num_tokens  # _copy_both released its source
         table.num_released_blocks = self.window_start(table.num_cached_tokens)
         table.num_interior_blocks = self.window_start(len(token_ids))
+        reloaded = min(reloaded, table.num_cached_tokens)
+        table.num_reloaded_tokens = reloaded
+        if "\x00" not in namespace:
+            self._stats.reloaded_tokens += reloaded
         return table
+
+    def _prefetch(
+        self, token_ids: Sequence[int], namespace: str, match: PrefixMatch, num_tokens: int
+    ) -> tuple[PrefixMatch, int, int]:
+        """Bring a hit's tier part into the pool first (its blocks' global pages reloaded, its
+        window's local pages refilled; then idle and cached), and match again in the pool
+        alone. A tier entry lost on the way (LRU, checksum) shortens the hit; where the pages
+        counted do not cover what the lost part then costs, ``num_tokens`` shrinks by as much
+        (the chunk computed stays as long; a caller that needs the whole prompt checks
+        ``num_slots``).
+        Returns (match, num_tokens, tokens reloaded into the hit's leading blocks)."""
+        bs, local, node_of = self.block_size, self.local, self._tree.node_of
+        self._pool.ref_all(match.blocks)  # none of them is evicted for the pages taken here
+        first = self.window_start(match.num_tokens)
+        held = [b for b in match.blocks[first:] if local.page_of[b] != NULL_PAGE]
+        for block in held:  # nor are their local pages taken
+            local.hold(block)
+        nodes = []
+        if match.tier:
+            assert self._tier_link is not None
+            start = len(match.blocks)
+            parent = node_of(match.blocks[-1]) if match.blocks else None
+            data = token_bytes(token_ids[start * bs : (start + len(match.tier)) * bs])
+            root = self._root(namespace)
+            nodes = self._tier_link.reload(match.tier, parent, root, data)  # refs taken
+        blocks = match.blocks + [node.block for node in nodes]
+        n, link, kept = len(blocks) * bs, self._local_link, set(held)
+        if link is not None:
+            window = blocks[self.window_start(n) : (n - 1) // bs + 1] if n else []
+            link.tier.touch([node_of(b).digest for b in window])  # type: ignore[union-attr]
+        while n > 0 and link is not None:  # _fitted's walk, refilling what it can
+            missing = -1
+            for j in range((n - 1) // bs, self.window_start(n) - 1, -1):
+                block = blocks[j]
+                if block in kept:
+                    continue
+                if local.page_of[block] != NULL_PAGE:
+                    local.hold(block)  # a window moved back by a lost entry
+                elif not (local.num_available and link.reload(node_of(block), local)):  # type: ignore[arg-type]
+                    missing = j
+                    break
+                held.append(block)
+                kept.add(block)
+            if missing < 0:
+                break
+            n = missing * bs
+        for block in held:  # idle, until the table holds them
+            local.release(block)
+        self.release(blocks)
+        tier_link, self._tier_link, self._local_link = self._tier_link, None, None
+        try:  # the pool alone: what the prefetch left there
+            pooled = self.match(token_ids, namespace, match.num_tokens)
+        finally:
+            self._tier_link, self._local_link = tier_link, link
+        if not self.can_allocate(pooled, num_tokens):  # else the same tokens are covered
+            num_tokens -= match.num_tokens - pooled.num_tokens
+            if not self.can_allocate(pooled, num_tokens):  # a window that holds more pages
+                num_tokens -= pooled.num_tokens
+                pooled = PrefixMatch([], None, 0, bs)
+        reloaded = max(0, min(len(pooled.blocks), len(blocks)) - len(match.blocks)) * bs
+        return pooled, num_tokens, reloaded
 
     def _copy_both(self, src: int, dst: int, num_tokens: int) -> None:
         assert self._copy_global is not None
@@ -235,6 +316,34 @@ class HybridBlockManager(BlockManager):
             raise
         self.local.release(block)
         return True
+
+    # ---- the KV tier: local pages spill with their block, or alone under local pressure
+
+    def _take_reload_block(self) -> int:
+        block = self._take_block()
+        self.local.drop(block)  # refilled for the window only (``_prefetch``)
+        return block
+
+    def _evict(
+        self, block: int, cause: str = "pressure", spill: bool = True, wait: bool = False
+    ) -> None:
+        page = self.local.page_of[block]
+        if spill and page != NULL_PAGE and self._local_link is not None:
+            node = self._tree.node_of(block)
+            assert node is not None
+            self._local_link.spill(node, page, wait)
+        super()._evict(block, cause, spill, wait)
+
+    def _spill_detached(self, block: int, page: int) -> None:
+        node = self._tree.node_of(block)
+        if node is not None and self._local_link is not None:
+            self._local_link.spill(node, page)
+
+    def evict_all(self, include_pinned: bool = False, keep_tier: bool = False) -> int:
+        count = super().evict_all(include_pinned, keep_tier)
+        if self._local_link is not None and not keep_tier:
+            self._local_link.tier.clear()
+        return count
 
     # ---- progress: commit, slide, free
 
@@ -280,6 +389,8 @@ class HybridBlockManager(BlockManager):
     def check_invariants(self) -> None:
         super().check_invariants()
         self.local.check()
+        if self._local_link is not None:
+            self._local_link.tier.check()
         assert not self._orphans
         pool, page_of = self._pool, self.local.page_of
         for block in range(self.num_blocks):

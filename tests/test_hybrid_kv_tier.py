@@ -1,0 +1,167 @@
+"""The KV tier (``--kv-offload``) on a hybrid model: the demo Llama with every other layer
+sliding (window 40), as in tests/test_hybrid_engine.py, whose null local page is NaN. Evicted
+blocks spill their global pages into the tier and their local pages into its second part; a
+local page taken alone under local-pool pressure spills too. A later hit reloads the global
+pages and refills its window's local pages, with the cold run's greedy tokens; a lost or
+corrupt entry shortens the hit, never the tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_hybrid_engine import hybrid_loaded, make_engine, prompt, reference_backend, run
+
+from prefixcache.engine.engine import LLMEngine
+from prefixcache.engine.memory.hybrid.manager import HybridBlockManager
+from prefixcache.engine.model.loader import LoadedModel
+
+__all__ = ["hybrid_loaded", "reference_backend"]  # fixtures shared with test_hybrid_engine
+
+BS = 16
+TIER = "host:0.05"  # 50 MB: every block of these tests
+
+
+def manager_of(engine: LLMEngine) -> HybridBlockManager:
+    assert isinstance(engine.block_manager, HybridBlockManager)
+    return engine.block_manager
+
+
+def cold(loaded: LoadedModel, tokens: list[int]) -> list[tuple[int, float]]:
+    ((out, cached),) = run(make_engine(loaded, enable_prefix_caching=False), [tokens])
+    assert cached == 0
+    return out
+
+
+def same(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> bool:
+    """The same greedy tokens, logprobs within fp32 reduction noise (the windowed reference
+    sums a warm suffix's keys in another order than the cold prompt's)."""
+    return [t for t, _ in a] == [t for t, _ in b] and all(
+        abs(x - y) <= 5e-4 for (_, x), (_, y) in zip(a, b, strict=True)
+    )
+
+
+def full_blocks(n: int) -> int:
+    return n // BS * BS
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(seed=st.integers(0, 10_000), length=st.integers(17, 160), extra=st.integers(1, 30))
+def test_a_hit_reloaded_from_the_tier_gives_the_cold_tokens(
+    hybrid_loaded: LoadedModel, seed: int, length: int, extra: int
+) -> None:
+    tokens = prompt(seed, length + extra, hybrid_loaded)
+    engine = make_engine(hybrid_loaded, kv_offload=TIER)
+    try:
+        run(engine, [tokens[:length]], max_tokens=1)
+        engine.evict_all(keep_tier=True)  # every block spills: global and local pages
+        manager = manager_of(engine)
+        assert manager.stats().num_cached_idle_blocks == 0
+        ((warm, cached),) = run(engine, [tokens])
+        assert same(warm, cold(hybrid_loaded, tokens))
+        assert cached == full_blocks(length) and manager.stats().reloaded_tokens == cached
+        assert manager.stats().num_local_held == 0
+    finally:
+        engine.close()
+
+
+def test_local_pages_taken_under_pressure_are_refilled_from_the_tier(
+    hybrid_loaded: LoadedModel,
+) -> None:
+    """A local pool of 7 pages: running other prompts takes the first one's idle window
+    pages while its global pages stay cached; its next hit refills them."""
+    config = {"max_num_seqs": 1, "max_num_batched_tokens": 32, "swa_pool_ratio": 0.1}
+    engine = make_engine(hybrid_loaded, kv_offload=TIER, **config)
+    try:
+        manager = manager_of(engine)
+        assert manager.local.num_pages - 1 == 7
+        first = prompt(20, 150, hybrid_loaded)
+        run(engine, [first], max_tokens=1)
+        run(engine, [prompt(21 + i, 60, hybrid_loaded) for i in range(3)], max_tokens=1)
+        blocks = manager.match(first, "", 144).blocks
+        assert len(blocks) == 9, "the global pages are still cached"
+        assert all(manager.local.page_of[b] == 0 for b in blocks[6:]), "the window's pages went"
+        assert manager.local_tier is not None and len(manager.local_tier) > 0
+        ((warm, cached),) = run(engine, [first])
+        assert cached == 144 and same(warm, cold(hybrid_loaded, first))
+        assert manager.stats().reloaded_tokens == 0  # the global pages never left the pool
+    finally:
+        engine.close()
+
+
+def test_without_the_tier_the_same_pressure_loses_the_hit(hybrid_loaded: LoadedModel) -> None:
+    """The control of the test above: no tier, no window, no hit past the first block."""
+    config = {"max_num_seqs": 1, "max_num_batched_tokens": 32, "swa_pool_ratio": 0.1}
+    engine = make_engine(hybrid_loaded, **config)
+    first = prompt(20, 150, hybrid_loaded)
+    run(engine, [first], max_tokens=1)
+    run(engine, [prompt(21 + i, 60, hybrid_loaded) for i in range(3)], max_tokens=1)
+    assert manager_of(engine).match(first, "", 144).num_tokens < 144
+
+
+@pytest.mark.parametrize("which", ["local", "global"])
+def test_a_corrupt_entry_shortens_the_hit_not_the_tokens(
+    hybrid_loaded: LoadedModel, which: str
+) -> None:
+    tokens = prompt(30, 150, hybrid_loaded)
+    engine = make_engine(hybrid_loaded, kv_offload=TIER)
+    try:
+        run(engine, [tokens], max_tokens=1)
+        manager = manager_of(engine)
+        digests = manager.block_hashes(tokens, "")
+        engine.evict_all(keep_tier=True)
+        tier = manager.local_tier if which == "local" else manager.tier
+        assert tier is not None
+        tier.corrupt_slot(digests[7])  # inside the window of the 144-token hit
+        assert manager.match(tokens, "", 149).num_tokens == 144  # the checksum is read later
+        ((warm, cached),) = run(engine, [tokens])
+        assert same(warm, cold(hybrid_loaded, tokens))
+        # local: block 7's page is lost, so the hit is the longest whose window avoids it
+        # (112: keys 73..111); global: the reload stops before block 7, and its window too
+        assert cached == 112
+        assert tier.stats().corrupt == 1
+        manager.check_invariants()
+    finally:
+        engine.close()
+
+
+def test_every_layer_sliding_keeps_an_index_only_global_tier(
+    hybrid_loaded: LoadedModel,
+) -> None:
+    """Mistral's layout: no global layer, so the global tier stores no bytes, only which
+    blocks it holds; the local pages carry all the KV."""
+    windows = tuple(40 for _ in hybrid_loaded.config.layer_windows)
+    loaded = dataclasses.replace(
+        hybrid_loaded, config=dataclasses.replace(hybrid_loaded.config, layer_windows=windows)
+    )
+    tokens = prompt(40, 130, loaded)
+    engine = make_engine(loaded, kv_offload=TIER)
+    try:
+        manager = manager_of(engine)
+        assert manager.tier is not None and manager.tier.slot_bytes == 0
+        run(engine, [tokens[:100]], max_tokens=1)
+        engine.evict_all(keep_tier=True)
+        ((warm, cached),) = run(engine, [tokens])
+        assert cached == 96 and same(warm, cold(loaded, tokens))
+    finally:
+        engine.close()
+
+
+def test_the_cache_stats_count_both_parts_of_the_tier(hybrid_loaded: LoadedModel) -> None:
+    engine = make_engine(hybrid_loaded, kv_offload=TIER)
+    try:
+        run(engine, [prompt(50, 100, hybrid_loaded)], max_tokens=1)
+        engine.evict_all(keep_tier=True)
+        tier = engine.cache_stats().tier
+        manager = manager_of(engine)
+        assert manager.tier is not None and manager.local_tier is not None
+        g, loc = manager.tier.stats(), manager.local_tier.stats()
+        assert tier.used == g.num_entries == 6 and tier.local_used == loc.num_entries == 6
+        assert tier.bytes_used == g.bytes_used + loc.bytes_used
+        assert tier.local_total == int(engine.config.swa_pool_ratio * tier.total)
+    finally:
+        engine.close()
