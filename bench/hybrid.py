@@ -13,6 +13,10 @@ Four figures, through the whole engine (scheduler, chunked prefill, paged pools)
   layer global (the layout an engine without hybrid caching keeps).
 - ``capacity``: in a fixed KV budget, how many distinct 1K-token prefixes still give a full
   hit when asked again (newest first), hybrid against all-global.
+- ``tier``: the shared prefix evicted into a host KV tier (``--kv-offload``) before each
+  request: TTFT reloaded against computed (cold) and against a pool hit, and the KV bytes a
+  reload copies (the global layers' pages, the sliding layers' last window) against what the
+  all-global layout would copy.
 
     .venv/bin/python bench/hybrid.py [--model gemma3] [--dtype bfloat16] [--json]
 """
@@ -202,6 +206,49 @@ def capacity(loaded: LoadedModel, rng: random.Random, budget_mib: int, prefix_le
     return result
 
 
+def tier(loaded: LoadedModel, rng: random.Random, prefix_len: int, n: int) -> dict:
+    """A shared prefix reloaded from a host tier before every request, against cold and pool."""
+    vocab = loaded.config.vocab_size
+    kw = {"num_blocks": 4096, "max_num_batched_tokens": 2048, "kv_offload": "host:1"}
+    engine = LLMEngine(config(loaded, **kw), loaded)
+    try:
+        ttft(engine, "warmup", tokens(rng, 96, vocab))
+        engine.evict_all()
+        prefix = tokens(rng, prefix_len, vocab)
+        cold, _ = ttft(engine, "c", prefix + tokens(rng, 64, vocab))
+        pool, reloaded, cached = [], [], []
+        for i in range(n):
+            t, _ = ttft(engine, f"p{i}", prefix + tokens(rng, 64, vocab))
+            pool.append(t)
+            engine.evict_all(keep_tier=True)  # the pool emptied into the tier
+            t, c = ttft(engine, f"r{i}", prefix + tokens(rng, 64, vocab))
+            reloaded.append(t)
+            cached.append(c)
+        cache = engine.kv_cache
+        blocks = prefix_len // BLOCK
+        window = -(-(engine.block_manager.window - 1) // BLOCK) + 1
+        copied = blocks * cache.global_io.bytes_per_block + window * cache.local_io.bytes_per_block
+        full = blocks * (cache.global_io.bytes_per_block + cache.local_io.bytes_per_block)
+        stats = engine.block_manager.stats()
+    finally:
+        engine.close()
+    r, w = statistics.median(reloaded), statistics.median(pool)
+    return {
+        "prefix": prefix_len,
+        "requests": n,
+        "cached_tokens_min": min(cached),
+        "reloaded_tokens": stats.reloaded_tokens,
+        "cold_ttft_ms": round(cold * 1e3, 1),
+        "pool_ttft_p50_ms": round(w * 1e3, 1),
+        "reloaded_ttft_p50_ms": round(r * 1e3, 1),
+        "reloaded_vs_cold": round(cold / r, 2),
+        "reloaded_vs_pool": round(r / w, 3),
+        "copied_mib": round(copied / MIB, 2),
+        "all_global_mib": round(full / MIB, 2),
+        "copied_ratio": round(copied / full, 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gemma3")
@@ -211,6 +258,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--budget-mib", type=int, default=256)
     parser.add_argument("--capacity-prefix", type=int, default=1024)
+    parser.add_argument("--tier-requests", type=int, default=8)
     parser.add_argument(
         "--max-length", type=int, default=LENGTHS[-1], help="longest prompt of the hit sweep"
     )
@@ -236,8 +284,9 @@ def main() -> None:
         "lengths": lengths(loaded, rng, [n for n in LENGTHS if n <= args.max_length]),
         "held": held(loaded, rng, args.context),
         "capacity": capacity(loaded, rng, args.budget_mib, args.capacity_prefix),
+        "tier": tier(loaded, rng, args.prefix, args.tier_requests),
     }
-    s, h, c = figures["shared"], figures["held"], figures["capacity"]
+    s, h, c, t = figures["shared"], figures["held"], figures["capacity"], figures["tier"]
     print(
         f"shared {s['prefix']}-token prefix x {s['requests']}: hit rate {s['hit_rate']} "
         f"(ideal {s['ideal_hit_rate']}), TTFT cold {s['cold_ttft_ms']} ms, warm p50 "
@@ -256,6 +305,12 @@ def main() -> None:
     print(
         f"{args.budget_mib} MiB KV, {args.capacity_prefix}-token prefixes still hit: hybrid "
         f"{c['hybrid']['prefixes_hit']}, all-global {c['all_global']['prefixes_hit']} = {c['ratio']}x"
+    )
+    print(
+        f"from the tier: TTFT {t['reloaded_ttft_p50_ms']} ms against cold {t['cold_ttft_ms']} ms "
+        f"({t['reloaded_vs_cold']}x) and a pool hit {t['pool_ttft_p50_ms']} ms "
+        f"({t['reloaded_vs_pool']}x); {t['copied_mib']} MiB copied against "
+        f"{t['all_global_mib']} MiB all-global ({t['copied_ratio']}x)"
     )
     if args.json:
         print(json.dumps(figures))

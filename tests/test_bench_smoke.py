@@ -100,8 +100,8 @@ CASES = {
     ),
     "hybrid.py": (  # a tiny Gemma 3 made here (tiny_gemma3), tiny sizes
         ["--prefix", "64", "--requests", "3", "--context", "600", "--budget-mib", "48"]
-        + ["--capacity-prefix", "600", "--max-length", "600"],
-        {"cpu", "shared", "lengths", "held", "capacity"},
+        + ["--capacity-prefix", "600", "--max-length", "600", "--tier-requests", "2"],
+        {"cpu", "shared", "lengths", "held", "capacity", "tier"},
     ),
     "grammar.py": (
         ["--schemas", "12", "--batch", "8", "--steps", "4"],

@@ -165,3 +165,22 @@ def test_the_cache_stats_count_both_parts_of_the_tier(hybrid_loaded: LoadedModel
         assert tier.local_total == int(engine.config.swa_pool_ratio * tier.total)
     finally:
         engine.close()
+
+
+def test_the_tier_bytes_gauge_counts_both_parts(hybrid_loaded: LoadedModel) -> None:
+    from prometheus_client import generate_latest
+
+    engine = make_engine(hybrid_loaded, kv_offload=TIER)
+    try:
+        run(engine, [prompt(51, 100, hybrid_loaded)], max_tokens=1)
+        engine.evict_all(keep_tier=True)
+        manager = manager_of(engine)
+        assert manager.tier is not None and manager.local_tier is not None
+        used = manager.tier.stats().bytes_used + manager.local_tier.stats().bytes_used
+        text = generate_latest(engine.metrics.registry).decode()
+        line = next(
+            x for x in text.splitlines() if x.startswith('prefixcache:kv_tier_bytes{state="used"}')
+        )
+        assert float(line.split()[-1]) == used > manager.tier.stats().bytes_used
+    finally:
+        engine.close()

@@ -35,16 +35,18 @@ class EngineStats:
         manager, tier = self._manager, self._tier
         local = manager.local if isinstance(manager, HybridBlockManager) else None
 
+        local_tier = manager.local_tier if isinstance(manager, HybridBlockManager) else None
+
         def values() -> GaugeValues:
-            t = tier.stats() if tier is not None else None
+            parts = [x.stats() for x in (tier, local_tier) if x is not None]  # hybrid: both
             return GaugeValues(
                 running=running(),
                 waiting=waiting(),
                 in_use=manager.num_used_blocks,
                 cached_idle=manager.num_cached_idle_blocks,
                 free=manager.num_free_blocks,
-                tier_used=t.bytes_used if t is not None else 0,
-                tier_free=t.bytes_free if t is not None else 0,
+                tier_used=sum(t.bytes_used for t in parts),
+                tier_free=sum(t.bytes_free for t in parts),
                 local_held=local.num_held if local is not None else 0,
                 local_idle=local.num_idle if local is not None else 0,
                 local_free=local.num_free if local is not None else 0,
