@@ -224,12 +224,13 @@ def tier(loaded: LoadedModel, rng: random.Random, prefix_len: int, n: int) -> di
             t, c = ttft(engine, f"r{i}", prefix + tokens(rng, 64, vocab))
             reloaded.append(t)
             cached.append(c)
-        cache = engine.kv_cache
+        manager, cache = engine.block_manager, engine.kv_cache
+        assert manager.tier is not None and manager.local_tier is not None
+        g, loc = manager.tier.stats(), manager.local_tier.stats()  # what the reloads copied
+        copied = (g.reloads * g.slot_bytes + loc.reloads * loc.slot_bytes) / n
         blocks = prefix_len // BLOCK
-        window = -(-(engine.block_manager.window - 1) // BLOCK) + 1
-        copied = blocks * cache.global_io.bytes_per_block + window * cache.local_io.bytes_per_block
         full = blocks * (cache.global_io.bytes_per_block + cache.local_io.bytes_per_block)
-        stats = engine.block_manager.stats()
+        stats = manager.stats()
     finally:
         engine.close()
     r, w = statistics.median(reloaded), statistics.median(pool)
@@ -243,6 +244,7 @@ def tier(loaded: LoadedModel, rng: random.Random, prefix_len: int, n: int) -> di
         "reloaded_ttft_p50_ms": round(r * 1e3, 1),
         "reloaded_vs_cold": round(cold / r, 2),
         "reloaded_vs_pool": round(r / w, 3),
+        "local_pages_refilled": loc.reloads // n,
         "copied_mib": round(copied / MIB, 2),
         "all_global_mib": round(full / MIB, 2),
         "copied_ratio": round(copied / full, 3),
