@@ -184,3 +184,29 @@ def test_the_tier_bytes_gauge_counts_both_parts(hybrid_loaded: LoadedModel) -> N
         assert float(line.split()[-1]) == used > manager.tier.stats().bytes_used
     finally:
         engine.close()
+
+
+def test_a_full_local_tier_keeps_last_windows_over_a_prompts_interior(
+    hybrid_loaded: LoadedModel,
+) -> None:
+    """Room for 9 blocks and 4 local pages: emptying the pool spills a 150-token prompt's 9
+    blocks leaf first, and its interior pages (blocks 0-5, more than a window before its end)
+    enter at the cold end of the local part, so the full one drops them, not the window
+    (blocks 6-8) that a hit on the prompt reads."""
+    probe = make_engine(hybrid_loaded)
+    g, loc = probe.kv_cache.global_io.bytes_per_block, probe.kv_cache.local_io.bytes_per_block
+    gib = (9 * (g + 0.5 * loc) + 64) / 1024**3
+    engine = make_engine(hybrid_loaded, kv_offload=f"host:{gib!r}")
+    try:
+        manager = manager_of(engine)
+        assert manager.tier is not None and manager.local_tier is not None
+        assert (manager.tier.stats().num_slots, manager.local_tier.stats().num_slots) == (9, 4)
+        tokens = prompt(60, 150, hybrid_loaded)
+        run(engine, [tokens], max_tokens=1)
+        digests = manager.block_hashes(tokens, "")
+        engine.evict_all(keep_tier=True)
+        assert all(d in manager.local_tier for d in digests[6:9])
+        ((warm, cached),) = run(engine, [tokens])
+        assert cached == 144 and same(warm, cold(hybrid_loaded, tokens))
+    finally:
+        engine.close()

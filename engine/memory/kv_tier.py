@@ -199,14 +199,20 @@ class KVTier:
     # ---- writes
 
     def spill(
-        self, digest: bytes, parent: bytes, tokens: bytes, page: int, wait: bool = False
+        self,
+        digest: bytes,
+        parent: bytes,
+        tokens: bytes,
+        page: int,
+        wait: bool = False,
+        coldest: bool = False,
     ) -> bool:
         """Keep an evicted page's KV under ``digest``; False if refused (the writer is
         ``max_pending_bytes`` behind; ``wait``: wait for it instead, off the step path).
-        Already held: a touch."""
+        Already held: a touch. ``coldest``: enter as the least recently used entry."""
         entry = self._entries.get(digest)
         if entry is not None:
-            self._entries.move_to_end(digest)
+            self._entries.move_to_end(digest, last=not coldest)
             return True
         if self._queue is not None and self._queue.qsize() >= self._max_pending:
             if not wait:
@@ -217,6 +223,8 @@ class KVTier:
             self._drop(next(iter(self._entries)))
         entry = TierEntry(self._free.pop(), parent, tokens)
         self._entries[digest] = entry
+        if coldest:
+            self._entries.move_to_end(digest, last=False)
         data = self.pages.read_pages([page])[0]  # the page is reused right after this
         if self._queue is None:
             self._store(entry, data)

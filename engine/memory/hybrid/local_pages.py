@@ -51,7 +51,8 @@ class LocalPages:
         self._idle_pinned: OrderedDict[int, None] = OrderedDict()
         self.is_pinned: Callable[[int], bool] = lambda block: False
         self.num_detached = 0  # idle pages taken from their block under local pressure
-        self.on_detach: Callable[[int, int], None] | None = None  # (block, page), still intact
+        # (block, page, a prompt's interior?): an idle page about to go, its KV still intact
+        self.on_detach: Callable[[int, int, bool], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -76,9 +77,10 @@ class LocalPages:
         if self._free:
             page = self._free.pop()
         elif self._behind or self._idle or self._idle_pinned:
-            page, _ = (self._behind or self._idle or self._idle_pinned).popitem(last=False)
+            lru = self._behind or self._idle or self._idle_pinned
+            page, _ = lru.popitem(last=False)
             if self.on_detach is not None:
-                self.on_detach(self.block_of[page], page)
+                self.on_detach(self.block_of[page], page, lru is self._behind)
             self.page_of[self.block_of[page]] = NULL_PAGE
             self.num_detached += 1
         else:
@@ -93,6 +95,10 @@ class LocalPages:
         assert page != NULL_PAGE and self.holders[page] == 1, f"block {block}: not a fresh page"
         self.page_of[block], self.block_of[page], self.holders[page] = NULL_PAGE, -1, 0
         self._free.append(page)
+
+    def is_interior(self, block: int) -> bool:
+        """Whether the block's idle page is a prompt's interior (the LRU taken first)."""
+        return self.page_of[block] in self._behind
 
     def hold(self, block: int) -> None:
         page = self.page_of[block]

@@ -6,6 +6,8 @@ the same block digests. A local page is spilled when its block is evicted, or wh
 alone is taken from its idle block under local-pool pressure (the block's global page stays
 cached), as the spill policy allows. A hit whose window has a block without a local page can
 still count on it when this tier holds it: the page is attached again and filled from there.
+A prompt's interior pages enter at the cold end of the tier's LRU: what hits read most is the
+last window before a prompt's end.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ class LocalTierLink:
         self.tier = tier
         self._spill_all = spill_policy == "all"
 
-    def spill(self, node: Node, page: int, wait: bool = False) -> None:
-        """Keep local page ``page``'s KV under ``node``'s digest, as the spill policy says."""
+    def spill(self, node: Node, page: int, interior: bool, wait: bool = False) -> None:
+        """Keep local page ``page``'s KV under ``node``'s digest, as the spill policy says; a
+        prompt's interior (which only a hit diverging inside it reads) goes in as the least
+        recently used entry, the first a full tier drops, so last windows stay longest."""
         if self._spill_all or node.hits:
-            self.tier.spill(node.digest, node.parent_digest, node.tokens, page, wait)
+            self.tier.spill(node.digest, node.parent_digest, node.tokens, page, wait, interior)
 
     def holds_node(self, node: Node | None) -> bool:
         """Whether the tier holds the local page of a cached block."""

@@ -331,13 +331,13 @@ class HybridBlockManager(BlockManager):
         if spill and page != NULL_PAGE and self._local_link is not None:
             node = self._tree.node_of(block)
             assert node is not None
-            self._local_link.spill(node, page, wait)
+            self._local_link.spill(node, page, self.local.is_interior(block), wait)
         super()._evict(block, cause, spill, wait)
 
-    def _spill_detached(self, block: int, page: int) -> None:
+    def _spill_detached(self, block: int, page: int, interior: bool) -> None:
         node = self._tree.node_of(block)
         if node is not None and self._local_link is not None:
-            self._local_link.spill(node, page)
+            self._local_link.spill(node, page, interior)
 
     def evict_all(self, include_pinned: bool = False, keep_tier: bool = False) -> int:
         count = super().evict_all(include_pinned, keep_tier)
