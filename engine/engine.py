@@ -67,7 +67,8 @@ class LLMEngine:
         identity = self.cache_identity(self.loaded, config.kv_cache_dtype)
         kv = build_kv(config, self.loaded, identity, hooks.clock)
         self.kv_cache, self.tier, self.block_manager = kv.cache, kv.tier, kv.manager
-        self.local_tier, self._tiers = kv.local_tier, [t for t in (kv.tier, kv.local_tier) if t]
+        self.local_tier = kv.local_tier
+        self._tiers = [t for t in (kv.tier, kv.local_tier) if t is not None]  # (len() is 0)
         self.block_manager.listener = self._listeners
         self.hybrid, self._local_table_of = kv.local_table_of is not None, kv.local_table_of
         num_blocks = self.block_manager.num_blocks

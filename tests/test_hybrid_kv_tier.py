@@ -8,6 +8,7 @@ corrupt entry shortens the hit, never the tokens."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -210,3 +211,20 @@ def test_a_full_local_tier_keeps_last_windows_over_a_prompts_interior(
         assert cached == 144 and same(warm, cold(hybrid_loaded, tokens))
     finally:
         engine.close()
+
+
+def test_a_disk_tier_keeps_both_parts_in_files_removed_at_close(
+    hybrid_loaded: LoadedModel, tmp_path: Path
+) -> None:
+    tokens = prompt(70, 120, hybrid_loaded)
+    engine = make_engine(hybrid_loaded, kv_offload=f"disk:{tmp_path}:0.05")
+    try:
+        assert len(list(tmp_path.glob("prefixcache-kv-*.slots"))) == 2
+        run(engine, [tokens[:100]], max_tokens=1)
+        engine.evict_all(keep_tier=True)
+        ((warm, cached),) = run(engine, [tokens])
+        assert cached == 96 and same(warm, cold(hybrid_loaded, tokens))
+        assert engine.cache_stats().tier.kind == "disk"
+    finally:
+        engine.close()
+    assert not list(tmp_path.glob("prefixcache-kv-*.slots"))

@@ -411,3 +411,20 @@ def test_through_the_engine_a_tenant_never_reloads_another_tenants_blocks(loaded
     engine.evict_all(keep_tier=True)
     assert cached("a2", "tenant-a") == (64, {"pool": 0, "host": 64})
     engine.close()
+
+
+def test_an_engine_closes_its_disk_tier(loaded, tmp_path) -> None:
+    """``LLMEngine.close`` ends the writer and removes the file, the tier empty or not (an
+    empty tier is falsy: ``len()`` 0)."""
+    config = EngineConfig(
+        model="demo",
+        dtype="float32",
+        device="cpu",
+        num_blocks=64,
+        kv_offload=f"disk:{tmp_path}:0.01",
+    )
+    engine = LLMEngine(config, loaded)
+    assert engine.tier is not None and len(engine.tier) == 0
+    (path,) = tmp_path.glob("prefixcache-kv-*.slots")
+    engine.close()
+    assert not path.exists()
