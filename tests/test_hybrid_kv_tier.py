@@ -8,7 +8,10 @@ corrupt entry shortens the hit, never the tokens."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -44,6 +47,21 @@ def same(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> bool:
     )
 
 
+@contextmanager
+def spilled(
+    loaded: LoadedModel, computed: list[int], tier: str = TIER, **config: Any
+) -> Iterator[LLMEngine]:
+    """An engine with a KV tier that computed ``computed`` and then emptied its pool into the
+    tier (every block spills: global and local pages); closed after."""
+    engine = make_engine(loaded, kv_offload=tier, **config)
+    try:
+        run(engine, [computed], max_tokens=1)
+        engine.evict_all(keep_tier=True)
+        yield engine
+    finally:
+        engine.close()
+
+
 def full_blocks(n: int) -> int:
     return n // BS * BS
 
@@ -56,18 +74,13 @@ def test_a_hit_reloaded_from_the_tier_gives_the_cold_tokens(
     hybrid_loaded: LoadedModel, seed: int, length: int, extra: int
 ) -> None:
     tokens = prompt(seed, length + extra, hybrid_loaded)
-    engine = make_engine(hybrid_loaded, kv_offload=TIER)
-    try:
-        run(engine, [tokens[:length]], max_tokens=1)
-        engine.evict_all(keep_tier=True)  # every block spills: global and local pages
+    with spilled(hybrid_loaded, tokens[:length]) as engine:
         manager = manager_of(engine)
         assert manager.stats().num_cached_idle_blocks == 0
         ((warm, cached),) = run(engine, [tokens])
         assert same(warm, cold(hybrid_loaded, tokens))
         assert cached == full_blocks(length) and manager.stats().reloaded_tokens == cached
         assert manager.stats().num_local_held == 0
-    finally:
-        engine.close()
 
 
 def test_local_pages_taken_under_pressure_are_refilled_from_the_tier(
@@ -109,12 +122,9 @@ def test_a_corrupt_entry_shortens_the_hit_not_the_tokens(
     hybrid_loaded: LoadedModel, which: str
 ) -> None:
     tokens = prompt(30, 150, hybrid_loaded)
-    engine = make_engine(hybrid_loaded, kv_offload=TIER)
-    try:
-        run(engine, [tokens], max_tokens=1)
+    with spilled(hybrid_loaded, tokens) as engine:
         manager = manager_of(engine)
         digests = manager.block_hashes(tokens, "")
-        engine.evict_all(keep_tier=True)
         tier = manager.local_tier if which == "local" else manager.tier
         assert tier is not None
         tier.corrupt_slot(digests[7])  # inside the window of the 144-token hit
@@ -126,8 +136,6 @@ def test_a_corrupt_entry_shortens_the_hit_not_the_tokens(
         assert cached == 112
         assert tier.stats().corrupt == 1
         manager.check_invariants()
-    finally:
-        engine.close()
 
 
 def test_every_layer_sliding_keeps_an_index_only_global_tier(
@@ -140,23 +148,15 @@ def test_every_layer_sliding_keeps_an_index_only_global_tier(
         hybrid_loaded, config=dataclasses.replace(hybrid_loaded.config, layer_windows=windows)
     )
     tokens = prompt(40, 130, loaded)
-    engine = make_engine(loaded, kv_offload=TIER)
-    try:
+    with spilled(loaded, tokens[:100]) as engine:
         manager = manager_of(engine)
         assert manager.tier is not None and manager.tier.slot_bytes == 0
-        run(engine, [tokens[:100]], max_tokens=1)
-        engine.evict_all(keep_tier=True)
         ((warm, cached),) = run(engine, [tokens])
         assert cached == 96 and same(warm, cold(loaded, tokens))
-    finally:
-        engine.close()
 
 
 def test_the_cache_stats_count_both_parts_of_the_tier(hybrid_loaded: LoadedModel) -> None:
-    engine = make_engine(hybrid_loaded, kv_offload=TIER)
-    try:
-        run(engine, [prompt(50, 100, hybrid_loaded)], max_tokens=1)
-        engine.evict_all(keep_tier=True)
+    with spilled(hybrid_loaded, prompt(50, 100, hybrid_loaded)) as engine:
         tier = engine.cache_stats().tier
         manager = manager_of(engine)
         assert manager.tier is not None and manager.local_tier is not None
@@ -164,17 +164,12 @@ def test_the_cache_stats_count_both_parts_of_the_tier(hybrid_loaded: LoadedModel
         assert tier.used == g.num_entries == 6 and tier.local_used == loc.num_entries == 6
         assert tier.bytes_used == g.bytes_used + loc.bytes_used
         assert tier.local_total == int(engine.config.swa_pool_ratio * tier.total)
-    finally:
-        engine.close()
 
 
 def test_the_tier_bytes_gauge_counts_both_parts(hybrid_loaded: LoadedModel) -> None:
     from prometheus_client import generate_latest
 
-    engine = make_engine(hybrid_loaded, kv_offload=TIER)
-    try:
-        run(engine, [prompt(51, 100, hybrid_loaded)], max_tokens=1)
-        engine.evict_all(keep_tier=True)
+    with spilled(hybrid_loaded, prompt(51, 100, hybrid_loaded)) as engine:
         manager = manager_of(engine)
         assert manager.tier is not None and manager.local_tier is not None
         used = manager.tier.stats().bytes_used + manager.local_tier.stats().bytes_used
@@ -183,8 +178,6 @@ def test_the_tier_bytes_gauge_counts_both_parts(hybrid_loaded: LoadedModel) -> N
             x for x in text.splitlines() if x.startswith('prefixcache:kv_tier_bytes{state="used"}')
         )
         assert float(line.split()[-1]) == used > manager.tier.stats().bytes_used
-    finally:
-        engine.close()
 
 
 def test_a_full_local_tier_keeps_last_windows_over_a_prompts_interior(
@@ -217,14 +210,9 @@ def test_a_disk_tier_keeps_both_parts_in_files_removed_at_close(
     hybrid_loaded: LoadedModel, tmp_path: Path
 ) -> None:
     tokens = prompt(70, 120, hybrid_loaded)
-    engine = make_engine(hybrid_loaded, kv_offload=f"disk:{tmp_path}:0.05")
-    try:
+    with spilled(hybrid_loaded, tokens[:100], f"disk:{tmp_path}:0.05") as engine:
         assert len(list(tmp_path.glob("prefixcache-kv-*.slots"))) == 2
-        run(engine, [tokens[:100]], max_tokens=1)
-        engine.evict_all(keep_tier=True)
         ((warm, cached),) = run(engine, [tokens])
         assert cached == 96 and same(warm, cold(hybrid_loaded, tokens))
         assert engine.cache_stats().tier.kind == "disk"
-    finally:
-        engine.close()
     assert not list(tmp_path.glob("prefixcache-kv-*.slots"))
