@@ -446,8 +446,10 @@ def test_pinned_blocks_keep_their_local_pages_longest() -> None:
     t = m.allocate(list(range(16)), "", PrefixMatch([], None, 0, BS), 12)  # 3 pages: 1 free
     assert all(m.local.page_of[b] for b in m.match(pinned, "", 8).blocks)  # 2 detached: other's
     assert m.match(pinned, "", 7).num_tokens == 7 and m.match(other, "", 7).num_tokens == 0
-    m.grow(t, 16)  # nothing unpinned is left: a pinned block's page goes
-    assert m.match(pinned, "", 7).num_tokens == 4
+    m.grow(t, 16)  # nothing unpinned is left: a pinned block's page goes, its interior first
+    first, last = m.match(pinned, "", 8).blocks
+    assert m.local.page_of[first] == NULL_PAGE and m.local.page_of[last] != NULL_PAGE
+    assert m.match(pinned, "", 7).num_tokens == 7  # keys 4..6: the window at its end
     m.check_invariants()
 
 
@@ -519,4 +521,103 @@ def test_a_partial_hit_without_room_for_its_copy_ends_at_the_full_blocks() -> No
     assert t.num_cached_tokens == 4 == m.honoured(match).num_tokens
     m.check_invariants()
     m.free(t)
+    m.check_invariants()
+
+
+def test_a_live_tail_hit_that_needs_a_refill_allocates() -> None:
+    """The scheduler's live-tail match (a running table's partly filled block as the partial)
+    whose window needs a page from the local tier: the prefetch's pool match is honoured as
+    ``allocate`` honours it (a review found the copy skipped and the source evicted while
+    held: an assertion, and an orphaned local page)."""
+    kv, local_kv = np.zeros((7, BS), np.int64), np.zeros((6, BS), np.int64)
+
+    def copy(src: int, dst: int, k: int) -> None:
+        kv[dst, :k] = kv[src, :k]
+
+    def copy_local(src: int, dst: int, k: int) -> None:
+        local_kv[dst, :k] = local_kv[src, :k]
+
+    m = HybridBlockManager(
+        7, BS, b"id", 3, 6, copy, copy_local, tier=tier_of(kv, 8), local_tier=tier_of(local_kv, 8)
+    )
+    base = [1, 2, 3, 4, 5, 6, 7, 8]
+    first = base + [9, 9, 9, 9]
+    t0 = m.allocate(first, "", m.match(first, "", 0), 12)
+    m.commit(t0, first, 12)
+    m.free(t0)
+    other = [*base, 9, 50, 51, 52]  # a partial hit on the last block: copied into a live one
+    running = m.allocate(other, "", m.match(other, "", 11), 12)
+    m.commit(running, other, 10)
+    live = running.block_ids[2]
+    unrelated = [100 + i for i in range(12)]  # takes the idle window pages: into the tier
+    tx = m.allocate(unrelated, "", m.match(unrelated, "", 0), 12)
+    m.commit(tx, unrelated, 12)
+    seq = [*base, 9, 77]
+    match = m.match(seq, "", 9)
+    assert match.num_tokens == 8 and m._num_refills(match) == 1
+    tail = PrefixMatch(match.blocks, live, 1, BS)  # what _extend_with_live_tail builds
+    assert m.can_allocate(tail, 10)
+    table = m.allocate(seq, "", tail, 10)
+    assert table.num_cached_tokens >= 8
+    m.check_invariants()
+
+
+def test_a_file_saved_with_a_tier_keeps_a_window_complete_in_the_pool() -> None:
+    """A window page only the local tier holds counts for a hit here, not in a file: the
+    saved window is that of the longest hit complete in the pool, which a fresh engine then
+    hits (a review found a window with a hole saved: no hit at all after loading)."""
+    from prefixcache.engine.memory import prefix_store
+    from prefixcache.engine.memory.kv_cache import KVCache
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=2, block_size=BS)
+
+    def make(tier: bool) -> tuple[HybridBlockManager, KVCache]:
+        cache = KVCache(spec, 16, 8, [0])
+        for layer in cache.layers:
+            layer.uniform_()
+        kw = {}
+        if tier:
+            g, loc = cache.global_io, cache.local_io
+            kw = {
+                "tier": KVTier(HostSlots(8, g.bytes_per_block, False), g, writer=False),
+                "local_tier": KVTier(HostSlots(8, loc.bytes_per_block, False), loc, writer=False),
+            }
+        m = HybridBlockManager(16, BS, b"id", 9, 8, cache.copy_slots, cache.copy_local_slots, **kw)
+        return m, cache
+
+    tokens = list(range(1, 25))  # 6 blocks; a hit of 24 reads blocks 3-5
+    m, cache = make(tier=True)
+    t = m.allocate(tokens, "", m.match(tokens, "", 0), 24)
+    m.commit(t, tokens, 24)
+    m.free(t)
+    m.pin(tokens, "")
+    block = m.match(tokens + [0], "", 24).blocks[4]
+    node, local = m._tree.node_of(block), m.local
+    assert node is not None and m.local_tier is not None
+    m.local_tier.spill(node.digest, node.parent_digest, node.tokens, local.page_of[block])
+    page = local.page_of[block]  # then taken from the block, as local pressure does
+    local._unidle(page)
+    local.block_of[page], local.page_of[block] = -1, NULL_PAGE
+    local._free.append(page)
+    m.check_invariants()
+    assert m.match(tokens + [0], "", 24).num_tokens == 24  # here: refilled from the tier
+    snap = prefix_store.snapshot(m, cache)
+    fresh, fresh_cache = make(tier=False)
+    prefix_store.restore(snap, fresh, fresh_cache)
+    fresh.check_invariants()
+    assert fresh.match(tokens + [0], "", 24).num_tokens == 16  # keys 8..15: blocks 2 and 3
+
+
+def test_a_pinned_prefix_loses_its_last_window_last() -> None:
+    """Pinning goes deepest block first (the global LRU's order); the idle local pages are
+    then re-ordered root first, so local pressure takes a pinned prefix's interior pages
+    before the window at its end that a hit on it reads."""
+    m = manager(window=6, num_local=17)
+    tokens = list(range(20))  # 5 blocks
+    table = fill(m, tokens)
+    blocks = list(table.block_ids)
+    m.free(table)
+    m.pin(tokens, "")
+    page_of = m.local.page_of
+    assert list(m.local._idle_pinned) == [page_of[b] for b in blocks]  # LRU head first
     m.check_invariants()

@@ -113,6 +113,10 @@ class BlockPins:
         self._ttl.expire()
         return [node for node in self._tree.nodes() if node.own_pins]
 
+    def _can_restore_page(self) -> bool:
+        """A page for a restored block is free, or an idle unpinned block's to evict."""
+        return self._pool.num_available_unpinned > 0
+
     def cache_block(
         self, parent: Node | None, root: bytes, tokens: bytes, fill: Callable[[int], None]
     ) -> tuple[Node | None, bool]:
@@ -123,7 +127,7 @@ class BlockPins:
         digest collision."""
 
         def new_page() -> int | None:
-            if not self._pool.num_available_unpinned:
+            if not self._can_restore_page():
                 return None
             page = self._take_block()
             try:

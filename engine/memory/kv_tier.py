@@ -212,7 +212,8 @@ class KVTier:
         Already held: a touch. ``coldest``: enter as the least recently used entry."""
         entry = self._entries.get(digest)
         if entry is not None:
-            self._entries.move_to_end(digest, last=not coldest)
+            if not coldest:  # (a cold spill does not demote what the tier holds)
+                self._entries.move_to_end(digest)
             return True
         if self._queue is not None and self._queue.qsize() >= self._max_pending:
             if not wait:

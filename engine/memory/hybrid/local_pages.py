@@ -67,6 +67,11 @@ class LocalPages:
         return len(self._free) + self.num_idle
 
     @property
+    def num_available_unpinned(self) -> int:
+        """Free pages and idle ones not of a pinned block (what a restore may take)."""
+        return len(self._free) + len(self._idle) + len(self._behind)
+
+    @property
     def num_held(self) -> int:
         return self.num_pages - 1 - self.num_available
 

@@ -34,8 +34,9 @@ class LocalTierLink:
         """Keep local page ``page``'s KV under ``node``'s digest, as the spill policy says; a
         prompt's interior (which only a hit diverging inside it reads) goes in as the least
         recently used entry, the first a full tier drops, so last windows stay longest."""
-        if self._spill_all or node.hits:
-            self.tier.spill(node.digest, node.parent_digest, node.tokens, page, wait, interior)
+        if self._spill_all or node.hits:  # a block hit since is shared: no interior then
+            cold = interior and not node.hits
+            self.tier.spill(node.digest, node.parent_digest, node.tokens, page, wait, cold)
 
     def holds_node(self, node: Node | None) -> bool:
         """Whether the tier holds the local page of a cached block."""

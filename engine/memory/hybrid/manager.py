@@ -6,10 +6,10 @@ window. A hit of length L needs the local pages covering keys [L - w + 1, L - 1]
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from ..block_manager import BlockManager
 from ..block_types import (
     BlockListener,
     BlockTable,
@@ -18,15 +18,16 @@ from ..block_types import (
     OutOfBlocksError,
     PrefixMatch,
 )
-from ..prefix_tree import Node, token_bytes
+from ..prefix_tree import token_bytes
 from .local_pages import NULL_PAGE, LocalPages, WatchedPool
 from .local_tier import LocalTierLink
+from .pins import HybridPins
 
 if TYPE_CHECKING:
     from ..kv_tier import KVTier
 
 
-class HybridBlockManager(BlockManager):
+class HybridBlockManager(HybridPins):
     """``BlockManager`` plus the local pages of one sliding window; with a KV tier, a second
     one for local pages (``local_tier.py``)."""
 
@@ -139,9 +140,22 @@ class HybridBlockManager(BlockManager):
         return "tier" if link.holds_entry(match.tier[j - len(blocks)], self.tier) else None
 
     def hit_window(self, blocks: list[int]) -> list[int]:
-        """The blocks whose local pages a hit over these cached full blocks reads, once
-        ``fit`` has shortened it to a complete window (what saving a prefix must keep)."""
-        return self._window_blocks(self._fitted(PrefixMatch(blocks, None, 0, self.block_size)))
+        """The blocks whose local pages a hit over these cached full blocks reads (or one a
+        token shorter: a prompt of exactly these tokens matches one less), once ``fit`` has
+        shortened it to a window complete in the pool (what saving a prefix must keep)."""
+        with self._pool_only():
+            n = self._fitted(PrefixMatch(blocks, None, 0, self.block_size)).num_tokens
+        window = blocks[self.window_start(max(n - 1, 0)) : n // self.block_size] if n else []
+        return [b for b in window if self.local.page_of[b] != NULL_PAGE]
+
+    @contextmanager
+    def _pool_only(self) -> Iterator[None]:
+        """Match and fit as if there were no KV tier."""
+        links, self._tier_link, self._local_link = (self._tier_link, self._local_link), None, None
+        try:
+            yield
+        finally:
+            self._tier_link, self._local_link = links
 
     def _window_blocks(self, match: PrefixMatch) -> list[int]:
         """The window's blocks with a local page now (not those the tier refills)."""
@@ -183,9 +197,10 @@ class HybridBlockManager(BlockManager):
         holders = self.local.holders
         page_of = self.local.page_of
         idle = sum(1 for b in self._window_blocks(match) if holders[page_of[b]] == 0)
-        # tier blocks take a page each and give it back at once, unless refilled
+        # tier blocks take a page each and give it back at once (one is needed), or keep it
         new = self._blocks_needed(match, num_tokens) - len(match.tier)
-        return new + idle + self._num_refills(match) <= self.local.num_available
+        refills = max(self._num_refills(match), 1 if match.tier else 0)
+        return new + idle + refills <= self.local.num_available
 
     def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
         need = self._blocks_to_grow(table, num_tokens)
@@ -261,11 +276,9 @@ class HybridBlockManager(BlockManager):
         for block in held:  # idle, until the table holds them
             local.release(block)
         self.release(blocks)
-        tier_link, self._tier_link, self._local_link = self._tier_link, None, None
-        try:  # the pool alone: what the prefetch left there
-            pooled = self.match(token_ids, namespace, match.num_tokens)
-        finally:
-            self._tier_link, self._local_link = tier_link, link
+        with self._pool_only():  # what the prefetch left there, honoured as allocate will
+            pooled = super().match(token_ids, namespace, match.num_tokens)
+            pooled = self.honoured(self._fitted(pooled))
         if not self.can_allocate(pooled, num_tokens):  # else the same tokens are covered
             num_tokens -= match.num_tokens - pooled.num_tokens
             if not self.can_allocate(pooled, num_tokens):  # a window that holds more pages
@@ -284,39 +297,6 @@ class HybridBlockManager(BlockManager):
         # allocate's hold on the source (so dst's page could not be it) ends before the
         self.local.release(src)  # table's later blocks are taken: they may evict the source
 
-    # ---- restoring saved blocks (pinned_blocks.py): their local pages when saved, else none
-
-    def cache_block(
-        self, parent: Node | None, root: bytes, tokens: bytes, fill: Callable[[int], None]
-    ) -> tuple[Node | None, bool]:
-        """``BlockManager.cache_block``; ``fill(page)`` writes the global page and either the
-        block's local page (``local.page_of[page]``) or drops it (``local.drop``); a kept one
-        turns idle. No local page left: skipped, as when no global page is."""
-
-        def fill_both(page: int) -> None:
-            fill(page)
-            if self.local.page_of[page] != NULL_PAGE:
-                self.local.release(page)
-
-        try:
-            return super().cache_block(parent, root, tokens, fill_both)
-        except OutOfBlocksError:  # take_free found no local page: nothing was taken
-            return None, False
-
-    def fill_local(self, block: int, write: Callable[[int], None]) -> bool:
-        """Give a cached block without a local page one that ``write(page)`` fills (idle
-        after); False when it has one already or none is free or idle."""
-        if self.local.page_of[block] != NULL_PAGE or not self.local.num_available:
-            return False
-        page = self.local.attach(block)
-        try:
-            write(page)
-        except BaseException:
-            self.local.drop(block)
-            raise
-        self.local.release(block)
-        return True
-
     # ---- the KV tier: local pages spill with their block, or alone under local pressure
 
     def _take_reload_block(self) -> int:
@@ -327,12 +307,13 @@ class HybridBlockManager(BlockManager):
     def _evict(
         self, block: int, cause: str = "pressure", spill: bool = True, wait: bool = False
     ) -> None:
-        page = self.local.page_of[block]
-        if spill and page != NULL_PAGE and self._local_link is not None:
-            node = self._tree.node_of(block)
-            assert node is not None
-            self._local_link.spill(node, page, self.local.is_interior(block), wait)
+        page, node, link = self.local.page_of[block], self._tree.node_of(block), self._local_link
+        assert node is not None
+        if spill and page != NULL_PAGE and link is not None:
+            link.spill(node, page, self.local.is_interior(block), wait)
         super()._evict(block, cause, spill, wait)
+        if link is not None and self.tier is not None and node.digest not in self.tier:
+            link.tier.discard(node.digest)  # of no use without the block's global KV
 
     def _spill_detached(self, block: int, page: int, interior: bool) -> None:
         node = self._tree.node_of(block)
