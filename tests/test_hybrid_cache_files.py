@@ -152,3 +152,35 @@ def test_a_file_from_another_layer_layout_is_refused(
         LLMEngine(config, plain).load_pinned(hybrid_file)
     with pytest.raises(PrefixStoreError, match="sliding-window layers"):
         make_engine(hybrid_loaded).load_pinned(plain_file)
+
+
+def test_a_prompt_of_exactly_the_pinned_prefix_still_hits_after_loading() -> None:
+    """A prompt equal to the pinned prefix matches a token less (its last token is computed),
+    and where (window - 1) is a multiple of the page that window starts a block earlier: the
+    file keeps that block too (found by a review: the hit fell from 23 tokens to 0)."""
+    from prefixcache.engine.memory import prefix_store
+    from prefixcache.engine.memory.kv_cache import KVCache, KVCacheSpec
+
+    bs, window = 4, 5
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=2, block_size=bs)
+
+    def make() -> tuple[HybridBlockManager, KVCache]:
+        cache = KVCache(spec, 16, 17, [0])
+        for layer in cache.layers:
+            layer.uniform_()
+        return HybridBlockManager(
+            16, bs, b"id", window, 17, cache.copy_slots, cache.copy_local_slots
+        ), cache
+
+    m, cache = make()
+    tokens = list(range(1, 25))
+    t = m.allocate(tokens, "", m.match(tokens, "", 0), 24)
+    m.commit(t, tokens, 24)
+    m.free(t)
+    m.pin(tokens, "")
+    assert m.match(tokens, "", 23).num_tokens == 23
+    fresh, fresh_cache = make()
+    prefix_store.restore(prefix_store.snapshot(m, cache), fresh, fresh_cache)
+    fresh.check_invariants()
+    assert fresh.match(tokens, "", 23).num_tokens == 23
+    assert fresh.match([*tokens, 0], "", 24).num_tokens == 24
