@@ -549,7 +549,15 @@ def test_a_live_tail_hit_that_needs_a_refill_allocates() -> None:
     running = m.allocate(other, "", m.match(other, "", 11), 12)
     m.commit(running, other, 10)
     live = running.block_ids[2]
-    unrelated = [100 + i for i in range(12)]  # takes the idle window pages: into the tier
+    window = m.match(base, "", 8).blocks[1]  # an 8-token hit reads keys 6..7
+    node, local = m._tree.node_of(window), m.local
+    assert node is not None and m.local_tier is not None
+    page = local.page_of[window]  # taken, as local pressure does: into the tier
+    m.local_tier.spill(node.digest, node.parent_digest, node.tokens, page)
+    local._unidle(page)
+    local.block_of[page], local.page_of[window] = -1, NULL_PAGE
+    local._free.append(page)
+    unrelated = [100 + i for i in range(12)]  # the last free global pages and two local ones
     tx = m.allocate(unrelated, "", m.match(unrelated, "", 0), 12)
     m.commit(tx, unrelated, 12)
     seq = [*base, 9, 77]
@@ -620,4 +628,28 @@ def test_a_pinned_prefix_loses_its_last_window_last() -> None:
     m.pin(tokens, "")
     page_of = m.local.page_of
     assert list(m.local._idle_pinned) == [page_of[b] for b in blocks]  # LRU head first
+    m.check_invariants()
+
+
+def test_the_window_of_a_shared_prefix_outlives_a_prompts_interior() -> None:
+    """A document read by two prompts longer than a window: for both, its last window is a
+    prompt's interior (taken first under local pressure), but the second hit it, so its
+    release keeps it with the last windows; a third prompt over the document still hits
+    after pressure took every free page and three idle ones (it found nothing before)."""
+    m = manager(window=6, num_local=15, num_blocks=40)
+    doc = list(range(100, 112))  # 3 blocks; a hit of 12 reads keys 7..11: blocks 1 and 2
+
+    def run(tokens: list[int]) -> int:
+        match = m.match(tokens, "", len(tokens) - 1)
+        t = m.allocate(tokens, "", match, len(tokens))
+        m.commit(t, tokens, len(tokens))
+        m.free(t)
+        return match.num_tokens
+
+    assert run(doc + list(range(200, 210))) == 0
+    assert run(doc + list(range(300, 310))) == 12
+    pressure = m.local.num_free + 3
+    m.allocate(list(range(900, 900 + BS * pressure)), "", m.match([], "", 0), BS * pressure)
+    assert m.local.num_free == 0
+    assert m.match(doc + list(range(400, 410)), "", 21).num_tokens == 12
     m.check_invariants()

@@ -343,11 +343,15 @@ class HybridBlockManager(HybridPins):
         self.slide(table, num_computed)
 
     def slide(self, table: BlockTable, num_computed: int) -> None:
-        """Release the holds on the blocks that slid wholly out of the window."""
+        """Release the holds on the blocks that slid wholly out of the window: a prompt's
+        interior goes behind, but for the window of the hit it made (a shared prefix's end,
+        which the next request with that prefix reads)."""
         end = min(self.window_start(num_computed), len(table.block_ids))
         release, interior = self.local.release, table.num_interior_blocks
+        hit = table.num_cached_tokens
+        shared = range(self.window_start(hit), -(-hit // self.block_size))
         for j in range(table.num_released_blocks, end):
-            release(table.block_ids[j], behind=j < interior)
+            release(table.block_ids[j], behind=j < interior and j not in shared)
         table.num_released_blocks = max(table.num_released_blocks, end)
 
     def free(self, table: BlockTable) -> None:
