@@ -65,7 +65,8 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.5,
         metavar="RATIO",
-        help="hybrid (sliding-window) models: local pages per global page in the KV budget",
+        help="hybrid (sliding-window) models: local pages per global page in the KV budget "
+        "(and local-page slots per block slot in --kv-offload's)",
     )
     parser.add_argument(
         "--reuse-repair-tokens",
