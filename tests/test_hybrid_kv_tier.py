@@ -8,19 +8,21 @@ corrupt entry shortens the hit, never the tokens."""
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_hybrid_engine import hybrid_loaded, make_engine, prompt, reference_backend, run
 
 from prefixcache.engine.engine import LLMEngine
 from prefixcache.engine.memory.hybrid.manager import HybridBlockManager
 from prefixcache.engine.model.loader import LoadedModel
+from prefixcache.engine.request import EngineRequest, RequestOutput, SamplingParams
 
 __all__ = ["hybrid_loaded", "reference_backend"]  # fixtures shared with test_hybrid_engine
 
@@ -216,3 +218,56 @@ def test_a_disk_tier_keeps_both_parts_in_files_removed_at_close(
         assert cached == 96 and same(warm, cold(hybrid_loaded, tokens))
         assert engine.cache_stats().tier.kind == "disk"
     assert not list(tmp_path.glob("prefixcache-kv-*.slots"))
+
+
+@settings(
+    max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(seed=st.integers(0, 10**6))
+def test_the_engine_under_pressure_with_a_small_tier(hybrid_loaded: LoadedModel, seed: int) -> None:
+    """Requests over four shared documents arriving while others run, in small pools (local
+    pressure, preemption), a tier of a few dozen blocks, evictions into it and damaged entries:
+    every step keeps the invariants, and the answers sampled are the cold ones."""
+    rng = random.Random(seed)
+    docs = [prompt(seed + i, rng.randrange(30, 120), hybrid_loaded) for i in range(4)]
+    config = {
+        "num_blocks": rng.choice([24, 32, 48]),
+        "max_num_seqs": rng.choice([2, 3, 4]),
+        "max_num_batched_tokens": rng.choice([32, 64]),
+        "swa_pool_ratio": rng.choice([0.1, 0.3, 0.5]),
+    }
+    engine = make_engine(hybrid_loaded, kv_offload=f"host:{rng.choice([0.001, 0.003])}", **config)
+    manager = manager_of(engine)
+    assert manager.tier is not None and manager.local_tier is not None
+    prompts: dict[str, list[int]] = {}
+    answers: dict[str, list[int]] = {}
+
+    def collect(outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            answers.setdefault(out.request_id, []).extend(out.new_token_ids)
+        manager.check_invariants()
+
+    try:
+        for step in range(300):
+            if rng.random() < 0.3 and engine.num_running + engine.num_waiting < 8:
+                rid = f"r{step}"
+                prompts[rid] = rng.choice(docs) + prompt(rng.randrange(10**6), 20, hybrid_loaded)
+                sampling = SamplingParams(max_tokens=rng.randrange(1, 6), ignore_eos=True)
+                engine.add_request(EngineRequest(rid, prompts[rid], sampling))
+            if rng.random() < 0.05:
+                engine.evict_all(keep_tier=rng.random() < 0.9)
+            tier = rng.choice([manager.tier, manager.local_tier])
+            if rng.random() < 0.05 and len(tier):
+                tier.corrupt_slot(rng.choice(list(tier._entries)))
+            if engine.has_unfinished:
+                collect(engine.step())
+        while engine.has_unfinished:
+            collect(engine.step())
+    finally:
+        engine.close()
+    event(f"tokens reloaded: {'some' if manager.stats().reloaded_tokens else 'none'}")
+    reference = make_engine(hybrid_loaded, enable_prefix_caching=False)
+    for rid in rng.sample(sorted(answers), min(6, len(answers))):
+        sampling = SamplingParams(max_tokens=len(answers[rid]), ignore_eos=True)
+        (cold_out,) = reference.generate([EngineRequest(f"c{rid}", prompts[rid], sampling)])
+        assert cold_out.token_ids == answers[rid], rid
