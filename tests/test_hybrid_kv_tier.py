@@ -271,3 +271,20 @@ def test_the_engine_under_pressure_with_a_small_tier(hybrid_loaded: LoadedModel,
         sampling = SamplingParams(max_tokens=len(answers[rid]), ignore_eos=True)
         (cold_out,) = reference.generate([EngineRequest(f"c{rid}", prompts[rid], sampling)])
         assert cold_out.token_ids == answers[rid], rid
+
+
+def test_the_local_pages_moves_are_counted(hybrid_loaded: LoadedModel) -> None:
+    from prometheus_client import generate_latest
+
+    tokens = prompt(52, 150, hybrid_loaded)
+    with spilled(hybrid_loaded, tokens) as engine:
+        run(engine, [tokens])  # a hit: the window refilled from the tier
+        manager = manager_of(engine)
+        assert manager.local_tier is not None
+        local = manager.local_tier.stats()
+        text = generate_latest(engine.metrics.registry).decode()
+        for event, value in (("written", local.writes), ("reloaded", local.reloads)):
+            line = f'prefixcache:kv_tier_local_pages_total{{event="{event}"}} {float(value)}'
+            assert line in text and value > 0, line
+    plain = make_engine(hybrid_loaded)  # no tier: no such series
+    assert "kv_tier_local_pages" not in generate_latest(plain.metrics.registry).decode()

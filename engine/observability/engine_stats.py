@@ -29,6 +29,11 @@ class EngineStats:
         self._tier = tier
         self._last = manager.stats()
         self._last_tier = tier.stats() if tier is not None else TierStats()
+        hybrid = isinstance(manager, HybridBlockManager)
+        self._local_tier = manager.local_tier if hybrid else None  # type: ignore[union-attr]
+        if self._local_tier is not None:
+            self._local_moves = self.metrics.count_local_tier()
+            self._last_local = self._local_tier.stats()
 
     def watch_gauges(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
         """The gauges read the queues and the pool whenever they are collected."""
@@ -115,6 +120,13 @@ class EngineStats:
             m.kv_tier_writes.inc(tier.writes - before.writes)
             m.kv_tier_reloads.inc(tier.reloads - before.reloads)
             m.kv_tier_drops.inc(tier.drops + tier.corrupt - before.drops - before.corrupt)
+        if self._local_tier is not None:
+            local = self._local_tier.stats()
+            before, self._last_local = self._last_local, local
+            self._local_moves.labels("written").inc(local.writes - before.writes)
+            self._local_moves.labels("reloaded").inc(local.reloads - before.reloads)
+            dropped = local.drops + local.corrupt - before.drops - before.corrupt
+            self._local_moves.labels("dropped").inc(dropped)
         m.evictions.inc((stats.evicted_tokens - last.evicted_tokens) // stats.block_size)
 
     def admin_evicted(self, blocks: int) -> None:

@@ -145,6 +145,16 @@ class EngineMetrics:
             registry=r,
         )
 
+    def count_local_tier(self) -> Counter:
+        """A hybrid model's tier: its sliding-layer pages' moves (no such series else)."""
+        return Counter(
+            "prefixcache:kv_tier_local_pages",
+            "A hybrid model's sliding-layer KV pages moved by the KV tier: written, reloaded "
+            "(a hit's window refilled), dropped.",
+            ["event"],
+            registry=self.registry,
+        )
+
     def read_gauges_from(
         self, values: Callable[[], GaugeValues], local_pages: bool = False
     ) -> None:
