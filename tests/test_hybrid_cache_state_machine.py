@@ -653,3 +653,32 @@ def test_the_window_of_a_shared_prefix_outlives_a_prompts_interior() -> None:
     assert m.local.num_free == 0
     assert m.match(doc + list(range(400, 410)), "", 21).num_tokens == 12
     m.check_invariants()
+
+
+@pytest.mark.parametrize("case", ["shorter", "nested", "sibling"])
+def test_a_second_pin_over_shared_blocks_keeps_the_first_ones_order(case: str) -> None:
+    """Pinning a shorter prefix of A, pinning and unpinning one, or pinning a sibling that
+    shares A's first blocks leaves A's local pages where they were: its last window still
+    leaves last (a review found the shared root moved behind it: A's hit fell from 20 to 8)."""
+    m = manager(window=6, num_local=17, num_blocks=40)
+    a = list(range(100, 100 + 5 * BS))
+    table = fill(m, a)
+    blocks = list(table.block_ids)
+    m.free(table)
+    sibling = a[: 2 * BS] + list(range(500, 500 + 3 * BS))
+    if case == "sibling":
+        m.free(fill(m, sibling))
+    m.pin(a, "")
+    if case == "shorter":
+        m.pin(a[: 2 * BS], "")
+    elif case == "nested":
+        m.pin(a[: 2 * BS], "")
+        m.unpin(a[: 2 * BS], "")
+    else:
+        m.pin(sibling, "")
+    order = [m.local.block_of[p] for p in m.local._idle_pinned]
+    assert order[: len(blocks)] == blocks
+    pressure = m.local.num_free + 3
+    m.allocate(list(range(900, 900 + BS * pressure)), "", m.match([], "", 0), BS * pressure)
+    assert m.match([*a, 1], "", len(a)).num_tokens == len(a)
+    m.check_invariants()

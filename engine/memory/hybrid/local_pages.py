@@ -209,11 +209,13 @@ class WatchedPool(BlockPool):
 
     def pin(self, block: int) -> None:
         super().pin(block)
-        self.local.repin(block)
+        if self.pin_count[block] == 1:  # pinned now: its idle page joins the pinned LRU
+            self.local.repin(block)
 
     def unpin(self, block: int) -> None:
         super().unpin(block)
-        self.local.repin(block)
+        if self.pin_count[block] == 0:
+            self.local.repin(block)
 
     def deref(self, block: int) -> None:
         super().deref(block)

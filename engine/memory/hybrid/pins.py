@@ -16,11 +16,17 @@ class HybridPins(BlockManager):
     local: LocalPages
 
     def pin_path(self, node: Node, count: int) -> None:
-        """``BlockPins.pin_path`` pins deepest first; the local pages are then moved root
-        first, so a pinned prefix's last window (what a hit on it reads) is taken last."""
+        """``BlockPins.pin_path`` pins deepest first; the local pages of the blocks pinned or
+        unpinned by it are then moved root first, so a pinned prefix's last window (what a hit
+        on it reads) is taken last. Blocks already pinned (a prefix shared by two pins) keep
+        their place."""
+        path = list(node.path_up())
+        pin_count = self._pool.pin_count
+        was_pinned = [pin_count[step.block] > 0 for step in path]
         super().pin_path(node, count)
-        for step in reversed(list(node.path_up())):
-            self.local.repin(step.block)
+        for step, was in zip(reversed(path), reversed(was_pinned), strict=True):
+            if (pin_count[step.block] > 0) != was:
+                self.local.repin(step.block)
 
     def cache_block(
         self, parent: Node | None, root: bytes, tokens: bytes, fill: Callable[[int], None]
