@@ -348,8 +348,8 @@ class HybridBlockManager(HybridPins):
         which the next request with that prefix reads)."""
         end = min(self.window_start(num_computed), len(table.block_ids))
         release, interior = self.local.release, table.num_interior_blocks
-        hit = table.num_cached_tokens
-        shared = range(self.window_start(hit), -(-hit // self.block_size))
+        hit = table.num_cached_tokens  # (a prompt of exactly it reads a block earlier)
+        shared = range(self.window_start(max(hit - 1, 0)), -(-hit // self.block_size))
         for j in range(table.num_released_blocks, end):
             release(table.block_ids[j], behind=j < interior and j not in shared)
         table.num_released_blocks = max(table.num_released_blocks, end)
