@@ -4,13 +4,13 @@ A file is one safetensors file: per layer the KV pages of every block on a pinne
 (``kv.<layer>``, ``[n, 2, block_size, kv_heads, head_dim]``, the cache's own layout and dtype)
 and the tree around them (``tokens``, ``parents``, ``pins``, ``roots``: parents before
 children; a root is the namespace root digest of a top block). A hybrid model's sliding
-layers (metadata ``local_layers``) keep only the blocks ``local_blocks`` lists: those of each
-pinned prefix's last window that still had their local page, all a hit on it reads. Its metadata carries the
-format, a digest of the engine identity (model and tokenizer fingerprints, dtype), the block
-size, and an HMAC-SHA256 over everything else keyed by a key the caller passes (the
-sidecar derives it from the server secret: tenancy.cache_file_key), so a file from another model, tokenizer, dtype or
-block size, a damaged one, or one edited and re-signed without the key, is refused with a
-message before any page is touched; so are pages that are not finite.
+layers (metadata ``local_layers``) keep only the blocks ``local_blocks`` lists: each pinned
+prefix's last window (``HybridBlockManager.hit_window``), all a hit on it reads. The metadata
+carries the format, a digest of the engine identity (model and tokenizer fingerprints, dtype),
+the block size, and an HMAC-SHA256 over everything else keyed by a key the caller passes (the
+sidecar derives it from the server secret: tenancy.cache_file_key), so a file from another
+model, tokenizer, dtype or block size, a damaged one, or one edited and re-signed without the
+key, is refused with a message before any page is touched; so are pages that are not finite.
 
 Split by thread: ``snapshot``/``restore`` touch the block manager (through
 ``pinned_blocks.py``) and the pages (the engine thread); ``write``/``read`` do the file work and

@@ -52,9 +52,9 @@ class LocalTierLink:
         """Attach a page to ``node``'s block (held once: by the table that asked) and fill it
         from the tier; False, with no page attached, when the tier lost the entry or its
         checksum fails."""
-        digest = node.digest
-        if not self.tier.find(digest, node.parent_digest, node.tokens):
+        if not self.holds_node(node):
             return False
+        digest = node.digest
         self.tier.touch([digest])  # the attach below may spill (and drop the LRU entry)
         local.attach(node.block)
         if self.tier.reload([digest], [local.page_of[node.block]]) == 1:
