@@ -103,6 +103,11 @@ CASES = {
         + ["--capacity-prefix", "600", "--max-length", "600", "--tier-requests", "2"],
         {"cpu", "shared", "lengths", "held", "capacity", "tier"},
     ),
+    "lm_head.py": (  # a tiny Q8_0 GGUF made here (tiny_q8_gguf), tiny sizes
+        ["--rows", "1", "9", "--batches", "2", "--new-tokens", "2", "--seconds", "0.05"]
+        + ["--accuracy-rows", "8"],
+        {"cpu", "kernels", "rows", "accuracy", "decode"},
+    ),
     "grammar.py": (
         ["--schemas", "12", "--batch", "8", "--steps", "4"],
         {"compile_total_s", "mask_median_ms", "refused"},
@@ -160,6 +165,15 @@ def tiny_gemma3(folder: Path) -> Path:
     return save_tiny(hf, folder / "tiny-gemma3")
 
 
+def tiny_q8_gguf(folder: Path) -> Path:
+    """A small Llama GGUF, every weight Q8_0, its head tied (the integer head's form)."""
+    test_gguf = pytest.importorskip("test_gguf")
+    model = test_gguf.random_checkpoint(folder, len(test_gguf.demo_vocab()[0]), tied=True)
+    path = folder / "tiny-q8.gguf"
+    test_gguf.write_gguf(path, model, test_gguf.Q.Q8_0)
+    return path
+
+
 def run_bench(name: str, args: list[str]) -> dict:
     """Progress bars forced on (stderr is a pipe here): they must stay off stdout."""
     proc = subprocess.run(
@@ -187,6 +201,8 @@ def test_benchmark_runs_and_reports(name: str, tmp_path: Path) -> None:
     args, keys = CASES[name]
     if name == "hybrid.py":
         args = [*args, "--model", str(tiny_gemma3(tmp_path))]
+    if name == "lm_head.py":
+        args = [*args, "--model", str(tiny_q8_gguf(tmp_path))]
     result = run_bench(name, args)
     assert keys <= result.keys(), keys - result.keys()
     if name == "serving.py":  # every request streamed all its tokens; the groups shared

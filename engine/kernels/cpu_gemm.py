@@ -12,6 +12,12 @@ Where the CPU has AMX (AMX-TILE, AMX-BF16), bf16 weights whose K is a multiple o
 rows, 6-13x from 64 (bench/gemm_invariance.py), as batch-invariant, with other bits. A
 weight takes one kernel for its life, at every M, so no row ever mixes the two
 (``$PREFIXCACHE_CPU_AMX=0`` keeps AVX-512).
+
+With ``$PREFIXCACHE_INT8_HEAD=1``, a GGUF model's LM head from Q8_0 blocks runs
+``cpu_head_int8.cpp`` where the CPU has AVX512_VNNI (``PackedLinear.head_from_blocks``):
+integer dot products on the weight bytes as stored, 2x the AMX kernel's rate at one row
+(which forms each weight's bf16 value first, its bottleneck there), slower from eight rows,
+and nearer the exact product than a bf16 rounding of each weight.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import settings
 from . import cpu_library, cpu_replay
 
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 AMX_SOURCE = Path(__file__).with_name("cpu_gemm_amx.cpp")
+HEAD_SOURCE = Path(__file__).with_name("cpu_head_int8.cpp")
 AMX_K_STEP = 32  # the AMX kernel's k per tile step; other K keep the AVX-512 kernel
 DTYPES = (torch.bfloat16, torch.float32)
 # A weight's GGUF blocks: q int8 [N, K], scale and minimum (or None) fp32 [N, K / 32]
@@ -55,12 +63,26 @@ def _declare_amx(lib: ctypes.CDLL) -> None:
         fn.restype = None
 
 
+def _declare_head(lib: ctypes.CDLL) -> None:
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.pc_head_i8_packed_bytes.argtypes = [i64, i64]
+    lib.pc_head_i8_packed_bytes.restype = i64
+    lib.pc_head_i8.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int, c_int]
+    lib.pc_head_i8.restype = None
+    lib.pc_head_i8_enable_amx.argtypes = []
+    lib.pc_head_i8_enable_amx.restype = c_int
+
+
 _library = cpu_library.CpuLibrary(
     SOURCE, "CPU GEMM", "torch's GEMM (not batch-invariant)", _declare
 )
 _amx_library = cpu_library.CpuLibrary(
     AMX_SOURCE, "CPU GEMM on AMX", "the AVX-512 GEMM", _declare_amx, (cpu_library.AMX_HEADER,),
     targets=(cpu_library.AMX_BF16,),
+)  # fmt: skip
+_head_library = cpu_library.CpuLibrary(
+    HEAD_SOURCE, "CPU integer LM head", "the bf16 head", _declare_head, (cpu_library.AMX_HEADER,),
+    targets=(cpu_library.AVX512_VNNI,),
 )  # fmt: skip
 
 
@@ -94,6 +116,32 @@ def _amx_lib() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
+def _head_lib() -> ctypes.CDLL | None:
+    """The integer LM head where it can run: the native build loaded (not the AVX2 one) and the
+    CPU's AVX512_VNNI; its AMX path where AMX-INT8 is granted too (the same bits). Decided
+    once per process (whether a model uses it: ``int8_head_wanted``)."""
+    if not available():
+        return None
+    if _library.target is not cpu_library.AVX512_BF16:
+        return None
+    lib = _head_library.load()
+    if lib is not None and cpu_library.amx_int8_wanted() and lib.pc_head_i8_enable_amx() != 0:
+        cpu_library.log.info("integer LM head on AMX off: the kernel refused the tile state")
+    return lib
+
+
+def int8_head_available() -> bool:
+    """Whether a Q8_0 LM head can run in integer arithmetic here (building on first use)."""
+    return _head_lib() is not None
+
+
+def int8_head_wanted() -> bool:
+    """Whether models loaded now take the integer head: ``$PREFIXCACHE_INT8_HEAD`` on (off by
+    default: faster for one to four rows, slower from eight) and the kernel here."""
+    return settings.int8_head_enabled() and int8_head_available()
+
+
 def amx_available() -> bool:
     """Whether bf16 weights with K a multiple of 32 run on AMX here (building on first use)."""
     return _amx_lib() is not None
@@ -118,6 +166,19 @@ def q4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> torch.Tens
     rows = ints.astype(np.uint8).reshape(groups, blocks, 16, 2, 2, 16)
     nibbles = rows[..., 0, :] | (rows[..., 1, :] << 4)
     return _blocks(groups, blocks, nibbles.reshape(groups, blocks, 512), scale, minimum)
+
+
+def head_pack(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
+    """``pc_head_i8``'s layout of ``q`` int8 ``[N, K]`` and ``scale`` ``[N, K / 32]``: per
+    group of 32 columns (N padded with zero columns) and block of 32 k, ``q + 128`` as
+    ``[8 k-quads][32 columns][4]`` bytes, then the block's 32 fp32 scales."""
+    n, k = q.shape
+    groups, blocks = -(-n // 32), k // 32
+    qp = np.zeros((groups * 32, k), dtype=np.int8)
+    qp[:n] = q
+    biased = qp.view(np.uint8) ^ np.uint8(0x80)  # q + 128, two's complement
+    ints = biased.reshape(groups, 32, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+    return _blocks(groups, blocks, np.ascontiguousarray(ints).reshape(groups, blocks, 1024), scale)
 
 
 def _tile_order(q: np.ndarray) -> tuple[np.ndarray, int, int]:
@@ -151,6 +212,17 @@ def block_weights(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None) 
     if minimum is not None:
         w += torch.from_numpy(minimum)[..., None]
     return w.view(n, k).to(torch.bfloat16)
+
+
+def _rounds_to(weight: torch.Tensor, source: BlockSource) -> bool:
+    """Whether ``weight`` is ``source``'s blocks as the block kernels form them, exactly."""
+    q, scale, minimum = source
+    for start in range(0, q.shape[0], 8192):
+        rows = slice(start, start + 8192)
+        part = None if minimum is None else minimum[rows]
+        if not torch.equal(block_weights(q[rows], scale[rows], part), weight[rows]):
+            return False
+    return True
 
 
 def _lib() -> ctypes.CDLL:
@@ -234,11 +306,8 @@ class PackedLinear:
             return None
         if minimum is not None and (minimum.shape != scale.shape or halves):
             return None
-        for start in range(0, n, 8192):  # the kernels' weights, exactly
-            rows = slice(start, start + 8192)
-            part = None if minimum is None else minimum[rows]
-            if not torch.equal(block_weights(q[rows], scale[rows], part), weight[rows]):
-                return None
+        if not _rounds_to(weight, source):
+            return None
         low, high = int(q.min(initial=0)), int(q.max(initial=0))
         if minimum is None and low >= -8 and high <= 7 and not halves:  # Q4_0: q + 8, -8 scale
             q, minimum, low, high = q + np.int8(8), scale * np.float32(-8), low + 8, high + 8
@@ -254,20 +323,60 @@ class PackedLinear:
             packed, fn, kernel = q8_pack(q, scale), amx.pc_gemm_q8_amx, "q8_amx"
         else:
             return None
+        self = cls._on_blocks(packed, fn, kernel, (n, k), bias, float_out)
+        self.long_rows = long_rows
+        if long_rows is not None:
+            panels = cls(weight, bias, float_out)
+            self.panels, self._long = panels.packed, (panels._fn, panels._packed_ptr)
+        return self
+
+    @classmethod
+    def head_from_blocks(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        source: BlockSource,
+        float_out: bool = True,
+    ) -> PackedLinear | None:
+        """The LM head (``float_out``) from ``weight``'s Q8_0-style blocks (``q`` int8, one
+        scale per 32 k, no minimum; ``weight`` their bf16 rounding) in integer arithmetic
+        (``cpu_head_int8.cpp``): batch-invariant, not the bf16 kernels' bits but nearer the
+        exact ``q * scale`` product, at the memory's rate for one row. None where the kernel
+        does not run here or the blocks are another form."""
+        lib = _head_lib()
+        q, scale, minimum = source
+        n, k = q.shape
+        if lib is None or minimum is not None or weight.dtype != torch.bfloat16 or k % 32:
+            return None
+        if scale.shape != (n, k // 32) or tuple(weight.shape) != (n, k):
+            return None
+        if not _rounds_to(weight, source):
+            return None
+        packed = head_pack(q, scale)
+        return cls._on_blocks(packed, lib.pc_head_i8, "q8_int", (n, k), bias, float_out)
+
+    @classmethod
+    def _on_blocks(
+        cls,
+        packed: torch.Tensor,
+        fn: ctypes._CFuncPtr,
+        kernel: str,
+        shape: tuple[int, int],
+        bias: torch.Tensor | None,
+        float_out: bool,
+    ) -> PackedLinear:
+        """A ``PackedLinear`` whose kernel ``fn`` reads ``packed`` blocks (bf16 rows in)."""
         self = cls.__new__(cls)
         self.packed, self._fn, self.kernel = packed, fn, kernel
-        self.out_features, self.in_features = n, k
+        self.out_features, self.in_features = shape
         self.dtype = torch.bfloat16
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_dtype = torch.float32 if float_out else torch.bfloat16
         self._f32_out = (int(float_out),)
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
-        self._what = f"PackedLinear({k} -> {n}, GGUF blocks, {self.kernel})"
-        self.long_rows, self.panels, self._long = long_rows, None, (self._fn, self._packed_ptr)
-        if long_rows is not None:
-            panels = cls(weight, bias, float_out)
-            self.panels, self._long = panels.packed, (panels._fn, panels._packed_ptr)
+        self._what = f"PackedLinear({shape[1]} -> {shape[0]}, GGUF blocks, {kernel})"
+        self.long_rows, self.panels, self._long = None, None, (self._fn, self._packed_ptr)
         return self
 
     def call(self, x2: torch.Tensor, out: torch.Tensor) -> cpu_replay.KernelCall:

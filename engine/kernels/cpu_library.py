@@ -102,6 +102,8 @@ AVX2 = Target(
 )
 # The same build where the CPU also has AMX: for the AMX kernels, used only there.
 AMX_BF16 = Target("amx_bf16", REQUIRED_FLAGS | {"amx_tile", "amx_bf16"}, CXX_FLAGS)
+# The same build where the CPU also has AVX512_VNNI: for the integer LM head, used only there.
+AVX512_VNNI = Target("avx512_vnni", REQUIRED_FLAGS | {"avx512_vnni"}, CXX_FLAGS)
 TARGETS = (AVX512_BF16, AVX2)
 NATIVE_ONLY = (AVX512_BF16,)  # for libraries that compute bf16 only
 
@@ -162,6 +164,12 @@ def amx_wanted(cpuinfo: str | None = None) -> bool:
     """Whether kernels with an AMX path should take it: the CPU has AMX-TILE and AMX-BF16 and
     ``$PREFIXCACHE_CPU_AMX`` is not off (the kernel's grant of the tile state is asked later)."""
     return settings.cpu_amx_enabled() and AMX_BF16.needs <= cpu_flags(cpuinfo)
+
+
+def amx_int8_wanted(cpuinfo: str | None = None) -> bool:
+    """Whether the integer kernels should take their AMX path: AMX-TILE and AMX-INT8 here and
+    ``$PREFIXCACHE_CPU_AMX`` not off."""
+    return settings.cpu_amx_enabled() and {"amx_tile", "amx_int8"} <= cpu_flags(cpuinfo)
 
 
 def require(ok: bool, what: str) -> None:

@@ -20,7 +20,8 @@ class Gemm:
     ``float_out`` (the LM head): the invariant kernel returns its fp32 sums unrounded.
     ``source``: the weight's GGUF blocks (integers, scales, minimums or None); where AMX runs
     and ``weight`` is their bf16 rounding, the invariant kernel reads them instead (the same
-    bits, 0.4-0.5x the bytes)."""
+    bits, 0.4-0.5x the bytes); with ``$PREFIXCACHE_INT8_HEAD=1`` the LM head's Q8_0 blocks run
+    the integer head (``cpu_head_int8.cpp``: nearer the exact product, not those bits)."""
 
     __slots__ = ("bias", "invariant", "packed", "weight")
 
@@ -36,8 +37,10 @@ class Gemm:
         self.invariant: cpu_gemm.PackedLinear | None = None
         self.packed: torch.Tensor | None = None
         if batch_invariant and cpu_gemm.supports(weight):
-            if source is not None:
-                # the head (float_out) only reads blocks; the layers' long calls their panels
+            if source is not None and float_out and cpu_gemm.int8_head_wanted():  # the LM head
+                self.invariant = cpu_gemm.PackedLinear.head_from_blocks(weight, bias, source)
+            if source is not None and self.invariant is None:
+                # the layers' long calls run their bf16 panels (the same bits)
                 long_rows = None if float_out else LONG_ROWS
                 self.invariant = cpu_gemm.PackedLinear.from_blocks(
                     weight, bias, source, float_out, long_rows

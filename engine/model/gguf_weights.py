@@ -52,17 +52,22 @@ def quantizable_name(hf_name: str) -> bool:
 
 
 def block_sources(
-    t: Any, orders: list[np.ndarray | None], dtype: torch.dtype, device: torch.device
+    t: Any,
+    orders: list[np.ndarray | None],
+    dtype: torch.dtype,
+    device: torch.device,
+    head: bool = False,
 ) -> list[cpu_gemm.BlockSource] | None:
     """A dequantized model's linear weight as its GGUF blocks (``q`` int8 ``[n, k]``,
     ``scale`` and ``minimum`` or None float32 ``[n, k / 32]``), one per row order in
     ``orders`` (a fused tensor's parts, llama's q/k permutation undone): its bf16 GEMM runs
     from them on AMX (``cpu_gemm.PackedLinear.from_blocks``), the same bits from under half
-    the bytes. None where that cannot run (another dtype or device, no AMX, a type
-    ``gguf_blocks`` does not split)."""
+    the bytes; the LM head (``head``) also where only the integer head runs
+    (``$PREFIXCACHE_INT8_HEAD=1``, AVX512_VNNI without AMX). None where neither can run (another dtype or device, a type ``gguf_blocks`` does
+    not split)."""
     if dtype != torch.bfloat16 or device.type != "cpu" or not settings.gguf_blocks_enabled():
         return None
-    if not cpu_gemm.amx_available():
+    if not (cpu_gemm.amx_available() or (head and cpu_gemm.int8_head_wanted())):
         return None
     n, k = (int(d) for d in reversed(t.shape.tolist()))
     name = t.tensor_type.name
