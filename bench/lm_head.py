@@ -30,7 +30,7 @@ import torch
 from prefixcache.engine import settings
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.kernels import cpu_gemm
+from prefixcache.engine.kernels import cpu_head_int8
 from prefixcache.engine.kernels.cpu_features import cpu_model_name
 from prefixcache.engine.model.loader import LoadedModel, load_model
 from prefixcache.engine.model.named_models import NAMED_MODELS, ensure_named_model
@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--accuracy-rows", type=int, default=128)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if not cpu_gemm.int8_head_available():  # measured nothing: say so (AVX512_VNNI needed)
+    if not cpu_head_int8.available():  # measured nothing: say so (AVX512_VNNI needed)
         print(
             json.dumps(
                 {"available": False, "cpu": cpu_model_name(), "threads": torch.get_num_threads()}

@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixcache.engine import settings as engine_settings
-from prefixcache.engine.kernels import cpu_gemm
+from prefixcache.engine.kernels import cpu_gemm, cpu_head_int8
 
 pytestmark = pytest.mark.skipif(
-    not cpu_gemm.int8_head_available(), reason="no AVX512_VNNI here (or the kernel cannot load)"
+    not cpu_head_int8.available(), reason="no AVX512_VNNI here (or the kernel cannot load)"
 )
 
 
@@ -56,7 +56,7 @@ def exact(x: torch.Tensor, source: cpu_gemm.BlockSource) -> torch.Tensor:
 
 
 def head(source: cpu_gemm.BlockSource, w: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = True) -> cpu_gemm.PackedLinear:  # fmt: skip
-    lin = cpu_gemm.PackedLinear.head_from_blocks(w, bias, source, float_out)
+    lin = cpu_head_int8.head_from_blocks(w, bias, source, float_out)
     assert lin is not None and lin.kernel == "q8_int"
     return lin
 
@@ -152,13 +152,13 @@ def test_bias_and_bf16_outputs() -> None:
 def test_other_forms_are_refused() -> None:
     source, w = q8_source(64, 64, 1)
     q, scale, _ = source
-    assert cpu_gemm.PackedLinear.head_from_blocks(w.float(), None, source) is None
-    assert cpu_gemm.PackedLinear.head_from_blocks(w, None, (q, scale, scale)) is None  # a min
+    assert cpu_head_int8.head_from_blocks(w.float(), None, source) is None
+    assert cpu_head_int8.head_from_blocks(w, None, (q, scale, scale)) is None  # a min
     per16 = np.repeat(scale, 2, axis=1)  # Q6_K's scale per 16 k
-    assert cpu_gemm.PackedLinear.head_from_blocks(w, None, (q, per16, None)) is None
+    assert cpu_head_int8.head_from_blocks(w, None, (q, per16, None)) is None
     other = w.clone()
     other[3, 5] = other[3, 5] * 2 + 1
-    assert cpu_gemm.PackedLinear.head_from_blocks(other, None, source) is None
+    assert cpu_head_int8.head_from_blocks(other, None, source) is None
 
 
 # The same call with AMX off, in a child process (the choice is made once per process).

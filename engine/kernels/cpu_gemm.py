@@ -13,11 +13,7 @@ rows, 6-13x from 64 (bench/gemm_invariance.py), as batch-invariant, with other b
 weight takes one kernel for its life, at every M, so no row ever mixes the two
 (``$PREFIXCACHE_CPU_AMX=0`` keeps AVX-512).
 
-With ``$PREFIXCACHE_INT8_HEAD=1``, a GGUF model's LM head from Q8_0 blocks runs
-``cpu_head_int8.cpp`` where the CPU has AVX512_VNNI (``PackedLinear.head_from_blocks``):
-integer dot products on the weight bytes as stored, 2x the AMX kernel's rate at one row
-(which forms each weight's bf16 value first, its bottleneck there), slower from eight rows,
-and nearer the exact product than a bf16 rounding of each weight.
+The integer LM head (``cpu_head_int8``) reads blocks through ``PackedLinear.on_blocks`` too.
 """
 
 from __future__ import annotations
@@ -29,12 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import settings
 from . import cpu_library, cpu_replay
 
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 AMX_SOURCE = Path(__file__).with_name("cpu_gemm_amx.cpp")
-HEAD_SOURCE = Path(__file__).with_name("cpu_head_int8.cpp")
 AMX_K_STEP = 32  # the AMX kernel's k per tile step; other K keep the AVX-512 kernel
 DTYPES = (torch.bfloat16, torch.float32)
 # A weight's GGUF blocks: q int8 [N, K], scale and minimum (or None) fp32 [N, K / 32]
@@ -63,26 +57,12 @@ def _declare_amx(lib: ctypes.CDLL) -> None:
         fn.restype = None
 
 
-def _declare_head(lib: ctypes.CDLL) -> None:
-    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.pc_head_i8_packed_bytes.argtypes = [i64, i64]
-    lib.pc_head_i8_packed_bytes.restype = i64
-    lib.pc_head_i8.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int, c_int]
-    lib.pc_head_i8.restype = None
-    lib.pc_head_i8_enable_amx.argtypes = []
-    lib.pc_head_i8_enable_amx.restype = c_int
-
-
 _library = cpu_library.CpuLibrary(
     SOURCE, "CPU GEMM", "torch's GEMM (not batch-invariant)", _declare
 )
 _amx_library = cpu_library.CpuLibrary(
     AMX_SOURCE, "CPU GEMM on AMX", "the AVX-512 GEMM", _declare_amx, (cpu_library.AMX_HEADER,),
     targets=(cpu_library.AMX_BF16,),
-)  # fmt: skip
-_head_library = cpu_library.CpuLibrary(
-    HEAD_SOURCE, "CPU integer LM head", "the bf16 head", _declare_head, (cpu_library.AMX_HEADER,),
-    targets=(cpu_library.AVX512_VNNI,),
 )  # fmt: skip
 
 
@@ -116,30 +96,9 @@ def _amx_lib() -> ctypes.CDLL | None:
     return lib
 
 
-@functools.cache
-def _head_lib() -> ctypes.CDLL | None:
-    """The integer LM head where it can run: the native build loaded (not the AVX2 one) and the
-    CPU's AVX512_VNNI; its AMX path where AMX-INT8 is granted too (the same bits). Decided
-    once per process (whether a model uses it: ``int8_head_wanted``)."""
-    if not available():
-        return None
-    if _library.target is not cpu_library.AVX512_BF16:
-        return None
-    lib = _head_library.load()
-    if lib is not None and cpu_library.amx_int8_wanted() and lib.pc_head_i8_enable_amx() != 0:
-        cpu_library.log.info("integer LM head on AMX off: the kernel refused the tile state")
-    return lib
-
-
-def int8_head_available() -> bool:
-    """Whether a Q8_0 LM head can run in integer arithmetic here (building on first use)."""
-    return _head_lib() is not None
-
-
-def int8_head_wanted() -> bool:
-    """Whether models loaded now take the integer head: ``$PREFIXCACHE_INT8_HEAD`` on (off by
-    default: faster for one to four rows, slower from eight) and the kernel here."""
-    return settings.int8_head_enabled() and int8_head_available()
+def native_target() -> cpu_library.Target | None:
+    """The build the GEMM library took (None until loaded, or where none)."""
+    return _library.target
 
 
 def amx_available() -> bool:
@@ -154,7 +113,9 @@ def q8_pack(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
     (``[N, K / 16]``, ``pc_gemm_q8h_amx``) puts the block's first halves' 32, then the second's."""
     ints, groups, blocks = _tile_order(q)
     per_column = [scale] if scale.shape[1] == blocks else [scale[:, 0::2], scale[:, 1::2]]
-    return _blocks(groups, blocks, ints.view(np.uint8).reshape(groups, blocks, 1024), *per_column)
+    return with_column_values(
+        groups, blocks, ints.view(np.uint8).reshape(groups, blocks, 1024), *per_column
+    )
 
 
 def q4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> torch.Tensor:
@@ -165,20 +126,7 @@ def q4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> torch.Tens
     ints, groups, blocks = _tile_order(q)
     rows = ints.astype(np.uint8).reshape(groups, blocks, 16, 2, 2, 16)
     nibbles = rows[..., 0, :] | (rows[..., 1, :] << 4)
-    return _blocks(groups, blocks, nibbles.reshape(groups, blocks, 512), scale, minimum)
-
-
-def head_pack(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
-    """``pc_head_i8``'s layout of ``q`` int8 ``[N, K]`` and ``scale`` ``[N, K / 32]``: per
-    group of 32 columns (N padded with zero columns) and block of 32 k, ``q + 128`` as
-    ``[8 k-quads][32 columns][4]`` bytes, then the block's 32 fp32 scales."""
-    n, k = q.shape
-    groups, blocks = -(-n // 32), k // 32
-    qp = np.zeros((groups * 32, k), dtype=np.int8)
-    qp[:n] = q
-    biased = qp.view(np.uint8) ^ np.uint8(0x80)  # q + 128, two's complement
-    ints = biased.reshape(groups, 32, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
-    return _blocks(groups, blocks, np.ascontiguousarray(ints).reshape(groups, blocks, 1024), scale)
+    return with_column_values(groups, blocks, nibbles.reshape(groups, blocks, 512), scale, minimum)
 
 
 def _tile_order(q: np.ndarray) -> tuple[np.ndarray, int, int]:
@@ -191,7 +139,9 @@ def _tile_order(q: np.ndarray) -> tuple[np.ndarray, int, int]:
     return np.ascontiguousarray(ints), groups, blocks
 
 
-def _blocks(groups: int, blocks: int, ints: np.ndarray, *per_column: np.ndarray) -> torch.Tensor:
+def with_column_values(
+    groups: int, blocks: int, ints: np.ndarray, *per_column: np.ndarray
+) -> torch.Tensor:
     """Each block's integers, then its 32 columns' fp32 values from each of ``per_column``."""
     parts = [ints]
     for values in per_column:
@@ -214,7 +164,7 @@ def block_weights(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None) 
     return w.view(n, k).to(torch.bfloat16)
 
 
-def _rounds_to(weight: torch.Tensor, source: BlockSource) -> bool:
+def rounds_to(weight: torch.Tensor, source: BlockSource) -> bool:
     """Whether ``weight`` is ``source``'s blocks as the block kernels form them, exactly."""
     q, scale, minimum = source
     for start in range(0, q.shape[0], 8192):
@@ -306,7 +256,7 @@ class PackedLinear:
             return None
         if minimum is not None and (minimum.shape != scale.shape or halves):
             return None
-        if not _rounds_to(weight, source):
+        if not rounds_to(weight, source):
             return None
         low, high = int(q.min(initial=0)), int(q.max(initial=0))
         if minimum is None and low >= -8 and high <= 7 and not halves:  # Q4_0: q + 8, -8 scale
@@ -323,7 +273,7 @@ class PackedLinear:
             packed, fn, kernel = q8_pack(q, scale), amx.pc_gemm_q8_amx, "q8_amx"
         else:
             return None
-        self = cls._on_blocks(packed, fn, kernel, (n, k), bias, float_out)
+        self = cls.on_blocks(packed, fn, kernel, (n, k), bias, float_out)
         self.long_rows = long_rows
         if long_rows is not None:
             panels = cls(weight, bias, float_out)
@@ -331,32 +281,7 @@ class PackedLinear:
         return self
 
     @classmethod
-    def head_from_blocks(
-        cls,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        source: BlockSource,
-        float_out: bool = True,
-    ) -> PackedLinear | None:
-        """The LM head (``float_out``) from ``weight``'s Q8_0-style blocks (``q`` int8, one
-        scale per 32 k, no minimum; ``weight`` their bf16 rounding) in integer arithmetic
-        (``cpu_head_int8.cpp``): batch-invariant, not the bf16 kernels' bits but nearer the
-        exact ``q * scale`` product, at the memory's rate for one row. None where the kernel
-        does not run here or the blocks are another form."""
-        lib = _head_lib()
-        q, scale, minimum = source
-        n, k = q.shape
-        if lib is None or minimum is not None or weight.dtype != torch.bfloat16 or k % 32:
-            return None
-        if scale.shape != (n, k // 32) or tuple(weight.shape) != (n, k):
-            return None
-        if not _rounds_to(weight, source):
-            return None
-        packed = head_pack(q, scale)
-        return cls._on_blocks(packed, lib.pc_head_i8, "q8_int", (n, k), bias, float_out)
-
-    @classmethod
-    def _on_blocks(
+    def on_blocks(
         cls,
         packed: torch.Tensor,
         fn: ctypes._CFuncPtr,

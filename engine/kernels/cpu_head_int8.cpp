@@ -20,7 +20,7 @@
 // int32) where the CPU has AMX-INT8 and the kernel grants the tile state: the same integers,
 // so the same bits, at 4-5x VPDPBUSD's rate from 16 rows.
 //
-// Layout (cpu_gemm.py's head_pack): per group of 32 columns (N padded with zero columns) and
+// Layout (cpu_head_int8.py's pack): per group of 32 columns (N padded with zero columns) and
 // block of 32 k, the weight bytes as [8 k-quads][32 columns][4] (one 64-byte vector holds 16
 // columns' 4 consecutive k), then the block's 32 fp32 scales: 1,152 bytes a block.
 
@@ -228,12 +228,12 @@ int pc_head_i8_enable_amx() {
   return amx_granted ? 0 : 1;
 }
 
-// Bytes of head_pack's layout for [n, k] (k a multiple of 32).
+// Bytes of pack()'s layout for [n, k] (k a multiple of 32).
 int64_t pc_head_i8_packed_bytes(int64_t n, int64_t k) {
   return (n + 31) / 32 * (k / KB) * BLOCK_BYTES;
 }
 
-// pc_gemm_bf16's contract (cpu_gemm.cpp) on head_pack's layout: x bf16 [m, k] (row stride
+// pc_gemm_bf16's contract (cpu_gemm.cpp) on pack()'s layout: x bf16 [m, k] (row stride
 // ldx), out [m, n] fp32 where f32_out, else bf16 (row stride ldo), bias fp32 or null.
 PC_VNNI
 void pc_head_i8(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemm, torch_private
+from . import cpu_gemm, cpu_head_int8, torch_private
 
 
 class Gemm:
@@ -37,8 +37,8 @@ class Gemm:
         self.invariant: cpu_gemm.PackedLinear | None = None
         self.packed: torch.Tensor | None = None
         if batch_invariant and cpu_gemm.supports(weight):
-            if source is not None and float_out and cpu_gemm.int8_head_wanted():  # the LM head
-                self.invariant = cpu_gemm.PackedLinear.head_from_blocks(weight, bias, source)
+            if source is not None and float_out and cpu_head_int8.wanted():  # the LM head
+                self.invariant = cpu_head_int8.head_from_blocks(weight, bias, source)
             if source is not None and self.invariant is None:
                 # the layers' long calls run their bf16 panels (the same bits)
                 long_rows = None if float_out else LONG_ROWS

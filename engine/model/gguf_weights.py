@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .. import settings
-from ..kernels import cpu_gemm, cpu_qgemm
+from ..kernels import cpu_gemm, cpu_head_int8, cpu_qgemm
 from .gguf_blocks import split_blocks, split_q6_k
 from .llama import LlamaForCausalLM
 from .quantized_linear import QEmbedding, QLinear
@@ -67,7 +67,7 @@ def block_sources(
     not split)."""
     if dtype != torch.bfloat16 or device.type != "cpu" or not settings.gguf_blocks_enabled():
         return None
-    if not (cpu_gemm.amx_available() or (head and cpu_gemm.int8_head_wanted())):
+    if not (cpu_gemm.amx_available() or (head and cpu_head_int8.wanted())):
         return None
     n, k = (int(d) for d in reversed(t.shape.tolist()))
     name = t.tensor_type.name
