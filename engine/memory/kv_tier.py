@@ -31,7 +31,7 @@ import tempfile
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -189,6 +189,10 @@ class KVTier:
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._entries
+
+    def __iter__(self) -> Iterator[bytes]:
+        """The digests held, least recently used first (a copy: drops may follow)."""
+        return iter(list(self._entries))
 
     def touch(self, digests: list[bytes]) -> None:
         """Most recently used, in this order (a match about to be reloaded)."""

@@ -315,6 +315,11 @@ class HybridBlockManager(HybridPins):
         if link is not None and self.tier is not None and node.digest not in self.tier:
             link.tier.discard(node.digest)  # of no use without the block's global KV
 
+    def _tier_dropped(self, digest: bytes) -> None:
+        super()._tier_dropped(digest)
+        if self._local_link is not None and self._tree.can_insert(digest):  # not in the pool
+            self._local_link.tier.discard(digest)  # of no use without the block's global KV
+
     def _spill_detached(self, block: int, page: int, interior: bool) -> None:
         node = self._tree.node_of(block)
         if node is not None and self._local_link is not None:
@@ -376,6 +381,11 @@ class HybridBlockManager(HybridPins):
         self.local.check()
         if self._local_link is not None:
             self._local_link.tier.check()
+            assert self.tier is not None
+            for digest in self._local_link.tier:
+                assert digest in self.tier or not self._tree.can_insert(digest), (
+                    "a local tier entry without its block's global KV"
+                )
         assert not self._orphans
         pool, page_of = self._pool, self.local.page_of
         for block in range(self.num_blocks):
