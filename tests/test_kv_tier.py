@@ -428,3 +428,31 @@ def test_an_engine_closes_its_disk_tier(loaded, tmp_path) -> None:
     (path,) = tmp_path.glob("prefixcache-kv-*.slots")
     engine.close()
     assert not path.exists()
+
+
+def test_a_closed_tier_holds_nothing_and_refuses_spills(tmp_path: Path) -> None:
+    """After close (its writer stopped, its file gone) a spill is refused at once, never left
+    waiting on the writer, and a lookup finds nothing: an engine's manager that outlives its
+    tier recomputes."""
+    pages = Pages(8)
+    tier = KVTier(
+        DiskSlots(8, Pages.bytes_per_block, str(tmp_path), keep=False), pages, writer=True
+    )
+    bm = BlockManager(8, BS, b"m", tier=tier)
+    prompt = list(range(13))
+    compute(bm, prompt, "a", 4)
+    bm.evict_all(keep_tier=True)
+    tier.drain()
+    assert len(tier) == 3 and bm.match(prompt, "a", 12).tier
+    tier.close()
+    assert len(tier) == 0 and not bm.match(prompt, "a", 12).tier
+    done = threading.Event()
+
+    def spill() -> None:
+        assert not tier.spill(b"d" * 32, b"p" * 32, b"t" * 16, 0, wait=True)
+        tier.drain()
+        done.set()
+
+    threading.Thread(target=spill, daemon=True).start()
+    assert done.wait(10), "a spill after close waited on a writer that is gone"
+    tier.check()

@@ -167,6 +167,7 @@ class KVTier:
         self._queue: queue.Queue[tuple[TierEntry, np.ndarray] | None] | None = None
         self._thread: threading.Thread | None = None
         self.on_drop: Callable[[bytes], None] | None = None  # an entry left (KV events)
+        self.closed = False
         if writer:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._write_loop, name="kv-tier", daemon=True)
@@ -214,6 +215,8 @@ class KVTier:
         """Keep an evicted page's KV under ``digest``; False if refused (the writer is
         ``max_pending_bytes`` behind; ``wait``: wait for it instead, off the step path).
         Already held: a touch. ``coldest``: enter as the least recently used entry."""
+        if self.closed:
+            return False
         entry = self._entries.get(digest)
         if entry is not None:
             if not coldest:  # (a cold spill does not demote what the tier holds)
@@ -334,10 +337,17 @@ class KVTier:
         assert s.bytes_used + s.bytes_free == self.storage.num_slots * self.slot_bytes
 
     def close(self) -> None:
+        """Stop the writer (queued writes land first) and let the storage go: the tier then
+        holds nothing and refuses spills (a spill after close waited on a writer that was
+        gone)."""
         if self._thread is not None and self._queue is not None:
             self._queue.put(None)
             self._thread.join(timeout=30)
             self._thread = None
+        self._queue = None
+        self.closed = True
+        self._entries.clear()
+        self._free = list(range(self.storage.num_slots - 1, -1, -1))
         self.storage.close()
 
 
