@@ -63,8 +63,8 @@ def block_sources(
     ``orders`` (a fused tensor's parts, llama's q/k permutation undone): its bf16 GEMM runs
     from them on AMX (``cpu_gemm.PackedLinear.from_blocks``), the same bits from under half
     the bytes; the LM head (``head``) also where only the integer head runs
-    (``$PREFIXCACHE_INT8_HEAD=1``, AVX512_VNNI without AMX). None where neither can run (another dtype or device, a type ``gguf_blocks`` does
-    not split)."""
+    (``$PREFIXCACHE_INT8_HEAD=1``, AVX512_VNNI without AMX). None where neither can run
+    (another dtype or device, a type ``gguf_blocks`` does not split)."""
     if dtype != torch.bfloat16 or device.type != "cpu" or not settings.gguf_blocks_enabled():
         return None
     if not (cpu_gemm.amx_available() or (head and cpu_head_int8.wanted())):
