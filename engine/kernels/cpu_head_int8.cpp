@@ -8,8 +8,8 @@
 // integers, exactly, and VPDPBUSD multiplies them with the weight bytes as they are.
 //
 // Activations, per row and block of 32 k: e = floor(log2(max |x|)); X = rint(x * 2^(13 - e)),
-// |X| <= 2^14, so every x within 2^6 of the block's largest is exact and the rest round at
-// 2^-15 of it; X = 256 hi + lo with hi, lo signed bytes. Weights are stored as w = q + 128
+// |X| <= 2^14, so every x within 2^6 of the block's largest is exact and the rest are off by at
+// most 2^-14 of it; X = 256 hi + lo with hi, lo signed bytes. Weights are stored as w = q + 128
 // (unsigned bytes): sum_k q X = 256 sum w hi + sum w lo - 128 sum X, exact in int32 for any
 // row count or order. Each block then adds fp32(S) * (scale * 2^(e - 13)) into one fp32
 // accumulator per output, blocks in ascending k, then + bias. A row's result is a function of
@@ -18,7 +18,8 @@
 //
 // Calls of more than 8 rows run the integer sums on AMX (TDPBSUD: signed bytes x unsigned, into
 // int32) where the CPU has AMX-INT8 and the kernel grants the tile state: the same integers,
-// so the same bits, at 4-5x VPDPBUSD's rate from 16 rows.
+// so the same bits, at 1.0-1.3x VPDPBUSD's rate (a tile restart per block of 32 k bounds it).
+// From 8 rows the default kernel, which forms the bf16 weights once a call, is faster.
 //
 // Layout (cpu_head_int8.py's pack): per group of 32 columns (N padded with zero columns) and
 // block of 32 k, the weight bytes as [8 k-quads][32 columns][4] (one 64-byte vector holds 16
