@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from conftest import ServerLoop, serve
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -711,3 +712,38 @@ def test_a_smollm3_gguf_leaves_rope_out_of_every_fourth_layer(tmp_path: Path) ->
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT])).logits[0].float()
     assert relative_error(run_logits(loaded, PROMPT), ref) < 1e-5
+
+
+def test_an_empty_prompt_is_the_start_token_where_the_tokenizer_adds_one(
+    checkpoint: tuple[Path, transformers.PreTrainedModel], tmp_path: Path, server_loop: ServerLoop
+) -> None:
+    """``"prompt": ""`` on a model whose tokenizer adds a start token (this file's, as
+    Gemma's and Llama 3's do) is that token alone: a base model's unconditional sample, as
+    vLLM serves it. An empty token list stays a 400 (tests/test_sidecar_validation.py: and
+    an empty string where the tokenizer adds nothing, the demo model's)."""
+    from prefixcache.engine.config import EngineConfig
+    from prefixcache.engine.serving.async_engine import AsyncEngine
+    from prefixcache.sidecar.server.app import SidecarSettings, create_app
+
+    path = tmp_path / "m.gguf"
+    write_gguf(path, checkpoint[1], Q.F32)
+    engine = AsyncEngine(
+        EngineConfig(model=str(path), dtype="float32", device="cpu", num_blocks=64)
+    )
+    server = serve(server_loop, create_app(engine, SidecarSettings()))
+    try:
+        url = server.url + "/completions"
+        body = {"model": "m.gguf", "max_tokens": 3, "temperature": 0}
+        r = httpx.post(url, json={**body, "prompt": ""}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 1
+        bos = engine.tokenizer.encode("", True)
+        assert len(bos) == 1
+        same = httpx.post(url, json={**body, "prompt": bos}, timeout=60).json()
+        assert same["choices"][0]["text"] == r.json()["choices"][0]["text"]
+        r = httpx.post(url, json={**body, "prompt": ["", "a"]}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
+        r = httpx.post(url, json={**body, "prompt": []}, timeout=60)
+        assert r.status_code == 400, r.text
+    finally:
+        server.stop()

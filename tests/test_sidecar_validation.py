@@ -164,10 +164,8 @@ CORPUS: list[tuple[str, str, str, bytes | None, int]] = [
         400,
     ),
     ("unknown model", "POST", CHAT, chat(model="gpt-" + MARK), 404),
-    ("empty prompt", "POST", COMPLETIONS, completion(prompt=""), 400),
     ("empty token list", "POST", COMPLETIONS, completion(prompt=[]), 400),
     ("ints and strings mixed", "POST", COMPLETIONS, completion(prompt=[5, "b"]), 400),
-    ("an empty prompt in a batch", "POST", COMPLETIONS, completion(prompt=["a", ""]), 400),
     ("batch times n over 128", "POST", COMPLETIONS, completion(prompt=["a"] * 65, n=2), 400),
     ("negative token id", "POST", COMPLETIONS, completion(prompt=[1, -5]), 400),
     ("token id over vocab", "POST", COMPLETIONS, completion(prompt=[1, 10**8]), 400),
@@ -237,9 +235,17 @@ def check_error_shape(response: httpx.Response, expected: int) -> None:
     assert isinstance(error["type"], str)
 
 
-def run_corpus(server: Server, max_body: int) -> None:
+# Bad where the tokenizer adds no start token (the demo model's): "" leaves no token. Where
+# it adds one (the fake engine's, Gemma's), "" is that token (tests/test_gguf.py).
+NO_START_TOKEN: list[tuple[str, str, str, bytes | None, int]] = [
+    ("empty prompt", "POST", COMPLETIONS, completion(prompt=""), 400),
+    ("an empty prompt in a batch", "POST", COMPLETIONS, completion(prompt=["a", ""]), 400),
+]
+
+
+def run_corpus(server: Server, max_body: int, extra: list | None = None) -> None:
     with httpx.Client(base_url=server.root, timeout=30) as client:
-        for name, method, path, body, expected in CORPUS:
+        for name, method, path, body, expected in CORPUS + (extra or []):
             headers = {"content-type": "application/json"}
             response = client.request(method, path, content=body, headers=headers)
             try:
@@ -265,7 +271,7 @@ def test_bad_inputs_never_reach_the_engine(fake_server: Server) -> None:
 
 @pytest.mark.timeout(120)
 def test_bad_inputs_leave_the_real_server_healthy(sidecar_server: Server) -> None:
-    run_corpus(sidecar_server, max_body=4 * 1024**2)
+    run_corpus(sidecar_server, max_body=4 * 1024**2, extra=NO_START_TOKEN)
     stats = wait_for_idle_blocks(sidecar_server.root)
     assert stats["blocks"]["in_use"] == 0
     ok = httpx.post(f"{sidecar_server.url}/chat/completions", content=chat(), timeout=60)

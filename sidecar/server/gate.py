@@ -155,6 +155,11 @@ class RequestGate:
                 return tokenizer.encode(prompt, add_special_tokens, namespace=namespace)
 
             ids = await asyncio.to_thread(encode) if len(prompt) >= OFF_LOOP_CHARS else encode()
+            if not ids:
+                raise bad_request(
+                    "'prompt' must not be empty (this model's tokenizer adds no start token)",
+                    "prompt",
+                )
             return RenderedPrompt(ids, [], namespace, [prompt])
         return RenderedPrompt(self.completion_tokens(prompt), [], namespace)
 

@@ -344,7 +344,9 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
         raise Error("'prompt' must be a string, token ids, or a list of either", "prompt")
     else:
         prompts = list(prompt)  # type: ignore[arg-type]
-    if not prompts or not all(prompts):
+    # "" is a prompt where the tokenizer adds a start token (a base model's unconditional
+    # sample, as vLLM serves it); the gate refuses it where encoding leaves no token
+    if not prompts or any(isinstance(x, list) and not x for x in prompts):
         raise Error("'prompt' must not be empty", "prompt")
     if len(prompts) * (req.n or 1) > MAX_CHOICES:
         raise Error(f"prompts times n must be at most {MAX_CHOICES}", "prompt")
