@@ -118,7 +118,31 @@ def exact_abs(source: cpu_gemm.BlockSource) -> torch.Tensor:
     q, scale, _ = source
     n, k = q.shape
     w = torch.from_numpy(q).double().abs().view(n, k // 32, 32)
-    return (w * torch.from_numpy(scale).double()[..., None]).view(n, k)
+    return (w * torch.from_numpy(scale).double().abs()[..., None]).view(n, k)
+
+
+def test_tiny_and_huge_activations_keep_their_accuracy() -> None:
+    """A row accumulates in units of its largest block's exponent: activations of 2^-126
+    (whose per-block factor scale * 2^(e - 13) alone would be subnormal) keep fp32's
+    accuracy, and one near bf16's largest over a block of zero weights and a large scale
+    (a factor of inf alone, times a sum of 0) gives the finite exact logits."""
+    rng = np.random.default_rng(0)
+    q = rng.integers(-128, 128, size=(4, 32), dtype=np.int8)
+    scale = np.full((4, 1), 0.004, dtype=np.float32)
+    lin = head((q, scale, None), cpu_gemm.block_weights(q, scale, None))
+    signs = torch.from_numpy(rng.choice([-1.0, 1.0], size=(1, 32)))
+    for power in (-100, -115, -120, -126):
+        x = (signs * 2.0**power).to(torch.bfloat16)
+        ref = exact(x, (q, scale, None))
+        assert ((lin(x).double() - ref).abs() <= 1e-5 * ref.abs()).all(), power
+    q2 = rng.integers(-128, 128, size=(2, 64), dtype=np.int8)
+    q2[:, :32] = 0
+    scale2 = np.array([[32768.0, 0.01]] * 2, dtype=np.float32)
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 32:] = 3.0e38, 1.0
+    x = x.to(torch.bfloat16)
+    out = head((q2, scale2, None), cpu_gemm.block_weights(q2, scale2, None))(x)
+    torch.testing.assert_close(out.double(), exact(x, (q2, scale2, None)), rtol=1e-6, atol=0)
 
 
 def test_non_finite_and_zero_rows_stay_in_their_row() -> None:

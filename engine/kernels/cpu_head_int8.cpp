@@ -11,8 +11,9 @@
 // |X| <= 2^14, so every x within 2^6 of the block's largest is exact and the rest are off by at
 // most 2^-14 of it; X = 256 hi + lo with hi, lo signed bytes. Weights are stored as w = q + 128
 // (unsigned bytes): sum_k q X = 256 sum w hi + sum w lo - 128 sum X, exact in int32 for any
-// row count or order. Each block then adds fp32(S) * (scale * 2^(e - 13)) into one fp32
-// accumulator per output, blocks in ascending k, then + bias. A row's result is a function of
+// row count or order. Each block then adds fp32(S) * (scale * 2^(e - E)) into one fp32
+// accumulator per output (E the row's largest e), blocks in ascending k, then times
+// 2^(E - 13), + bias. A row's result is a function of
 // that row alone (batch-invariant), and closer to the exact sum of q * scale * x than a bf16
 // rounding of each weight (tests/test_cpu_head_int8.py measures both).
 //
@@ -30,6 +31,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -53,11 +55,15 @@ bool amx_granted = false;  // pc_head_i8_enable_amx
 
 // Every row's activations as integers. Limb row 2r holds row r's hi bytes, 2r + 1 its lo
 // bytes (k each, so an A tile of 8 rows is 16 limb rows at a stride of k); per row and block
-// the correction 128 sum X and the exponent e - 13 (as the float scalef takes).
+// the correction 128 sum X and the exponent e - E, E the row's largest block exponent, and per
+// row E - 13 (as the float scalef takes): a row's sums accumulate in units of 2^(E - 13), so
+// no block's factor scale * 2^(e - 13) under- or overflows fp32 where the result does not
+// (scaling by a power of two commutes with each rounding: the same bits otherwise).
 struct Codes {
-  int8_t* limbs;  // [rows][2][k]
-  int32_t* corr;  // [rows][blocks]
-  float* expo;    // [rows][blocks]
+  int8_t* limbs;    // [rows][2][k]
+  int32_t* corr;    // [rows][blocks]
+  float* expo;      // [rows][blocks]
+  float* row_expo;  // [rows]
   int64_t k, blocks;
   const int8_t* hi(int64_t r, int64_t b) const { return limbs + 2 * r * k + b * KB; }
   const int8_t* lo(int64_t r, int64_t b) const { return limbs + (2 * r + 1) * k + b * KB; }
@@ -71,6 +77,9 @@ PC_VNNI inline __m512 bf16_to_f32(const uint16_t* p) {
 PC_VNNI void encode_row(const uint16_t* x, int64_t r, const Codes& c) {
   const __m512i round = _mm512_set1_epi32(128), low = _mm512_set1_epi32(255);
   constexpr int kNotFinite = 0x01 | 0x08 | 0x10 | 0x80;  // QNaN, +inf, -inf, SNaN
+  constexpr float kZero = -__builtin_inff();  // a block of zeros (its sums are 0)
+  float top_e = kZero;
+  float* expo_of = c.expo + r * c.blocks;
   for (int64_t b = 0; b < c.blocks; ++b) {
     const __m512 v0 = bf16_to_f32(x + b * KB), v1 = bf16_to_f32(x + b * KB + 16);
     const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -79,12 +88,12 @@ PC_VNNI void encode_row(const uint16_t* x, int64_t r, const Codes& c) {
     int8_t* hi = const_cast<int8_t*>(c.hi(r, b));
     int8_t* lo = const_cast<int8_t*>(c.lo(r, b));
     int32_t& corr = c.corr[r * c.blocks + b];
-    float& expo = c.expo[r * c.blocks + b];
+    float& expo = expo_of[b];
     if (!finite || top == 0.0f) {  // a NaN or infinity makes the row's logits NaN, as a dot would
       std::memset(hi, 0, KB);
       std::memset(lo, 0, KB);
       corr = 0;
-      expo = finite ? 0.0f : __builtin_nanf("");
+      expo = finite ? kZero : __builtin_nanf("");
       continue;
     }
     // floor(log2(top)), exact for normal and subnormal floats alike
@@ -102,8 +111,12 @@ PC_VNNI void encode_row(const uint16_t* x, int64_t r, const Codes& c) {
       sum += _mm512_reduce_add_epi32(xi);
     }
     corr = 128 * sum;
-    expo = e - 13.0f;
+    expo = e;
+    top_e = std::max(top_e, e);
   }
+  for (int64_t b = 0; b < c.blocks; ++b)  // NaN stays NaN
+    expo_of[b] = expo_of[b] == kZero ? 0.0f : expo_of[b] - top_e;
+  c.row_expo[r] = top_e == kZero ? 0.0f : top_e - 13.0f;
 }
 
 // One block's step for one row and 16 columns, whichever path summed the integers:
@@ -115,15 +128,16 @@ PC_VNNI inline __m512 accumulate(__m512 acc, __m512i hsum, __m512i lsum, int32_t
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_scalef_ps(scale, _mm512_set1_ps(expo)), acc);
 }
 
-// Row r's 32 accumulators (+ bias) into out's columns col.. (those below n).
-PC_VNNI inline void store_row(const __m512 acc[2], int64_t r, int64_t col, int64_t n,
-                              const float* bias, void* out, int64_t ldo, bool f32_out) {
+// Row r's 32 accumulators, times 2^(E - 13), + bias into out's columns col.. (those below n).
+PC_VNNI inline void store_row(const __m512 acc[2], const Codes& codes, int64_t r, int64_t col,
+                              int64_t n, const float* bias, void* out, int64_t ldo, bool f32_out) {
+  const __m512 unit = _mm512_set1_ps(codes.row_expo[r]);
   for (int h = 0; h < 2; ++h) {
     const int64_t c = col + 16 * h;
     if (c >= n) return;
     const __mmask16 mk = n - c >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - c)) - 1u);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + c) : _mm512_setzero_ps();
-    const __m512 v = _mm512_add_ps(acc[h], bv);
+    const __m512 v = _mm512_add_ps(_mm512_scalef_ps(acc[h], unit), bv);
     const int64_t at = r * ldo + c;
     if (f32_out)
       _mm512_mask_storeu_ps(static_cast<float*>(out) + at, mk, v);
@@ -166,7 +180,7 @@ PC_VNNI void vnni_rows(const Codes& c, int64_t r0, const uint8_t* group, const f
         acc[i][h] = accumulate(acc[i][h], hs[i][h], ls[i][h], c.corr[at], c.expo[at], s[h]);
     }
   }
-  for (int i = 0; i < R; ++i) store_row(acc[i], r0 + i, col, n, bias, out, ldo, f32_out);
+  for (int i = 0; i < R; ++i) store_row(acc[i], c, r0 + i, col, n, bias, out, ldo, f32_out);
 }
 
 // AMX tiles: 0-3 C (int32, 16 limb rows x 16 columns: A tile a, B half h at 2a + h), 4-5 A
@@ -212,7 +226,7 @@ PC_AMX_INT8 void amx_rows(const Codes& c, int64_t r0, int64_t r_end, const uint8
     }
   }
   for (int i = 0; i < AMX_ROWS && r0 + i < r_end; ++i)
-    store_row(acc[i], r0 + i, col, n, bias, out, ldo, f32_out);
+    store_row(acc[i], c, r0 + i, col, n, bias, out, ldo, f32_out);
 }
 
 PC_AMX_INT8 void amx_configure() { __asm__ volatile("ldtilecfg %0" ::"m"(kInt8Config)); }
@@ -243,10 +257,15 @@ void pc_head_i8(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed
   const bool amx = amx_granted && m >= AMX_MIN_ROWS;
   const int64_t blocks = k / KB, groups = (n + 31) / 32;
   const int64_t rows = amx ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m;
-  // one allocation: limbs (zero rows pad an AMX call), then corr and expo
-  uint8_t* mem = static_cast<uint8_t*>(std::calloc(rows * (2 * k + 8 * blocks), 1));
+  // one allocation: limbs (zero rows pad an AMX call), then corr, expo and row_expo
+  uint8_t* mem = static_cast<uint8_t*>(std::calloc(rows * (2 * k + 8 * blocks + 4), 1));
+  if (mem == nullptr) {
+    std::fprintf(stderr, "pc_head_i8: out of memory for %lld rows\n", static_cast<long long>(m));
+    std::abort();
+  }
   const Codes c = {reinterpret_cast<int8_t*>(mem), reinterpret_cast<int32_t*>(mem + rows * 2 * k),
-                   reinterpret_cast<float*>(mem + rows * (2 * k + 4 * blocks)), k, blocks};
+                   reinterpret_cast<float*>(mem + rows * (2 * k + 4 * blocks)),
+                   reinterpret_cast<float*>(mem + rows * (2 * k + 8 * blocks)), k, blocks};
   const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK, tasks = chunks * groups;
 #pragma omp parallel num_threads(nthreads)
   {
