@@ -97,6 +97,6 @@ def head_from_blocks(
         return None
     if not cpu_gemm.rounds_to(weight, source):
         return None
-    return cpu_gemm.PackedLinear.on_blocks(
-        pack(q, scale), lib.pc_head_i8, KERNEL, (n, k), bias, float_out
-    )
+    packed = pack(q, scale)
+    cpu_library.require(packed.numel() == lib.pc_head_i8_packed_bytes(n, k), "the layout's size")
+    return cpu_gemm.PackedLinear.on_blocks(packed, lib.pc_head_i8, KERNEL, (n, k), bias, float_out)
