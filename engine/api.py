@@ -187,6 +187,12 @@ class EngineAPI(Protocol):
         ...
 
     @property
+    def output_identity(self) -> bytes:
+        """``cache_identity`` and what else changes the outputs (an opt-in LM head kernel):
+        the sidecar's ``system_fingerprint``."""
+        ...
+
+    @property
     def registry(self) -> CollectorRegistry:
         """The engine's Prometheus series, served on /metrics with the HTTP ones."""
         ...

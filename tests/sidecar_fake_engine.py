@@ -77,6 +77,7 @@ class FakeEngine:
         self.model_name = "fake"
         self.tokenizer = FakeTokenizer()
         self.cache_identity = b"fake|FakeTokenizer"
+        self.output_identity = self.cache_identity
         self.dtype = "float32"
         self.sampling_defaults: dict[str, float] = {}
         self.registry = CollectorRegistry()

@@ -7,6 +7,7 @@ cannot load)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -223,6 +224,7 @@ def test_a_gguf_model_asked_for_it_serves_with_it(
     from prefixcache.engine.engine import LLMEngine
     from prefixcache.engine.model.loader import load_model
     from prefixcache.engine.request import EngineRequest, SamplingParams
+    from prefixcache.engine.serving.engine_core import ready_message
 
     model = test_gguf.random_checkpoint(tmp_path, len(test_gguf.demo_vocab()[0]), tied=True)
     path = tmp_path / "tiny.gguf"
@@ -230,10 +232,12 @@ def test_a_gguf_model_asked_for_it_serves_with_it(
     default = load_model(str(path), dtype="bfloat16", device="cpu")
     default.model.prepare()
     assert default.model.head.invariant.kernel != "q8_int"
+    assert default.output_variant == ""
     monkeypatch.setenv(engine_settings.INT8_HEAD_ENV, "1")
     loaded = load_model(str(path), dtype="bfloat16", device="cpu")
     loaded.model.prepare()
     assert loaded.model.head.invariant.kernel == "q8_int"
+    assert loaded.output_variant == "head:q8_int"  # it changes the system_fingerprint
     reference = load_model(str(path), dtype="float32", device="cpu")
     ids = list(range(3, 40))
     torch.testing.assert_close(
@@ -244,6 +248,11 @@ def test_a_gguf_model_asked_for_it_serves_with_it(
     )
     try:
         assert engine.runner.model.head.invariant.kernel == "q8_int"
+        ready = ready_message(engine, with_metrics=False)
+        assert ready.cache_identity == LLMEngine.cache_identity(loaded)  # the same KV
+        assert (
+            ready.output_identity == hashlib.sha256(ready.cache_identity + b"|head:q8_int").digest()
+        )
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, 1000, size=int(rng.integers(5, 60))).tolist() for _ in range(6)]
         params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)

@@ -77,6 +77,7 @@ def test_engine_api_lists_what_the_sidecar_uses() -> None:
         "tokenizer",
         "sampling_defaults",
         "cache_identity",
+        "output_identity",
         "dtype",
         "registry",
         "num_waiting",

@@ -75,6 +75,7 @@ async def test_same_tokens_as_the_in_process_engine(
     assert engine.cache_stats().tokens.hits > 0  # the shared prefix was reused
     assert engine.model_name == "demo" and engine.dtype == "float32"
     assert engine.cache_identity == LLMEngine.cache_identity(reference.loaded)
+    assert engine.output_identity == engine.cache_identity  # the default head
     assert engine.tokenizer.encode("hello world") == reference.tokenizer.encode("hello world")
     text = generate_latest(engine.registry).decode()
     assert "prefixcache:generation_tokens_total 48.0" in text

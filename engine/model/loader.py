@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..kernels import cpu_head_int8
 from ..kernels.cpu_features import cpu_bf16_flags
 from ..memory.kv_cache import KVCacheSpec
 from ..request import SamplingParams
@@ -80,6 +81,12 @@ class LoadedModel:
     def identity(self) -> bytes:
         """Model + tokenizer fingerprints + dtype: the prefix tree's identity key."""
         return f"{self.fingerprint}|{self.tokenizer.fingerprint}|{self.dtype}".encode()
+
+    @property
+    def output_variant(self) -> str:
+        """``head:q8_int`` with the integer LM head (other logits, the same KV), else ``""``."""
+        head = getattr(getattr(self.model, "head", None), "invariant", None)
+        return f"head:{head.kernel}" if getattr(head, "kernel", "") == cpu_head_int8.KERNEL else ""
 
 
 def auto_dtype(device: torch.device, cpuinfo: str | None = None) -> torch.dtype:
@@ -387,8 +394,7 @@ __all__ = [
 
 
 def release_freed_heap() -> None:
-    """Hand the heap pages that loading and packing freed back to the OS (glibc's
-    ``malloc_trim``; a no-op elsewhere): glibc keeps a freed chunk below a live one, and a
-    GGUF model's dequantization and block packing left 315 MB of SmolLM2's 1.3 GB resident."""
+    """Hand the heap pages that loading and packing freed back to the OS (glibc's ``malloc_trim``;
+    a no-op elsewhere): a GGUF model's dequantization and packing left 315 MB of 1.3 GB."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)

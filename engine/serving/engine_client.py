@@ -116,6 +116,12 @@ class EngineClient:
         return self._info().cache_identity
 
     @property
+    def output_identity(self) -> bytes:
+        """``cache_identity``, or a digest of it and what else changes the logits (the
+        integer LM head): the root of the sidecar's ``system_fingerprint``."""
+        return self._info().output_identity
+
+    @property
     def tokenizer(self) -> Tokenizer:
         self._info()
         assert self._tokenizer is not None

@@ -11,6 +11,7 @@ from any thread; everything else runs on the loop's own thread.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -61,6 +62,8 @@ def metric_families(engine: LLMEngine) -> list[wire.MetricFamily]:
 def ready_message(engine: LLMEngine, with_metrics: bool) -> wire.Ready:
     """What a client is built from: the model card, the tokenizer, the first stats."""
     loaded = engine.loaded
+    identity = engine.cache_identity(loaded, engine.config.kv_cache_dtype)
+    variant = loaded.output_variant.encode()
     return wire.Ready(
         model_name=loaded.name,
         tokenizer=engine.tokenizer.to_spec(),
@@ -68,7 +71,9 @@ def ready_message(engine: LLMEngine, with_metrics: bool) -> wire.Ready:
         max_model_len=engine.max_seq_len,
         block_size=engine.config.block_size,
         dtype=str(loaded.dtype).removeprefix("torch."),
-        cache_identity=engine.cache_identity(loaded, engine.config.kv_cache_dtype),
+        cache_identity=identity,
+        # the cache's root, and what else changes the logits (the sidecar's fingerprint)
+        output_identity=hashlib.sha256(identity + b"|" + variant).digest() if variant else identity,
         sampling_defaults=dict(loaded.sampling_defaults),
         stats=engine.cache_stats(),
         metrics=metric_families(engine) if with_metrics else [],

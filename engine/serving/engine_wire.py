@@ -72,6 +72,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     block_size: int
     dtype: str
     cache_identity: bytes
+    output_identity: bytes
     sampling_defaults: dict[str, float]
     stats: CacheStats
     metrics: list[MetricFamily]

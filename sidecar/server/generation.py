@@ -187,9 +187,9 @@ class GenerationRoutes:
 
     @property
     def system_fingerprint(self) -> str:
-        """``fp_`` + 10 hex digits of the model, tokenizer and dtype identity (stable)."""
+        """``fp_`` + 10 hex digits of the model, tokenizer, dtype and head kernel (stable)."""
         if self._fingerprint is None:
-            digest = hashlib.sha256(self.engine.cache_identity).hexdigest()
+            digest = hashlib.sha256(self.engine.output_identity).hexdigest()
             self._fingerprint = "fp_" + digest[:10]
         return self._fingerprint
 
