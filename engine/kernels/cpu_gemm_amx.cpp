@@ -266,12 +266,13 @@ PC_AMX void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t
   {
     pc_amx::configure();
     alignas(64) uint16_t pad[2 * 16 * KSTEP];
-    // A task's first row block converts each step just before its tile loads (the block
-    // reads overlap the tile work); a task of more rows keeps every step for its later ones.
-    const bool one_block = m <= 32;
-    uint32_t* tiles = shared ? nullptr
-                             : static_cast<uint32_t*>(
-                                   std::aligned_alloc(64, one_block ? 2048 : group_bytes));
+    // A task of one row block converts each step just before its tile loads (the block
+    // reads overlap the tile work). One chunk of more rows runs each thread's groups in turn,
+    // converting the next group's steps while this one's row blocks run (two buffers).
+    const bool one_block = m <= 32, pipelined = !one_block && chunks == 1;
+    const int64_t buffer_bytes = one_block ? 2048 : pipelined ? 2 * group_bytes : group_bytes;
+    uint32_t* tiles =
+        shared ? nullptr : static_cast<uint32_t*>(std::aligned_alloc(64, buffer_bytes));
     auto convert_into = [&](int64_t g, int64_t s, uint32_t* dst) {
       const uint8_t* blk = packed + (g * steps + s) * QB;
       for (int64_t line = 0; line < QB; line += 64)
@@ -283,40 +284,70 @@ PC_AMX void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t s = 0; s < steps; ++s) convert_into(g, s, shared + (g * steps + s) * 512);
     }
+    if (pipelined) {
+      // The next group's conversion is spread over this group's row blocks, step by step, so
+      // it overlaps all of their tile work. Converting a group first left the tile unit idle
+      // meanwhile; within its first block only, idle for the later ones. Alternated in one
+      // process: Gemma 3's layer GEMMs 0.81-0.88x the first-block version's time at 48-256
+      // rows (that one 0.91-0.93x the convert-first one at 48-64), its 262K head 0.92-0.94x.
+      // At 32 rows and fewer the two buffers' trip through L2 cost 1.1-1.3x: one step kept.
+      const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+      const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
+      const int64_t blocks = (m + 31) / 32, slots = blocks * steps;
+      if (g0 < g1)
+        for (int64_t s = 0; s < steps; ++s) convert_into(g0, s, tiles + s * 512);
+      for (int64_t g = g0; g < g1; ++g) {
+        uint32_t* cur = tiles + ((g - g0) % 2) * steps * 512;
+        uint32_t* next = tiles + ((g - g0 + 1) % 2) * steps * 512;
+        const BTiles bt = {cur, 16, 256, 512};
+        int64_t done = g + 1 < g1 ? 0 : steps;  // the next group's steps converted
+        for (int64_t b = 0; b < blocks; ++b) {
+          auto convert = [&](int64_t s) {
+            for (const int64_t due = (b * steps + s + 1) * steps / slots; done < due; ++done)
+              convert_into(g + 1, done, next + done * 512);
+          };
+          if (m - 32 * b <= 16)
+            block<1, false>(x, ldx, 32 * b, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad,
+                            convert);
+          else
+            block<2, false>(x, ldx, 32 * b, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad,
+                            convert);
+        }
+      }
+    } else {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t chunk = t / groups, g = t % groups;
-      const int64_t r_end = std::min(m, (chunk + 1) * ROW_CHUNK);
-      if (one_block) {
-        auto convert = [&](int64_t s) { convert_into(g, s, tiles); };
-        const BTiles bt = {tiles, 16, 256, 0};
-        if (m <= 16)
-          block<1, false>(x, ldx, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
-        else
-          block<2, false>(x, ldx, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
-        continue;
-      }
-      uint32_t* own = shared ? shared + g * steps * 512 : tiles;
-      const BTiles bt = {own, 16, 256, 512};
-      int64_t r0 = chunk * ROW_CHUNK;
-      if (!shared) {
-        // The first row block converts each step just before its tiles load, as one block
-        // does (the conversion overlaps its tile work); the later blocks find the steps in
-        // L1 / L2. Converting them all first left the tile unit idle meanwhile: Gemma 3's
-        // layer GEMMs at 48-64 rows 0.91-0.93x the time (old and new alternated in one
-        // process), SmolLM2's at 64-128 0.95-0.98x; 32 rows and 96 and up about the same.
-        auto convert = [&](int64_t s) { convert_into(g, s, own + s * 512); };
-        if (r_end - r0 <= 16)
-          block<1, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
-        else
-          block<2, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
-        r0 += 32;
-      }
-      for (; r0 < r_end; r0 += 32) {
-        if (r_end - r0 <= 16)
-          block<1, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad);
-        else
-          block<2, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad);
+      for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t chunk = t / groups, g = t % groups;
+        const int64_t r_end = std::min(m, (chunk + 1) * ROW_CHUNK);
+        if (one_block) {
+          auto convert = [&](int64_t s) { convert_into(g, s, tiles); };
+          const BTiles bt = {tiles, 16, 256, 0};
+          if (m <= 16)
+            block<1, false>(x, ldx, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
+          else
+            block<2, false>(x, ldx, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
+          continue;
+        }
+        uint32_t* own = shared ? shared + g * steps * 512 : tiles;
+        const BTiles bt = {own, 16, 256, 512};
+        int64_t r0 = chunk * ROW_CHUNK;
+        if (!shared) {
+          // (several chunks: the 262K head's long calls) The first row block converts each
+          // step just before its tile loads, as one block does; the later blocks find the
+          // steps in L1 / L2.
+          auto convert = [&](int64_t s) { convert_into(g, s, own + s * 512); };
+          if (r_end - r0 <= 16)
+            block<1, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
+          else
+            block<2, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
+          r0 += 32;
+        }
+        for (; r0 < r_end; r0 += 32) {
+          if (r_end - r0 <= 16)
+            block<1, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad);
+          else
+            block<2, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad);
+        }
       }
     }
     std::free(tiles);
