@@ -219,6 +219,29 @@ def test_a_block_source_gives_the_bf16_kernels_bits(
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize(("n", "k"), [(20, 96), (65, 32), (5, 2048)])
+@pytest.mark.parametrize("form", ["q8", "q4_k", "q6_k"])
+def test_block_calls_of_one_chunk_on_more_threads_than_even_groups(
+    n: int, k: int, form: str
+) -> None:
+    """33-256 rows run each thread's column groups in turn, the next group converted during
+    this one's row blocks: the bf16 kernel's bits where the groups split unevenly over 3 and
+    5 threads, or leave a thread none (one group of 32 columns)."""
+    source, w = block_source(n, k, n * k, form)
+    ref = cpu_gemm.PackedLinear(w, None, True)
+    blocks = cpu_gemm.PackedLinear.from_blocks(w, None, source, True)
+    assert blocks is not None
+    x = torch.randn(256, k, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        for t in (3, 5):
+            torch.set_num_threads(t)
+            for m in (33, 47, 64, 100, 256):
+                assert torch.equal(blocks(x[:m]), ref(x[:m])), (t, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_block_source_that_is_not_the_weight_is_refused() -> None:
     source, w = block_source(64, 64, 1, "q4_1")
     other = w.clone()
