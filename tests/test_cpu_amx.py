@@ -219,14 +219,15 @@ def test_a_block_source_gives_the_bf16_kernels_bits(
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize(("n", "k"), [(20, 96), (65, 32), (5, 2048)])
+@pytest.mark.parametrize(("n", "k"), [(20, 96), (65, 32), (5, 2048), (32800, 64)])
 @pytest.mark.parametrize("form", ["q8", "q4_k", "q6_k"])
 def test_block_calls_of_one_chunk_on_more_threads_than_even_groups(
     n: int, k: int, form: str
 ) -> None:
     """33-256 rows run each thread's column groups in turn, the next group converted during
     this one's row blocks: the bf16 kernel's bits where the groups split unevenly over 3 and
-    5 threads, or leave a thread none (one group of 32 columns)."""
+    5 threads, or leave a thread none (one group of 32 columns). A head-wide weight (1,025
+    groups) copies a partial row tile's rows once per call (``XPAD_GROUPS``): 1, 5, 17 rows."""
     source, w = block_source(n, k, n * k, form)
     ref = cpu_gemm.PackedLinear(w, None, True)
     blocks = cpu_gemm.PackedLinear.from_blocks(w, None, source, True)
@@ -236,7 +237,7 @@ def test_block_calls_of_one_chunk_on_more_threads_than_even_groups(
     try:
         for t in (3, 5):
             torch.set_num_threads(t)
-            for m in (33, 47, 64, 100, 256):
+            for m in (1, 5, 17, 33, 47, 64, 100, 256):
                 assert torch.equal(blocks(x[:m]), ref(x[:m])), (t, m)
     finally:
         torch.set_num_threads(threads)

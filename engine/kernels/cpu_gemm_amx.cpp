@@ -84,10 +84,14 @@ struct NoFill {
 template <int MT, bool PREFETCH, class Fill = NoFill>
 PC_AMX void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m, BTiles bt, int64_t k,
                   int64_t n, int64_t col, const float* bias, uint16_t* out, int64_t ldo,
-                  bool f32_out, uint16_t* pad, const Fill& fill = Fill()) {
+                  bool f32_out, uint16_t* pad, const Fill& fill = Fill(),
+                  int64_t x_rows = -1) {
+  // rows stored: those below m; rows x holds (zero past m where x_rows > m): tiles of x
+  // rows read in place, others from pad
   const int64_t live[2] = {std::min<int64_t>(16, m - r0),
                            MT == 2 ? std::min<int64_t>(16, m - r0 - 16) : 0};
-  const bool in_place[2] = {live[0] == 16, live[1] == 16};
+  if (x_rows < 0) x_rows = m;
+  const bool in_place[2] = {r0 + 16 <= x_rows, r0 + 32 <= x_rows};
   for (int a = 0; a < MT; ++a)
     if (!in_place[a]) std::memset(pad + a * 16 * KSTEP, 0, 16 * KSTEP * sizeof(uint16_t));
   _tile_zero(0);
@@ -243,6 +247,7 @@ PC_AMX void Q4Blocks::to_tiles(const uint8_t* blk, uint32_t* tiles) {
 // Calls over more than one row chunk (a prefill) convert the weight once into a shared bf16
 // copy of at most this many bytes (larger ones, the 262K head, convert per chunk).
 constexpr int64_t SHARED_TILES_MAX = int64_t{64} << 20;
+constexpr int64_t XPAD_GROUPS = 1024;  // column groups (32 each) from which x is padded once
 
 // pc_gemm_bf16_amx's contract for weights packed as Format's blocks (k a multiple of 32):
 // each task turns its 32 columns' blocks into bf16 B tiles (the dequantized weights to the
@@ -262,6 +267,24 @@ PC_AMX void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t
   uint32_t* shared = chunks > 1 && groups * group_bytes <= SHARED_TILES_MAX
                          ? static_cast<uint32_t*>(std::aligned_alloc(64, groups * group_bytes))
                          : nullptr;
+  // A one-block call of a head-wide weight whose row tile is partial (the LM head's one row
+  // of a warm request or a decode): x copied once into whole tiles, zero past m, so no k step
+  // copies its rows into the scratch tile just before loading it. Gemma 3's Q8_0 head at one
+  // row took 13.3 ms against 10.5 at five (same code, more rows, less time); with the copy
+  // once 10.0-10.3 at both, alternated in one process (SmolLM2's 49K head 0.95-0.98x). Why
+  // the per-step copy cost that much at 1-4 rows only is not established (tile loads of rows
+  // stored just before are one suspect); calls of few groups (the layers) were 1.03-1.09x
+  // slower with the copy, so only head-wide ones take it.
+  uint16_t* xpad = nullptr;
+  if (m <= 32 && m % 16 && groups >= XPAD_GROUPS) {
+    const int64_t rows = (m + 15) / 16 * 16;
+    xpad = static_cast<uint16_t*>(std::aligned_alloc(64, rows * k * 2));
+    for (int64_t i = 0; i < rows; ++i)
+      if (i < m)
+        std::memcpy(xpad + i * k, x + i * ldx, k * 2);
+      else
+        std::memset(xpad + i * k, 0, k * 2);
+  }
 #pragma omp parallel num_threads(nthreads)
   {
     pc_amx::configure();
@@ -322,10 +345,14 @@ PC_AMX void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t
         if (one_block) {
           auto convert = [&](int64_t s) { convert_into(g, s, tiles); };
           const BTiles bt = {tiles, 16, 256, 0};
+          const uint16_t* xa = xpad ? xpad : x;
+          const int64_t lda = xpad ? k : ldx, xr = xpad ? (m + 15) / 16 * 16 : m;
           if (m <= 16)
-            block<1, false>(x, ldx, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
+            block<1, false>(xa, lda, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad,
+                            convert, xr);
           else
-            block<2, false>(x, ldx, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
+            block<2, false>(xa, lda, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad,
+                            convert, xr);
           continue;
         }
         uint32_t* own = shared ? shared + g * steps * 512 : tiles;
@@ -354,6 +381,7 @@ PC_AMX void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t
     pc_amx::release();
   }
   std::free(shared);
+  std::free(xpad);
 }
 
 }  // namespace
