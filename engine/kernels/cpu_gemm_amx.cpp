@@ -276,15 +276,18 @@ PC_AMX void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t
   // stored just before are one suspect); calls of few groups (the layers) were 1.03-1.09x
   // slower with the copy, so only head-wide ones take it.
   uint16_t* xpad = nullptr;
+  int64_t x_rows = m, lda = ldx;  // what one-block calls read: x, or its padded copy
   if (m <= 32 && m % 16 && groups >= XPAD_GROUPS) {
-    const int64_t rows = (m + 15) / 16 * 16;
-    xpad = static_cast<uint16_t*>(std::aligned_alloc(64, rows * k * 2));
-    for (int64_t i = 0; i < rows; ++i)
+    x_rows = (m + 15) / 16 * 16;
+    lda = k;
+    xpad = static_cast<uint16_t*>(std::aligned_alloc(64, x_rows * k * 2));
+    for (int64_t i = 0; i < x_rows; ++i)
       if (i < m)
         std::memcpy(xpad + i * k, x + i * ldx, k * 2);
       else
         std::memset(xpad + i * k, 0, k * 2);
   }
+  const uint16_t* xa = xpad ? xpad : x;
 #pragma omp parallel num_threads(nthreads)
   {
     pc_amx::configure();
@@ -345,14 +348,12 @@ PC_AMX void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t
         if (one_block) {
           auto convert = [&](int64_t s) { convert_into(g, s, tiles); };
           const BTiles bt = {tiles, 16, 256, 0};
-          const uint16_t* xa = xpad ? xpad : x;
-          const int64_t lda = xpad ? k : ldx, xr = xpad ? (m + 15) / 16 * 16 : m;
           if (m <= 16)
             block<1, false>(xa, lda, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad,
-                            convert, xr);
+                            convert, x_rows);
           else
             block<2, false>(xa, lda, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad,
-                            convert, xr);
+                            convert, x_rows);
           continue;
         }
         uint32_t* own = shared ? shared + g * steps * 512 : tiles;
