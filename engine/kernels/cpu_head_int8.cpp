@@ -49,7 +49,7 @@ constexpr int64_t ROW_TILE = 4;                 // rows the VNNI path's register
 constexpr int64_t AMX_ROWS = 16;                // rows an AMX step takes (two A tiles of 8)
 constexpr int64_t AMX_MIN_ROWS = 9;             // calls of fewer rows keep VNNI
 constexpr int64_t ROW_CHUNK = 256;  // rows whose codes stay in L2 while the groups pass
-constexpr int64_t AHEAD = 4;        // blocks prefetched ahead
+constexpr int64_t AHEAD = 4, FAR = 40;  // blocks prefetched ahead into L1, and into L2
 
 bool amx_granted = false;  // pc_head_i8_enable_amx
 
@@ -154,11 +154,15 @@ PC_VNNI void vnni_rows(const Codes& c, int64_t r0, const uint8_t* group, const f
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < c.blocks; ++b) {
     const uint8_t* blk = group + b * BLOCK_BYTES;
-    for (int64_t line = 0; line < BLOCK_BYTES; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + AHEAD * BLOCK_BYTES + line), _MM_HINT_T0);
     __m512i hs[R][2], ls[R][2];
     for (int i = 0; i < R; ++i) hs[i][0] = hs[i][1] = ls[i][0] = ls[i][1] = _mm512_setzero_si512();
     for (int q = 0; q < 8; ++q) {  // k-quad q: k 4q .. 4q + 3
+      // lines q, q + 8, q + 16 of the blocks ahead: spread over the block, not one burst
+      // (cpu_gemm_amx.cpp's prefetch_share)
+      for (int64_t line = q * 64; line < BLOCK_BYTES; line += 8 * 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(blk + AHEAD * BLOCK_BYTES + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(blk + FAR * BLOCK_BYTES + line), _MM_HINT_T1);
+      }
       const __m512i w0 = _mm512_loadu_si512(blk + q * 128);
       const __m512i w1 = _mm512_loadu_si512(blk + q * 128 + 64);
       for (int i = 0; i < R; ++i) {
