@@ -19,7 +19,7 @@ standard library only, no torch.
   panels only, never read from their GGUF blocks on AMX (``cpu_gemm.PackedLinear.from_blocks``,
   the same bits); how the two are compared.
 - ``PREFIXCACHE_INT8_HEAD``: ``1`` runs a GGUF Q8_0 LM head (a dequantized bf16 model's) in
-  integer arithmetic (``kernels/cpu_head_int8.cpp``): 1.3-1.5x faster for one or two rows (a
+  integer arithmetic (``kernels/cpu_head_int8.cpp``): 1.1-1.2x faster for one to four rows (a
   lone stream's head call and first token), slower from eight; not the bf16 kernels' bits.
 - ``CXX``: the C++ compiler that builds those kernels (else ``g++``, else ``c++``).
 """

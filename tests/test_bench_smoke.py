@@ -92,6 +92,11 @@ CASES = {
         ["--model", "demo", "--rows", "1", "4", "--full-rows", "32", "--seconds", "0.05"],
         {"cpu", "threads", "full", "rows", "blocks_vs_panels"},
     ),
+    "kernel_ab.py": (  # the working tree's kernel against HEAD's (the demo model's panels)
+        ["--model", "demo", "--layers", "1", "--head", "1", "--decode", "1", "--reps", "2"]
+        + ["--context", "16"],
+        {"cpu", "threads", "against", "layers", "head", "decode"},
+    ),
     "row_attention.py": (["--scale", "0.05", "--reps", "1"], {"cpu", "target", "threads", "rows"}),
     "qgemm.py": (  # SmolLM2 (the named model, fetched once), tiny sizes
         ["--shapes", "64x256", "--rows", "1,8", "--repeat", "1", "--budget-ms", "1"]

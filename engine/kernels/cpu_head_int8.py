@@ -5,8 +5,8 @@ A one-row head call (a lone stream's decode step, every first token) reads the w
 the default kernel (``cpu_gemm``'s ``q8_amx``) turns each weight into its bf16 value first,
 which bounds it below the memory's rate. Here each row's activations become exact integers
 per block of 32 and the weight bytes are multiplied as stored (VPDPBUSD; TDPBSUD on
-AMX-INT8 from 9 rows, the same integers): 1.3-1.5x faster for one or two rows, slower from
-eight, batch-invariant, and nearer the exact ``q * scale . x`` than a bf16 rounding of each
+AMX-INT8 from 9 rows, the same integers): about 1.1-1.2x faster for one to four rows, slower
+from eight, batch-invariant, and nearer the exact ``q * scale . x`` than a bf16 rounding of each
 weight, so not the default kernels' bits (bench/lm_head.py). Needs AVX512_VNNI and the native
 build.
 """
