@@ -103,11 +103,15 @@ class PieceEncoder:
         tokenizer: HFTokenizer,
         max_chars: int = 16_000_000,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        pipeline: dict[str, Any] | None = None,
     ) -> PieceEncoder | None:
-        """An encoder for ``tokenizer``, or None when piece-wise encoding might differ."""
+        """An encoder for ``tokenizer``, or None when piece-wise encoding might differ.
+        ``pipeline``: ``tokenizer``'s JSON where the caller has it parsed already."""
         if tokenizer.truncation is not None or tokenizer.padding is not None:
             return None  # pieces would be cut or padded one by one
-        split_tokens = _split_tokens(json.loads(tokenizer.to_str()))
+        if pipeline is None:
+            pipeline = json.loads(tokenizer.to_str())
+        split_tokens = _split_tokens(pipeline)
         if not split_tokens:
             return None
         encoder = cls(tokenizer, split_tokens, max_chars, max_bytes)
