@@ -152,6 +152,62 @@ PC_AMX void block(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m, BTiles 
   }
 }
 
+// One row tile [r0, r0 + 16) (rows below m) x the 64 columns of a packed panel from `col`:
+// block<1>'s tile operations for both of the panel's 32-column halves at once (each output
+// element the same TDPBF16PS sequence: the same bits), so that a k step reads 16 whole
+// 256-byte panel rows, 4 KB in one run, where a half's task read the half of each; the step
+// after next prefetched. C in tiles 0-3, A in 4, the four B tiles through 5-7. Alternated in
+// one process (bench/kernel_ab.py, PREFIXCACHE_GGUF_BLOCKS=0): Gemma 3's layer pass at 1-16
+// rows 0.82-0.86x, its bf16 head at one row 0.82x, its decode step 0.88-0.90x; without the
+// prefetch 0.87-0.89x.
+PC_AMX void block_panel(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m,
+                        const uint32_t* panel, int64_t k, int64_t n, int64_t col,
+                        const float* bias, uint16_t* out, int64_t ldo, bool f32_out,
+                        uint16_t* pad) {
+  const int64_t live = std::min<int64_t>(16, m - r0);
+  const bool in_place = r0 + 16 <= m;
+  if (!in_place) std::memset(pad, 0, 16 * KSTEP * sizeof(uint16_t));
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const uint32_t* b = panel;
+  for (int64_t k0 = 0; k0 < k; k0 += KSTEP, b += (KSTEP / 2) * NP) {
+    const uint16_t* rows = x + r0 * ldx + k0;
+    const void* src = rows;
+    int64_t stride = ldx * 2;
+    if (!in_place) {
+      for (int64_t i = 0; i < live; ++i)
+        std::memcpy(pad + i * KSTEP, rows + i * ldx, KSTEP * sizeof(uint16_t));
+      src = pad;
+      stride = KSTEP * 2;
+    }
+    for (int r = 0; r < KSTEP / 2; ++r)  // the step after next: its 16 whole rows
+      for (int line = 0; line < NP; line += 16)
+        _mm_prefetch(reinterpret_cast<const char*>(b + KSTEP * NP + r * NP + line), _MM_HINT_T0);
+    PC_TILE_LOAD(4, src, stride);
+    PC_TILE_LOAD(5, b, NP * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    PC_TILE_LOAD(6, b + 16, NP * 4);
+    _tile_dpbf16ps(1, 4, 6);
+    PC_TILE_LOAD(7, b + 32, NP * 4);
+    _tile_dpbf16ps(2, 4, 7);
+    PC_TILE_LOAD(5, b + 48, NP * 4);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  alignas(64) float c[16 * 16];
+  uint16_t* o = f32_out ? reinterpret_cast<uint16_t*>(reinterpret_cast<float*>(out) + r0 * ldo)
+                        : out + r0 * ldo;
+  PC_TILE_STORE(0, c, 64);
+  store_block(c, static_cast<int>(live), col, n, bias, o, ldo, f32_out);
+  PC_TILE_STORE(1, c, 64);
+  store_block(c, static_cast<int>(live), col + 16, n, bias, o, ldo, f32_out);
+  PC_TILE_STORE(2, c, 64);
+  store_block(c, static_cast<int>(live), col + 32, n, bias, o, ldo, f32_out);
+  PC_TILE_STORE(3, c, 64);
+  store_block(c, static_cast<int>(live), col + 48, n, bias, o, ldo, f32_out);
+}
+
 // Weights from GGUF blocks (cpu_gemm.py's q8_pack / q4_pack), one block per group of 32
 // columns and k step of 32, turned into its two B tiles as the dequantized model's bf16
 // weights: each value is formed in fp32 as the gguf package's dequantizer forms it, then
@@ -424,22 +480,29 @@ void pc_gemm_bf16_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t*
   {
     pc_amx::configure();
     alignas(64) uint16_t pad[2 * 16 * KSTEP];
+    if (m <= 16) {  // one row tile (a decode step, a head's row): whole panels a task
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t chunk = t / (2 * panels), pn = (t / 2) % panels, half = t % 2;
-      const BTiles bt = panel_tiles(packed, k, pn, half * 32);
-      const int64_t col = pn * NP + half * 32;
-      const int64_t r_end = std::min(m, (chunk + 1) * ROW_CHUNK);
-      for (int64_t r0 = chunk * ROW_CHUNK; r0 < r_end; r0 += 32) {
-        // A task's first two row tiles prefetch (later ones find B in L1 / L2). One row tile
-        // never does, and takes the loop without the test: Gemma's pass at one row was 2-3 %
-        // slower either way (3.9-4.5 ms against 3.8-4.1), the same once it was a template.
-        if (r_end - r0 <= 16)
-          block<1, false>(x, ldx, r0, m, bt, k, n, col, bias, out, ldo, f32_out, pad);
-        else if (r0 == chunk * ROW_CHUNK)
-          block<2, true>(x, ldx, r0, m, bt, k, n, col, bias, out, ldo, f32_out, pad);
-        else
-          block<2, false>(x, ldx, r0, m, bt, k, n, col, bias, out, ldo, f32_out, pad);
+      for (int64_t pn = 0; pn < panels; ++pn)
+        block_panel(x, ldx, 0, m, packed + pn * (k / 2 * NP), k, n, pn * NP, bias, out, ldo,
+                    f32_out, pad);
+    } else {
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t chunk = t / (2 * panels), pn = (t / 2) % panels, half = t % 2;
+        const BTiles bt = panel_tiles(packed, k, pn, half * 32);
+        const int64_t col = pn * NP + half * 32;
+        const int64_t r_end = std::min(m, (chunk + 1) * ROW_CHUNK);
+        for (int64_t r0 = chunk * ROW_CHUNK; r0 < r_end; r0 += 32) {
+          // A task's first two row tiles prefetch (later ones find B in L1 / L2); a last
+          // row tile of 16 rows or fewer never does (2-3 % slower with it at one row, before
+          // those calls took block_panel).
+          if (r_end - r0 <= 16)
+            block<1, false>(x, ldx, r0, m, bt, k, n, col, bias, out, ldo, f32_out, pad);
+          else if (r0 == chunk * ROW_CHUNK)
+            block<2, true>(x, ldx, r0, m, bt, k, n, col, bias, out, ldo, f32_out, pad);
+          else
+            block<2, false>(x, ldx, r0, m, bt, k, n, col, bias, out, ldo, f32_out, pad);
+        }
       }
     }
     pc_amx::release();
