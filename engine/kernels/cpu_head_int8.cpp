@@ -289,7 +289,12 @@ void pc_head_i8(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed
       }
       for (; r + ROW_TILE <= r_end; r += ROW_TILE)
         vnni_rows<ROW_TILE>(c, r, group, bias, g * 32, n, out, ldo, f32_out);
-      for (; r < r_end; ++r) vnni_rows<1>(c, r, group, bias, g * 32, n, out, ldo, f32_out);
+      switch (r_end - r) {  // the last one to three rows in one pass over the group's blocks
+        case 3: vnni_rows<3>(c, r, group, bias, g * 32, n, out, ldo, f32_out); break;
+        case 2: vnni_rows<2>(c, r, group, bias, g * 32, n, out, ldo, f32_out); break;
+        case 1: vnni_rows<1>(c, r, group, bias, g * 32, n, out, ldo, f32_out); break;
+        default: break;
+      }
     }
     if (amx) amx_release();
   }
