@@ -234,22 +234,12 @@ struct Q4Blocks {
   PC_AMX static void to_tiles(const uint8_t* blk, uint32_t* tiles);
 };
 // A block's conversion prefetches the block BLOCKS_AHEAD on into L1 and the one BLOCKS_FAR on
-// into L2, a line or two of each per tile row converted. Issued in one burst before the
-// conversion they cost 1.4x the time: Gemma 3's 262K head at one row took 8.8-9.5 ms with a
-// burst of 4 ahead (the distance and hint alone changed nothing), 6.1-6.5 ms spread with the
-// far one, 7.0 spread without it (alternated in one process); the weight streams at 28 GB/s,
-// where this box's two cores read 33 GB/s at most.
+// into L2, a line or two of each per tile row converted (pc_amx::prefetch_part). In one burst
+// before the conversion they cost 1.4x the time: Gemma 3's 262K head at one row took 8.8-9.5
+// ms with a burst of 4 ahead (the distance and hint alone changed nothing), 6.1-6.5 ms spread
+// with the far one, 7.0 spread without it (alternated in one process); the weight streams at
+// 28-31 GB/s, where this box's two cores read 33 GB/s at most.
 constexpr int64_t BLOCKS_AHEAD = 4, BLOCKS_FAR = 40;
-
-// Row r's share of the prefetches: lines r and r + 16 of the blocks ahead (a block's 12-20
-// lines over its 16 tile rows).
-template <int64_t BYTES>
-PC_AMX inline void prefetch_share(const uint8_t* blk, int r) {
-  for (int64_t line = r * 64; line < BYTES; line += 16 * 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(blk + BLOCKS_AHEAD * BYTES + line), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(blk + BLOCKS_FAR * BYTES + line), _MM_HINT_T1);
-  }
-}
 
 // Each of the 32 columns' values twice (a tile row's k-pairs): [tile][cols 0-7 | 8-15].
 PC_AMX inline void pair_columns(const float* per_column, __m512 out[2][2]) {
@@ -267,7 +257,7 @@ PC_AMX void Q8Blocks::to_tiles(const uint8_t* blk, uint32_t* tiles) {
   __m512 s[2][2];
   pair_columns(reinterpret_cast<const float*>(blk + 1024), s);
   for (int r = 0; r < 16; ++r) {
-    prefetch_share<BYTES>(blk, r);
+    pc_amx::prefetch_part<BYTES, 16>(blk, r, BLOCKS_AHEAD, BLOCKS_FAR);
     for (int t = 0; t < 2; ++t) {
       const int8_t* src = q + r * 64 + t * 32;
       const __m512 lo = _mm512_mul_ps(
@@ -286,7 +276,7 @@ PC_AMX void Q8HalvesBlocks::to_tiles(const uint8_t* blk, uint32_t* tiles) {
   pair_columns(reinterpret_cast<const float*>(blk + 1024), s[0]);
   pair_columns(reinterpret_cast<const float*>(blk + 1024 + 128), s[1]);
   for (int r = 0; r < 16; ++r) {  // k-pair r holds k 2r, 2r + 1: the first half below 8
-    prefetch_share<BYTES>(blk, r);
+    pc_amx::prefetch_part<BYTES, 16>(blk, r, BLOCKS_AHEAD, BLOCKS_FAR);
     const int h = r / 8;
     for (int t = 0; t < 2; ++t) {
       const int8_t* src = q + r * 64 + t * 32;
@@ -307,7 +297,7 @@ PC_AMX void Q4Blocks::to_tiles(const uint8_t* blk, uint32_t* tiles) {
   pair_columns(reinterpret_cast<const float*>(blk + 512 + 128), mn);
   const __m512i low4 = _mm512_set1_epi32(15);
   for (int r = 0; r < 16; ++r) {
-    prefetch_share<BYTES>(blk, r);
+    pc_amx::prefetch_part<BYTES, 16>(blk, r, BLOCKS_AHEAD, BLOCKS_FAR);
     for (int t = 0; t < 2; ++t) {
       const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + r * 32 + t * 16)));
       const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s[t][0],

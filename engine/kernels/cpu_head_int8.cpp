@@ -157,12 +157,7 @@ PC_VNNI void vnni_rows(const Codes& c, int64_t r0, const uint8_t* group, const f
     __m512i hs[R][2], ls[R][2];
     for (int i = 0; i < R; ++i) hs[i][0] = hs[i][1] = ls[i][0] = ls[i][1] = _mm512_setzero_si512();
     for (int q = 0; q < 8; ++q) {  // k-quad q: k 4q .. 4q + 3
-      // lines q, q + 8, q + 16 of the blocks ahead: spread over the block, not one burst
-      // (cpu_gemm_amx.cpp's prefetch_share)
-      for (int64_t line = q * 64; line < BLOCK_BYTES; line += 8 * 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk + AHEAD * BLOCK_BYTES + line), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(blk + FAR * BLOCK_BYTES + line), _MM_HINT_T1);
-      }
+      pc_amx::prefetch_part<BLOCK_BYTES, 8>(blk, q, AHEAD, FAR);  // spread over the block
       const __m512i w0 = _mm512_loadu_si512(blk + q * 128);
       const __m512i w1 = _mm512_loadu_si512(blk + q * 128 + 64);
       for (int i = 0; i < R; ++i) {
