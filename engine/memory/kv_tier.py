@@ -324,7 +324,8 @@ class KVTier:
         """Change a byte of an entry's slot (tests: a damaged slot must read as a miss)."""
         self.drain()
         slot = self._entries[digest].slot
-        self.storage.slots[slot, 0] += 1  # uint8: wraps; a second damage never repairs it
+        byte = int(self.storage.slots[slot, 0])
+        self.storage.slots[slot, 0] = (byte + 1) % 256  # a second damage never repairs it
 
     def check(self) -> None:
         """Bytes used equal the live entries' slots; no slot is held twice or both held and free."""
