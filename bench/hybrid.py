@@ -2,10 +2,11 @@
 
 Four figures, through the whole engine (scheduler, chunked prefill, paged pools):
 
-- ``shared``: a 2K-token prefix served to 16 requests, each with its own 64-token suffix:
-  hit rate, TTFT cold vs warm (median of the 15 warm ones), and the warm speedup against the
-  ideal one (the FLOP ratio, window-aware: bench/flops.py); the LM head's time in the warm
-  requests (one row reads the whole tied 262K x 640 head) and the efficiency it alone allows.
+- ``shared``: a 2K-token prefix served to 16 requests, each with its own 64-token suffix
+  (``--suffix``): hit rate, TTFT cold vs warm (median of the 15 warm ones), and the warm
+  speedup against the ideal one (the FLOP ratio, window-aware: bench/flops.py); the LM head's
+  time in the warm requests (one row reads the whole tied 262K x 640 head) and the efficiency
+  it alone allows.
 - ``lengths``: a hit at every prompt length above one page: for each length L, a request
   over L shared tokens after one that cached them; the cached tokens it reports, against all
   the first request's full blocks could give (only full blocks are stored).
@@ -80,13 +81,15 @@ def timing_head(engine: LLMEngine, seconds: list[float]) -> None:
     model.compute_logits = timed  # an instance attribute: this engine's model only
 
 
-def shared(loaded: LoadedModel, rng: random.Random, prefix_len: int, n: int) -> dict:
+def shared(
+    loaded: LoadedModel, rng: random.Random, prefix_len: int, n: int, suffix_len: int
+) -> dict:
     vocab = loaded.config.vocab_size
     engine = LLMEngine(config(loaded, num_blocks=4096, max_num_batched_tokens=2048), loaded)
     ttft(engine, "warmup", tokens(rng, 96, vocab))  # first-call costs
     engine.evict_all()
     prefix = tokens(rng, prefix_len, vocab)
-    suffixes = [tokens(rng, 64, vocab) for _ in range(n)]
+    suffixes = [tokens(rng, suffix_len, vocab) for _ in range(n)]
     cold, _ = ttft(engine, "r0", prefix + suffixes[0])
     head: list[float] = []
     timing_head(engine, head)
@@ -96,8 +99,10 @@ def shared(loaded: LoadedModel, rng: random.Random, prefix_len: int, n: int) -> 
         warm.append(t)
         cached.append(c)
     del engine.runner.model.compute_logits
-    total = prefix_len + 64
-    ideal = prefill_flops(loaded.config, 0, total) / prefill_flops(loaded.config, prefix_len, 64)
+    total = prefix_len + suffix_len
+    ideal = prefill_flops(loaded.config, 0, total) / prefill_flops(
+        loaded.config, prefix_len, suffix_len
+    )
     speedup = cold / statistics.median(warm)
     # The LM head reads its whole weight for one row, cold and warm alike (memory-bound, not
     # counted by the FLOP ideal): the efficiency if everything else scaled ideally.
@@ -106,6 +111,7 @@ def shared(loaded: LoadedModel, rng: random.Random, prefix_len: int, n: int) -> 
     return {
         "requests": n,
         "prefix": prefix_len,
+        "suffix": suffix_len,
         "hit_rate": round(sum(cached) / ((n - 1) * total), 4),
         "ideal_hit_rate": round(prefix_len / total, 4),
         "cold_ttft_ms": round(cold * 1e3, 1),
@@ -257,6 +263,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--prefix", type=int, default=2048)
     parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--suffix", type=int, default=64, help="tokens after the shared prefix")
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--budget-mib", type=int, default=256)
     parser.add_argument("--capacity-prefix", type=int, default=1024)
@@ -282,7 +289,7 @@ def main() -> None:
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "gguf_weights": args.gguf_weights,
         "windows": sorted(set(loaded.config.layer_windows)),
-        "shared": shared(loaded, rng, args.prefix, args.requests),
+        "shared": shared(loaded, rng, args.prefix, args.requests, args.suffix),
         "lengths": lengths(loaded, rng, [n for n in LENGTHS if n <= args.max_length]),
         "held": held(loaded, rng, args.context),
         "capacity": capacity(loaded, rng, args.budget_mib, args.capacity_prefix),
@@ -290,7 +297,7 @@ def main() -> None:
     }
     s, h, c, t = figures["shared"], figures["held"], figures["capacity"], figures["tier"]
     print(
-        f"shared {s['prefix']}-token prefix x {s['requests']}: hit rate {s['hit_rate']} "
+        f"shared {s['prefix']}-token prefix x {s['requests']} (+{s['suffix']}): hit rate {s['hit_rate']} "
         f"(ideal {s['ideal_hit_rate']}), TTFT cold {s['cold_ttft_ms']} ms, warm p50 "
         f"{s['warm_ttft_p50_ms']} ms: {s['speedup']}x of ideal {s['ideal_speedup']}x "
         f"(efficiency {s['efficiency']}); LM head {s['warm_head_p50_ms']} ms a warm request: "
