@@ -13,6 +13,11 @@ Workloads:
   are those of requests that find their prefix cached (decode over a long shared prefix).
   Reports output tok/s, TTFT p50/p90, mean inter-token latency and the token hit rate (from
   the server's own prefix-cache counters on /metrics: vLLM's or ours).
+- ``lengths``: for each ``--lengths`` L, A = L tokens and a ``--tail``-token ending, then B =
+  A's first L tokens and another ending; one output token each. The tokens the server reports
+  cached for B (``usage.prompt_tokens_details.cached_tokens``; vLLM: start it with
+  ``--enable-prompt-tokens-details``) against L, and A's and B's TTFT: how fine the server's
+  prefix reuse is.
 - ``ttft``: A = a cold ``--prompt``-token prompt; B shares A's first ``--shared`` tokens;
   C is unrelated; D shares A's ``--shared`` tokens and is sent after C (does the prefix survive
   unrelated traffic?). One output token each, sent one at a time; ``--repeat`` rounds with
@@ -56,6 +61,7 @@ class Result:
     sent: float
     token_times: list[float] = field(default_factory=list)
     tokens: int = 0  # completion tokens (usage), else text chunks seen
+    cached: int = 0  # prompt tokens the server reports cached (usage.prompt_tokens_details)
     error: str = ""
 
     @property
@@ -112,6 +118,8 @@ async def stream_completion(host: str, port: int, body: dict) -> Result:
                     usage = msg.get("usage")
                     if usage:
                         result.tokens = int(usage.get("completion_tokens") or 0)
+                        details = usage.get("prompt_tokens_details") or {}
+                        result.cached = int(details.get("cached_tokens") or 0)
         if not result.tokens:
             result.tokens = len(result.token_times)
         result.ok = result.ok and not result.error and bool(result.token_times)
@@ -289,6 +297,32 @@ async def run_ttft(args: argparse.Namespace, host: str, port: int, model: str) -
     return med
 
 
+async def run_lengths(args: argparse.Namespace, host: str, port: int, model: str) -> dict:
+    rng = random.Random(args.seed + 2)
+    rows = []
+    for shared in progress_iter(args.lengths, "prefix lengths A/B"):
+        a = random_ids(rng, shared + args.tail, args.vocab)
+        b = a[:shared] + random_ids(rng, args.tail, args.vocab)
+        ra = await stream_completion(host, port, completion_body(model, a, 1))
+        rb = await stream_completion(host, port, completion_body(model, b, 1))
+        if not (ra.ok and rb.ok):
+            raise SystemExit(f"request over {shared} shared tokens failed: {ra.error or rb.error}")
+        rows.append(
+            {
+                "shared": shared,
+                "prompt_tokens": shared + args.tail,
+                "cached": rb.cached,
+                "cold_ms": round(ra.ttft * 1e3, 1),
+                "warm_ms": round(rb.ttft * 1e3, 1),
+            }
+        )
+    return {
+        "rows": rows,
+        "cached_of_shared": round(sum(r["cached"] for r in rows) / sum(args.lengths), 4),
+        "zero_hit_lengths": [r["shared"] for r in rows if r["cached"] == 0],
+    }
+
+
 async def warm_up(args: argparse.Namespace, host: str, port: int, model: str) -> None:
     """Unrelated requests first: compile/allocate paths so the first measured one is fair."""
     rng = random.Random(args.seed + 99)
@@ -308,7 +342,7 @@ def main() -> None:
     where.add_argument("--url", help="base URL of a running server, e.g. http://127.0.0.1:8100")
     where.add_argument("--serve", metavar="MODEL", help="start `prefixcache serve --model MODEL`")
     ap.add_argument("--model-name", default=None, help="model field (default: /v1/models' first)")
-    ap.add_argument("--workload", choices=["shared", "ttft"], default="shared")
+    ap.add_argument("--workload", choices=["shared", "ttft", "lengths"], default="shared")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--per-group", type=int, default=8)
     ap.add_argument("--system", type=int, default=1024, help="system prompt tokens per group")
@@ -324,6 +358,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4000, help="ttft: prompt tokens")
     ap.add_argument("--shared", type=int, default=3900, help="ttft: tokens B and D share with A")
     ap.add_argument("--repeat", type=int, default=3, help="ttft: rounds (medians reported)")
+    ap.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=[17, 31, 64, 100, 200, 300, 500, 1000, 2000],
+        help="lengths: shared tokens of each A/B pair",
+    )
+    ap.add_argument("--tail", type=int, default=8, help="lengths: tokens after the shared ones")
     ap.add_argument("--vocab", type=int, default=32000, help="token ids are drawn below this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=2, help="unrelated warm-up requests per size")
@@ -347,7 +389,7 @@ def main() -> None:
         if args.prewarm and args.workload == "shared":
             asyncio.run(prewarm(args, host, port, model))
         hits0, queries0 = prefix_cache_counters(base)
-        runner = run_shared if args.workload == "shared" else run_ttft
+        runner = {"shared": run_shared, "ttft": run_ttft, "lengths": run_lengths}[args.workload]
         result = asyncio.run(runner(args, host, port, model))
         hits1, queries1 = prefix_cache_counters(base)
         queried = queries1 - queries0
@@ -367,7 +409,7 @@ def main() -> None:
     for key, value in result.items():
         if isinstance(value, float):
             print(f"{key:>16}: {value:,.3f}")
-        elif key not in ("args", "runs"):
+        elif key not in ("args", "runs", "rows"):
             print(f"{key:>16}: {value}")
     if args.json:
         print(json.dumps(result))

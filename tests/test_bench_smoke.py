@@ -108,6 +108,7 @@ CASES = {
         + ["--capacity-prefix", "600", "--max-length", "600", "--tier-requests", "2"],
         {"cpu", "shared", "lengths", "held", "capacity", "tier"},
     ),
+    "gguf_to_hf.py": (["--check"], {"arch", "max_logit_diff_vs_transformers_gguf"}),
     "lm_head.py": (  # a tiny Q8_0 GGUF made here (tiny_q8_gguf), tiny sizes
         ["--rows", "1", "9", "--batches", "2", "--new-tokens", "2", "--seconds", "0.05"]
         + ["--accuracy-rows", "8"],
@@ -208,6 +209,8 @@ def test_benchmark_runs_and_reports(name: str, tmp_path: Path) -> None:
         args = [*args, "--model", str(tiny_gemma3(tmp_path))]
     if name == "lm_head.py":
         args = [*args, "--model", str(tiny_q8_gguf(tmp_path))]
+    if name == "gguf_to_hf.py":  # the tiny Llama GGUF into a folder (q/k rows unpermuted)
+        args = [str(tiny_q8_gguf(tmp_path)), str(tmp_path / "hf"), *args]
     result = run_bench(name, args)
     assert keys <= result.keys(), keys - result.keys()
     if name == "serving.py":  # every request streamed all its tokens; the groups shared
@@ -221,6 +224,8 @@ def test_benchmark_runs_and_reports(name: str, tmp_path: Path) -> None:
         for policy in ("round_robin", "approximate", "precise"):
             keys = {"ttft_p50_ms", "ttft_p90_ms", "hit_rate", "load_max_over_min"}
             assert keys <= result[policy].keys()
+    if name == "gguf_to_hf.py":  # the folder's model is transformers' GGUF one
+        assert result["max_logit_diff_vs_transformers_gguf"] < 1e-3, result
     if name == "soak.py":  # its checks are properties of the server, not figures
         assert result["ok"], result
     if name == "rag_reuse.py":  # every repair setting reported, and the documents were placed
@@ -231,6 +236,20 @@ def test_benchmark_runs_and_reports(name: str, tmp_path: Path) -> None:
     if name == "burst.py":
         assert result["prompt_tokens_computed"] == result["ideal_tokens"]
         assert result["peak_blocks"] <= result["ideal_blocks"] + 6
+
+
+@pytest.mark.slow
+def test_serving_lengths_reports_the_cached_tokens_of_each_pair() -> None:
+    """bench/serving.py's lengths workload against the demo server: B's cached tokens are
+    every full block of A that B shares (the server's usage, read from the stream)."""
+    args = ["--serve", "demo", "--workload", "lengths", "--lengths", "17", "40", "100"]
+    args += ["--vocab", "2000", "--warmup", "1", "--warmup-tokens", "16"]
+    result = run_bench("serving.py", args)
+    rows = {r["shared"]: r for r in result["rows"]}
+    for shared, row in rows.items():
+        assert row["cached"] >= shared // 16 * 16, row  # A's full blocks that B shares
+        assert row["cached"] <= shared, row
+    assert result["zero_hit_lengths"] == []
 
 
 def test_the_context_plot_reads_the_sweeps_records(tmp_path: Path) -> None:

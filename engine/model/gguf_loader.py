@@ -51,7 +51,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",  # every 4th layer without RoPE, as llama.cpp runs it
 }
-_PERMUTED_QK = ("llama", "mistral", "smollm3")  # written with interleaved-pair RoPE rows
+PERMUTED_QK = ("llama", "mistral", "smollm3")  # written with interleaved-pair RoPE rows
 # Tensor types dequantized at load (names as gguf.GGMLQuantizationType spells them).
 SUPPORTED_TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -59,7 +59,7 @@ SUPPORTED_TENSOR_TYPES = (
 )  # fmt: skip
 _FINGERPRINT_SAMPLE = 1 << 20  # bytes of tensor data hashed from each end of the file
 
-_GEMMA = ("gemma2", "gemma3")  # norms written as 1 + weight, four a layer, own config
+GEMMA_ARCHS = ("gemma2", "gemma3")  # norms written as 1 + weight, four a layer, own config
 GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}  # transformers' defaults (and llama.cpp's)
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # their 27B: scale by hidden / heads
 ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-pair frequency divisors
@@ -150,7 +150,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "hidden_act": "silu",
     }
-    if arch in _GEMMA:
+    if arch in GEMMA_ARCHS:
         raw.update(_gemma_config(arch, meta, raw))
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
@@ -161,7 +161,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> dict[s
                 raw["rope_scaling"]["original_max_position_embeddings"] = int(orig)
         elif factor != 1.0:
             raw["rope_scaling"] = {"rope_type": "linear", "factor": factor}
-    if arch not in _GEMMA:
+    if arch not in GEMMA_ARCHS:
         # llama.cpp's graphs for these attend fully whatever the file says (and Mistral's
         # config would default an absent window to 4096): read, never applied.
         raw["sliding_window"] = None
@@ -287,7 +287,7 @@ def load_gguf(
     if missing:
         raise GGUFLoadError(f"{path.name}: missing tensors: {missing[:6]}")
 
-    permute = arch in _PERMUTED_QK
+    permute = arch in PERMUTED_QK
     state: dict[str, torch.Tensor] = {}
     packed: dict[str, Any] = {}
     head_name = gguf_weights.HEAD if gguf_weights.HEAD in expected else gguf_weights.EMBEDDING
@@ -321,7 +321,7 @@ def load_gguf(
                 w = unpermute_rope_rows(w, config.num_heads)
             elif permute and ".attn_k." in gguf_name:
                 w = unpermute_rope_rows(w, config.num_kv_heads)
-            elif arch in _GEMMA and gguf_name.endswith("norm.weight"):
+            elif arch in GEMMA_ARCHS and gguf_name.endswith("norm.weight"):
                 w = w - np.float32(1.0)
             for part, a, b in hf_parts:
                 state[part] = torch.from_numpy(w[a:b]).to(device=device, dtype=dtype)
