@@ -31,6 +31,7 @@ from .llama import (
     LlamaForCausalLM,
     Projection,
     _Concat,
+    token_embedding,
 )
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding, Rotation
@@ -147,7 +148,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = token_embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
