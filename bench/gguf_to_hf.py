@@ -32,10 +32,9 @@ from prefixcache.engine.model.progress import progress_iter
 from prefixcache.engine.model.registry import hf_tensor_name
 
 
-def state_dict(path: Path, arch: str, config: transformers.PretrainedConfig) -> dict:
+def state_dict(reader: GGUFReader, arch: str, config: transformers.PretrainedConfig) -> dict:
     state = {}
-    tensors = GGUFReader(str(path)).tensors
-    for t in progress_iter(tensors, "dequantize"):
+    for t in progress_iter(reader.tensors, "dequantize"):
         name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
@@ -64,9 +63,10 @@ def main() -> None:
         folder, gguf_file=name, dtype=torch.float32
     ).eval()
     config = packed.config
-    arch = str(GGUFReader(str(path)).fields["general.architecture"].contents())
+    reader = GGUFReader(str(path))
+    arch = str(reader.fields["general.architecture"].contents())
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    missing, unexpected = model.load_state_dict(state_dict(path, arch, config), strict=False)
+    missing, unexpected = model.load_state_dict(state_dict(reader, arch, config), strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise SystemExit(f"tensors missing {missing[:4]}, unexpected {unexpected[:4]}")
