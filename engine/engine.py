@@ -42,7 +42,7 @@ from .step.sampler import Sampler
 from .step.scheduler import Scheduler, SchedulerOutput
 from .step.sequence import Sequence
 from .step.structured_output import StructuredOutput
-from .text.tokenizer import IncrementalDetokenizer, Tokenizer
+from .text.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("prefixcache.engine")
 
@@ -60,7 +60,7 @@ class LLMEngine:
             config.model, dtype=config.dtype, device=config.device, gguf_weights=config.gguf_weights
         )
         if config.chat_template is not None:  # --chat-template: the model's own replaced
-            tokenizer = Tokenizer.from_spec(self.loaded.tokenizer.to_spec(), config.chat_template)
+            tokenizer = self.loaded.tokenizer.with_chat_template(config.chat_template)
             self.loaded = dataclasses.replace(self.loaded, tokenizer=tokenizer)
         self.tokenizer = self.loaded.tokenizer
         self._listeners = BlockListeners()  # the activity, then the KV event recorder

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,13 @@ CASES = {
     "step_replay.py": (
         ["--model", "demo", "--tokens", "1,4", "--context", "32", "--repeat", "2"],
         {"cpu", "rows", "context"},
+    ),
+    "startup.py": (  # the demo server timed against itself as the peer
+        ["--model", "demo", "--runs", "1", "--peer-model", "demo", "--peer"]
+        + [
+            f"{shlex.quote(sys.executable)} -m prefixcache.sidecar.cli serve --model demo --port {{port}}"
+        ],
+        {"ours", "peer", "ready_vs_peer", "first_token_vs_peer"},
     ),
     "sidecar_overhead.py": (
         ["--requests", "3", "--warmup", "1", "--streams", "4", "--stream-tokens", "2"],

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 from prefixcache.engine.model.demo_model import ASSETS, CHAT_TEMPLATE
 from prefixcache.engine.model.loader import ModelLoadError, load_model
 from prefixcache.engine.model.model_config import ModelConfig, UnsupportedModelError
-from prefixcache.engine.text.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from prefixcache.engine.text.detokenizer import IncrementalDetokenizer
+from prefixcache.engine.text.tokenizer import Tokenizer, TokenizerError
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],

@@ -154,3 +154,24 @@ def test_truncation_and_padding_in_tokenizer_json_never_cut_a_prompt(
     reference = HFTokenizer.from_str(tokenizers["byte_level"].to_str())
     assert tok.encode(text) == reference.encode(text, add_special_tokens=False).ids
     assert len(tok.encode(text)) > 64 and tok.piece_cache is not None
+
+
+@pytest.mark.parametrize(
+    "kind", ["byte_level", "metaspace_always", "metaspace_first", "lstrip_special"]
+)
+def test_tokenizer_reads_its_pipeline_as_a_whole_parse_does(
+    tokenizers: dict[str, HFTokenizer], kind: str
+) -> None:
+    """``Tokenizer`` decodes only the pipeline's decoder, pre-tokenizer and added tokens (not
+    its vocabulary): the piece encoder and the byte-level reading it sets up are those of a
+    whole parse, built directly and through ``to_spec`` / ``from_spec``."""
+    tok = tokenizers[kind]
+    whole = PieceEncoder.create(tok)  # parses tok.to_str() whole
+    for built in (Tokenizer(tok), Tokenizer.from_spec(Tokenizer(tok).to_spec())):
+        assert (built.piece_cache is None) == (whole is None)
+        if whole is not None:
+            assert built.piece_cache._split.pattern == whole._split.pattern
+    if kind == "byte_level":  # "Ġthe" stands for the bytes " the"
+        (the,) = tok.encode(" the", add_special_tokens=False).ids
+        assert tok.id_to_token(the) == "\u0120the"
+        assert Tokenizer.from_spec(Tokenizer(tok).to_spec()).token_bytes(the) == b" the"

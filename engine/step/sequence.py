@@ -10,7 +10,7 @@ from ..request import EngineRequest, SegmentMiss, TokenLogprob
 
 if TYPE_CHECKING:
     from ..memory.block_types import BlockTable
-    from ..text.tokenizer import IncrementalDetokenizer
+    from ..text.detokenizer import IncrementalDetokenizer
     from .chunk_reuse import Placement
 
 
