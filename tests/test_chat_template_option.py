@@ -57,7 +57,14 @@ def test_the_engine_renders_with_it_and_keys_its_cache_by_it() -> None:
     assert ids == plain.tokenizer.encode("[user: hi]<go>")  # the same pipeline
 
 
-async def test_the_process_engines_api_side_has_it_too() -> None:
+async def test_the_process_engines_api_side_has_it_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built from the model's own spec, sent ahead of the weights, with the template swapped
+    here: no second build after Ready (its fingerprint agrees)."""
+
+    def second_build(ready: object) -> None:
+        raise AssertionError("the tokenizer was built again after Ready")
+
+    monkeypatch.setattr(ProcessEngine, "_load_tokenizer", staticmethod(second_build))
     engine = ProcessEngine(EngineConfig(**CONFIG, chat_template=BRACKETS))
     await engine.start()
     try:

@@ -312,3 +312,21 @@ def test_decodes_sharing_a_prefix_run_as_one_cascade_group(loaded) -> None:
     expected = [r.token_ids for r in uncascaded.generate(prompts, greedy(6))]
     assert [r.token_ids for r in make_engine(loaded).generate(prompts, greedy(6))] == expected
     assert_clean(engine)
+
+
+def test_an_admin_evictions_tier_writes_count_at_once(loaded) -> None:
+    """``evict_all(keep_tier=True)`` spills the idle blocks into the tier: its writes reach
+    the metrics when the command returns, not at the next step; its evictions count once."""
+    engine = make_engine(loaded, kv_offload="host:0.05")
+    prompt = random_tokens(random.Random(9), 48, loaded.config.vocab_size)
+    engine.generate([prompt], greedy(1))
+    registry = engine.metrics.registry
+    writes = "prefixcache:kv_tier_writes_total"
+    before = registry.get_sample_value(writes)
+    evicted = engine.evict_all(keep_tier=True)
+    assert evicted == 3  # the prompt's full blocks, idle
+    assert registry.get_sample_value(writes) == before + evicted
+    assert registry.get_sample_value("prefixcache:kv_block_evictions_total") == evicted
+    engine.generate([random_tokens(random.Random(10), 8, loaded.config.vocab_size)], greedy(1))
+    assert registry.get_sample_value(writes) == before + evicted  # not counted again
+    assert registry.get_sample_value("prefixcache:kv_block_evictions_total") == evicted

@@ -163,6 +163,41 @@ async def test_start_failure_is_reported() -> None:
         await eng.start()  # an EngineStartError: the core's own message, once
 
 
+@pytest.mark.parametrize("source", ["folder", "gguf", "gguf_broken_weights"])
+async def test_the_api_side_keeps_the_tokenizer_built_from_the_spec_sent_ahead(
+    source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The core sends the tokenizer's spec before it loads the weights; the copy the API side
+    builds meanwhile is the one it keeps (Ready's fingerprint agrees): no second build after
+    Ready. A load that fails after the spec went ahead is still reported as the core said."""
+    model = "demo"
+    if source != "folder":
+        test_gguf = pytest.importorskip("test_gguf")
+        checkpoint = test_gguf.random_checkpoint(tmp_path, len(test_gguf.demo_vocab()[0]), True)
+        path = tmp_path / "tiny.gguf"
+        # broken: the header names a layer more than the file holds (found after the tokenizer)
+        layers = test_gguf.LAYERS + (source == "gguf_broken_weights")
+        test_gguf.write_gguf(path, checkpoint, test_gguf.Q.Q8_0, layers=layers)
+        model = str(path)
+
+    def second_build(ready: object) -> None:
+        raise AssertionError("the tokenizer was built again after Ready")
+
+    monkeypatch.setattr(ProcessEngine, "_load_tokenizer", staticmethod(second_build))
+    eng = ProcessEngine(EngineConfig(**{**CONFIG, "model": model}))
+    if source == "gguf_broken_weights":
+        with pytest.raises(EngineProcessError, match="missing tensors"):
+            await eng.start()
+        return
+    await eng.start()
+    try:
+        assert eng.tokenizer.fingerprint == eng._ready.tokenizer_fingerprint  # type: ignore[union-attr]
+        tokens, _, _ = await collect(eng, EngineRequest("t", eng.tokenizer.encode("hi"), greedy(3)))
+        assert len(tokens) == 3
+    finally:
+        await eng.shutdown()
+
+
 def test_the_api_side_never_imports_torch() -> None:
     """The server process of `prefixcache serve` (process mode) holds no torch: only the core
     process loads the model."""

@@ -29,7 +29,7 @@ import torch
 
 from ..kernels.cpu_gemm import BlockSource
 from ..text import gguf_index
-from ..text.tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer, TokenizerListener
 from . import gguf_weights
 from .llama import LlamaForCausalLM
 from .model_config import ModelConfig, UnsupportedModelError
@@ -243,9 +243,13 @@ def check_tensor_types(tensors: list[Any], path: Path) -> None:
 
 
 def load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device, weights: str = "dequantized"
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    weights: str = "dequantized",
+    on_tokenizer: TokenizerListener | None = None,
 ) -> GGUFModel:
-    """``weights``: ``gguf_weights.WEIGHT_MODES``."""
+    """``weights``: ``gguf_weights.WEIGHT_MODES``; ``on_tokenizer``: as ``load_model``'s."""
     quantize = gguf_weights.resolve_mode(weights, dtype, device)
     if not path.is_file():
         raise GGUFLoadError(f"GGUF file {str(path)!r} not found")
@@ -256,12 +260,16 @@ def load_gguf(
     raw_config = config_from_metadata(meta, set(tensors))
     config = ModelConfig.from_dict(raw_config)
     check_tensor_types(list(tensors.values()), path)
+    built = None
     if index.tokenizer is None:  # raises why the metadata's tokenizer cannot be built
-        tokenizer = Tokenizer.from_gguf(meta, extra_eos_ids=config.eos_token_ids)
+        built = Tokenizer.from_gguf(meta, extra_eos_ids=config.eos_token_ids)
+        spec = built.to_spec()
     else:
-        spec = index.tokenizer
-        eos = spec.eos_token_ids + list(config.eos_token_ids)
-        tokenizer = Tokenizer.from_spec(msgspec.structs.replace(spec, eos_token_ids=eos))
+        eos = index.tokenizer.eos_token_ids + list(config.eos_token_ids)
+        spec = msgspec.structs.replace(index.tokenizer, eos_token_ids=eos)
+    if on_tokenizer is not None:
+        on_tokenizer(spec)
+    tokenizer = built if built is not None else Tokenizer.from_spec(spec)
 
     arch = raw_config["model_type"]
     with torch.device("meta"):

@@ -27,20 +27,16 @@ from ..kernels import cpu_head_int8
 from ..kernels.cpu_features import cpu_bf16_flags
 from ..memory.kv_cache import KVCacheSpec
 from ..request import SamplingParams
-from ..text.tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer, TokenizerListener
 from .llama import LlamaForCausalLM
 from .model_config import ModelConfig, UnsupportedModelError
 from .progress import progress_bar
 from .registry import causal_lm_class, model_tensors
 
 _DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    **dict.fromkeys(("float32", "fp32"), torch.float32),
+    **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
+    **dict.fromkeys(("float16", "fp16", "half"), torch.float16),
 }
 log = logging.getLogger("prefixcache.engine")
 _FINGERPRINT_SAMPLE = 1 << 20  # bytes hashed from each end of every weight file
@@ -128,33 +124,31 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | None = None,
     gguf_weights: str = "dequantized",
+    on_tokenizer: TokenizerListener | None = None,
 ) -> LoadedModel:
     """``gguf_weights`` (GGUF files only): ``auto``, ``quantized`` or ``dequantized``
-    (``gguf_weights.py``)."""
+    (``gguf_weights.py``). ``on_tokenizer`` gets the tokenizer's spec before the weights load
+    (a server's API side builds its own from it meanwhile)."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if name_or_path == "demo":
         from .demo_model import DEMO_NAME, ensure_demo_model
 
         folder, name = ensure_demo_model(), DEMO_NAME
-        return load_folder(folder, dt, dev, name=name)
+        return load_folder(folder, dt, dev, name=name, on_tokenizer=on_tokenizer)
     from .named_models import NAMED_MODELS, ensure_named_model
 
     if name_or_path in NAMED_MODELS:
-        return _load_gguf(ensure_named_model(name_or_path), dt, dev, name_or_path, gguf_weights)
-    path = Path(name_or_path).expanduser()
-    if path.suffix.lower() == ".gguf" and not path.is_dir():
-        return _load_gguf(path, dt, dev, path.name, gguf_weights)
-    return load_folder(path, dt, dev, name=path.name)
-
-
-def _load_gguf(
-    path: Path, dtype: torch.dtype, device: torch.device, name: str, weights: str
-) -> LoadedModel:
+        path, name = ensure_named_model(name_or_path), name_or_path
+    else:
+        path = Path(name_or_path).expanduser()
+        if path.suffix.lower() != ".gguf" or path.is_dir():
+            return load_folder(path, dt, dev, name=path.name, on_tokenizer=on_tokenizer)
+        name = path.name
     from .gguf_loader import GGUFLoadError, load_gguf
 
     try:
-        loaded = load_gguf(path, dtype, device, weights)
+        loaded = load_gguf(path, dt, dev, gguf_weights, on_tokenizer)
     except GGUFLoadError as exc:
         raise ModelLoadError(str(exc)) from exc
     return LoadedModel(
@@ -163,14 +157,18 @@ def _load_gguf(
         tokenizer=loaded.tokenizer,
         name=name,
         fingerprint=loaded.fingerprint,
-        dtype=dtype,
-        device=device,
+        dtype=dt,
+        device=dev,
         path=path,
     )
 
 
 def load_folder(
-    folder: Path, dtype: torch.dtype, device: torch.device, name: str | None = None
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    name: str | None = None,
+    on_tokenizer: TokenizerListener | None = None,
 ) -> LoadedModel:
     if not folder.is_dir():
         raise ModelLoadError(
@@ -191,6 +189,8 @@ def load_folder(
 
     gen_eos = _generation_eos_ids(folder)
     tokenizer = Tokenizer.from_folder(folder, extra_eos_ids=config.eos_token_ids + gen_eos)
+    if on_tokenizer is not None:
+        on_tokenizer(tokenizer.to_spec())
 
     model = build_model(config, weight_files, dtype, device)
     return LoadedModel(

@@ -115,6 +115,13 @@ class EngineStats:
         m.prefix_cache_hits.labels("pool").inc(stats.hit_tokens - last.hit_tokens - reloaded)
         if self._tier is not None:
             m.prefix_cache_hits.labels(self._tier.kind).inc(reloaded)
+        self.tiers_moved()
+        m.evictions.inc((stats.evicted_tokens - last.evicted_tokens) // stats.block_size)
+
+    def tiers_moved(self) -> None:
+        """Count the KV tiers' writes, reloads and drops since the last report."""
+        m = self.metrics
+        if self._tier is not None:
             tier = self._tier.stats()
             before, self._last_tier = self._last_tier, tier
             m.kv_tier_writes.inc(tier.writes - before.writes)
@@ -127,7 +134,6 @@ class EngineStats:
             self._local_moves.labels("reloaded").inc(local.reloads - before.reloads)
             dropped = local.drops + local.corrupt - before.drops - before.corrupt
             self._local_moves.labels("dropped").inc(dropped)
-        m.evictions.inc((stats.evicted_tokens - last.evicted_tokens) // stats.block_size)
 
     def admin_evicted(self, blocks: int) -> None:
         """An admin command evicted ``blocks``; its other moves are not counted."""
@@ -135,5 +141,8 @@ class EngineStats:
         self.skip_cache_moves()
 
     def skip_cache_moves(self) -> None:
-        """Take the cache's totals as they are now (an admin command's moves are no traffic)."""
+        """Take the pool's totals as they are now (an admin command's lookups and hits are no
+        traffic); what it wrote to or dropped from the tiers is counted now, not at the next
+        step."""
         self._last = self._manager.stats()
+        self.tiers_moved()

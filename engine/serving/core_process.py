@@ -21,6 +21,8 @@ from multiprocessing.connection import Connection
 
 from ..config import EngineConfig
 from ..engine import LLMEngine
+from ..model.loader import load_model
+from ..text.tokenizer import TokenizerSpec
 from . import engine_wire as wire
 from .engine_core import EngineCore
 from .errors import start_failure
@@ -105,8 +107,19 @@ def _load_and_serve(
     conn: Connection, config: EngineConfig, served: list[EngineCore], ready: threading.Event
 ) -> None:
     out = PipeOutput(conn)
+
+    def send_ahead(spec: TokenizerSpec) -> None:  # the API side builds its copy meanwhile
+        out.send(wire.TokenizerAhead(spec))
+
     try:
-        engine = LLMEngine(config)
+        loaded = load_model(
+            config.model,
+            dtype=config.dtype,
+            device=config.device,
+            gguf_weights=config.gguf_weights,
+            on_tokenizer=send_ahead,
+        )
+        engine = LLMEngine(config, loaded)
     except Exception as e:
         known = start_failure(e)
         if known is None:  # a bug: its traceback, here, once (the API side says one line)

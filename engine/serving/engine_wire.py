@@ -1,7 +1,7 @@
 """The messages between an engine client (API side) and the engine core (engine_core.py).
 
 The client sends ``Add``/``Abort``/``Call``/``Shutdown``; the core answers ``Ready`` (or
-``Failed``) once at start, then ``Step`` after every engine step (the step's outputs with the
+``Failed``) once at start (``ProcessEngine``'s core first sends ``TokenizerAhead``), then ``Step`` after every engine step (the step's outputs with the
 stats they leave behind) and ``Reply`` to every ``Call``. ``ProcessEngine`` sends them as
 msgpack over one duplex pipe; ``AsyncEngine`` hands the same objects across threads. Requests
 and outputs travel as the engine's own dataclasses (msgspec encodes them natively). Torch-free.
@@ -64,6 +64,13 @@ class MetricFamily(msgspec.Struct, array_like=True):
     samples: list[Sample]
 
 
+class TokenizerAhead(msgspec.Struct, tag=True, array_like=True):
+    """The model's own tokenizer, sent as soon as the core knows it (before the weights load):
+    the API side builds its copy meanwhile, and keeps it if ``Ready``'s fingerprint agrees."""
+
+    tokenizer: TokenizerSpec
+
+
 class Ready(msgspec.Struct, tag=True, array_like=True):
     model_name: str
     tokenizer: TokenizerSpec  # the API side builds the same one from it, any model source
@@ -106,7 +113,7 @@ class Reply(msgspec.Struct, tag=True, array_like=True):
     metrics: list[MetricFamily] | None  # None: the client reads the registry itself
 
 
-ToApi = Ready | Failed | Step | Reply
+ToApi = TokenizerAhead | Ready | Failed | Step | Reply
 
 
 def encoder() -> msgspec.msgpack.Encoder:

@@ -88,7 +88,8 @@ class ProcessEngine(EngineClient):
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Spawn the core, wait until it has loaded the model, then load the tokenizer here."""
+        """Spawn the core and wait until it has loaded the model, building the tokenizer here
+        meanwhile from the spec the core sends ahead of the weights."""
         if self._ready is not None:
             return
         self._loop = asyncio.get_running_loop()
@@ -105,10 +106,24 @@ class ProcessEngine(EngineClient):
         child.close()
         self._conn = parent
         first = await asyncio.to_thread(self._recv_first, parent)
-        if isinstance(first, wire.Failed):
+        ahead = None  # the tokenizer built here while the core loads the weights
+        if isinstance(first, wire.TokenizerAhead):
+            spec, template = first.tokenizer, self.config.chat_template
+            ahead = asyncio.ensure_future(asyncio.to_thread(Tokenizer.from_spec, spec, template))
+            first = await asyncio.to_thread(self._recv_first, parent)
+        if not isinstance(first, wire.Ready):
+            if ahead is not None:
+                with contextlib.suppress(Exception):
+                    await ahead
             await asyncio.to_thread(self._process.join, 10)
-            raise EngineStartError(first.message)  # what the core said, once
-        tokenizer = await asyncio.to_thread(self._load_tokenizer, first)
+            message = first.message if isinstance(first, wire.Failed) else repr(first)
+            raise EngineStartError(message)  # what the core said, once
+        tokenizer = None
+        if ahead is not None:
+            with contextlib.suppress(Exception):  # else built from Ready's spec below
+                tokenizer = await ahead
+        if tokenizer is None or tokenizer.fingerprint != first.tokenizer_fingerprint:
+            tokenizer = await asyncio.to_thread(self._load_tokenizer, first)
         self._on_ready(first, tokenizer)
         self._loop.add_reader(parent.fileno(), self._on_readable)
         # uvloop (uvicorn's loop) makes a watched fd non-blocking; Connection's framing needs
@@ -116,14 +131,14 @@ class ProcessEngine(EngineClient):
         os.set_blocking(parent.fileno(), True)
 
     @staticmethod
-    def _recv_first(conn: Any) -> wire.Ready | wire.Failed:
+    def _recv_first(conn: Any) -> wire.TokenizerAhead | wire.Ready | wire.Failed:
         if not conn.poll(START_TIMEOUT_S):
             raise EngineDeadError(f"the engine did not start in {START_TIMEOUT_S:.0f} s")
         try:
             msg = wire.api_decoder().decode(conn.recv_bytes())
         except EOFError as e:
             raise EngineDeadError("the engine process exited while starting") from e
-        assert isinstance(msg, wire.Ready | wire.Failed)
+        assert isinstance(msg, wire.TokenizerAhead | wire.Ready | wire.Failed)
         return msg
 
     @staticmethod

@@ -18,7 +18,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -59,6 +59,10 @@ class _PipelineHead(msgspec.Struct):
     decoder: Any = None
     pre_tokenizer: Any = None
     added_tokens: Any = None
+
+
+# Told a tokenizer's spec as soon as loading knows it (loader.load_model's on_tokenizer).
+TokenizerListener = Callable[[TokenizerSpec], None]
 
 
 class Tokenizer:
