@@ -7,7 +7,6 @@ happened to its stats collector (engine_stats.py); logits processors live in the
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -24,7 +23,7 @@ from .config import EngineConfig
 from .memory import prefix_store
 from .memory.kv_tier import TierStats
 from .memory.prefix_store import LoadResult, SaveResult, Snapshot
-from .model.loader import LoadedModel, load_model
+from .model.loader import LoadedModel
 from .observability import cache_report
 from .observability.block_listeners import BlockListeners
 from .observability.cache_activity import CacheActivity
@@ -38,6 +37,7 @@ from .step.engine_hooks import EngineHooks
 from .step.generate import GenerationResult, run_to_completion
 from .step.kv_setup import build_kv, cache_identity
 from .step.model_runner import ModelRunner, batch_of
+from .step.model_setup import engine_model
 from .step.sampler import Sampler
 from .step.scheduler import Scheduler, SchedulerOutput
 from .step.sequence import Sequence
@@ -56,12 +56,7 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.hooks = hooks = hooks or EngineHooks()
-        self.loaded = loaded or load_model(
-            config.model, dtype=config.dtype, device=config.device, gguf_weights=config.gguf_weights
-        )
-        if config.chat_template is not None:  # --chat-template: the model's own replaced
-            tokenizer = self.loaded.tokenizer.with_chat_template(config.chat_template)
-            self.loaded = dataclasses.replace(self.loaded, tokenizer=tokenizer)
+        self.loaded = engine_model(config, loaded, hooks.on_tokenizer)
         self.tokenizer = self.loaded.tokenizer
         self._listeners = BlockListeners()  # the activity, then the KV event recorder
         identity = self.cache_identity(self.loaded, config.kv_cache_dtype)

@@ -3,14 +3,18 @@ natively, else AVX2 through SIMDe, else a reason that names what is missing."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from prefixcache.engine import settings
 from prefixcache.engine.attention import cpu_kernels, row_kernels
+from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.kernels import cpu_gemm, cpu_layer_ops, cpu_library, cpu_qgemm
+from prefixcache.engine.step.model_setup import kernel_loads
 
 AVX512 = "flags\t\t: fpu sse2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16\n"
 AVX2 = "flags\t\t: fpu sse2 avx avx2 fma f16c\n"
@@ -105,3 +109,52 @@ def test_the_shim_builds_with_simde_where_it_is_installed() -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_libraries_build_side_by_side_in_the_background(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``load_in_background`` builds each library on its own threads; the later ``load()``
+    finds it built (one build each) and loaded."""
+    if cpu_library.compiler() is None or isinstance(cpu_library.select_target(), str):
+        pytest.skip("no compiler or no kernel target on this CPU")
+    monkeypatch.setenv(settings.HOME_ENV, str(tmp_path / "home"))
+    libs = []
+    for i in range(3):
+        source = tmp_path / f"k{i}.cpp"
+        source.write_text(f'extern "C" int f{i}() {{ return {i}; }}\n')
+        libs.append(cpu_library.CpuLibrary(source, f"t{i}", "t", lambda lib: None))
+    built: list[str] = []
+    build = cpu_library.CpuLibrary._build
+
+    def counted(self: cpu_library.CpuLibrary, cxx: str, target: object, path: Path) -> None:
+        built.append(self.label)
+        build(self, cxx, target, path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_library.CpuLibrary, "_build", counted)
+    cpu_library.load_in_background([lib.load for lib in libs])
+    deadline = time.monotonic() + 120
+    while any(lib.target is None for lib in libs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(lib.target is not None for lib in libs), "the background builds did not finish"
+    for i, lib in enumerate(libs):
+        assert getattr(lib.load(), f"f{i}")() == i
+    assert sorted(built) == ["t0", "t1", "t2"]
+
+
+@pytest.mark.parametrize("name", ["auto", "cpu", "cpu-split", "torch"])
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_an_engine_builds_early_the_attention_library_its_backend_loads(
+    name: str, batch_invariant: bool
+) -> None:
+    from prefixcache.engine.attention import cpu_kernel_loads, create_backend
+    from prefixcache.engine.attention.cpu_backend import CpuKernelBackend
+    from prefixcache.engine.attention.split_backend import SplitKernelBackend
+
+    backend = create_backend(name, "cpu", batch_invariant=batch_invariant)
+    loads = cpu_kernel_loads(name, batch_invariant)
+    assert (row_kernels.load_rows in loads) == isinstance(backend, CpuKernelBackend)
+    assert (cpu_kernels.load in loads) == isinstance(backend, SplitKernelBackend)
+    config = EngineConfig(model="demo", attention_backend=name, batch_invariant=batch_invariant)
+    assert set(loads) <= set(kernel_loads(config))
+    assert kernel_loads(dataclasses.replace(config, device="cuda")) == []

@@ -7,6 +7,8 @@ into their paged slots and then attends.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .backend import AttentionBackend, AttentionShape
@@ -66,6 +68,21 @@ def create_backend(
     )
 
 
+def cpu_kernel_loads(name: str, batch_invariant: bool) -> tuple[Callable[[], object], ...]:
+    """What the backend ``create_backend(name, "cpu", batch_invariant=...)`` makes loads at
+    its first step (its kernel library's ``load``), so that an engine can start building it
+    before the model loads; () for the backends without one."""
+    if name == "cpu" or (name == "auto" and batch_invariant):
+        from .row_kernels import load_rows
+
+        return (load_rows,)
+    if name in ("cpu-split", "auto"):
+        from .cpu_kernels import load
+
+        return (load,)
+    return ()
+
+
 __all__ = [
     "MIN_CASCADE_SHARED_BLOCKS",
     "AttentionBackend",
@@ -73,6 +90,7 @@ __all__ = [
     "AttentionShape",
     "CascadeGroup",
     "SeqSpec",
+    "cpu_kernel_loads",
     "create_backend",
     "plan_step_order",
 ]

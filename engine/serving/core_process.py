@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 
 from ..config import EngineConfig
 from ..engine import LLMEngine
-from ..model.loader import load_model
+from ..step.engine_hooks import EngineHooks
 from ..text.tokenizer import TokenizerSpec
 from . import engine_wire as wire
 from .engine_core import EngineCore
@@ -112,14 +112,7 @@ def _load_and_serve(
         out.send(wire.TokenizerAhead(spec))
 
     try:
-        loaded = load_model(
-            config.model,
-            dtype=config.dtype,
-            device=config.device,
-            gguf_weights=config.gguf_weights,
-            on_tokenizer=send_ahead,
-        )
-        engine = LLMEngine(config, loaded)
+        engine = LLMEngine(config, hooks=EngineHooks(on_tokenizer=send_ahead))
     except Exception as e:
         known = start_failure(e)
         if known is None:  # a bug: its traceback, here, once (the API side says one line)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..attention import AttentionMetadata
+    from ..text.tokenizer import TokenizerListener
     from .sampler import RowProcessor
     from .scheduler import SchedulerOutput
 
@@ -25,3 +26,6 @@ class EngineHooks:
     logits_processors: tuple[RowProcessor, ...] = ()
     # the clock TTL pins run on (monotonic seconds; tests inject one they can move)
     clock: Callable[[], float] = time.monotonic
+    # the tokenizer's spec as soon as loading knows it, before the weights (ProcessEngine's
+    # core sends it ahead of Ready)
+    on_tokenizer: TokenizerListener | None = None

@@ -1,0 +1,53 @@
+"""The model an engine serves, from its config: the CPU kernel libraries it will load started
+building first (side by side, while the weights load), then the model loaded (or the one
+given), with ``--chat-template`` in place of the model's own."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .. import settings
+from ..attention import cpu_kernel_loads
+from ..config import EngineConfig
+from ..kernels import cpu_gemm, cpu_layer_ops, cpu_library, cpu_replay
+from ..model.loader import LoadedModel, load_model, resolve_device
+
+if TYPE_CHECKING:
+    from ..text.tokenizer import TokenizerListener
+
+
+def engine_model(
+    config: EngineConfig,
+    loaded: LoadedModel | None = None,
+    on_tokenizer: TokenizerListener | None = None,
+) -> LoadedModel:
+    """``loaded``, or the model ``config`` names loaded (``on_tokenizer``: as
+    ``load_model``'s), with the config's chat template where it sets one."""
+    if loaded is None:
+        cpu_library.load_in_background(kernel_loads(config))
+        loaded = load_model(
+            config.model,
+            dtype=config.dtype,
+            device=config.device,
+            gguf_weights=config.gguf_weights,
+            on_tokenizer=on_tokenizer,
+        )
+    if config.chat_template is not None:  # --chat-template: the model's own replaced
+        tokenizer = loaded.tokenizer.with_chat_template(config.chat_template)
+        loaded = dataclasses.replace(loaded, tokenizer=tokenizer)
+    return loaded
+
+
+def kernel_loads(config: EngineConfig) -> list[Callable[[], object]]:
+    """The CPU kernel libraries an engine of ``config`` loads, the longest build first (the
+    batch-invariant attention's: 11.6 s of g++ on a 2-vCPU Xeon); none off the CPU. AMX's is
+    asked for at any dtype (built only where the CPU has AMX)."""
+    if resolve_device(config.device).type != "cpu":
+        return []
+    loads = [*cpu_kernel_loads(config.attention_backend, config.batch_invariant)]
+    loads += [cpu_layer_ops.available, cpu_gemm.amx_available]  # the AVX-512 GEMM, then AMX's
+    if settings.step_replay_enabled():
+        loads.append(cpu_replay.available)
+    return loads
