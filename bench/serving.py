@@ -40,6 +40,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -184,6 +185,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT (a server's graceful stop: it drains and exits), then a kill after 30 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
@@ -398,11 +409,7 @@ def main() -> None:
         result["server"] = {k: v for k, v in models[0].items() if k in ("id", "owned_by", "dtype")}
     finally:
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     result["workload"] = args.workload
     result["label"] = args.label
     result["args"] = {k: v for k, v in vars(args).items() if k not in ("json", "server_args")}

@@ -32,7 +32,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from serving import stop_server
 
 from prefixcache.engine.model.progress import progress_bar
 
@@ -469,11 +469,7 @@ def main() -> None:
             result["kinds"] = dict(sorted(tally.kinds.items()))
             result["problems"] = tally.problems[:20]
         finally:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop_server(server)
     if args.json:
         print(json.dumps(result))
     else:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,17 +24,13 @@ import time
 import urllib.request
 from collections.abc import Callable
 
+from serving import free_port, stop_server
+
 from prefixcache.engine.kernels.cpu_features import cpu_model_name
 from prefixcache.engine.model.progress import progress_bar
 
 POLL_S = 0.05
 DEADLINE_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def healthy(base: str) -> bool:
@@ -74,12 +68,7 @@ def one_start(cmd: list[str], port: int, model: str) -> dict[str, float]:
         first_completion(base, model)
         return {"ready_s": ready, "first_token_s": time.perf_counter() - start}
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 def spread(runs: list[dict[str, float]], key: str) -> dict[str, float]:

@@ -1,10 +1,11 @@
 """The messages between an engine client (API side) and the engine core (engine_core.py).
 
 The client sends ``Add``/``Abort``/``Call``/``Shutdown``; the core answers ``Ready`` (or
-``Failed``) once at start (``ProcessEngine``'s core first sends ``TokenizerAhead``), then ``Step`` after every engine step (the step's outputs with the
-stats they leave behind) and ``Reply`` to every ``Call``. ``ProcessEngine`` sends them as
-msgpack over one duplex pipe; ``AsyncEngine`` hands the same objects across threads. Requests
-and outputs travel as the engine's own dataclasses (msgspec encodes them natively). Torch-free.
+``Failed``) once at start (``ProcessEngine``'s core sends ``TokenizerAhead`` before it), then
+``Step`` after every engine step (the step's outputs with the stats they leave behind) and
+``Reply`` to every ``Call``. ``ProcessEngine`` sends them as msgpack over one duplex pipe;
+``AsyncEngine`` hands the same objects across threads. Requests and outputs travel as the
+engine's own dataclasses (msgspec encodes them natively). Torch-free.
 """
 
 from __future__ import annotations
