@@ -217,6 +217,19 @@ def test_serve_subprocess_answers_and_stops_on_sigint() -> None:
         assert response.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_build_kernels_builds_what_serve_would_load_and_exits() -> None:
+    """``serve --build-kernels`` reports each CPU kernel library the server would load (built,
+    found, or off with its reason) and exits 0 without loading the model (none exists here)."""
+    cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", "serve", "--build-kernels"]
+    cmd += ["--model", "/nonexistent/model", "--log-level", "info"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "CPU kernels ready in" in done.stdout
+    for label in ("CPU layer ops", "CPU GEMM", "CPU call replay", "batch-invariant attention"):
+        assert label in done.stderr, (label, done.stderr[-2000:])
+    assert "not found" not in done.stderr  # the model was never looked for
+
+
 def test_no_admin_key_in_the_log_after_a_dashboard_session(tmp_path: Path) -> None:
     """The server's own log (uvicorn's access log on) after what the cache page does, and an
     old bookmark of /dashboard?key=...: the admin key appears nowhere."""

@@ -295,7 +295,7 @@ class CpuLibrary:
             return lib
 
 
-def load_in_background(loads: Sequence[Callable[[], object]]) -> None:
+def load_in_background(loads: Sequence[Callable[[], object]]) -> list[threading.Thread]:
     """Run each of ``loads`` (a library's ``load()``, or a function that calls it) on a daemon
     thread, as many at once as this process has CPUs, in the order given: libraries not yet
     built compile side by side while the caller goes on (their first real use waits for the
@@ -312,5 +312,10 @@ def load_in_background(loads: Sequence[Callable[[], object]]) -> None:
                 load = pending.pop(0)
             load()  # a failed build is logged by load() and leaves torch's ops in place
 
-    for i in range(min(len(pending), len(os.sched_getaffinity(0)))):
-        threading.Thread(target=work, name=f"prefixcache-kernel-build-{i}", daemon=True).start()
+    threads = [
+        threading.Thread(target=work, name=f"prefixcache-kernel-build-{i}", daemon=True)
+        for i in range(min(len(pending), len(os.sched_getaffinity(0))))
+    ]
+    for thread in threads:
+        thread.start()
+    return threads  # (join them to wait for every build)

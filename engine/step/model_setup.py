@@ -5,6 +5,7 @@ given), with ``--chat-template`` in place of the model's own."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -51,3 +52,13 @@ def kernel_loads(config: EngineConfig) -> list[Callable[[], object]]:
     if settings.step_replay_enabled():
         loads.append(cpu_replay.available)
     return loads
+
+
+def build_kernels(config: EngineConfig) -> float:
+    """Build (or find built) the CPU kernel libraries an engine of ``config`` loads, side by
+    side, and wait for them (``prefixcache serve --build-kernels``); the seconds it took. Each
+    library logs what it loaded or why it is off."""
+    start = time.perf_counter()
+    for thread in cpu_library.load_in_background(kernel_loads(config)):
+        thread.join()
+    return time.perf_counter() - start

@@ -105,6 +105,9 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
         set_kv_events(config, args, secret)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"prefixcache serve: {exc}") from None
+    if args.build_kernels:
+        build_kernels(config)
+        return
     settings = SidecarSettings(
         keys=keys,
         secret=secret,
@@ -138,6 +141,17 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
             f"prefixcache serve: the engine failed to start: {sidecar.start_error}", file=sys.stderr
         )
         raise SystemExit(1)
+
+
+def build_kernels(config: EngineConfig) -> None:
+    """``--build-kernels``: the engine's CPU kernels built for ``config``, the model unloaded."""
+    from prefixcache.engine import settings
+    from prefixcache.engine.step.model_setup import build_kernels as build
+
+    seconds = build(config)  # each library logs where it is, or why it is off
+    print(
+        f"prefixcache serve: CPU kernels ready in {settings.home_dir() / 'kernels'} ({seconds:.1f} s)"
+    )
 
 
 def create_engine(config: EngineConfig, mode: str) -> EngineAPI:

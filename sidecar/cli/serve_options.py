@@ -159,6 +159,13 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
         "(one process)",
     )
     parser.add_argument(
+        "--build-kernels",
+        action="store_true",
+        help="build the CPU kernel libraries this server would load (g++, side by side, into "
+        "$PREFIXCACHE_HOME/kernels, keyed by this CPU), then exit without loading the model or "
+        "serving: a container image's build step, so that the first start does not compile",
+    )
+    parser.add_argument(
         "--no-prefix-caching",
         "--no-enable-prefix-caching",  # vLLM's name
         action="store_true",
