@@ -311,6 +311,35 @@ def test_q4_k_writer_round_trips_through_gguf_dequantize() -> None:
     assert np.abs(back - w).max() < 0.1 * np.abs(w).max()
 
 
+# Where each type's fp16 scales sit in its block (bytes), and the block's size.
+FP16_AT = {"Q8_0": (34, [0]), "Q4_0": (18, [0]), "Q4_1": (20, [0, 2]), "Q5_0": (22, [0])}
+FP16_AT |= {"Q4_K": (144, [0, 2]), "Q6_K": (210, [208])}
+
+
+@pytest.mark.parametrize("type_name", sorted(FP16_AT))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_blocks_dequantize_to_the_gguf_packages_values(type_name: str, seed: int) -> None:
+    """``dequantize_ints`` over random blocks (finite fp16 scales, either sign; the other
+    bytes anything) equals ``gguf.dequantize``, bit for bit (signed zeros included): the
+    loader takes it instead of the package's slower loop for these types."""
+    from prefixcache.engine.model.gguf_blocks import block_ints, dequantize_ints
+
+    rng = np.random.default_rng(seed)
+    size, at = FP16_AT[type_name]
+    n, k = 24, 512
+    per_block = 256 if type_name.endswith("_K") else 32  # weights a block
+    raw = rng.integers(0, 256, size=(n * k // per_block, size), dtype=np.uint8)
+    for offset in at:
+        d = (rng.standard_normal(len(raw)) * 0.02).astype(np.float16)
+        raw[:, offset : offset + 2] = d.view(np.uint8).reshape(-1, 2)
+    ints = block_ints(raw, type_name, n, k)
+    assert ints is not None
+    ours = dequantize_ints(ints)
+    want = gguf.dequantize(raw, Q[type_name]).reshape(n, k)
+    assert ours.dtype == np.float32 and ours.shape == (n, k)
+    assert np.array_equal(ours.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
 def test_unpermute_inverts_llama_cpp_permutation() -> None:
     w = np.arange(8 * 64 * 3, dtype=np.float32).reshape(8 * 64, 3)
     permuted = permute_rope_rows(w, 8)

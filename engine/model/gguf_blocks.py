@@ -92,3 +92,22 @@ def split_q6_k(data: np.ndarray, n: int, k: int) -> BlockInts | None:
     q = ((lo & 0x0F).reshape(nb, 8, 32) | ((hi & 0x03).reshape(nb, 8, 32) << 4)).astype(np.int8)
     scale = _f16(blocks[:, 208:210])[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
     return BlockInts((q - np.int8(32)).reshape(n, k), scale.reshape(n, k // 16), None)
+
+
+def block_ints(data: np.ndarray, type_name: str, n: int, k: int) -> BlockInts | None:
+    """``split_blocks``, or ``split_q6_k`` for Q6_K (per-16 scales); None for other types."""
+    return split_q6_k(data, n, k) if type_name == "Q6_K" else split_blocks(data, type_name, n, k)
+
+
+def dequantize_ints(ints: BlockInts) -> np.ndarray:
+    """The weights as float32 ``[n, k]``: ``q * scale (+ minimum)`` per group, the values the
+    ``gguf`` package's dequantizer gives (its products are exact in float32, as here, and it
+    adds the minimum with one rounding, as here), without its Python loop over row groups:
+    Gemma 3's 236 tensors took 3.7 s there."""
+    n, k = ints.q.shape
+    groups = ints.scale.shape[1]
+    w = ints.q.reshape(n, groups, k // groups).astype(np.float32)
+    w *= ints.scale[..., None]
+    if ints.minimum is not None:
+        w += ints.minimum[..., None]
+    return w.reshape(n, k)

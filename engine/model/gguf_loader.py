@@ -31,6 +31,7 @@ from ..kernels.cpu_gemm import BlockSource
 from ..text import gguf_index
 from ..text.tokenizer import Tokenizer, TokenizerListener
 from . import gguf_weights
+from .gguf_blocks import BlockInts, block_ints, dequantize_ints
 from .llama import LlamaForCausalLM
 from .model_config import ModelConfig, UnsupportedModelError
 from .progress import progress_bar
@@ -213,11 +214,14 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def dequantize_tensor(t: Any) -> np.ndarray:
-    """One tensor as a float32 array in Hugging Face (row-major, reversed GGUF) shape."""
+def dequantize_tensor(t: Any, ints: BlockInts | None = None) -> np.ndarray:
+    """One tensor as a float32 array in Hugging Face (row-major, reversed GGUF) shape; from
+    ``ints`` (its blocks split, ``gguf_blocks.block_ints``) where given: the same values."""
     from gguf import dequantize
 
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if ints is not None:
+        return dequantize_ints(ints).reshape(shape)
     return np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
 
 
@@ -318,13 +322,14 @@ def load_gguf(
                     packed.update((p, qw) for (p, _, _), qw in zip(hf_parts, qws, strict=True))
                     bar.update(int(t.n_bytes))
                     continue
+            ints = block_ints(t.data, t.tensor_type.name, *shape) if len(shape) == 2 else None
             if hf == head_name or (
                 hf != gguf_weights.EMBEDDING and gguf_weights.quantizable_name(hf)
             ):
-                found = gguf_weights.block_sources(t, orders, dtype, device, hf == head_name)
+                found = gguf_weights.block_sources(t, orders, dtype, device, hf == head_name, ints)
                 if found is not None:
                     sources.update((p, src) for (p, _, _), src in zip(hf_parts, found, strict=True))
-            w = dequantize_tensor(t)
+            w = dequantize_tensor(t, ints)
             if permute and ".attn_q." in gguf_name:
                 w = unpermute_rope_rows(w, config.num_heads)
             elif permute and ".attn_k." in gguf_name:

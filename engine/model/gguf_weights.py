@@ -18,7 +18,7 @@ import torch
 
 from .. import settings
 from ..kernels import cpu_gemm, cpu_head_int8, cpu_qgemm
-from .gguf_blocks import split_blocks, split_q6_k
+from .gguf_blocks import BlockInts, block_ints, split_blocks
 from .llama import LlamaForCausalLM
 from .quantized_linear import QEmbedding, QLinear
 
@@ -57,6 +57,7 @@ def block_sources(
     dtype: torch.dtype,
     device: torch.device,
     head: bool = False,
+    ints: BlockInts | None = None,
 ) -> list[cpu_gemm.BlockSource] | None:
     """A dequantized model's linear weight as its GGUF blocks (``q`` int8 ``[n, k]``,
     ``scale`` and ``minimum`` or None float32 ``[n, k / 32]``), one per row order in
@@ -69,9 +70,9 @@ def block_sources(
         return None
     if not (cpu_gemm.amx_available() or (head and cpu_head_int8.wanted())):
         return None
-    n, k = (int(d) for d in reversed(t.shape.tolist()))
-    name = t.tensor_type.name
-    ints = split_q6_k(t.data, n, k) if name == "Q6_K" else split_blocks(t.data, name, n, k)
+    if ints is None:  # (the caller's split of ``t``, where it has one)
+        n, k = (int(d) for d in reversed(t.shape.tolist()))
+        ints = block_ints(t.data, t.tensor_type.name, n, k)
     if ints is None:
         return None
     out: list[cpu_gemm.BlockSource] = []
