@@ -326,7 +326,7 @@ def load_gguf(
             if hf == head_name or (
                 hf != gguf_weights.EMBEDDING and gguf_weights.quantizable_name(hf)
             ):
-                found = gguf_weights.block_sources(t, orders, dtype, device, hf == head_name, ints)
+                found = gguf_weights.block_sources(ints, orders, dtype, device, hf == head_name)
                 if found is not None:
                     sources.update((p, src) for (p, _, _), src in zip(hf_parts, found, strict=True))
             w = dequantize_tensor(t, ints)

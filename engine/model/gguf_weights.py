@@ -18,7 +18,7 @@ import torch
 
 from .. import settings
 from ..kernels import cpu_gemm, cpu_head_int8, cpu_qgemm
-from .gguf_blocks import BlockInts, block_ints, split_blocks
+from .gguf_blocks import BlockInts, split_blocks
 from .llama import LlamaForCausalLM
 from .quantized_linear import QEmbedding, QLinear
 
@@ -52,28 +52,24 @@ def quantizable_name(hf_name: str) -> bool:
 
 
 def block_sources(
-    t: Any,
+    ints: BlockInts | None,
     orders: list[np.ndarray | None],
     dtype: torch.dtype,
     device: torch.device,
     head: bool = False,
-    ints: BlockInts | None = None,
 ) -> list[cpu_gemm.BlockSource] | None:
-    """A dequantized model's linear weight as its GGUF blocks (``q`` int8 ``[n, k]``,
-    ``scale`` and ``minimum`` or None float32 ``[n, k / 32]``), one per row order in
-    ``orders`` (a fused tensor's parts, llama's q/k permutation undone): its bf16 GEMM runs
+    """A dequantized model's linear weight as its GGUF blocks (``ints``, the tensor's
+    ``block_ints`` split: ``q`` int8 ``[n, k]``, ``scale`` and ``minimum`` or None float32),
+    one per row order in ``orders`` (a fused tensor's parts, llama's q/k permutation undone): its bf16 GEMM runs
     from them on AMX (``cpu_gemm.PackedLinear.from_blocks``), the same bits from under half
     the bytes; the LM head (``head``) also where only the integer head runs
     (``$PREFIXCACHE_INT8_HEAD=1``, AVX512_VNNI without AMX). None where neither can run
     (another dtype or device, a type ``gguf_blocks`` does not split)."""
-    if dtype != torch.bfloat16 or device.type != "cpu" or not settings.gguf_blocks_enabled():
+    if ints is None or dtype != torch.bfloat16 or device.type != "cpu":
+        return None
+    if not settings.gguf_blocks_enabled():
         return None
     if not (cpu_gemm.amx_available() or (head and cpu_head_int8.wanted())):
-        return None
-    if ints is None:  # (the caller's split of ``t``, where it has one)
-        n, k = (int(d) for d in reversed(t.shape.tolist()))
-        ints = block_ints(t.data, t.tensor_type.name, n, k)
-    if ints is None:
         return None
     out: list[cpu_gemm.BlockSource] = []
     for order in orders:
