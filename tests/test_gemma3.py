@@ -61,7 +61,7 @@ class WindowedAttend:
     def step(self, lengths: list[int]) -> None:
         self.lengths = lengths
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows=None):
         cfg = self.config
         w = cfg.window_of(layer)
         out, row = [], 0
@@ -84,7 +84,7 @@ class WindowedAttend:
             s = qs.transpose(0, 1).float() @ kh.float().transpose(1, 2) * cfg.attention_scale
             s = s.masked_fill(~mask, float("-inf")).softmax(-1)
             out.append((s @ vh.float()).to(q.dtype).transpose(0, 1))
-        return torch.cat(out)
+        return torch.cat(out) if rows is None else torch.cat(out).index_select(0, rows)
 
 
 def run_chunks(

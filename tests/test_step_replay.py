@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixcache.engine.attention import create_backend
-from prefixcache.engine.attention.cpu_backend import NUM_REGISTERS
+from prefixcache.engine.attention import AttentionBackend, create_backend
+from prefixcache.engine.attention.cpu_backend import NUM_REGISTERS, CpuKernelBackend
 from prefixcache.engine.attention.torch_backend import TorchBackend
 from prefixcache.engine.kernels import cpu_layer_ops, cpu_replay
 from prefixcache.engine.memory.kv_cache import KVCache
@@ -26,6 +26,7 @@ from prefixcache.engine.model.model_config import ModelConfig
 from prefixcache.engine.model.registry import causal_lm_class
 from prefixcache.engine.step import step_replay
 from prefixcache.engine.step.model_runner import BatchEntry, ModelRunner
+from prefixcache.engine.step.step_replay import StepReplay
 
 BLOCK = 16
 REASON = cpu_layer_ops.unavailable_reason()
@@ -231,6 +232,44 @@ def test_gemma_with_its_own_attention_scale_replays_exactly(demo_bf16: LoadedMod
     assert assert_same(loaded, steps) > 0
 
 
+def whole_last_layer(mp: pytest.MonkeyPatch) -> None:
+    """The last layer's attention over every row, its logits rows picked after (eager and
+    replayed), as before ``forward_rows``."""
+    mp.setattr(CpuKernelBackend, "forward_rows", AttentionBackend.forward_rows)
+    forward = StepReplay.forward
+
+    def whole(self, input_ids, positions, rows=None):  # type: ignore[no-untyped-def]
+        hidden = forward(self, input_ids, positions)
+        return hidden if rows is None else hidden.index_select(0, rows)
+
+    mp.setattr(StepReplay, "forward", whole)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), gemma=st.booleans())
+def test_the_last_layer_on_its_logits_rows_alone_gives_the_whole_steps_bits(
+    demo_bf16: LoadedModel, seed: int, gemma: bool
+) -> None:
+    """Only the rows whose logits are read attend in the last layer (none in a chunk that
+    samples nothing), eager and replayed (two programs around the gather): every logit and
+    page byte of the step whose last layer attends every row."""
+    loaded = tiny_gemma3(demo_bf16) if gemma else demo_bf16
+    steps = schedule(seed, loaded.config.vocab_size, 48)
+    steps = with_local_tables(steps) if gemma else steps
+    kept = runner_pair(loaded)
+    with pytest.MonkeyPatch.context() as mp:
+        whole_last_layer(mp)
+        whole = runner_pair(loaded)
+        expected = [(whole[0].execute(step), whole[1].execute(step)) for step in steps]
+    for step, (a, b) in zip(steps, expected, strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(kept[0].execute(step), a)
+        assert torch.equal(kept[1].execute(step), a)
+    for runner in (*kept, whole[1]):
+        for x, y in zip(whole[0].kv_cache.layers, runner.kv_cache.layers, strict=True):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
 def test_gemma3_replays_at_all(demo_bf16: LoadedModel) -> None:
     loaded = tiny_gemma3(demo_bf16)
     steps = with_local_tables(schedule(5, loaded.config.vocab_size, 48))
@@ -238,9 +277,10 @@ def test_gemma3_replays_at_all(demo_bf16: LoadedModel) -> None:
     _, replayed = runner_pair(loaded)
     replayed.execute(steps[0])
     assert replayed.replay is not None
-    (program,) = replayed.replay._programs.values()
-    assert program.kinds.count(cpu_replay.GELU) == 6
-    assert program.num_registers == 2 * NUM_REGISTERS  # the local backend's follow
+    ((key, programs),) = replayed.replay._programs.items()
+    past_write = not (len(key) == 3 and key[2] == 0)  # a chunk with logits to give
+    assert sum(p.kinds.count(cpu_replay.GELU) for p in programs) == 5 + past_write
+    assert programs[0].num_registers == 2 * NUM_REGISTERS  # the local backend's follow
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -266,8 +306,8 @@ def test_nope_layers_replay_exactly(demo_bf16: LoadedModel) -> None:
     assert assert_same(loaded, schedule(8, config.vocab_size, 48)) > 0
     _, replayed = runner_pair(loaded)
     replayed.execute(schedule(8, config.vocab_size, 48)[0])
-    (program,) = replayed.replay._programs.values()
-    assert program.kinds.count(cpu_replay.ROTARY) == sum(rope)
+    (programs,) = replayed.replay._programs.values()
+    assert sum(p.kinds.count(cpu_replay.ROTARY) for p in programs) == sum(rope)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
@@ -309,7 +349,8 @@ def test_programs_are_recorded_per_token_and_thread_count(
     finally:
         torch.set_num_threads(threads)
     assert replayed.replay is not None
-    assert list(replayed.replay._programs) == [(1, threads), (2, 1), (4, 1)]
+    # a prefill's programs stop at the last layer's K/V write (then its one logits row's)
+    assert list(replayed.replay._programs) == [(1, threads), (2, 1, 1), (4, 1, 1)]
 
 
 def test_replay_stays_off_where_a_kernel_would_differ(
@@ -342,7 +383,7 @@ def test_a_failing_call_stops_the_program_with_its_index(demo_bf16: LoadedModel)
     _, replayed = runner_pair(demo_bf16)
     replayed.execute([BatchEntry([5, 6, 7], 0, [1])])
     assert replayed.replay is not None
-    program = replayed.replay._programs[(3, torch.get_num_threads())]
+    program = replayed.replay._programs[(3, torch.get_num_threads(), 1)][0]
     bad = torch.full((3,), 1 << 40, dtype=torch.int64)  # K rows far outside the pages
     registers = list(replayed.backend.step_registers())  # type: ignore[attr-defined]
     registers[-1] = bad.data_ptr()

@@ -53,6 +53,21 @@ class AttentionBackend(ABC):
         """Write k/v ``[T, Hk, D]`` into ``kv_layer`` ``[num_blocks, 2, block_size, Hk, D]``,
         then return attention output ``[T, Hq, D]`` for queries ``q`` ``[T, Hq, D]``."""
 
+    def forward_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` whose output only ``rows`` (int64 indices into q's rows) are read: K/V
+        of every token written, attention output ``[len(rows), Hq, D]`` for those rows, in
+        their order (the model's last layer, whose other rows have no logits to give). A
+        backend computes only those rows where that gives each the bits ``forward`` gives
+        it; this one computes every row."""
+        return self.forward(q, k, v, kv_layer).index_select(0, rows)
+
 
 def write_rows(meta: AttentionMetadata) -> torch.Tensor:
     """Where each of the step's new tokens goes, as a row of the layer viewed as ``[num_blocks

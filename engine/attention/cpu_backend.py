@@ -40,6 +40,7 @@ class CpuKernelBackend(AttentionBackend):
             torch.zeros(1, dtype=torch.int64),
             torch.empty(0, dtype=torch.int64),
         )
+        self._kept = self._rows  # kept_registers()' plan, held while a program reads it
 
     @staticmethod
     def supports(shape: AttentionShape, device: torch.device) -> bool:
@@ -107,10 +108,21 @@ class CpuKernelBackend(AttentionBackend):
         write = row_kernels.write_kv_call(kv_layer, regs[-1], k, v)
         if write is None:
             return None
-        attend = row_kernels.attend_call(
-            tuple(regs[:-1]), q, kv_layer, out, self._scale, self._softcap
-        )
-        return [write, attend]
+        return [write, self.record_attend(q, kv_layer, out, first_register)]
+
+    def record_attend(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, out: torch.Tensor, first_register: int = 0
+    ) -> KernelCall:
+        """The attention call alone into ``out``, over the row plan in the registers from
+        ``first_register`` (``step_registers()``' first, or ``kept_registers()``)."""
+        regs = tuple(Reg(first_register + i) for i in range(len(row_kernels.ROW_PLAN_REGS)))
+        return row_kernels.attend_call(regs, q, kv_layer, out, self._scale, self._softcap)
+
+    def kept_registers(self, rows: torch.Tensor) -> tuple[int, ...]:
+        """The row plan of ``rows`` alone (``forward_rows``' plan), as registers for a
+        recorded ``record_attend``; valid until the next call or ``plan()``."""
+        self._kept = self._rows.of_rows(rows)
+        return self._kept.registers()
 
     def step_registers(self) -> tuple[int, ...]:
         """The registers of the calls ``record_layer`` made, for the step ``plan()`` planned."""
@@ -124,3 +136,24 @@ class CpuKernelBackend(AttentionBackend):
             return self._reference.forward(q, k, v, kv_layer)
         write_kv(kv_layer, self._write_rows, k, v)
         return row_kernels.attend_rows(self._rows, q, kv_layer, self._scale, self._softcap)
+
+    @torch.inference_mode()
+    def forward_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Only ``rows`` attend (none: K/V written alone): a row's result depends only on
+        its query and its keys, so each is the row ``forward`` computes, to the bit."""
+        if self._reference is not None:
+            return self._reference.forward_rows(q, k, v, kv_layer, rows)
+        write_kv(kv_layer, self._write_rows, k, v)
+        if rows.numel() == 0:
+            return q.new_empty((0, *q.shape[1:]))
+        plan = self._rows.of_rows(rows)
+        return row_kernels.attend_rows(
+            plan, q.index_select(0, rows), kv_layer, self._scale, self._softcap
+        )

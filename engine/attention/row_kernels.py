@@ -139,6 +139,20 @@ class RowPlan:
             self.window,
         )  # fmt: skip
 
+    def of_rows(self, rows: torch.Tensor) -> RowPlan:
+        """The plan for query ``rows`` alone (int64, ascending or not): each a one-row
+        sequence over its own sequence's table that sees the keys it saw here (``kv_len`` its
+        position + 1), no groups. A row's arithmetic depends only on its query and its keys,
+        so its output is the one this plan gives it, to the bit."""
+        qo, kv_lens = self.qo_indptr, self.kv_lens
+        seq = torch.searchsorted(qo[1:], rows, right=True)
+        limits = kv_lens[seq] - qo[seq + 1] + rows + 1  # the row's position + 1
+        tables = self.tables.index_select(0, seq) if rows.numel() else self.tables[:0]
+        return plan_rows(
+            tables.contiguous(), torch.arange(rows.numel() + 1), limits.contiguous(),
+            window=self.window,
+        )  # fmt: skip
+
 
 def plan_rows(
     tables: torch.Tensor,

@@ -116,6 +116,23 @@ class SplitKernelBackend(AttentionBackend):
         ).view(-1, 3)
 
     @torch.inference_mode()
+    def forward_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """No rows: K/V written alone; else every row computed, ``rows`` kept."""
+        if self._reference is not None:
+            return self._reference.forward_rows(q, k, v, kv_layer, rows)
+        if rows.numel():
+            return super().forward_rows(q, k, v, kv_layer, rows)
+        write_kv(kv_layer, self._write_rows, k, v)
+        return q.new_empty((0, *q.shape[1:]))
+
+    @torch.inference_mode()
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
     ) -> torch.Tensor:

@@ -83,12 +83,10 @@ class Gemma3Attention(Attention):
         q, k, v = qkv.view(t, hq + 2 * hk, d).split((hq, hk, hk), dim=1)  # views, one op
         cos, sin = rotation
         q, k = self.ops.gemma_rotary(q, k, cos, sin, self.qk_norms())
-        o = attend(self.layer_idx, q, k, v).reshape(t, hq * d)
-        if rows is not None:
-            if rows.numel() == 0:
-                return x.new_empty((0, x.shape[1]))
-            o = o.index_select(0, rows)
-        return self.out(o)
+        o = attend(self.layer_idx, q, k, v, *(() if rows is None else (rows,)))
+        if o.shape[0] == 0:  # no rows kept: K/V written alone
+            return x.new_empty((0, x.shape[1]))
+        return self.out(o.reshape(o.shape[0], hq * d))
 
     def qk_norms(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         """Gemma 3's per-head q/k norms (fp32 ``1 + weight``), None for Gemma 2."""

@@ -8,6 +8,7 @@ Parameter names match Hugging Face checkpoints, so a safetensors state dict load
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,7 +22,19 @@ from .model_config import ModelConfig
 from .quantized_linear import QLinear, fused_kernel
 from .rope import RotaryEmbedding, Rotation
 
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+class AttendFn(Protocol):
+    """One layer's attention: K/V of every token written, then the output of each query row
+    ``[T, Hq, D]``, or of ``rows`` only ``[len(rows), Hq, D]`` (the last layer's logits rows)."""
+
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -97,12 +110,10 @@ class Attention(nn.Module):
         cos, sin = rotation  # applied before K is written to the cache
         if self.use_rope:  # SmolLM3's NoPE layers attend unrotated
             q, k = self.ops.rotary(q, k, cos, sin, self.qk_norms())
-        o = attend(self.layer_idx, q, k, v).reshape(t, hq * d)
-        if rows is not None:
-            if rows.numel() == 0:
-                return x.new_empty((0, x.shape[1]))
-            o = o.index_select(0, rows)
-        return self.out(o)
+        o = attend(self.layer_idx, q, k, v, *(() if rows is None else (rows,)))
+        if o.shape[0] == 0:  # no rows kept: K/V written alone
+            return x.new_empty((0, x.shape[1]))
+        return self.out(o.reshape(o.shape[0], hq * d))
 
 
 class MLP(nn.Module):

@@ -174,8 +174,16 @@ class ModelRunner:
         layers = self.kv_cache.layers
         backends = self._layer_backends
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return backends[layer].forward(q, k, v, layers[layer])
+        def attend(
+            layer: int,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            rows: torch.Tensor | None = None,
+        ) -> torch.Tensor:
+            if rows is None:
+                return backends[layer].forward(q, k, v, layers[layer])
+            return backends[layer].forward_rows(q, k, v, layers[layer], rows)
 
         # Row of each logits entry's last token, listed in batch order: only those rows go on
         # past the last layer's attention.
@@ -191,9 +199,17 @@ class ModelRunner:
         every_row = not prompt_rows and len(rows) == len(ids) and rows == sorted(rows)
         replay = self.replay  # off while a bench has switched the model to torch's ops
         if replay is not None and len(ids) <= replay.max_tokens and self.model.fused_ops:
-            hidden = replay.forward(input_ids, meta.positions)
-            if not every_row:
-                hidden = hidden.index_select(0, index)
+            if every_row or prompt_rows:
+                hidden = replay.forward(input_ids, meta.positions)
+                if not every_row:
+                    hidden = hidden.index_select(0, index)
+            else:  # only the logits rows past the last layer's attention, ascending
+                kept = sorted(rows)
+                kept_rows = torch.tensor(kept, dtype=torch.int64)
+                hidden = replay.forward(input_ids, meta.positions, kept_rows)
+                if kept != rows:
+                    at = {r: i for i, r in enumerate(kept)}
+                    hidden = hidden.index_select(0, torch.tensor([at[r] for r in rows]))
         else:
             hidden = self.model(input_ids, meta.positions, attend, None if every_row else index)
         if prompt_rows:

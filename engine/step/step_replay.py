@@ -16,8 +16,12 @@ over pages in the model's dtype or fp8 (the K/V write rounds as ``kv_dtype.to_kv
 the kernel). A hybrid model's sliding layers (Gemma 3's, Mistral's, Qwen2's with
 ``use_sliding_window``) attend through their own backend (the local pages' plan): its
 registers follow the global one's; Gemma's sliding layers rotate by the local rope base.
-All rows go through the last layer (the eager path drops the rows without logits after
-attention): rows are independent, so the kept rows' bits are the same.
+Where a step reads only some rows' logits (``forward``'s ``rows``: a prompt's last token, or
+none in a chunk that ends before it), the program stops after the last layer's K/V write;
+those rows' queries and residuals are gathered to the buffers' first rows and a second
+program, recorded per kept count, runs the rest of the layer on them alone (their attention
+over a one-row plan each, ``CpuKernelBackend.kept_registers``): each row's bits are the
+whole step's, as in the eager path (``AttentionBackend.forward_rows``).
 """
 
 from __future__ import annotations
@@ -123,6 +127,7 @@ class StepReplay:
             "hidden": buffer(cfg.hidden_size),  # each layer's MLP out, normed in place
             "qkv": buffer((hq + 2 * hk) * d),
             "attention": buffer(hq, d),
+            "q_kept": buffer(hq, d),  # the kept rows' queries (forward's rows)
             "attention_out": buffer(cfg.hidden_size),
             "gate_up": buffer(2 * cfg.intermediate_size),
             "act": buffer(cfg.intermediate_size),
@@ -133,11 +138,14 @@ class StepReplay:
             self._buffers["mlp_out"] = buffer(cfg.hidden_size)
             self._buffers["cos_local"] = buffer(1, d // 2)
             self._buffers["sin_local"] = buffer(1, d // 2)
-        self._programs: OrderedDict[tuple[int, int], Program] = OrderedDict()
+        self._programs: OrderedDict[tuple[int, ...], tuple[Program, ...]] = OrderedDict()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The final hidden states ``[T, hidden]`` of every token (the backends planned for
-        this step): a view of a buffer the next call overwrites."""
+        this step), or ``[len(rows), hidden]`` of ``rows`` only (int64, ascending, distinct;
+        every token's K/V still written): a view of a buffer the next call overwrites."""
         t = input_ids.shape[0]
         if not 0 < t <= self.max_tokens:
             raise ValueError(f"a replayed step holds 1 to {self.max_tokens} tokens, not {t}")
@@ -154,10 +162,11 @@ class StepReplay:
             cos, sin = rotary(positions, buffers["cos"].dtype)
             buffers[cos_name][:t].copy_(cos)
             buffers[sin_name][:t].copy_(sin)
-        key = (t, torch.get_num_threads())
-        program = self._programs.get(key)
-        if program is None:  # recording takes ~5 ms for SmolLM2's 30 layers
-            program = self._programs[key] = self._record(t)
+        kept = t if rows is None else rows.numel()
+        key = (t, torch.get_num_threads()) if kept == t else (t, torch.get_num_threads(), kept)
+        programs = self._programs.get(key)
+        if programs is None:  # recording takes ~5 ms for SmolLM2's 30 layers
+            programs = self._programs[key] = self._record(t, None if kept == t else kept)
             if len(self._programs) > MAX_PROGRAMS:
                 self._programs.popitem(last=False)
         else:
@@ -165,18 +174,51 @@ class StepReplay:
         registers = self._backend.step_registers()
         if self._local_backend is not None:
             registers += self._local_backend.step_registers()
-        program.run(registers)
-        return buffers["hidden"][:t]
+        programs[0].run(registers)
+        if kept == t:
+            return buffers["hidden"][:t]
+        assert rows is not None
+        if kept:  # the kept rows to the buffers' first rows, then the last layer's rest
+            q = self._qkv({"qkv": buffers["qkv"][:t]})[0]
+            buffers["q_kept"][:kept].copy_(q.index_select(0, rows))
+            buffers["residual"][:kept].copy_(buffers["residual"][:t].index_select(0, rows))
+            programs[1].run(self._last_backend().kept_registers(rows))
+        return buffers["hidden"][:kept]
 
-    def _record(self, t: int) -> Program:
-        """The calls of the model's forward (fused ops) over ``t`` rows of the buffers."""
+    def _record(self, t: int, kept: int | None) -> tuple[Program, ...]:
+        """The calls of the model's forward (fused ops) over ``t`` rows of the buffers; with
+        ``kept``, two programs: up to the last layer's K/V write, and the rest of that layer
+        over the buffers' first ``kept`` rows (``forward`` gathers them between)."""
         b = {name: buf[:t] for name, buf in self._buffers.items()}
         if isinstance(self._model, Gemma3ForCausalLM):
-            calls = self._record_gemma(b)
+            calls = self._record_gemma(b, kept)
         else:
-            calls = self._record_llama(b)
+            calls = self._record_llama(b, kept)
         keep = [*self._buffers.values(), *self._kv_layers]
-        return Program(calls, keep)
+        return tuple(Program(part, keep) for part in calls)
+
+    def _last_backend(self) -> CpuKernelBackend:
+        last = len(self._model.model.layers) - 1
+        backend = self._local_backend if self._slides(last) else self._backend
+        assert backend is not None
+        return backend
+
+    def _split_last(
+        self, b: dict[str, torch.Tensor], calls: list[KernelCall], layer: int, kept: int,
+    ) -> tuple[dict[str, torch.Tensor], list[KernelCall]]:  # fmt: skip
+        """The last layer's K/V write ends ``calls`` (the first program); returns the
+        buffers' first ``kept`` rows and the second program's start: their attention."""
+        q, k, v = self._qkv(b)
+        write = self._attend(b, layer, self._slides(layer), q, k, v)[0]
+        assert write.kind == cpu_replay.WRITE_KV
+        calls.append(write)
+        rows = {name: buf[:kept] for name, buf in self._buffers.items()}
+        if not kept:
+            return rows, []
+        attend = self._last_backend().record_attend(
+            rows["q_kept"], self._kv_layers[layer], rows["attention"]
+        )
+        return rows, [attend]
 
     def _qkv(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         cfg = self._model.config
@@ -200,13 +242,15 @@ class StepReplay:
         assert recorded is not None  # unsupported_reason checked the backend and pages
         return recorded
 
-    def _record_llama(self, b: dict[str, torch.Tensor]) -> list[KernelCall]:
-        """``LlamaModel.forward``'s calls."""
+    def _record_llama(self, b: dict[str, torch.Tensor], kept: int | None) -> list[list[KernelCall]]:
+        """``LlamaModel.forward``'s calls (``_record``)."""
         residual, hidden = b["residual"], b["hidden"]
         q, k, v = self._qkv(b)
         t = q.shape[0]
         calls: list[KernelCall] = []
+        parts = [calls]
         inner = self._model.model
+        last = len(inner.layers) - 1
         for i, layer in enumerate(inner.layers):
             norm = layer.input_layernorm
             if i == 0:  # the embedding is the residual; its norm goes to `hidden`
@@ -219,7 +263,14 @@ class StepReplay:
             calls.append(_projection_call(attn.qkv, hidden, b["qkv"]))
             if attn.use_rope:  # SmolLM3's NoPE layers: no rotation
                 calls.append(cpu_layer_ops.rotary_call(q, k, b["cos"], b["sin"], attn.qk_norms()))
-            calls += self._attend(b, i, self._slides(i), q, k, v)
+            if i == last and kept is not None:
+                b, calls = self._split_last(b, calls, i, kept)
+                if not kept:  # nothing runs past the write
+                    return parts
+                parts.append(calls)
+                residual, hidden, t = b["residual"], b["hidden"], kept
+            else:
+                calls += self._attend(b, i, self._slides(i), q, k, v)
             out = b["attention_out"]
             calls.append(_projection_call(attn.out, b["attention"].view(t, -1), out))
             post = layer.post_attention_layernorm
@@ -229,9 +280,9 @@ class StepReplay:
             calls.append(_projection_call(layer.mlp.down, b["act"], hidden))
         final = inner.norm
         calls.append(cpu_layer_ops.norm_call(hidden, final.weight, final.eps, hidden, residual))
-        return calls
+        return parts
 
-    def _record_gemma(self, b: dict[str, torch.Tensor]) -> list[KernelCall]:
+    def _record_gemma(self, b: dict[str, torch.Tensor], kept: int | None) -> list[list[KernelCall]]:
         """``Gemma3Model.forward``'s calls: ``hidden`` holds each layer's normed input, each
         sublayer's output goes through its post-norm into the residual and the next pre-norm
         in one call (the last one's next norm is the final one)."""
@@ -244,13 +295,21 @@ class StepReplay:
         calls = [
             cpu_layer_ops.gemma_norms_call(residual, None, None, first, hidden, inner.norm.eps)
         ]
+        parts = [calls]
         for i, layer in enumerate(layers):
             attn = layer.self_attn
             calls.append(_projection_call(attn.qkv, hidden, b["qkv"]))
             cos, sin = (b["cos_local"], b["sin_local"]) if layer.sliding else (b["cos"], b["sin"])
             norms = attn.qk_norms()
             calls.append(cpu_layer_ops.rotary_call(q, k, cos, sin, norms, gemma_norms=True))
-            calls += self._attend(b, i, self._slides(i), q, k, v)
+            if i == len(layers) - 1 and kept is not None:
+                b, calls = self._split_last(b, calls, i, kept)
+                if not kept:  # nothing runs past the write
+                    return parts
+                parts.append(calls)
+                residual, hidden, t = b["residual"], b["hidden"], kept
+            else:
+                calls += self._attend(b, i, self._slides(i), q, k, v)
             out = b["attention_out"]
             calls.append(_projection_call(attn.out, b["attention"].view(t, -1), out))
             post, pre = layer.post_attention_layernorm.scale, layer.pre_feedforward_layernorm.scale
@@ -267,4 +326,4 @@ class StepReplay:
                     b["mlp_out"], residual, post, nxt.scale, hidden, layer.eps
                 )
             )
-        return calls
+        return parts
