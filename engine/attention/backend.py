@@ -65,8 +65,15 @@ class AttentionBackend(ABC):
         of every token written, attention output ``[len(rows), Hq, D]`` for those rows, in
         their order (the model's last layer, whose other rows have no logits to give). A
         backend computes only those rows where that gives each the bits ``forward`` gives
-        it; this one computes every row."""
+        it; this one computes every row (none where it can ``write`` alone)."""
+        if rows.numel() == 0 and self.write(k, v, kv_layer):
+            return q.new_empty((0, *q.shape[1:]))
         return self.forward(q, k, v, kv_layer).index_select(0, rows)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+        """The step's K/V written alone, as ``forward`` writes them, where this backend can
+        (False: it cannot; nothing written)."""
+        return False
 
 
 def write_rows(meta: AttentionMetadata) -> torch.Tensor:

@@ -115,22 +115,11 @@ class SplitKernelBackend(AttentionBackend):
             dtype=torch.int64,
         ).view(-1, 3)
 
-    @torch.inference_mode()
-    def forward_rows(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """No rows: K/V written alone; else every row computed, ``rows`` kept."""
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> bool:
         if self._reference is not None:
-            return self._reference.forward_rows(q, k, v, kv_layer, rows)
-        if rows.numel():
-            return super().forward_rows(q, k, v, kv_layer, rows)
+            return self._reference.write(k, v, kv_layer)
         write_kv(kv_layer, self._write_rows, k, v)
-        return q.new_empty((0, *q.shape[1:]))
+        return True
 
     @torch.inference_mode()
     def forward(

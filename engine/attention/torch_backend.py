@@ -269,20 +269,9 @@ class TorchBackend(AttentionBackend):
             )
         return out
 
-    @torch.inference_mode()
-    def forward_rows(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """No rows: K/V written alone; else every row computed, ``rows`` kept."""
-        if rows.numel():
-            return super().forward_rows(q, k, v, kv_layer, rows)
+    def write(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> bool:
         write_kv(kv_layer, self._write_rows, k, v)
-        return q.new_empty((0, *q.shape[1:]))
+        return True
 
     @torch.inference_mode()
     def forward(

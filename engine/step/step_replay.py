@@ -203,23 +203,6 @@ class StepReplay:
         assert backend is not None
         return backend
 
-    def _split_last(
-        self, b: dict[str, torch.Tensor], calls: list[KernelCall], layer: int, kept: int,
-    ) -> tuple[dict[str, torch.Tensor], list[KernelCall]]:  # fmt: skip
-        """The last layer's K/V write ends ``calls`` (the first program); returns the
-        buffers' first ``kept`` rows and the second program's start: their attention."""
-        q, k, v = self._qkv(b)
-        write = self._attend(b, layer, self._slides(layer), q, k, v)[0]
-        assert write.kind == cpu_replay.WRITE_KV
-        calls.append(write)
-        rows = {name: buf[:kept] for name, buf in self._buffers.items()}
-        if not kept:
-            return rows, []
-        attend = self._last_backend().record_attend(
-            rows["q_kept"], self._kv_layers[layer], rows["attention"]
-        )
-        return rows, [attend]
-
     def _qkv(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         cfg = self._model.config
         hq, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -242,15 +225,38 @@ class StepReplay:
         assert recorded is not None  # unsupported_reason checked the backend and pages
         return recorded
 
+    def _attention(
+        self, b: dict[str, torch.Tensor], parts: list[list[KernelCall]], layer: int,
+        kept: int | None,
+    ) -> dict[str, torch.Tensor] | None:  # fmt: skip
+        """The layer's attention calls onto ``parts[-1]``, returning ``b``. At the last layer
+        with ``kept``: its K/V write ends that part and a new one starts with the attention of
+        the kept rows, gathered by ``forward`` to the buffers' first ``kept`` rows, which it
+        returns (None where no row is kept: nothing runs past the write)."""
+        q, k, v = self._qkv(b)
+        recorded = self._attend(b, layer, self._slides(layer), q, k, v)
+        if kept is None or layer < len(self._model.model.layers) - 1:
+            parts[-1] += recorded
+            return b
+        write = recorded[0]
+        assert write.kind == cpu_replay.WRITE_KV
+        parts[-1].append(write)
+        if not kept:
+            return None
+        rows = {name: buf[:kept] for name, buf in self._buffers.items()}
+        kv_layer = self._kv_layers[layer]
+        attend = self._last_backend().record_attend(rows["q_kept"], kv_layer, rows["attention"])
+        parts.append([attend])
+        return rows
+
     def _record_llama(self, b: dict[str, torch.Tensor], kept: int | None) -> list[list[KernelCall]]:
         """``LlamaModel.forward``'s calls (``_record``)."""
         residual, hidden = b["residual"], b["hidden"]
-        q, k, v = self._qkv(b)
+        q, k, _ = self._qkv(b)
         t = q.shape[0]
         calls: list[KernelCall] = []
         parts = [calls]
         inner = self._model.model
-        last = len(inner.layers) - 1
         for i, layer in enumerate(inner.layers):
             norm = layer.input_layernorm
             if i == 0:  # the embedding is the residual; its norm goes to `hidden`
@@ -263,14 +269,11 @@ class StepReplay:
             calls.append(_projection_call(attn.qkv, hidden, b["qkv"]))
             if attn.use_rope:  # SmolLM3's NoPE layers: no rotation
                 calls.append(cpu_layer_ops.rotary_call(q, k, b["cos"], b["sin"], attn.qk_norms()))
-            if i == last and kept is not None:
-                b, calls = self._split_last(b, calls, i, kept)
-                if not kept:  # nothing runs past the write
-                    return parts
-                parts.append(calls)
-                residual, hidden, t = b["residual"], b["hidden"], kept
-            else:
-                calls += self._attend(b, i, self._slides(i), q, k, v)
+            now = self._attention(b, parts, i, kept)
+            if now is None:  # no row kept: nothing runs past the last layer's K/V write
+                return parts
+            b, calls, residual, hidden = now, parts[-1], now["residual"], now["hidden"]
+            t = hidden.shape[0]
             out = b["attention_out"]
             calls.append(_projection_call(attn.out, b["attention"].view(t, -1), out))
             post = layer.post_attention_layernorm
@@ -287,7 +290,7 @@ class StepReplay:
         sublayer's output goes through its post-norm into the residual and the next pre-norm
         in one call (the last one's next norm is the final one)."""
         residual, hidden = b["residual"], b["hidden"]
-        q, k, v = self._qkv(b)
+        q, k, _ = self._qkv(b)
         t = q.shape[0]
         inner = self._model.model
         layers = list(inner.layers)
@@ -302,14 +305,11 @@ class StepReplay:
             cos, sin = (b["cos_local"], b["sin_local"]) if layer.sliding else (b["cos"], b["sin"])
             norms = attn.qk_norms()
             calls.append(cpu_layer_ops.rotary_call(q, k, cos, sin, norms, gemma_norms=True))
-            if i == len(layers) - 1 and kept is not None:
-                b, calls = self._split_last(b, calls, i, kept)
-                if not kept:  # nothing runs past the write
-                    return parts
-                parts.append(calls)
-                residual, hidden, t = b["residual"], b["hidden"], kept
-            else:
-                calls += self._attend(b, i, self._slides(i), q, k, v)
+            now = self._attention(b, parts, i, kept)
+            if now is None:  # no row kept: nothing runs past the last layer's K/V write
+                return parts
+            b, calls, residual, hidden = now, parts[-1], now["residual"], now["hidden"]
+            t = hidden.shape[0]
             out = b["attention_out"]
             calls.append(_projection_call(attn.out, b["attention"].view(t, -1), out))
             post, pre = layer.post_attention_layernorm.scale, layer.pre_feedforward_layernorm.scale
