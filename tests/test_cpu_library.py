@@ -142,6 +142,35 @@ def test_libraries_build_side_by_side_in_the_background(
     assert sorted(built) == ["t0", "t1", "t2"]
 
 
+def test_a_library_in_parts_compiles_each_and_links_them_into_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``parts``: the source once per set of flags, side by side, linked into one library
+    with every part's entries; a part that fails to compile fails the build (the load then
+    falls back, saying why) and leaves no object files behind."""
+    if cpu_library.compiler() is None or isinstance(cpu_library.select_target(), str):
+        pytest.skip("no compiler or no kernel target on this CPU")
+    monkeypatch.setenv(settings.HOME_ENV, str(tmp_path / "home"))
+    source = tmp_path / "parts.cpp"
+    source.write_text(
+        'extern "C" {\n#if PART != 2\nint one() { return 1; }\n#endif\n'
+        "#if PART != 1\nint two() { return 2; }\n#endif\n}\n"
+        "#if PART == 3\n#error part three\n#endif\n"
+    )
+    parts = (("-DPART=1",), ("-DPART=2",))
+    lib = cpu_library.CpuLibrary(source, "parts", "t", lambda lib: None, parts=parts)
+    loaded = lib.load()
+    assert loaded is not None and loaded.one() == 1 and loaded.two() == 2
+    whole = cpu_library.CpuLibrary(source, "whole", "t", lambda lib: None)
+    assert whole.library_path("g++") != lib.library_path("g++")  # the parts are in the key
+    broken = cpu_library.CpuLibrary(
+        source, "broken", "t", lambda lib: None, parts=(("-DPART=1",), ("-DPART=3",))
+    )
+    assert broken.load() is None and broken.target is None
+    kernels = tmp_path / "home" / "kernels"
+    assert sorted(p.suffix for p in kernels.iterdir()) == [".so"]  # the parts' one library
+
+
 @pytest.mark.parametrize("name", ["auto", "cpu", "cpu-split", "torch"])
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_an_engine_builds_early_the_attention_library_its_backend_loads(

@@ -22,6 +22,9 @@
 // D and V as [BK/2][D] pairs of keys, the layout VDPBF16PS consumes; P rounded to bf16.
 // fp32 (T = float): K packed as [D][BK], V as [BK][D]; P kept in fp32; fused multiply-adds.
 // Scores are in base 2 (scale * log2 e folded in).
+//
+// Built in two parts compiled side by side (row_kernels.py): PC_ROW_PART 1 holds the bf16
+// entries, AMX's switch and the K/V write, 2 the fp32 entries; undefined, one part holds all.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -836,6 +839,7 @@ inline uint8_t fp8_e5m2_of(float x) { return fp8_of<2, 15>(x, 57344.0f); }
 
 extern "C" {
 
+#if PC_ROW_PART != 2  // bf16 rows (and what they share): part 1 of a build in two; f32: 2
 // Puts every later bf16 call (head dims that are multiples of 64) on AMX tiles: 0 when the
 // kernel granted the tile state (the caller has checked the CPU's AMX flags), else 1 and
 // nothing changes. Call it once, before the first attention call, or never.
@@ -848,6 +852,7 @@ int pc_row_enable_amx() {
   return 1;
 #endif
 }
+#endif
 
 // The batch-invariant attention (see row_run): q [T, hq, d] (d contiguous); kv_layer
 // [num_blocks, 2, bs, hk, d]; tables int32 [nseq, table_stride]; qo int64 [nseq + 1]; kv_lens
@@ -856,6 +861,7 @@ int pc_row_enable_amx() {
 // keys they share in the same pages), ascending and disjoint; out [T, hq, d] contiguous;
 // window: 0, or the sliding window in keys (then no groups; see the top of this file).
 // Pages in q's dtype, or (the _e4m3 / _e5m2 entries) fp8 bytes read through exactly.
+#if PC_ROW_PART != 2
 int pc_row_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, const void* kv,
                           int64_t bs, const int32_t* tables, int64_t table_stride,
                           const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
@@ -865,7 +871,9 @@ int pc_row_attention_bf16(const uint16_t* q, int64_t q_tok, int64_t q_head, cons
   return row_entry<uint16_t, uint16_t>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
                           nseq, groups, n_groups, out, hq, hk, d, scale, softcap, window, nthreads);
 }
+#endif
 
+#if PC_ROW_PART != 1
 int pc_row_attention_f32(const float* q, int64_t q_tok, int64_t q_head, const void* kv,
                          int64_t bs, const int32_t* tables, int64_t table_stride,
                          const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
@@ -875,7 +883,9 @@ int pc_row_attention_f32(const float* q, int64_t q_tok, int64_t q_head, const vo
   return row_entry<float, float>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
                           nseq, groups, n_groups, out, hq, hk, d, scale, softcap, window, nthreads);
 }
+#endif
 
+#if PC_ROW_PART != 2
 int pc_row_attention_bf16_e4m3(const uint16_t* q, int64_t q_tok, int64_t q_head, const void* kv,
                                int64_t bs, const int32_t* tables, int64_t table_stride,
                                const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
@@ -885,7 +895,9 @@ int pc_row_attention_bf16_e4m3(const uint16_t* q, int64_t q_tok, int64_t q_head,
   return row_entry<uint16_t, Fp8E4M3>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
                           nseq, groups, n_groups, out, hq, hk, d, scale, softcap, window, nthreads);
 }
+#endif
 
+#if PC_ROW_PART != 2
 int pc_row_attention_bf16_e5m2(const uint16_t* q, int64_t q_tok, int64_t q_head, const void* kv,
                                int64_t bs, const int32_t* tables, int64_t table_stride,
                                const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
@@ -895,7 +907,9 @@ int pc_row_attention_bf16_e5m2(const uint16_t* q, int64_t q_tok, int64_t q_head,
   return row_entry<uint16_t, Fp8E5M2>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
                           nseq, groups, n_groups, out, hq, hk, d, scale, softcap, window, nthreads);
 }
+#endif
 
+#if PC_ROW_PART != 1
 int pc_row_attention_f32_e4m3(const float* q, int64_t q_tok, int64_t q_head, const void* kv,
                               int64_t bs, const int32_t* tables, int64_t table_stride,
                               const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
@@ -905,7 +919,9 @@ int pc_row_attention_f32_e4m3(const float* q, int64_t q_tok, int64_t q_head, con
   return row_entry<float, Fp8E4M3>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
                           nseq, groups, n_groups, out, hq, hk, d, scale, softcap, window, nthreads);
 }
+#endif
 
+#if PC_ROW_PART != 1
 int pc_row_attention_f32_e5m2(const float* q, int64_t q_tok, int64_t q_head, const void* kv,
                               int64_t bs, const int32_t* tables, int64_t table_stride,
                               const int64_t* qo, const int64_t* kv_lens, int64_t nseq,
@@ -915,6 +931,7 @@ int pc_row_attention_f32_e5m2(const float* q, int64_t q_tok, int64_t q_head, con
   return row_entry<float, Fp8E5M2>(q, q_tok, q_head, kv, bs, tables, table_stride, qo, kv_lens,
                           nseq, groups, n_groups, out, hq, hk, d, scale, softcap, window, nthreads);
 }
+#endif
 
 // The step's new K and V into the pages, as backend.write_kv does: kv viewed as rows
 // [num_rows, hk, d] of page elements (num_rows = num_blocks * 2 * bs); token t's K goes to
@@ -925,6 +942,7 @@ int pc_row_attention_f32_e5m2(const float* q, int64_t q_tok, int64_t q_head, con
 // conversion; a NaN stays a NaN, with its sign as torch's scalar cast keeps it). Every row
 // is checked first: 1 (nothing written) where one falls outside the pages or is not a K row
 // (slot bs..2bs-1 of a block holds V); 2 for an unknown `page`.
+#if PC_ROW_PART != 2
 int pc_write_kv(void* kv, int64_t num_rows, const void* k, int64_t k_tok, int64_t k_head,
                 const void* v, int64_t v_tok, int64_t v_head, const int64_t* rows, int64_t t,
                 int64_t bs, int64_t hk, int64_t d, int64_t elem, int64_t page) {
@@ -963,5 +981,6 @@ int pc_write_kv(void* kv, int64_t num_rows, const void* k, int64_t k_tok, int64_
   }
   return 0;
 }
+#endif
 
 }  // extern "C"

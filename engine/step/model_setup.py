@@ -43,7 +43,7 @@ def engine_model(
 
 def kernel_loads(config: EngineConfig) -> list[Callable[[], object]]:
     """The CPU kernel libraries an engine of ``config`` loads, the longest build first (the
-    batch-invariant attention's: 11.6 s of g++ on a 2-vCPU Xeon); none off the CPU. AMX's is
+    batch-invariant attention's: 10.9 s of g++ on a 2-vCPU Xeon, two parts of 5.9 and 5.4 s); none off the CPU. AMX's is
     asked for at any dtype (built only where the CPU has AMX)."""
     if resolve_device(config.device).type != "cpu":
         return []
