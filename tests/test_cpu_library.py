@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from prefixcache.engine import settings
 from prefixcache.engine.attention import cpu_kernels, row_kernels
@@ -58,6 +59,7 @@ def test_the_bf16_only_libraries_leave_avx2_to_torch(simde: list[bool]) -> None:
     for library in (
         cpu_gemm._library,
         row_kernels._row_library,
+        row_kernels._row_f32_library,
         cpu_layer_ops._library,
         cpu_qgemm._library,
     ):
@@ -142,12 +144,11 @@ def test_libraries_build_side_by_side_in_the_background(
     assert sorted(built) == ["t0", "t1", "t2"]
 
 
-def test_a_library_in_parts_compiles_each_and_links_them_into_one(
+def test_a_librarys_own_flags_select_its_entries_and_name_its_build(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``parts``: the source once per set of flags, side by side, linked into one library
-    with every part's entries; a part that fails to compile fails the build (the load then
-    falls back, saying why) and leaves no object files behind."""
+    """``flags``: one source, two libraries (the row attention's per dtype); a build that
+    fails says why (the load falls back) and leaves no file behind."""
     if cpu_library.compiler() is None or isinstance(cpu_library.select_target(), str):
         pytest.skip("no compiler or no kernel target on this CPU")
     monkeypatch.setenv(settings.HOME_ENV, str(tmp_path / "home"))
@@ -157,18 +158,18 @@ def test_a_library_in_parts_compiles_each_and_links_them_into_one(
         "#if PART != 1\nint two() { return 2; }\n#endif\n}\n"
         "#if PART == 3\n#error part three\n#endif\n"
     )
-    parts = (("-DPART=1",), ("-DPART=2",))
-    lib = cpu_library.CpuLibrary(source, "parts", "t", lambda lib: None, parts=parts)
-    loaded = lib.load()
-    assert loaded is not None and loaded.one() == 1 and loaded.two() == 2
-    whole = cpu_library.CpuLibrary(source, "whole", "t", lambda lib: None)
-    assert whole.library_path("g++") != lib.library_path("g++")  # the parts are in the key
-    broken = cpu_library.CpuLibrary(
-        source, "broken", "t", lambda lib: None, parts=(("-DPART=1",), ("-DPART=3",))
-    )
+    libs = [
+        cpu_library.CpuLibrary(source, f"part {i}", "t", lambda lib: None, flags=(f"-DPART={i}",))
+        for i in (1, 2)
+    ]
+    first, second = (lib.load() for lib in libs)
+    assert first is not None and first.one() == 1 and not hasattr(first, "two")
+    assert second is not None and second.two() == 2 and not hasattr(second, "one")
+    assert libs[0].library_path("g++") != libs[1].library_path("g++")  # the flags are in the key
+    broken = cpu_library.CpuLibrary(source, "broken", "t", lambda lib: None, flags=("-DPART=3",))
     assert broken.load() is None and broken.target is None
     kernels = tmp_path / "home" / "kernels"
-    assert sorted(p.suffix for p in kernels.iterdir()) == [".so"]  # the parts' one library
+    assert sorted(p.suffix for p in kernels.iterdir()) == [".so", ".so"]
 
 
 @pytest.mark.parametrize("name", ["auto", "cpu", "cpu-split", "torch"])
@@ -181,9 +182,21 @@ def test_an_engine_builds_early_the_attention_library_its_backend_loads(
     from prefixcache.engine.attention.split_backend import SplitKernelBackend
 
     backend = create_backend(name, "cpu", batch_invariant=batch_invariant)
-    loads = cpu_kernel_loads(name, batch_invariant)
-    assert (row_kernels.load_rows in loads) == isinstance(backend, CpuKernelBackend)
-    assert (cpu_kernels.load in loads) == isinstance(backend, SplitKernelBackend)
-    config = EngineConfig(model="demo", attention_backend=name, batch_invariant=batch_invariant)
-    assert set(loads) <= set(kernel_loads(config))
-    assert kernel_loads(dataclasses.replace(config, device="cuda")) == []
+    for dtype in (torch.bfloat16, torch.float32):
+        loads = cpu_kernel_loads(name, batch_invariant, dtype)
+        rows = [f for f in loads if getattr(f, "func", None) is row_kernels.load_rows]
+        assert bool(rows) == isinstance(backend, CpuKernelBackend)
+        assert all(f.args == (dtype,) for f in rows)  # only its own rows' library
+        assert (cpu_kernels.load in loads) == isinstance(backend, SplitKernelBackend)
+        config = EngineConfig(
+            model="demo",
+            attention_backend=name,
+            batch_invariant=batch_invariant,
+            dtype=str(dtype).removeprefix("torch."),
+        )
+        built = kernel_loads(config)
+        assert [f.args for f in built if getattr(f, "func", None) is row_kernels.load_rows] == [
+            f.args for f in rows
+        ]
+        assert (cpu_kernels.load in built) == (cpu_kernels.load in loads)
+        assert kernel_loads(dataclasses.replace(config, device="cuda")) == []

@@ -77,10 +77,27 @@ def native_only_names(source: Path) -> set[str]:
     }
 
 
+PART_BLOCK = re.compile(r"^#if PC_ROW_PART != (\d)\b.*?^#endif", re.MULTILINE | re.DOTALL)
+
+
+def left_out_of(source: Path, library: cpu_library.CpuLibrary) -> set[str]:
+    """The definitions a library built from part N of its source (``-DPC_ROW_PART=N``, the
+    row attention's per-dtype libraries) compiles out: those under ``#if PC_ROW_PART != N``."""
+    flags = set(library.flags)
+    block = entry_block(source)
+    return {
+        name
+        for excluded, guarded in ((m.group(1), m.group(0)) for m in PART_BLOCK.finditer(block))
+        if f"-DPC_ROW_PART={excluded}" in flags
+        for _, name, _ in DEFINITION.findall(guarded)
+    }
+
+
 def library_cases() -> list[tuple[str, Path, cpu_library.CpuLibrary]]:
     return [
         ("attention", cpu_kernels.SOURCE, cpu_kernels._library),
-        ("row attention", cpu_kernels.ROW_SOURCE, row_kernels._row_library),
+        ("row attention (bf16)", cpu_kernels.ROW_SOURCE, row_kernels._row_library),
+        ("row attention (fp32)", cpu_kernels.ROW_SOURCE, row_kernels._row_f32_library),
         ("gemm", cpu_gemm.SOURCE, cpu_gemm._library),
         ("gemm on amx", cpu_gemm.AMX_SOURCE, cpu_gemm._amx_library),
         ("layer ops", cpu_layer_ops.SOURCE, cpu_layer_ops._library),
@@ -103,9 +120,10 @@ def test_every_entry_point_is_declared_as_the_cpp_defines_it(
     assert library.target is not None
     narrow = "-DPC_NARROW_VECTORS" in library.target.flags
     compiled_out = native_only_names(source) if narrow else set()
+    other_part = left_out_of(source, library)
     for name, (ret, kinds) in signatures.items():
-        if name in compiled_out:
-            assert not hasattr(lib, name), f"{name}: native-only, yet the narrow build has it"
+        if name in compiled_out | other_part:
+            assert not hasattr(lib, name), f"{name}: compiled out, yet the build has it"
             continue
         fn = getattr(lib, name)
         declared = fn.argtypes
@@ -126,6 +144,18 @@ def test_the_parser_sees_every_definition() -> None:
         names = set(re.findall(r"\b(pc_\w+)\(", entry_block(source)))
         assert names == set(c_signatures(source)), source.name
         assert native_only_names(source) <= names, source.name
+
+
+def test_the_row_attention_libraries_split_its_entries_by_dtype() -> None:
+    """Each dtype's library leaves out the other's entries (and AMX's switch goes with bf16);
+    both keep the K/V write."""
+    source = cpu_kernels.ROW_SOURCE
+    bf16, f32 = row_kernels._row_library, row_kernels._row_f32_library
+    assert {"pc_row_attention_f32", "pc_row_attention_f32_e5m2"} <= left_out_of(source, bf16)
+    assert {"pc_row_attention_bf16", "pc_row_enable_amx"} <= left_out_of(source, f32)
+    assert not (left_out_of(source, bf16) | left_out_of(source, f32)) & {"pc_write_kv"}
+    names = set(c_signatures(source))
+    assert left_out_of(source, bf16) | left_out_of(source, f32) == names - {"pc_write_kv"}
 
 
 def test_the_guard_parser_sees_the_bf16_only_entry_points() -> None:

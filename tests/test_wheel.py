@@ -130,6 +130,7 @@ cpps = json.loads(sys.argv[1])
 libraries = {
     "layer ops": cpu_layer_ops._library, "attention": cpu_kernels._library,
     "row attention": row_kernels._row_library, "gemm": cpu_gemm._library,
+    "row attention (fp32)": row_kernels._row_f32_library,
     "quantized gemm": cpu_qgemm._library, "gemm on amx": cpu_gemm._amx_library,
     "replay": cpu_replay._library,
 }
@@ -173,7 +174,7 @@ def test_the_installed_wheel_loads_every_kernel_library(probe: dict[str, object]
     """Each library that can run on this machine builds and loads from the installed wheel
     (its sources and the headers they include, the AVX2 build's shim among them)."""
     libraries = probe["libraries"]
-    assert isinstance(libraries, dict) and len(libraries) == 7
+    assert isinstance(libraries, dict) and len(libraries) == 8
     runnable = {name: lib for name, lib in libraries.items() if lib["reason"] is None}
     if not runnable:
         reasons = sorted({lib["reason"] for lib in libraries.values()})

@@ -7,6 +7,7 @@ into their paged slots and then attends.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -68,14 +69,16 @@ def create_backend(
     )
 
 
-def cpu_kernel_loads(name: str, batch_invariant: bool) -> tuple[Callable[[], object], ...]:
+def cpu_kernel_loads(
+    name: str, batch_invariant: bool, dtype: torch.dtype = torch.bfloat16
+) -> tuple[Callable[[], object], ...]:
     """What the backend ``create_backend(name, "cpu", batch_invariant=...)`` makes loads at
-    its first step (its kernel library's ``load``), so that an engine can start building it
-    before the model loads; () for the backends without one."""
+    its first step for ``dtype`` rows (its kernel library's ``load``), so that an engine can
+    start building it before the model loads; () for the backends without one."""
     if name == "cpu" or (name == "auto" and batch_invariant):
         from .row_kernels import load_rows
 
-        return (load_rows,)
+        return (functools.partial(load_rows, dtype),)
     if name in ("cpu-split", "auto"):
         from .cpu_kernels import load
 

@@ -49,7 +49,7 @@ class CpuKernelBackend(AttentionBackend):
             and shape.dtype in cpu_kernels.ROW_DTYPES
             and (shape.page_dtype == shape.dtype or is_fp8(shape.page_dtype))
             and shape.head_dim in cpu_kernels.HEAD_DIMS
-            and row_kernels.load_rows() is not None
+            and row_kernels.load_rows(shape.dtype) is not None
         )
 
     @property

@@ -23,8 +23,9 @@
 // fp32 (T = float): K packed as [D][BK], V as [BK][D]; P kept in fp32; fused multiply-adds.
 // Scores are in base 2 (scale * log2 e folded in).
 //
-// Built in two parts compiled side by side (row_kernels.py): PC_ROW_PART 1 holds the bf16
-// entries, AMX's switch and the K/V write, 2 the fp32 entries; undefined, one part holds all.
+// Built as two libraries (row_kernels.py), each loaded where its rows run: PC_ROW_PART 1
+// holds the bf16 entries and AMX's switch, 2 the fp32 entries, both the K/V write; undefined,
+// one library holds all.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -839,7 +840,7 @@ inline uint8_t fp8_e5m2_of(float x) { return fp8_of<2, 15>(x, 57344.0f); }
 
 extern "C" {
 
-#if PC_ROW_PART != 2  // bf16 rows (and what they share): part 1 of a build in two; f32: 2
+#if PC_ROW_PART != 2  // bf16 rows: part 1; fp32 rows: part 2
 // Puts every later bf16 call (head dims that are multiples of 64) on AMX tiles: 0 when the
 // kernel granted the tile state (the caller has checked the CPU's AMX flags), else 1 and
 // nothing changes. Call it once, before the first attention call, or never.
@@ -942,7 +943,6 @@ int pc_row_attention_f32_e5m2(const float* q, int64_t q_tok, int64_t q_head, con
 // conversion; a NaN stays a NaN, with its sign as torch's scalar cast keeps it). Every row
 // is checked first: 1 (nothing written) where one falls outside the pages or is not a K row
 // (slot bs..2bs-1 of a block holds V); 2 for an unknown `page`.
-#if PC_ROW_PART != 2
 int pc_write_kv(void* kv, int64_t num_rows, const void* k, int64_t k_tok, int64_t k_head,
                 const void* v, int64_t v_tok, int64_t v_head, const int64_t* rows, int64_t t,
                 int64_t bs, int64_t hk, int64_t d, int64_t elem, int64_t page) {
@@ -981,6 +981,5 @@ int pc_write_kv(void* kv, int64_t num_rows, const void* k, int64_t k_tok, int64_
   }
   return 0;
 }
-#endif
 
 }  // extern "C"

@@ -20,14 +20,24 @@ from ..kernels import cpu_library, cpu_replay
 from ..kernels.cpu_replay import KernelCall, Reg
 from .cpu_kernels import FP8_SUFFIX, HEADERS, NO_GROUPS, ROW_DTYPES, ROW_SOURCE, check_rc
 
-# Two parts compiled side by side (bf16 entries, fp32 ones): 5.9 s and 5.4 s of g++ on a
-# 2-vCPU Xeon against 10.9 s for the whole, a first start's longest build.
-_row_library = cpu_library.CpuLibrary(
-    ROW_SOURCE, "CPU batch-invariant attention kernel", "the torch reference backend",
-    lambda lib: _declare_rows(lib), HEADERS,
-    parts=(("-DPC_ROW_PART=1",), ("-DPC_ROW_PART=2",)),
-)  # fmt: skip
-_rows_amx: list[bool] = []  # decided once, at the row kernel's load
+# One library per row dtype (the source's PC_ROW_PART 1 and 2; both hold the K/V write): an
+# engine builds only its own, 5.9 s (bf16) or 5.4 s (fp32) of g++ on a 2-vCPU Xeon against
+# 10.9 s for the whole source, a first start's longest build.
+_ROW_ENTRIES_OF = {torch.bfloat16: "pc_row_attention_bf16", torch.float32: "pc_row_attention_f32"}
+
+
+def _row_library_of(dtype: torch.dtype, part: int) -> cpu_library.CpuLibrary:
+    name = str(dtype).removeprefix("torch.")
+    return cpu_library.CpuLibrary(
+        ROW_SOURCE, f"CPU batch-invariant attention kernel ({name})", "the torch reference backend",
+        lambda lib: _declare_rows(lib, dtype), HEADERS, flags=(f"-DPC_ROW_PART={part}",),
+    )  # fmt: skip
+
+
+_row_library = _row_library_of(torch.bfloat16, 1)
+_row_f32_library = _row_library_of(torch.float32, 2)
+ROW_LIBRARIES = {torch.bfloat16: _row_library, torch.float32: _row_f32_library}
+_rows_amx: list[bool] = []  # decided once, at the bf16 library's load
 
 
 def row_unavailable_reason(cpuinfo: str | None = None) -> str | None:
@@ -35,9 +45,11 @@ def row_unavailable_reason(cpuinfo: str | None = None) -> str | None:
     return _row_library.unavailable_reason(cpuinfo)
 
 
-def row_target() -> str | None:
-    """The build the batch-invariant kernel loaded (``AVX512_BF16`` / ``AVX2``), None if none."""
-    return None if load_rows() is None or _row_library.target is None else _row_library.target.name
+def row_target(dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """The build the batch-invariant kernel for ``dtype`` rows loaded (``AVX512_BF16`` /
+    ``AVX2``), None if none."""
+    library = ROW_LIBRARIES[dtype]
+    return None if load_rows(dtype) is None or library.target is None else library.target.name
 
 
 def rows_on_amx() -> bool:
@@ -46,26 +58,27 @@ def rows_on_amx() -> bool:
     return load_rows() is not None and _rows_amx[0]
 
 
-def load_rows() -> ctypes.CDLL | None:
-    """The batch-invariant attention kernel (``cpu_row_attention.cpp``), built on first use;
-    None where it cannot run here."""
-    return _row_library.load()
+def load_rows(dtype: torch.dtype = torch.bfloat16) -> ctypes.CDLL | None:
+    """The batch-invariant attention kernel for ``dtype`` rows (bf16 or fp32, its own library
+    of ``cpu_row_attention.cpp``), built on first use; None where it cannot run here."""
+    library = ROW_LIBRARIES.get(dtype)
+    return None if library is None else library.load()
 
 
-def _declare_rows(lib: ctypes.CDLL) -> None:
+def _declare_rows(lib: ctypes.CDLL, dtype: torch.dtype) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.pc_write_kv.argtypes = [ptr, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64]
     lib.pc_write_kv.argtypes += [i64, i64]
     lib.pc_write_kv.restype = ctypes.c_int
-    for name in ("pc_row_attention_bf16", "pc_row_attention_f32"):
-        for suffix in ("", *FP8_SUFFIX.values()):  # pages in q's dtype, then fp8 pages
-            fn = getattr(lib, name + suffix)
-            fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr]
-            fn.argtypes += [i64, i64, i64, ctypes.c_float, ctypes.c_float, i64, ctypes.c_int]
-            fn.restype = ctypes.c_int
-    lib.pc_row_enable_amx.argtypes, lib.pc_row_enable_amx.restype = [], ctypes.c_int
-    # refused by the AVX2 build, and where the kernel withholds the tile state
-    _rows_amx.append(cpu_library.amx_wanted() and lib.pc_row_enable_amx() == 0)
+    for suffix in ("", *FP8_SUFFIX.values()):  # pages in q's dtype, then fp8 pages
+        fn = getattr(lib, _ROW_ENTRIES_OF[dtype] + suffix)
+        fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, ptr]
+        fn.argtypes += [i64, i64, i64, ctypes.c_float, ctypes.c_float, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    if dtype == torch.bfloat16:
+        lib.pc_row_enable_amx.argtypes, lib.pc_row_enable_amx.restype = [], ctypes.c_int
+        # refused by the AVX2 build, and where the kernel withholds the tile state
+        _rows_amx.append(cpu_library.amx_wanted() and lib.pc_row_enable_amx() == 0)
 
 
 # What pc_write_kv's `page` says the pages hold: k's elements, or fp8 (clamped, rounded).
@@ -79,10 +92,9 @@ def write_kv_call(
     where it does not apply (see ``write_kv``)."""
     if not kv_layer.is_cpu:
         return None
-    lib = load_rows()
+    lib = load_rows(k.dtype) if k.dtype in ROW_DTYPES else None
     if (
         lib is None
-        or k.dtype not in ROW_DTYPES
         or k.dtype != v.dtype
         or (kv_layer.dtype != k.dtype and kv_layer.dtype not in _PAGE_CODES)
         or k.stride(2) != 1
@@ -200,7 +212,7 @@ def attend_call(
     """``attend_rows``' kernel call into ``out`` ``[T, Hq, D]`` (q's dtype, contiguous), over
     a plan or the registers that will hold one (``ROW_PLAN_REGS``). ``softcap`` > 0: each
     score s (q.k times ``scale``) becomes ``softcap * tanh(s / softcap)`` (Gemma 2)."""
-    lib = load_rows()
+    lib = load_rows(q.dtype if q.dtype in ROW_DTYPES else torch.bfloat16)
     if lib is None:
         raise RuntimeError("row_attention needs the CPU batch-invariant attention kernel")
     _, hq, d = q.shape
@@ -218,8 +230,7 @@ def attend_call(
     )
     fn = _ROW_ENTRIES.get((q.dtype, kv_layer.dtype))
     if fn is None:
-        name = "pc_row_attention_bf16" if q.dtype == torch.bfloat16 else "pc_row_attention_f32"
-        fn = getattr(lib, name + FP8_SUFFIX.get(kv_layer.dtype, ""))
+        fn = getattr(lib, _ROW_ENTRIES_OF[q.dtype] + FP8_SUFFIX.get(kv_layer.dtype, ""))
         _ROW_ENTRIES[(q.dtype, kv_layer.dtype)] = fn
     tables, stride, qo, kv_lens, nseq, groups, n_groups, window = (
         plan if isinstance(plan, tuple) else plan.registers()

@@ -201,18 +201,17 @@ class CpuLibrary:
     ``label`` and ``fallback`` name it and what runs without it, in the log; ``headers``
     are the local headers it includes (part of the build key); ``targets`` the builds it
     may take, best first (where no setting forces one); ``target`` the one it took (None
-    until loaded, or where none); ``parts``: the source compiled once per set of extra flags
-    (each selecting some of its entries), side by side, and linked into one library: a long
-    build's wall time over several CPUs."""
+    until loaded, or where none); ``flags``: this library's own compiler flags (a macro that
+    selects some of the source's entries: the row attention's library per dtype)."""
 
     __slots__ = (
         "_declare",
         "_loaded",
         "_lock",
         "fallback",
+        "flags",
         "headers",
         "label",
-        "parts",
         "source",
         "target",
         "targets",
@@ -226,10 +225,10 @@ class CpuLibrary:
         declare: Callable[[ctypes.CDLL], None],
         headers: tuple[Path, ...] = (),
         targets: tuple[Target, ...] = TARGETS,
-        parts: tuple[tuple[str, ...], ...] = (),
+        flags: tuple[str, ...] = (),
     ) -> None:
         self.source, self.label, self.fallback, self._declare = source, label, fallback, declare
-        self.headers, self.targets, self.parts = headers, targets, parts
+        self.headers, self.targets, self.flags = headers, targets, flags
         self.target: Target | None = None
         self._lock = threading.Lock()
         self._loaded: list[ctypes.CDLL | None] = []  # empty until the first load()
@@ -246,7 +245,7 @@ class CpuLibrary:
             *(h.read_bytes() for h in (*self.headers, *target.headers)),
             version.stdout.encode(),
             " ".join(target.flags).encode(),
-            repr(self.parts).encode(),
+            " ".join(self.flags).encode(),
         ):
             key.update(part)
         key.update(" ".join(sorted(cpu_flags() & target.needs)).encode())
@@ -257,38 +256,18 @@ class CpuLibrary:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
         os.close(fd)
-        objects = [f"{tmp}.{i}.o" for i in range(len(self.parts))]
-        source = str(self.source)
-        commands = [
-            [cxx, *target.flags, *flags, "-c", "-o", obj, source]
-            for flags, obj in zip(self.parts, objects, strict=True)
-        ] or [[cxx, *target.flags, "-o", tmp, source]]
-        compiles: list[subprocess.Popen[str]] = []
+        process = _compile([cxx, *target.flags, *self.flags, "-o", tmp, str(self.source)])
         try:
-            for command in commands:
-                compiles.append(_compile(command))
-            for compile_part in compiles:
-                _, err = compile_part.communicate(timeout=300)
-                if compile_part.returncode != 0:
-                    raise RuntimeError(f"{cxx} failed: {err.strip()[-2000:]}")
-            if objects:
-                done = subprocess.run(
-                    [cxx, *target.flags, "-o", tmp, *objects],
-                    capture_output=True,
-                    text=True,
-                    timeout=300,
-                )
-                if done.returncode != 0:
-                    raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+            _, err = process.communicate(timeout=300)
+            if process.returncode != 0:
+                raise RuntimeError(f"{cxx} failed: {err.strip()[-2000:]}")
             os.replace(tmp, path)  # atomic: concurrent first uses do not see half a file
         finally:
-            for compile_part in compiles:  # a part still compiling after another failed
-                if compile_part.poll() is None:
-                    compile_part.kill()
-                    compile_part.wait()
-            for leftover in (tmp, *objects):
-                if os.path.exists(leftover):
-                    os.unlink(leftover)
+            if process.poll() is None:  # timed out
+                process.kill()
+                process.wait()
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
     def load(self) -> ctypes.CDLL | None:
         """The compiled library, building it on first use; None where it cannot run here."""
@@ -319,8 +298,7 @@ class CpuLibrary:
             return lib
 
 
-# One compiler process per CPU at a time, over every library's builds and parts: a library in
-# parts then spreads over CPUs that would idle without adding to those already busy.
+# One compiler process per CPU at a time, over every library's builds (whatever threads ask).
 _COMPILE_SLOTS = threading.BoundedSemaphore(max(1, len(os.sched_getaffinity(0))))
 
 

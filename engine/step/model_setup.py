@@ -13,7 +13,7 @@ from .. import settings
 from ..attention import cpu_kernel_loads
 from ..config import EngineConfig
 from ..kernels import cpu_gemm, cpu_layer_ops, cpu_library, cpu_replay
-from ..model.loader import LoadedModel, load_model, resolve_device
+from ..model.loader import LoadedModel, auto_dtype, load_model, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
     from ..text.tokenizer import TokenizerListener
@@ -43,11 +43,17 @@ def engine_model(
 
 def kernel_loads(config: EngineConfig) -> list[Callable[[], object]]:
     """The CPU kernel libraries an engine of ``config`` loads, the longest build first (the
-    batch-invariant attention's: 10.9 s of g++ on a 2-vCPU Xeon, two parts of 5.9 and 5.4 s); none off the CPU. AMX's is
-    asked for at any dtype (built only where the CPU has AMX)."""
-    if resolve_device(config.device).type != "cpu":
+    batch-invariant attention's, for the dtype the model will load in: 5.9 s of g++ on a
+    2-vCPU Xeon); none off the CPU. AMX's is asked for at any dtype (built only where the CPU
+    has AMX)."""
+    device = resolve_device(config.device)
+    if device.type != "cpu":
         return []
-    loads = [*cpu_kernel_loads(config.attention_backend, config.batch_invariant)]
+    try:  # the dtype the model will load in (a bad one: the loader says so, later)
+        dtype = resolve_dtype(config.dtype, device)
+    except ValueError:
+        dtype = auto_dtype(device)
+    loads = [*cpu_kernel_loads(config.attention_backend, config.batch_invariant, dtype)]
     loads += [cpu_layer_ops.available, cpu_gemm.amx_available]  # the AVX-512 GEMM, then AMX's
     if settings.step_replay_enabled():
         loads.append(cpu_replay.available)
