@@ -4,6 +4,7 @@ given), with ``--chat-template`` in place of the model's own."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -49,10 +50,10 @@ def kernel_loads(config: EngineConfig) -> list[Callable[[], object]]:
     device = resolve_device(config.device)
     if device.type != "cpu":
         return []
-    try:  # the dtype the model will load in (a bad one: the loader says so, later)
-        dtype = resolve_dtype(config.dtype, device)
-    except ValueError:
-        dtype = auto_dtype(device)
+    dtype = auto_dtype(device)  # the dtype the model will load in (the loader logs it)
+    if config.dtype not in (None, "auto"):
+        with contextlib.suppress(ValueError):  # a bad one: the loader says so, later
+            dtype = resolve_dtype(config.dtype, device)
     loads = [*cpu_kernel_loads(config.attention_backend, config.batch_invariant, dtype)]
     loads += [cpu_layer_ops.available, cpu_gemm.amx_available]  # the AVX-512 GEMM, then AMX's
     if settings.step_replay_enabled():
