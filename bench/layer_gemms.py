@@ -116,7 +116,10 @@ def head_ms(model: torch.nn.Module, rows: int, seconds: float) -> dict[str, floa
     against the bf16 packing of the same weight, alternated, after a 400 MB sweep each call
     (as a step meets it: the layers' weights went through the caches in between)."""
     head = model.head.invariant
-    baseline = cpu_gemm.PackedLinear(model.lm_head.weight, None, float_out=True)
+    weight = model.lm_head.weight  # a tied one lives only in the head's packing once prepared
+    if weight.device.type == "meta":
+        weight = head.weight_rows(torch.arange(head.out_features))
+    baseline = cpu_gemm.PackedLinear(weight, None, float_out=True)
     x = torch.randn(rows, model.config.hidden_size).to(baseline.dtype)
     sweep = torch.empty(100_000_000, dtype=torch.float32)
     times: dict[str, list[float]] = {"head": [], "bf16": []}

@@ -1,7 +1,8 @@
 """Server start: seconds from ``prefixcache serve`` to ``/health`` answering 200 (weights,
 tokenizer, KV pools, kernels loaded) and to the first completion's answer, over several fresh
-processes (min / median / max); with ``--peer``, a second server timed the same way and the
-ratios of the medians (ours over the peer's).
+processes (min / median / max), and the server's resident memory then (its process and
+children, MiB); with ``--peer``, a second server measured the same way and the ratios of the
+medians (ours over the peer's).
 
     .venv/bin/python bench/startup.py [--model smollm2] [--runs 3] [--json]
     .venv/bin/python bench/startup.py --model gemma3 \\
@@ -25,6 +26,7 @@ import urllib.request
 from collections.abc import Callable
 
 from serving import free_port, stop_server
+from soak import rss_mib
 
 from prefixcache.engine.kernels.cpu_features import cpu_model_name
 from prefixcache.engine.model.progress import progress_bar
@@ -66,7 +68,8 @@ def one_start(cmd: list[str], port: int, model: str) -> dict[str, float]:
             time.sleep(POLL_S)
         ready = time.perf_counter() - start
         first_completion(base, model)
-        return {"ready_s": ready, "first_token_s": time.perf_counter() - start}
+        first = time.perf_counter() - start
+        return {"ready_s": ready, "first_token_s": first, "rss_mib": rss_mib(proc.pid)}
     finally:
         stop_server(proc)
 
@@ -88,7 +91,7 @@ def timed(label: str, make_cmd: Callable[[int], list[str]], model: str, runs: in
         results.append(one_start(make_cmd(port), port, model))
         bar.update(1)
     bar.close()
-    return {k: spread(results, k) for k in ("ready_s", "first_token_s")}
+    return {k: spread(results, k) for k in ("ready_s", "first_token_s", "rss_mib")}
 
 
 def main() -> None:
@@ -115,7 +118,7 @@ def main() -> None:
 
         result["peer"] = timed("peer", peer, peer_model, args.runs)
         result["peer_command"] = args.peer
-        for key in ("ready_s", "first_token_s"):
+        for key in ("ready_s", "first_token_s", "rss_mib"):
             ratio = result["ours"][key]["median"] / result["peer"][key]["median"]
             result[f"{key.removesuffix('_s')}_vs_peer"] = round(ratio, 3)
     for who in ("ours", "peer"):
@@ -123,7 +126,7 @@ def main() -> None:
             r, f = result[who]["ready_s"], result[who]["first_token_s"]
             print(
                 f"{who}: healthy after {r['median']} s (min {r['min']}, max {r['max']}), "
-                f"first answer after {f['median']} s",
+                f"first answer after {f['median']} s, resident {result[who]['rss_mib']['median']} MiB",
                 file=sys.stderr if args.json else sys.stdout,
             )
     if args.json:

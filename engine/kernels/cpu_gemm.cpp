@@ -317,4 +317,54 @@ void pc_gemm_f32(const float* x, int64_t ldx, int64_t m, const float* packed, in
       });
 }
 
+// Rows ids[0..count) of a packed W [n, k] read back into out [count, k]: layout 0, bf16
+// panels (out bf16); 1, fp32 panels (out fp32); 2 and 3, pc_gemm_q8_amx's and pc_gemm_q8h_amx's
+// blocks (cpu_gemm.py's q8_pack: per 32 columns and 32 k, int8 [16 k-pairs][32 columns][2],
+// then 32 fp32 scales, or 64: k 0-15's, then 16-31's), each value q * scale (exact in fp32)
+// rounded to bf16 nearest-even, as the weight those blocks were checked to be. Ids in [0, n).
+void pc_gemm_weight_rows(const void* packed, int layout, int64_t n, int64_t k,
+                         const int64_t* ids, int64_t count, void* out, int nthreads) {
+  (void)n;
+  const int64_t pairs = (k + 1) / 2, q8_bytes = layout == 3 ? 1024 + 256 : 1024 + 128;
+  auto row = [&](int64_t i) {
+    const int64_t id = ids[i];
+    if (layout == 1) {
+      const float* panel = static_cast<const float*>(packed) + id / NP * k * NP + id % NP;
+      float* dst = static_cast<float*>(out) + i * k;
+      for (int64_t j = 0; j < k; ++j) dst[j] = panel[j * NP];
+      return;
+    }
+    uint16_t* dst = static_cast<uint16_t*>(out) + i * k;
+    if (layout == 0) {
+      const uint32_t* panel = static_cast<const uint32_t*>(packed) + id / NP * pairs * NP + id % NP;
+      for (int64_t p = 0; p < pairs; ++p) {
+        const uint32_t word = panel[p * NP];
+        dst[2 * p] = static_cast<uint16_t>(word);
+        if (2 * p + 1 < k) dst[2 * p + 1] = static_cast<uint16_t>(word >> 16);
+      }
+      return;
+    }
+    const int64_t blocks = k / 32, c = id % 32;
+    const uint8_t* group = static_cast<const uint8_t*>(packed) + id / 32 * blocks * q8_bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = group + b * q8_bytes;
+      for (int64_t kk = 0; kk < 32; ++kk) {
+        const int8_t q = static_cast<int8_t>(blk[kk / 2 * 64 + c * 2 + kk % 2]);
+        float scale;
+        std::memcpy(&scale, blk + 1024 + (layout == 3 && kk >= 16 ? 128 : 0) + c * 4, 4);
+        const float w = static_cast<float>(q) * scale;
+        uint32_t bits;
+        std::memcpy(&bits, &w, 4);
+        dst[b * 32 + kk] = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+      }
+    }
+  };
+  if (count < 64 || nthreads <= 1) {
+    for (int64_t i = 0; i < count; ++i) row(i);
+    return;
+  }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+  for (int64_t i = 0; i < count; ++i) row(i);
+}
+
 }  // extern "C"

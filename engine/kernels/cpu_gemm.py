@@ -30,6 +30,8 @@ from . import cpu_library, cpu_replay
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 AMX_SOURCE = Path(__file__).with_name("cpu_gemm_amx.cpp")
 AMX_K_STEP = 32  # the AMX kernel's k per tile step; other K keep the AVX-512 kernel
+# pc_gemm_weight_rows' layout code of each packing that gives W's rows back
+_ROW_LAYOUTS = {"amx": 0, "avx512": 0, "f32": 1, "q8_amx": 2, "q8h_amx": 3}
 DTYPES = (torch.bfloat16, torch.float32)
 # A weight's GGUF blocks: q int8 [N, K], scale and minimum (or None) fp32 [N, K / 32]
 BlockSource = tuple[np.ndarray, np.ndarray, np.ndarray | None]
@@ -46,6 +48,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pc_gemm_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int, c_int]
     lib.pc_gemm_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int]
     lib.pc_gemm_bf16.restype = lib.pc_gemm_f32.restype = None
+    lib.pc_gemm_weight_rows.argtypes = [ptr, c_int, i64, i64, ptr, i64, ptr, c_int]
+    lib.pc_gemm_weight_rows.restype = None
 
 
 def _declare_amx(lib: ctypes.CDLL) -> None:
@@ -324,6 +328,30 @@ class PackedLinear:
              self._bias_ptr, out.data_ptr(), out.stride(0), *self._f32_out,
              torch.get_num_threads()),
         )  # fmt: skip
+
+    @property
+    def gives_rows(self) -> bool:
+        """Whether ``weight_rows`` reads W's rows back from this packing (bf16 or fp32 panels,
+        Q8 blocks; not Q4 ones)."""
+        return self.kernel in _ROW_LAYOUTS
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of W ``[*ids.shape, K]`` in the weight's dtype, read back from the
+        packing (``pc_gemm_weight_rows``): the panels hold W's values as packed; Q8 blocks give
+        bf16(q * scale), the rounding ``from_blocks`` checked W to be. So a tied LM head
+        serves the embedding's rows."""
+        if not self.gives_rows:
+            raise ValueError(f"{self._what} does not give its weight's rows")
+        flat = ids.reshape(-1).to(device="cpu", dtype=torch.int64).contiguous()
+        n, k = self.out_features, self.in_features
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+            raise IndexError(f"row ids outside [0, {n})")
+        out = torch.empty(flat.numel(), k, dtype=self.dtype)
+        _lib().pc_gemm_weight_rows(
+            self._packed_ptr, _ROW_LAYOUTS[self.kernel], n, k, flat.data_ptr(), flat.numel(),
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out.view(*ids.shape, k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = self.out_features

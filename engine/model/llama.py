@@ -19,7 +19,7 @@ from ..kernels.cpu_gemm import BlockSource
 from ..kernels.linear import Gemm
 from .layer_ops import TORCH_OPS, TorchLayerOps, require_fused_ops
 from .model_config import ModelConfig
-from .quantized_linear import QLinear, fused_kernel
+from .quantized_linear import QLinear, embed_from_head, fused_kernel
 from .rope import RotaryEmbedding, Rotation
 
 
@@ -351,6 +351,7 @@ class LlamaForCausalLM(nn.Module):
         # fp32 logits: a bf16 rounding of the head's sums ties the argmax between tokens that
         # the sums tell apart (SmolLM2 at bf16, tests/test_real_model.py's tenth question)
         self.head = fused_projection((self.lm_head,), batch_invariant, float_out=True)
+        embed_from_head(self)
         dtype = self.model.norm.weight.dtype
         self.set_fused_ops(
             cpu_layer_ops.supports(self.model.norm.weight)
