@@ -321,13 +321,18 @@ void pc_gemm_f32(const float* x, int64_t ldx, int64_t m, const float* packed, in
 // panels (out bf16); 1, fp32 panels (out fp32); 2 and 3, pc_gemm_q8_amx's and pc_gemm_q8h_amx's
 // blocks (cpu_gemm.py's q8_pack: per 32 columns and 32 k, int8 [16 k-pairs][32 columns][2],
 // then 32 fp32 scales, or 64: k 0-15's, then 16-31's), each value q * scale (exact in fp32)
-// rounded to bf16 nearest-even, as the weight those blocks were checked to be. Ids in [0, n).
+// rounded to bf16 nearest-even, as the weight those blocks were checked to be. An id outside
+// [0, n) gives a row of zeros (cpu_gemm.py refuses them first), never a read past W.
 void pc_gemm_weight_rows(const void* packed, int layout, int64_t n, int64_t k,
                          const int64_t* ids, int64_t count, void* out, int nthreads) {
-  (void)n;
   const int64_t pairs = (k + 1) / 2, q8_bytes = layout == 3 ? 1024 + 256 : 1024 + 128;
+  const int64_t row_bytes = k * (layout == 1 ? 4 : 2);
   auto row = [&](int64_t i) {
     const int64_t id = ids[i];
+    if (id < 0 || id >= n) {
+      std::memset(static_cast<uint8_t*>(out) + i * row_bytes, 0, row_bytes);
+      return;
+    }
     if (layout == 1) {
       const float* panel = static_cast<const float*>(packed) + id / NP * k * NP + id % NP;
       float* dst = static_cast<float*>(out) + i * k;

@@ -88,6 +88,8 @@ class HeadEmbedding(nn.Module):
 
 
 class TiedModel(Protocol):
+    """What ``embed_from_head`` reads of a causal LM (``LlamaForCausalLM`` and its kin)."""
+
     head: object
     lm_head: nn.Linear
     model: nn.Module
