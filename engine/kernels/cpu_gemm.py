@@ -196,7 +196,6 @@ class PackedLinear:
 
     __slots__ = ("_bias_ptr", "_f32_out", "_fn", "_packed_ptr", "_what", "bias", "dtype")
     __slots__ += ("in_features", "kernel", "out_dtype", "out_features", "packed")
-    __slots__ += ("_long", "long_rows", "panels")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False
@@ -230,7 +229,6 @@ class PackedLinear:
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
         self._what = f"PackedLinear({self.in_features} -> {self.out_features}, {self.dtype})"
-        self.long_rows, self.panels, self._long = None, None, (self._fn, self._packed_ptr)
 
     @classmethod
     def from_blocks(
@@ -239,17 +237,16 @@ class PackedLinear:
         bias: torch.Tensor | None,
         source: BlockSource,
         float_out: bool = False,
-        long_rows: int | None = None,
     ) -> PackedLinear | None:
         """``PackedLinear(weight, bias, float_out)`` on AMX from ``weight``'s GGUF blocks
         (``source``: ``q`` int8 ``[N, K]``, ``scale`` and ``minimum`` or None ``[N, K / 32]``,
         ``weight`` = bf16(q * scale (+ minimum)), ``gguf_blocks.split_blocks``'s form, or a
         scale per 16 k ``[N, K / 16]`` and no minimum, ``split_q6_k``'s): the same outputs to
         the bit, the weights read at 0.75 (4-bit integers), 1.06 or 1.25 bytes (wider)
-        instead of 2 (a one-row step reads every weight). The blocks are converted once per
-        call, which a long prefill pays (1.07x the panels' time at 2,048 rows, SmolLM2):
-        ``long_rows`` keeps the bf16 panels too, for calls of more rows (the same bits).
-        None where AMX does not run here, or where ``weight`` is not that rounding."""
+        instead of 2 (a one-row step reads every weight). Long calls convert the blocks once
+        per chunk of rows, overlapped with the tile work: as fast as the panels from 2,048
+        rows, faster below (``cpu_gemm_amx.cpp``'s ``X_CHUNK_BYTES``). None where AMX does not
+        run here, or where ``weight`` is not that rounding."""
         amx = _amx_lib()
         q, scale, minimum = source
         n, k = q.shape
@@ -277,12 +274,7 @@ class PackedLinear:
             packed, fn, kernel = q8_pack(q, scale), amx.pc_gemm_q8_amx, "q8_amx"
         else:
             return None
-        self = cls.on_blocks(packed, fn, kernel, (n, k), bias, float_out)
-        self.long_rows = long_rows
-        if long_rows is not None:
-            panels = cls(weight, bias, float_out)
-            self.panels, self._long = panels.packed, (panels._fn, panels._packed_ptr)
-        return self
+        return cls.on_blocks(packed, fn, kernel, (n, k), bias, float_out)
 
     @classmethod
     def on_blocks(
@@ -305,7 +297,6 @@ class PackedLinear:
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
         self._what = f"PackedLinear({shape[1]} -> {shape[0]}, GGUF blocks, {kernel})"
-        self.long_rows, self.panels, self._long = None, None, (self._fn, self._packed_ptr)
         return self
 
     def call(self, x2: torch.Tensor, out: torch.Tensor) -> cpu_replay.KernelCall:
@@ -321,7 +312,7 @@ class PackedLinear:
             "out [M, N] of the kernel's out dtype, the last axis contiguous",
         )
         kind = cpu_replay.GEMM_BF16 if self._f32_out else cpu_replay.GEMM_F32
-        fn, packed = self._long if m > (self.long_rows or m) else (self._fn, self._packed_ptr)
+        fn, packed = self._fn, self._packed_ptr
         return cpu_replay.KernelCall(
             kind, fn,
             (x2.data_ptr(), x2.stride(0), m, packed, n, self.in_features,

@@ -309,29 +309,27 @@ PC_AMX void Q4Blocks::to_tiles(const uint8_t* blk, uint32_t* tiles) {
   }
 }
 
-// Calls over more than one row chunk (a prefill) convert the weight once into a shared bf16
-// copy of at most this many bytes (larger ones, the 262K head, convert per chunk).
-constexpr int64_t SHARED_TILES_MAX = int64_t{64} << 20;
 constexpr int64_t XPAD_GROUPS = 1024;  // column groups (32 each) from which x is padded once
+// Rows of x per pass of the block kernels' longer calls: a chunk of this many bytes of x stays
+// in L2 while each thread's groups pass it, converted once per chunk. Gemma 3's and SmolLM2's
+// layer GEMMs at 2,048 rows (bench/layer_gemms.py's blocks against panels, alternated): 0.5
+// and 1 MB 0.91 / 0.97-0.99x the bf16 panels' time, 1.5 MB 0.96 / 1.01x, one chunk of every
+// row 1.25 / 1.32x (x re-read per group); the former 256-row tasks with one shared conversion
+// 1.17-1.20x.
+constexpr int64_t X_CHUNK_BYTES = int64_t{1} << 20;
 
 // pc_gemm_bf16_amx's contract for weights packed as Format's blocks (k a multiple of 32):
-// each task turns its 32 columns' blocks into bf16 B tiles (the dequantized weights to the
-// bit), then runs pc_gemm_bf16_amx's row tiles on them: that kernel's outputs on those
-// weights, bit for bit, from fewer bytes a weight.
+// each 32 columns' blocks are turned into bf16 B tiles (the dequantized weights to the bit),
+// then pc_gemm_bf16_amx's row tiles run on them: that kernel's outputs on those weights, bit
+// for bit, from fewer bytes a weight.
 template <class Format>
 PC_AMX void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed,
                         int64_t n, int64_t k, const float* bias, uint16_t* out, int64_t ldo,
                         int f32_out, int nthreads) {
   constexpr int64_t QB = Format::BYTES;
   const int64_t groups = (n + 31) / 32, steps = k / KSTEP;
-  const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
-  const int64_t tasks = chunks * groups;
   const int64_t group_bytes = steps * 2048;
-  // One chunk converts each group once anyway; more share one conversion of the weight
-  // (per chunk it cost 1.12x the bf16 kernel's time at 2,048 rows).
-  uint32_t* shared = chunks > 1 && groups * group_bytes <= SHARED_TILES_MAX
-                         ? static_cast<uint32_t*>(std::aligned_alloc(64, groups * group_bytes))
-                         : nullptr;
+  const int64_t chunk_rows = std::max<int64_t>(ROW_CHUNK, X_CHUNK_BYTES / (2 * k) / 32 * 32);
   // A one-block call of a head-wide weight whose row tile is partial (the LM head's one row
   // of a warm request or a decode): x copied once into whole tiles, zero past m, so no k step
   // copies its rows into the scratch tile just before loading it. Gemma 3's Q8_0 head at one
@@ -358,21 +356,28 @@ PC_AMX void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t
     pc_amx::configure();
     alignas(64) uint16_t pad[2 * 16 * KSTEP];
     // A task of one row block converts each step just before its tile loads (the block
-    // reads overlap the tile work). One chunk of more rows runs each thread's groups in turn,
-    // converting the next group's steps while this one's row blocks run (two buffers).
-    const bool one_block = m <= 32, pipelined = !one_block && chunks == 1;
-    const int64_t buffer_bytes = one_block ? 2048 : pipelined ? 2 * group_bytes : group_bytes;
-    uint32_t* tiles =
-        shared ? nullptr : static_cast<uint32_t*>(std::aligned_alloc(64, buffer_bytes));
+    // reads overlap the tile work). More rows run in chunks; within one, each thread runs its
+    // groups in turn, converting the next group's steps while this one's row blocks run (two
+    // buffers).
+    const bool one_block = m <= 32;
+    const int64_t buffer_bytes = one_block ? 2048 : 2 * group_bytes;
+    uint32_t* tiles = static_cast<uint32_t*>(std::aligned_alloc(64, buffer_bytes));
     auto convert_into = [&](int64_t g, int64_t s, uint32_t* dst) {
       Format::to_tiles(packed + (g * steps + s) * QB, dst);
     };
-    if (shared) {
+    if (one_block) {
 #pragma omp for schedule(static)
-      for (int64_t g = 0; g < groups; ++g)
-        for (int64_t s = 0; s < steps; ++s) convert_into(g, s, shared + (g * steps + s) * 512);
-    }
-    if (pipelined) {
+      for (int64_t g = 0; g < groups; ++g) {
+        auto convert = [&](int64_t s) { convert_into(g, s, tiles); };
+        const BTiles bt = {tiles, 16, 256, 0};
+        if (m <= 16)
+          block<1, false>(xa, lda, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad,
+                          convert, x_rows);
+        else
+          block<2, false>(xa, lda, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad,
+                          convert, x_rows);
+      }
+    } else {
       // The next group's conversion is spread over this group's row blocks, step by step, so
       // it overlaps all of their tile work. Converting a group first left the tile unit idle
       // meanwhile; within its first block only, idle for the later ones. Alternated in one
@@ -381,69 +386,36 @@ PC_AMX void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t
       // At 32 rows and fewer the two buffers' trip through L2 cost 1.1-1.3x: one step kept.
       const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
       const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
-      const int64_t blocks = (m + 31) / 32, slots = blocks * steps;
-      if (g0 < g1)
-        for (int64_t s = 0; s < steps; ++s) convert_into(g0, s, tiles + s * 512);
-      for (int64_t g = g0; g < g1; ++g) {
-        uint32_t* cur = tiles + ((g - g0) % 2) * steps * 512;
-        uint32_t* next = tiles + ((g - g0 + 1) % 2) * steps * 512;
-        const BTiles bt = {cur, 16, 256, 512};
-        int64_t done = g + 1 < g1 ? 0 : steps;  // the next group's steps converted
-        for (int64_t b = 0; b < blocks; ++b) {
-          auto convert = [&](int64_t s) {
-            for (const int64_t due = (b * steps + s + 1) * steps / slots; done < due; ++done)
-              convert_into(g + 1, done, next + done * 512);
-          };
-          if (m - 32 * b <= 16)
-            block<1, false>(x, ldx, 32 * b, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad,
-                            convert);
-          else
-            block<2, false>(x, ldx, 32 * b, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad,
-                            convert);
-        }
-      }
-    } else {
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t chunk = t / groups, g = t % groups;
-        const int64_t r_end = std::min(m, (chunk + 1) * ROW_CHUNK);
-        if (one_block) {
-          auto convert = [&](int64_t s) { convert_into(g, s, tiles); };
-          const BTiles bt = {tiles, 16, 256, 0};
-          if (m <= 16)
-            block<1, false>(xa, lda, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad,
-                            convert, x_rows);
-          else
-            block<2, false>(xa, lda, 0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad,
-                            convert, x_rows);
-          continue;
-        }
-        uint32_t* own = shared ? shared + g * steps * 512 : tiles;
-        const BTiles bt = {own, 16, 256, 512};
-        int64_t r0 = chunk * ROW_CHUNK;
-        if (!shared) {
-          // (several chunks: the 262K head's long calls) The first row block converts each
-          // step just before its tile loads, as one block does; the later blocks find the
-          // steps in L1 / L2.
-          auto convert = [&](int64_t s) { convert_into(g, s, own + s * 512); };
-          if (r_end - r0 <= 16)
-            block<1, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
-          else
-            block<2, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad, convert);
-          r0 += 32;
-        }
-        for (; r0 < r_end; r0 += 32) {
-          if (r_end - r0 <= 16)
-            block<1, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad);
-          else
-            block<2, false>(x, ldx, r0, m, bt, k, n, g * 32, bias, out, ldo, f32_out, pad);
+      for (int64_t c0 = 0; c0 < m; c0 += chunk_rows) {
+        const int64_t mc = std::min(chunk_rows, m - c0);  // the chunk's rows, from row c0
+        const uint16_t* xc = x + c0 * ldx;
+        uint16_t* oc = out + c0 * ldo * (f32_out ? 2 : 1);  // (fp32 rows: two words each)
+        const int64_t blocks = (mc + 31) / 32, slots = blocks * steps;
+        if (g0 < g1)
+          for (int64_t s = 0; s < steps; ++s) convert_into(g0, s, tiles + s * 512);
+        for (int64_t g = g0; g < g1; ++g) {
+          uint32_t* cur = tiles + ((g - g0) % 2) * steps * 512;
+          uint32_t* next = tiles + ((g - g0 + 1) % 2) * steps * 512;
+          const BTiles bt = {cur, 16, 256, 512};
+          int64_t done = g + 1 < g1 ? 0 : steps;  // the next group's steps converted
+          for (int64_t b = 0; b < blocks; ++b) {
+            auto convert = [&](int64_t s) {
+              for (const int64_t due = (b * steps + s + 1) * steps / slots; done < due; ++done)
+                convert_into(g + 1, done, next + done * 512);
+            };
+            if (mc - 32 * b <= 16)
+              block<1, false>(xc, ldx, 32 * b, mc, bt, k, n, g * 32, bias, oc, ldo, f32_out,
+                              pad, convert);
+            else
+              block<2, false>(xc, ldx, 32 * b, mc, bt, k, n, g * 32, bias, oc, ldo, f32_out,
+                              pad, convert);
+          }
         }
       }
     }
     std::free(tiles);
     pc_amx::release();
   }
-  std::free(shared);
   std::free(xpad);
 }
 

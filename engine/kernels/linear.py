@@ -40,11 +40,7 @@ class Gemm:
             if source is not None and float_out and cpu_head_int8.wanted():  # the LM head
                 self.invariant = cpu_head_int8.head_from_blocks(weight, bias, source)
             if source is not None and self.invariant is None:
-                # the layers' long calls run their bf16 panels (the same bits)
-                long_rows = None if float_out else LONG_ROWS
-                self.invariant = cpu_gemm.PackedLinear.from_blocks(
-                    weight, bias, source, float_out, long_rows
-                )
+                self.invariant = cpu_gemm.PackedLinear.from_blocks(weight, bias, source, float_out)
             if self.invariant is None:
                 self.invariant = cpu_gemm.PackedLinear(weight, bias, float_out)
         elif weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _MKLDNN:
@@ -60,7 +56,3 @@ class Gemm:
 
 _MKLDNN = torch_private.onednn_linear_available()
 _PACK_ROWS_HINT = 32  # oneDNN's layout choice; any row count runs on it
-# Calls of more rows run a block-sourced weight's bf16 panels: from 257 rows its blocks'
-# conversion cost more than their bytes saved (SmolLM2's layers: 0.67x at 1-16 rows, 0.96x
-# at 256, 1.15x at 257, 1.07x at 2,048; bench/layer_gemms.py)
-LONG_ROWS = 256
