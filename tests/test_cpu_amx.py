@@ -37,7 +37,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
     seed=st.integers(0, 2**31),
     k_steps=st.integers(1, 40),
     n=st.integers(1, 200),
-    m=st.integers(1, 90),
+    m=st.one_of(st.integers(1, 90), st.sampled_from([300, 700, 1100])),  # several row chunks
     with_bias=st.booleans(),
     extra_stride=st.integers(0, 40),
 )

@@ -32,7 +32,7 @@ namespace {
 
 constexpr int64_t NP = 64;         // columns per panel (cpu_gemm.cpp's layout)
 constexpr int64_t KSTEP = 32;      // k per tile step (16 pairs)
-constexpr int64_t ROW_CHUNK = 256;  // rows per task: a half panel's B stays in L2 for them
+constexpr int64_t ROW_CHUNK = 256;  // rows a chunk holds at least (x_chunk_rows)
 // A task's first two row tiles prefetch B (both 64-byte halves of each k-pair row) this many
 // k steps ahead: its B comes from L3 or memory once, and at a few row tiles (a warm suffix)
 // the tile loads waited on it. Gemma 3's 72 layer GEMMs at 64 rows, interleaved runs of
@@ -318,6 +318,11 @@ constexpr int64_t XPAD_GROUPS = 1024;  // column groups (32 each) from which x i
 // 1.17-1.20x.
 constexpr int64_t X_CHUNK_BYTES = int64_t{1} << 20;
 
+// Rows of x a chunk of the longer calls holds: X_CHUNK_BYTES of bf16 rows, at least ROW_CHUNK.
+inline int64_t x_chunk_rows(int64_t k) {
+  return std::max<int64_t>(ROW_CHUNK, X_CHUNK_BYTES / (2 * k) / 32 * 32);
+}
+
 // pc_gemm_bf16_amx's contract for weights packed as Format's blocks (k a multiple of 32):
 // each 32 columns' blocks are turned into bf16 B tiles (the dequantized weights to the bit),
 // then pc_gemm_bf16_amx's row tiles run on them: that kernel's outputs on those weights, bit
@@ -329,7 +334,7 @@ PC_AMX void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t
   constexpr int64_t QB = Format::BYTES;
   const int64_t groups = (n + 31) / 32, steps = k / KSTEP;
   const int64_t group_bytes = steps * 2048;
-  const int64_t chunk_rows = std::max<int64_t>(ROW_CHUNK, X_CHUNK_BYTES / (2 * k) / 32 * 32);
+  const int64_t chunk_rows = x_chunk_rows(k);
   // A one-block call of a head-wide weight whose row tile is partial (the LM head's one row
   // of a warm request or a decode): x copied once into whole tiles, zero past m, so no k step
   // copies its rows into the scratch tile just before loading it. Gemma 3's Q8_0 head at one
@@ -433,10 +438,17 @@ void pc_gemm_bf16_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t*
                       int64_t n, int64_t k, const float* bias, uint16_t* out, int64_t ldo,
                       int f32_out, int nthreads) {
   const int64_t panels = (n + NP - 1) / NP;
-  const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
-  // (row chunk, panel, half), chunk-major: a chunk's rows (256 x K) stay in L2 while every
-  // panel passes them, and x is read from memory once (panel-major re-read all of a long
-  // prefill's rows once per half panel, from L3: 1.5x the time at 2,048 rows).
+  // Rows in equal chunks of at most 512 (and X_CHUNK_BYTES of x), each a pass over the
+  // weight: 300 rows in 256-row chunks read it twice. Gemma 3's and SmolLM2's layer GEMMs on
+  // panels (bench/layer_gemms.py, PREFIXCACHE_GGUF_BLOCKS=0, alternated): 300 rows 0.70x the
+  // 256-row chunks' time, 1,024 0.91-0.99x, 2,048 0.96-1.03x; chunks of X_CHUNK_BYTES alone
+  // (800 rows at K 640) 1.3-1.6x at 1,024 and 1.1x at 2,048.
+  const int64_t most = std::min<int64_t>(512, x_chunk_rows(k)), parts = (m + most - 1) / most;
+  const int64_t chunk_rows = ((m + parts - 1) / parts + 31) / 32 * 32;
+  const int64_t chunks = (m + chunk_rows - 1) / chunk_rows;
+  // (row chunk, panel, half), chunk-major: a chunk's rows stay in L2 while every panel passes
+  // them, and x is read from memory once (panel-major re-read all of a long prefill's rows
+  // once per half panel, from L3: 1.5x the time at 2,048 rows).
   const int64_t tasks = chunks * panels * 2;
 #pragma omp parallel num_threads(nthreads)
   {
@@ -453,14 +465,14 @@ void pc_gemm_bf16_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t*
         const int64_t chunk = t / (2 * panels), pn = (t / 2) % panels, half = t % 2;
         const BTiles bt = panel_tiles(packed, k, pn, half * 32);
         const int64_t col = pn * NP + half * 32;
-        const int64_t r_end = std::min(m, (chunk + 1) * ROW_CHUNK);
-        for (int64_t r0 = chunk * ROW_CHUNK; r0 < r_end; r0 += 32) {
+        const int64_t r_end = std::min(m, (chunk + 1) * chunk_rows);
+        for (int64_t r0 = chunk * chunk_rows; r0 < r_end; r0 += 32) {
           // A task's first two row tiles prefetch (later ones find B in L1 / L2); a last
           // row tile of 16 rows or fewer never does (2-3 % slower with it at one row, before
           // those calls took block_panel).
           if (r_end - r0 <= 16)
             block<1, false>(x, ldx, r0, m, bt, k, n, col, bias, out, ldo, f32_out, pad);
-          else if (r0 == chunk * ROW_CHUNK)
+          else if (r0 == chunk * chunk_rows)
             block<2, true>(x, ldx, r0, m, bt, k, n, col, bias, out, ldo, f32_out, pad);
           else
             block<2, false>(x, ldx, r0, m, bt, k, n, col, bias, out, ldo, f32_out, pad);
