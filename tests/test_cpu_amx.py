@@ -258,6 +258,30 @@ def test_a_block_source_that_is_not_the_weight_is_refused() -> None:
     assert cpu_gemm.PackedLinear.from_blocks(w, None, source) is not None
 
 
+def test_int8_blocks_keep_fp16_scales_where_they_are_fp16_values() -> None:
+    """Q8_0 / Q5_0 scales are fp16 values, packed as fp16 (1.06 bytes a weight); a per-32
+    scale that is not (12 significant bits: q * scale still exact in fp32) takes the per-16
+    layout with each scale twice, fp32: the same bits either way, every fp16 value included
+    (subnormals, negatives)."""
+    rng = np.random.default_rng(7)
+    every = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+    every = every[np.isfinite(every)]
+    n = len(every) // 64 * 64
+    for scale in (every[:n].reshape(-1, 1), (rng.random((96, 3)) * 0.01).astype(np.float32)):
+        if scale.shape[0] == 96:  # 12 significant bits: not fp16 values
+            scale = (scale.view(np.uint32) & np.uint32(0xFFFFF000)).view(np.float32)
+        q = rng.integers(-128, 128, size=(scale.shape[0], 32 * scale.shape[1])).astype(np.int8)
+        q[:, :2] = (-128, 127)  # the int8 range: never the 4-bit form
+        w = cpu_gemm.block_weights(q, scale, None)
+        blocks = cpu_gemm.PackedLinear.from_blocks(w, None, (q, scale, None), float_out=True)
+        assert blocks is not None
+        assert blocks.kernel == ("q8_amx" if cpu_gemm.fp16_exact(scale) else "q8h_amx")
+        x = torch.randn(70, q.shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
+        assert torch.equal(blocks(x), cpu_gemm.PackedLinear(w, None, float_out=True)(x))
+        assert torch.equal(blocks.weight_rows(torch.arange(q.shape[0])), w)
+    assert cpu_gemm.fp16_exact(every) and not cpu_gemm.fp16_exact(scale)
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K"])
 def test_a_gguf_models_linears_run_from_their_blocks(tmp_path: Path, qtype: str) -> None:
     """A dequantized bf16 GGUF model, every weight ``qtype``: each projection and the tied

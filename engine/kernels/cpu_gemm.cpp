@@ -317,15 +317,30 @@ void pc_gemm_f32(const float* x, int64_t ldx, int64_t m, const float* packed, in
       });
 }
 
+// An fp16 value's bits as the float it is (every fp16 value is one).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24
+    const float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  const uint32_t magnitude = exp == 31 ? 0x7F800000u : (exp + 112) << 23;  // inf/NaN, rebiased
+  const uint32_t bits = sign | magnitude | (man << 13);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // Rows ids[0..count) of a packed W [n, k] read back into out [count, k]: layout 0, bf16
 // panels (out bf16); 1, fp32 panels (out fp32); 2 and 3, pc_gemm_q8_amx's and pc_gemm_q8h_amx's
 // blocks (cpu_gemm.py's q8_pack: per 32 columns and 32 k, int8 [16 k-pairs][32 columns][2],
-// then 32 fp32 scales, or 64: k 0-15's, then 16-31's), each value q * scale (exact in fp32)
-// rounded to bf16 nearest-even, as the weight those blocks were checked to be. An id outside
-// [0, n) gives a row of zeros (cpu_gemm.py refuses them first), never a read past W.
+// then 32 fp16 scales, or 64 fp32 ones: k 0-15's, then 16-31's), each value q * scale (exact
+// in fp32) rounded to bf16 nearest-even, as the weight those blocks were checked to be. An id
+// outside [0, n) gives a row of zeros (cpu_gemm.py refuses them first), never a read past W.
 void pc_gemm_weight_rows(const void* packed, int layout, int64_t n, int64_t k,
                          const int64_t* ids, int64_t count, void* out, int nthreads) {
-  const int64_t pairs = (k + 1) / 2, q8_bytes = layout == 3 ? 1024 + 256 : 1024 + 128;
+  const int64_t pairs = (k + 1) / 2, q8_bytes = layout == 3 ? 1024 + 256 : 1024 + 64;
   const int64_t row_bytes = k * (layout == 1 ? 4 : 2);
   auto row = [&](int64_t i) {
     const int64_t id = ids[i];
@@ -341,7 +356,8 @@ void pc_gemm_weight_rows(const void* packed, int layout, int64_t n, int64_t k,
     }
     uint16_t* dst = static_cast<uint16_t*>(out) + i * k;
     if (layout == 0) {
-      const uint32_t* panel = static_cast<const uint32_t*>(packed) + id / NP * pairs * NP + id % NP;
+      const uint32_t* panel =
+          static_cast<const uint32_t*>(packed) + id / NP * pairs * NP + id % NP;
       for (int64_t p = 0; p < pairs; ++p) {
         const uint32_t word = panel[p * NP];
         dst[2 * p] = static_cast<uint16_t>(word);
@@ -356,7 +372,13 @@ void pc_gemm_weight_rows(const void* packed, int layout, int64_t n, int64_t k,
       for (int64_t kk = 0; kk < 32; ++kk) {
         const int8_t q = static_cast<int8_t>(blk[kk / 2 * 64 + c * 2 + kk % 2]);
         float scale;
-        std::memcpy(&scale, blk + 1024 + (layout == 3 && kk >= 16 ? 128 : 0) + c * 4, 4);
+        if (layout == 2) {
+          uint16_t half;
+          std::memcpy(&half, blk + 1024 + c * 2, 2);
+          scale = half_to_float(half);
+        } else {
+          std::memcpy(&scale, blk + 1024 + (kk >= 16 ? 128 : 0) + c * 4, 4);
+        }
         const float w = static_cast<float>(q) * scale;
         uint32_t bits;
         std::memcpy(&bits, &w, 4);

@@ -111,15 +111,21 @@ def amx_available() -> bool:
 
 
 def q8_pack(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
-    """``pc_gemm_q8_amx``'s layout of ``q`` int8 ``[N, K]`` and ``scale`` ``[N, K / 32]``: per
-    group of 32 columns (N padded with zero columns) and block of 32 k, the integers as
-    ``[16 k-pairs][32 columns][2]``, then the block's 32 fp32 scales. A ``scale`` per 16 k
-    (``[N, K / 16]``, ``pc_gemm_q8h_amx``) puts the block's first halves' 32, then the second's."""
+    """``pc_gemm_q8_amx``'s layout of ``q`` int8 ``[N, K]`` and ``scale`` ``[N, K / 32]`` (each
+    an fp16 value: ``fp16_exact``): per group of 32 columns (N padded with zero columns) and
+    block of 32 k, the integers as ``[16 k-pairs][32 columns][2]``, then the block's 32 scales
+    as fp16. A ``scale`` per 16 k (``[N, K / 16]``, ``pc_gemm_q8h_amx``) puts the block's first
+    halves' 32 fp32 scales, then the second's."""
     ints, groups, blocks = _tile_order(q)
-    per_column = [scale] if scale.shape[1] == blocks else [scale[:, 0::2], scale[:, 1::2]]
-    return with_column_values(
-        groups, blocks, ints.view(np.uint8).reshape(groups, blocks, 1024), *per_column
-    )
+    ints = ints.view(np.uint8).reshape(groups, blocks, 1024)
+    if scale.shape[1] == blocks:
+        return with_column_values(groups, blocks, ints, scale, dtype=np.float16)
+    return with_column_values(groups, blocks, ints, scale[:, 0::2], scale[:, 1::2])
+
+
+def fp16_exact(values: np.ndarray) -> bool:
+    """Whether every value is an fp16 value (a Q8_0 or Q5_0 block's d always is)."""
+    return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
 
 
 def q4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> torch.Tensor:
@@ -144,15 +150,20 @@ def _tile_order(q: np.ndarray) -> tuple[np.ndarray, int, int]:
 
 
 def with_column_values(
-    groups: int, blocks: int, ints: np.ndarray, *per_column: np.ndarray
+    groups: int,
+    blocks: int,
+    ints: np.ndarray,
+    *per_column: np.ndarray,
+    dtype: type[np.floating] = np.float32,
 ) -> torch.Tensor:
-    """Each block's integers, then its 32 columns' fp32 values from each of ``per_column``."""
+    """Each block's integers, then its 32 columns' values (``dtype``) from each of
+    ``per_column``."""
     parts = [ints]
     for values in per_column:
-        vp = np.zeros((groups * 32, blocks), dtype=np.float32)
+        vp = np.zeros((groups * 32, blocks), dtype=dtype)
         vp[: values.shape[0]] = values
         cols = np.ascontiguousarray(vp.reshape(groups, 32, blocks).transpose(0, 2, 1))
-        parts.append(cols.view(np.uint8).reshape(groups, blocks, 128))
+        parts.append(cols.view(np.uint8).reshape(groups, blocks, 32 * vp.itemsize))
     return torch.from_numpy(np.concatenate(parts, axis=2).reshape(-1))
 
 
@@ -270,8 +281,11 @@ class PackedLinear:
             packed, fn, kernel = q8_pack(q, scale), amx.pc_gemm_q8h_amx, "q8h_amx"
         elif minimum is not None and low >= 0 and high <= 15 and exact:
             packed, fn, kernel = q4_pack(q, scale, minimum), amx.pc_gemm_q4_amx, "q4_amx"
-        elif minimum is None:
+        elif minimum is None and fp16_exact(scale):
             packed, fn, kernel = q8_pack(q, scale), amx.pc_gemm_q8_amx, "q8_amx"
+        elif minimum is None:  # fp32 scales: each one for both halves of its block
+            halved = np.repeat(scale, 2, axis=1)
+            packed, fn, kernel = q8_pack(q, halved), amx.pc_gemm_q8h_amx, "q8h_amx"
         else:
             return None
         return cls.on_blocks(packed, fn, kernel, (n, k), bias, float_out)

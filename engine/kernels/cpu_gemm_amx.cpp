@@ -213,10 +213,11 @@ PC_AMX void block_panel(const uint16_t* x, int64_t ldx, int64_t r0, int64_t m,
 // weights: each value is formed in fp32 as the gguf package's dequantizer forms it, then
 // rounded to bf16 nearest-even as torch's cast rounds.
 //
-// Q8: 1,024 int8 as [16 k-pairs][32 columns][2], then the 32 columns' fp32 scales:
-// w = q * scale, exact in fp32 (11 + 8 significant bits; Q8_0, Q5_0).
+// Q8: 1,024 int8 as [16 k-pairs][32 columns][2], then the 32 columns' fp16 scales (Q8_0's
+// and Q5_0's d; 64 bytes, not fp32's 128: 5.6 % fewer a weight): w = q * scale, exact in
+// fp32 (11 + 8 significant bits).
 struct Q8Blocks {
-  static constexpr int64_t BYTES = 1024 + 32 * 4;
+  static constexpr int64_t BYTES = 1024 + 32 * 2;
   PC_AMX static void to_tiles(const uint8_t* blk, uint32_t* tiles);
 };
 // Q8H: Q8's integers, then 64 fp32 scales, the 32 columns' for k 0-15 and for k 16-31
@@ -255,7 +256,11 @@ PC_AMX inline void pair_columns(const float* per_column, __m512 out[2][2]) {
 PC_AMX void Q8Blocks::to_tiles(const uint8_t* blk, uint32_t* tiles) {
   const int8_t* q = reinterpret_cast<const int8_t*>(blk);
   __m512 s[2][2];
-  pair_columns(reinterpret_cast<const float*>(blk + 1024), s);
+  alignas(64) float scales[32];
+  _mm512_store_ps(scales, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 1024))));
+  _mm512_store_ps(scales + 16,
+                  _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 1024 + 32))));
+  pair_columns(scales, s);
   for (int r = 0; r < 16; ++r) {
     pc_amx::prefetch_part<BYTES, 16>(blk, r, BLOCKS_AHEAD, BLOCKS_FAR);
     for (int t = 0; t < 2; ++t) {
