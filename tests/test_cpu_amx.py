@@ -185,7 +185,13 @@ def block_source(n: int, k: int, seed: int, form: str) -> tuple[cpu_gemm.BlockSo
     return source, cpu_gemm.block_weights(*source)
 
 
-FORMS = {"q8": "q8_amx", "q4_0": "q4_amx", "q4_1": "q4_amx", "q4_k": "q4_amx", "q6_k": "q8h_amx"}
+FORMS = {
+    "q8": "q8_amx",
+    "q4_0": "q4f16_amx",
+    "q4_1": "q4f16_amx",
+    "q4_k": "q4_amx",
+    "q6_k": "q8h_amx",
+}
 
 
 @pytest.mark.parametrize(("n", "k"), [(1000, 640), (33, 64), (96, 2048)])
@@ -298,7 +304,8 @@ def test_a_gguf_models_linears_run_from_their_blocks(tmp_path: Path, qtype: str)
         module.__dict__.pop("block_source", None)
     loaded.model.prepare()
     panels.model.prepare()
-    kernel = "q8_amx" if qtype in ("Q8_0", "Q5_0") else "q4_amx"
+    # Q4_0's and Q4_1's scales and minimums are fp16 values; Q4_K's (d * sc) mostly not
+    kernel = {"Q8_0": "q8_amx", "Q5_0": "q8_amx", "Q4_K": "q4_amx"}.get(qtype, "q4f16_amx")
     for layer in loaded.model.model.layers:
         for proj in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down):
             assert isinstance(proj, Gemm) and proj.invariant is not None

@@ -56,7 +56,13 @@ def _declare_amx(lib: ctypes.CDLL) -> None:
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.pc_amx_enable.argtypes = []
     lib.pc_amx_enable.restype = c_int
-    for fn in (lib.pc_gemm_bf16_amx, lib.pc_gemm_q8_amx, lib.pc_gemm_q8h_amx, lib.pc_gemm_q4_amx):
+    for fn in (
+        lib.pc_gemm_bf16_amx,
+        lib.pc_gemm_q8_amx,
+        lib.pc_gemm_q8h_amx,
+        lib.pc_gemm_q4_amx,
+        lib.pc_gemm_q4f16_amx,
+    ):
         fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int, c_int]
         fn.restype = None
 
@@ -128,15 +134,18 @@ def fp16_exact(values: np.ndarray) -> bool:
     return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
 
 
-def q4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> torch.Tensor:
+def q4_pack(
+    q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, dtype: type[np.floating] = np.float32
+) -> torch.Tensor:
     """``pc_gemm_q4_amx``'s layout of ``q`` in 0..15 ``[N, K]``, ``scale`` and ``minimum``
     ``[N, K / 32]``: per group of 32 columns and block of 32 k, for each k-pair and tile of
     16 columns 16 bytes (byte j: the tile row's value j, low nibble, and j + 16, high), then
-    the block's 32 fp32 scales and 32 fp32 minimums."""
+    the block's 32 scales and 32 minimums as ``dtype`` (fp16: ``pc_gemm_q4f16_amx``'s)."""
     ints, groups, blocks = _tile_order(q)
     rows = ints.astype(np.uint8).reshape(groups, blocks, 16, 2, 2, 16)
     nibbles = rows[..., 0, :] | (rows[..., 1, :] << 4)
-    return with_column_values(groups, blocks, nibbles.reshape(groups, blocks, 512), scale, minimum)
+    nibbles = nibbles.reshape(groups, blocks, 512)
+    return with_column_values(groups, blocks, nibbles, scale, minimum, dtype=dtype)
 
 
 def _tile_order(q: np.ndarray) -> tuple[np.ndarray, int, int]:
@@ -201,7 +210,8 @@ class PackedLinear:
     """``x @ weight.T + bias`` for a weight fixed at load, packed once into the kernel's
     panels (the packed copy replaces oneDNN's; a layer's original weight is then freed,
     ``linear.Gemm.release_weight``). ``kernel`` names the one it runs for life: ``amx``,
-    ``avx512``, ``f32``, or from GGUF blocks ``q8_amx`` / ``q4_amx``.
+    ``avx512``, ``f32``, or from GGUF blocks ``q8_amx``, ``q8h_amx``, ``q4_amx`` or
+    ``q4f16_amx``.
     ``float_out``: a bf16 weight's outputs are the fp32 sums, not rounded to bf16 (the LM
     head: logits a bf16 rounding would tie at the argmax)."""
 
@@ -253,7 +263,7 @@ class PackedLinear:
         (``source``: ``q`` int8 ``[N, K]``, ``scale`` and ``minimum`` or None ``[N, K / 32]``,
         ``weight`` = bf16(q * scale (+ minimum)), ``gguf_blocks.split_blocks``'s form, or a
         scale per 16 k ``[N, K / 16]`` and no minimum, ``split_q6_k``'s): the same outputs to
-        the bit, the weights read at 0.75 (4-bit integers), 1.06 or 1.25 bytes (wider)
+        the bit, the weights read at 0.625 or 0.75 (4-bit integers), 1.06 or 1.25 bytes (wider)
         instead of 2 (a one-row step reads every weight). Long calls convert the blocks once
         per chunk of rows, overlapped with the tile work: as fast as the panels from 2,048
         rows, faster below (``cpu_gemm_amx.cpp``'s ``X_CHUNK_BYTES``). None where AMX does not
@@ -280,7 +290,11 @@ class PackedLinear:
         if halves:
             packed, fn, kernel = q8_pack(q, scale), amx.pc_gemm_q8h_amx, "q8h_amx"
         elif minimum is not None and low >= 0 and high <= 15 and exact:
-            packed, fn, kernel = q4_pack(q, scale, minimum), amx.pc_gemm_q4_amx, "q4_amx"
+            if fp16_exact(scale) and fp16_exact(minimum):  # Q4_0, Q4_1: 0.625 bytes a weight
+                packed = q4_pack(q, scale, minimum, np.float16)
+                fn, kernel = amx.pc_gemm_q4f16_amx, "q4f16_amx"
+            else:  # Q4_K: d * sc, dmin * m
+                packed, fn, kernel = q4_pack(q, scale, minimum), amx.pc_gemm_q4_amx, "q4_amx"
         elif minimum is None and fp16_exact(scale):
             packed, fn, kernel = q8_pack(q, scale), amx.pc_gemm_q8_amx, "q8_amx"
         elif minimum is None:  # fp32 scales: each one for both halves of its block

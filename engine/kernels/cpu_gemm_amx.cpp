@@ -227,13 +227,17 @@ struct Q8HalvesBlocks {
   PC_AMX static void to_tiles(const uint8_t* blk, uint32_t* tiles);
 };
 // Q4: per k-pair row and tile, 16 bytes whose byte j holds the tile row's value j (low
-// nibble) and j + 16 (high nibble), 0..15; then 32 fp32 scales, 32 fp32 minimums:
+// nibble) and j + 16 (high nibble), 0..15; then 32 scales, 32 minimums, fp32, or fp16 where
+// they are fp16 values (Q4_0's and Q4_1's d and m; HALF: 640 bytes a block, not 768):
 // w = fma(q, scale, minimum), one rounding, the value of gguf's (d * q) + m (Q4_1) and
 // d * q - dm (Q4_K) whose products are exact (Q4_0 comes as q + 8, minimum -8 d: exact).
-struct Q4Blocks {
-  static constexpr int64_t BYTES = 512 + 32 * 4 * 2;
+template <bool HALF>
+struct Q4BlocksOf {
+  static constexpr int64_t BYTES = 512 + 32 * (HALF ? 2 : 4) * 2;
   PC_AMX static void to_tiles(const uint8_t* blk, uint32_t* tiles);
 };
+using Q4Blocks = Q4BlocksOf<false>;
+using Q4HalfBlocks = Q4BlocksOf<true>;
 // A block's conversion prefetches the block BLOCKS_AHEAD on into L1 and the one BLOCKS_FAR on
 // into L2, a line or two of each per tile row converted (pc_amx::prefetch_part). In one burst
 // before the conversion they cost 1.4x the time: Gemma 3's 262K head at one row took 8.8-9.5
@@ -241,6 +245,17 @@ struct Q4Blocks {
 // with the far one, 7.0 spread without it (alternated in one process); the weight streams at
 // 28-31 GB/s, where this box's two cores read 33 GB/s at most.
 constexpr int64_t BLOCKS_AHEAD = 4, BLOCKS_FAR = 40;
+
+// The 32 columns' values at `at` (fp16 where HALF, else fp32) into out as fp32.
+template <bool HALF>
+PC_AMX inline void column_values(const uint8_t* at, float* out) {
+  if constexpr (HALF) {
+    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)at)));
+    _mm512_storeu_ps(out + 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(at + 32))));
+  } else {
+    std::memcpy(out, at, 32 * sizeof(float));
+  }
+}
 
 // Each of the 32 columns' values twice (a tile row's k-pairs): [tile][cols 0-7 | 8-15].
 PC_AMX inline void pair_columns(const float* per_column, __m512 out[2][2]) {
@@ -257,9 +272,7 @@ PC_AMX void Q8Blocks::to_tiles(const uint8_t* blk, uint32_t* tiles) {
   const int8_t* q = reinterpret_cast<const int8_t*>(blk);
   __m512 s[2][2];
   alignas(64) float scales[32];
-  _mm512_store_ps(scales, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 1024))));
-  _mm512_store_ps(scales + 16,
-                  _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 1024 + 32))));
+  column_values<true>(blk + 1024, scales);
   pair_columns(scales, s);
   for (int r = 0; r < 16; ++r) {
     pc_amx::prefetch_part<BYTES, 16>(blk, r, BLOCKS_AHEAD, BLOCKS_FAR);
@@ -296,10 +309,14 @@ PC_AMX void Q8HalvesBlocks::to_tiles(const uint8_t* blk, uint32_t* tiles) {
   }
 }
 
-PC_AMX void Q4Blocks::to_tiles(const uint8_t* blk, uint32_t* tiles) {
+template <bool HALF>
+PC_AMX void Q4BlocksOf<HALF>::to_tiles(const uint8_t* blk, uint32_t* tiles) {
   __m512 s[2][2], mn[2][2];
-  pair_columns(reinterpret_cast<const float*>(blk + 512), s);
-  pair_columns(reinterpret_cast<const float*>(blk + 512 + 128), mn);
+  alignas(64) float values[32];
+  column_values<HALF>(blk + 512, values);
+  pair_columns(values, s);
+  column_values<HALF>(blk + 512 + 32 * (HALF ? 2 : 4), values);
+  pair_columns(values, mn);
   const __m512i low4 = _mm512_set1_epi32(15);
   for (int r = 0; r < 16; ++r) {
     pc_amx::prefetch_part<BYTES, 16>(blk, r, BLOCKS_AHEAD, BLOCKS_FAR);
@@ -510,6 +527,14 @@ void pc_gemm_q4_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* pa
                     int64_t k, const float* bias, uint16_t* out, int64_t ldo, int f32_out,
                     int nthreads) {
   gemm_blocks<Q4Blocks>(x, ldx, m, packed, n, k, bias, out, ldo, f32_out, nthreads);
+}
+
+// The same for q4_pack's layout with fp16 scales and minimums (Q4HalfBlocks).
+PC_AMX
+void pc_gemm_q4f16_amx(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed,
+                       int64_t n, int64_t k, const float* bias, uint16_t* out, int64_t ldo,
+                       int f32_out, int nthreads) {
+  gemm_blocks<Q4HalfBlocks>(x, ldx, m, packed, n, k, bias, out, ldo, f32_out, nthreads);
 }
 
 }  // extern "C"
