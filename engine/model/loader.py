@@ -9,8 +9,6 @@ generation_config.json.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import hashlib
 import json
 import logging
@@ -391,10 +389,3 @@ __all__ = [
     "resolve_device",
     "resolve_dtype",
 ]
-
-
-def release_freed_heap() -> None:
-    """Hand the heap pages that loading and packing freed back to the OS (glibc's ``malloc_trim``;
-    a no-op elsewhere): a GGUF model's dequantization and packing left 315 MB of 1.3 GB."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)

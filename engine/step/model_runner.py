@@ -18,8 +18,9 @@ import torch
 from ..attention import AttentionBackend, AttentionMetadata, AttentionShape, SeqSpec, kv_dtype
 from ..attention.cpu_backend import CpuKernelBackend
 from ..attention.metadata import find_prefill_groups, plan_step_order
+from ..heap import release_freed_heap
 from ..memory.kv_cache import KVCache
-from ..model.loader import LoadedModel, release_freed_heap
+from ..model.loader import LoadedModel
 from . import prompt_logprobs, step_replay
 from .prompt_logprobs import PromptLogprobSink
 from .step_replay import StepReplay

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import msgspec
 from tokenizers import Tokenizer as HFTokenizer
 
+from ..heap import release_freed_heap
 from .piece_encoder import PieceEncoder
 
 log = logging.getLogger("prefixcache.engine")
@@ -112,6 +113,9 @@ class Tokenizer:
         h.update(json.dumps(self.special_tokens, sort_keys=True).encode())  # what templates see
         h.update(json.dumps(self.eos_token_ids).encode())
         self.fingerprint = h.hexdigest()[:32]
+        # Parsing a pipeline frees most of what it allocates, and the heap keeps it: Gemma 3's
+        # (262K tokens, 515K merges) held 350 MB, 80 once handed back.
+        release_freed_heap()
 
     @classmethod
     def from_folder(cls, folder: str | Path, extra_eos_ids: Sequence[int] = ()) -> Tokenizer:
