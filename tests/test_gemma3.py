@@ -376,3 +376,65 @@ def test_a_multimodal_checkpoint_serves_its_text_decoder(tmp_path: Path) -> None
     renamed = {k.replace("vision_tower.", "model.vision_tower."): v for k, v in renamed.items()}
     save_file(renamed, str(folder / "model.safetensors"), metadata={"format": "pt"})
     assert [t for t, _ in greedy(engine_for(folder, "float32"), prompts, "b")] == want
+
+
+# The Gemma 3 4B and 27B checkpoints' config.json: a text_config naming only the fields that
+# differ from transformers' Gemma3TextConfig defaults.
+SHORT_TEXT_CONFIGS = [
+    {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    {
+        "head_dim": 128,
+        "hidden_size": 5376,
+        "intermediate_size": 21504,
+        "model_type": "gemma3_text",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 62,
+        "num_key_value_heads": 16,
+        "query_pre_attn_scalar": 168,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+]
+
+
+@pytest.mark.parametrize("text_config", SHORT_TEXT_CONFIGS)
+def test_a_short_text_config_takes_transformers_defaults(text_config: dict[str, Any]) -> None:
+    from transformers import Gemma3Config
+
+    outer = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "eos_token_id": [1, 106],
+        "text_config": text_config,
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }
+    ref = Gemma3Config(**json.loads(json.dumps(outer))).text_config
+    cfg = ModelConfig.from_dict(outer)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers) == (
+        ref.vocab_size,
+        ref.hidden_size,
+        ref.intermediate_size,
+        ref.num_hidden_layers,
+    )
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        ref.num_attention_heads,
+        ref.num_key_value_heads,
+        ref.head_dim,
+    )
+    assert cfg.max_position_embeddings == ref.max_position_embeddings
+    assert cfg.rms_norm_eps == ref.rms_norm_eps and cfg.tie_word_embeddings
+    windows = tuple(ref.sliding_window if t == "sliding_attention" else 0 for t in ref.layer_types)
+    assert cfg.layer_windows == windows
+    rope = ref.rope_parameters
+    assert cfg.rope_theta == rope["full_attention"]["rope_theta"]
+    assert cfg.rope_local_base_freq == rope["sliding_attention"]["rope_theta"]
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert cfg.attention_scale == ref.query_pre_attn_scalar**-0.5
+    assert cfg.eos_token_ids == [1, 106] and cfg.bos_token_id == ref.bos_token_id

@@ -101,17 +101,29 @@ def test_llama_equals_transformers(tmp_path: Path) -> None:
     check_equivalence(hf, save_checkpoint(hf, tmp_path))
 
 
-def test_llama3_rope_scaling_equals_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("original", [16, None])
+def test_llama3_rope_scaling_equals_transformers(tmp_path: Path, original: int | None) -> None:
     scaling = {
         "rope_type": "llama3",
         "factor": 8.0,
         "low_freq_factor": 1.0,
         "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16,
     }
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
     hf = make_hf("llama", seed=1, rope_scaling=scaling, rope_theta=500000.0)
     folder = save_checkpoint(hf, tmp_path)
-    assert load_model(str(folder)).config.rope_type == "llama3"
+    if original is None:  # as older configs leave it out (transformers 5 writes its default)
+        raw = json.loads((folder / "config.json").read_text())
+        for key in ("rope_parameters", "rope_scaling"):
+            if isinstance(raw.get(key), dict):
+                raw[key].pop("original_max_position_embeddings", None)
+        (folder / "config.json").write_text(json.dumps(raw))
+    config = load_model(str(folder)).config
+    assert config.rope_type == "llama3"
+    # absent from the file: transformers' rule, max_position_embeddings
+    expected = hf.config.rope_parameters["original_max_position_embeddings"]
+    assert config.rope_scaling["original_max_position_embeddings"] == expected
     check_equivalence(hf, folder)
 
 

@@ -32,23 +32,36 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 # model_type spellings that name a supported architecture (Gemma 3's text model saves
 # "gemma3_text").
 _MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}
-GEMMA3_DEFAULTS: dict[str, Any] = {  # transformers' Gemma3TextConfig defaults
+# Defaults a Gemma config may leave out: the 4B-27B checkpoints' text_config names only the
+# fields that differ from these.
+_GEMMA_COMMON: dict[str, Any] = {
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "tie_word_embeddings": True,
     "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+}
+GEMMA3_DEFAULTS: dict[str, Any] = {  # transformers' Gemma3TextConfig defaults
+    **_GEMMA_COMMON,
+    "vocab_size": 262_208,
+    "max_position_embeddings": 131_072,
     "rope_theta": 1_000_000.0,
     "rope_local_base_freq": 10_000.0,
-    "sliding_window": 4096,
     "sliding_window_pattern": 6,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "tie_word_embeddings": True,
-    "head_dim": 256,
 }
 GEMMA2_DEFAULTS: dict[str, Any] = {  # transformers' Gemma2Config defaults
-    "query_pre_attn_scalar": 256,
+    **_GEMMA_COMMON,
+    "vocab_size": 256_000,
+    "max_position_embeddings": 8192,
     "rope_theta": 10_000.0,
-    "sliding_window": 4096,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "tie_word_embeddings": True,
-    "head_dim": 256,
     "attn_logit_softcapping": 50.0,
     "final_logit_softcapping": 30.0,
 }
@@ -199,7 +212,7 @@ class ModelConfig:
             rope_theta, rope_scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
         scaling = _normalise_rope_scaling(rope_scaling)
         max_pos = int(raw.get("max_position_embeddings") or 4096)
-        if scaling is not None and scaling["rope_type"] == "yarn":
+        if scaling is not None and scaling["rope_type"] in ("yarn", "llama3"):
             # transformers' rule: the file's pretraining length, else max_position_embeddings
             orig = raw.get("original_max_position_embeddings") or max_pos
             scaling.setdefault("original_max_position_embeddings", orig)
