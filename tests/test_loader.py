@@ -103,6 +103,14 @@ def test_missing_files_give_clear_errors(tmp_path: Path) -> None:
     )
     with pytest.raises(ModelLoadError, match=r"shards .* missing"):
         load_model(str(folder))
+    folder = write_folder(tmp_path / "e")
+    for cfg, error in (
+        ({k: v for k, v in CONFIG.items() if k != "hidden_size"}, "no 'hidden_size'"),
+        ({**CONFIG, "num_hidden_layers": "two"}, "invalid literal"),
+    ):
+        (folder / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ModelLoadError, match=rf"config\.json: {error}"):
+            load_model(str(folder))
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:

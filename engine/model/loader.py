@@ -182,7 +182,14 @@ def load_folder(
         raise ModelLoadError(f"{config_file}: invalid JSON: {exc}") from None
     if not isinstance(raw_config, dict):
         raise ModelLoadError(f"{config_file}: not a JSON object")
-    config = ModelConfig.from_dict(raw_config)
+    try:
+        config = ModelConfig.from_dict(raw_config)
+    except UnsupportedModelError:
+        raise
+    except KeyError as exc:
+        raise ModelLoadError(f"{config_file}: no {exc.args[0]!r}, which this model needs") from None
+    except (TypeError, ValueError) as exc:  # a field of the wrong type
+        raise ModelLoadError(f"{config_file}: {exc}") from None
     weight_files = find_weight_files(folder)
 
     gen_eos = _generation_eos_ids(folder)
