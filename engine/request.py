@@ -10,7 +10,8 @@ from typing import Literal
 @dataclass(slots=True, frozen=True)
 class GrammarSpec:
     """What a constrained request's output must be: a JSON object (``json``), or JSON valid
-    against ``schema`` (canonical JSON text: the same schema always has the same digest)."""
+    against ``schema`` (JSON text in the client's key order, the order its properties are
+    generated in: the same text always has the same digest)."""
 
     kind: Literal["json", "json_schema"]
     schema: str = ""

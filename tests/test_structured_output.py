@@ -100,7 +100,7 @@ def test_constrained_outputs_parse_and_validate(
     prompt = engine.tokenizer.encode(PROMPT_TEXT)
     requests = []
     for i, schema in enumerate(schemas):
-        spec = GrammarSpec("json_schema", canonical_json(schema))
+        spec = GrammarSpec("json_schema", json.dumps(schema))
         sampling = SamplingParams(
             max_tokens=32, temperature=0.0 if i % 4 == 0 else 1.0, seed=seed + i, grammar=spec
         )
@@ -112,6 +112,21 @@ def test_constrained_outputs_parse_and_validate(
         assert result.finish_reason == "stop"
         value = json.loads(result.text)
         jsonschema.validate(value, schema)
+        assert_in_schema_order(value, schema)
+
+
+def assert_in_schema_order(value: Any, schema: dict) -> None:
+    """Every object's keys come in the order its schema's properties are written in (OpenAI's
+    Structured Outputs contract), at every depth."""
+    if isinstance(value, dict) and "properties" in schema:
+        order = list(schema["properties"])
+        keys = list(value)
+        assert keys == sorted(keys, key=order.index), (keys, order)
+        for key in keys:
+            assert_in_schema_order(value[key], schema["properties"][key])
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for item in value:
+            assert_in_schema_order(item, schema["items"])
 
 
 def test_most_constrained_outputs_finish() -> None:

@@ -125,11 +125,11 @@ def test_forced_tool_calls_are_valid_and_step_two_is_cached(client: openai.OpenA
 def test_json_schema_replies_validate(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",
-        "properties": {
-            "answer": {"enum": ["yes", "no"]},
+        "properties": {  # not in sorted order: the output keeps the schema's order
             "score": {"type": "integer", "minimum": 1, "maximum": 5},
+            "answer": {"enum": ["yes", "no"]},
         },
-        "required": ["answer", "score"],
+        "required": ["score", "answer"],
     }
     fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}}
     for stream in (False, True):
@@ -145,6 +145,7 @@ def test_json_schema_replies_validate(client: openai.OpenAI) -> None:
             assert reply.choices[0].finish_reason == "stop"
             text = reply.choices[0].message.content
         jsonschema.validate(json.loads(text), schema)
+        assert list(json.loads(text)) == ["score", "answer"]
     reply = client.chat.completions.create(
         model="demo",
         messages=START,

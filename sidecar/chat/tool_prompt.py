@@ -42,12 +42,12 @@ def grammar_for(req: p.ChatCompletionRequest) -> GrammarSpec | None:
         return GrammarSpec("json")
     if fmt is not None and fmt.type == "json_schema":
         assert fmt.json_schema is not None and fmt.json_schema.schema is not None
-        return GrammarSpec("json_schema", canonical_json(fmt.json_schema.schema))
+        return GrammarSpec("json_schema", schema_text(fmt.json_schema.schema))
     mode = req.tool_mode
     if mode == "named":
         assert isinstance(req.tool_choice, p.NamedToolChoice)
         (tool,) = [t for t in req.tools or () if t.function.name == req.tool_choice.function.name]
-        return GrammarSpec("json_schema", canonical_json(_parameters(tool)))
+        return GrammarSpec("json_schema", schema_text(_parameters(tool)))
     if mode == "required":  # a list of one or more calls of the given tools (vLLM's form)
         calls = [
             {
@@ -60,8 +60,15 @@ def grammar_for(req: p.ChatCompletionRequest) -> GrammarSpec | None:
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return GrammarSpec("json_schema", canonical_json(schema))
+        return GrammarSpec("json_schema", schema_text(schema))
     return None
+
+
+def schema_text(schema: Any) -> str:
+    """A schema as compact JSON in the client's key order: its properties are generated in
+    that order (OpenAI's Structured Outputs contract: "reasoning" before "answer" stays so),
+    so, unlike the tools the template renders, it is not canonicalised."""
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def _parameters(tool: p.ToolDef) -> dict[str, Any]:
