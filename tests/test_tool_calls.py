@@ -81,8 +81,24 @@ MALFORMED = [
     (Llama3JsonParser(), "<|python_ta"),
     (MistralParser(), "[TOOL_CALLS][{broken"),
     (MistralParser(), "[TOOL_CALLS]just words"),
-    (ForcedParser("f"), '{"a": '),  # cut by max_tokens
-    (ForcedParser(None), '{"name": "f"}'),
+]
+
+# Forced output max_tokens cut: still calls (the grammar allows nothing else), the last one's
+# arguments as far as they came; never the forcing JSON as content.
+CUT = [
+    (ForcedParser("f"), '{"a": ', [("f", '{"a":')]),
+    (ForcedParser(None), '[{"name": "f", "parameters": {"a": [1, ', [("f", '{"a": [1,')]),
+    (
+        ForcedParser(None),
+        '[{"name":"f","parameters":{"a":1}},{"name":"g"',
+        [("f", '{"a": 1}'), ("g", "")],
+    ),
+    (
+        ForcedParser(None),
+        '[{"name":"f","parameters":{}}, {"name": "g", "parameters": {"b',
+        [("f", "{}"), ("g", '{"b')],
+    ),
+    (ForcedParser(None), '[{"name": "long_na', []),  # the name itself cut: no call to name
 ]
 
 
@@ -135,6 +151,24 @@ def test_streamed_malformed_output_is_all_content(
     parser: ToolCallParser, text: str, cuts: list[int]
 ) -> None:
     assert streamed(parser, text, cuts) == (text, [])
+
+
+@pytest.mark.parametrize(("parser", "text", "calls"), CUT)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=12))
+@settings(max_examples=20, deadline=None)
+def test_cut_forced_output_is_the_calls_so_far(
+    parser: ToolCallParser, text: str, calls: list[tuple[str, str]], cuts: list[int]
+) -> None:
+    parsed = parser.parse(text)
+    assert parsed.content is None
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == calls
+    stream = ToolCallStream(parser)
+    last = 0
+    for cut in sorted({c % (len(text) + 1) for c in cuts}) + [len(text)]:
+        assert stream.push(text[last:cut]) == ""
+        last = cut
+    rest = stream.finish()
+    assert rest.content is None and [(c.name, c.arguments) for c in rest.tool_calls] == calls
 
 
 def test_content_streams_before_a_call_begins() -> None:

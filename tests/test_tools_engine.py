@@ -122,6 +122,29 @@ def test_forced_tool_calls_are_valid_and_step_two_is_cached(client: openai.OpenA
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["count"])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_max_tokens_is_still_a_call(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    """Not the forcing JSON as content: the call, its arguments as far as they came."""
+    for choice in ("required", {"type": "function", "function": {"name": "count"}}):
+        kw: dict[str, Any] = dict(
+            model="demo", messages=START, tools=[LOOKUP, COUNT], tool_choice=choice, max_tokens=12
+        )
+        if stream:
+            chunks = list(client.chat.completions.create(**kw, stream=True))
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+            names = [d.function.name for d in deltas if d.function and d.function.name]
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            reply = client.chat.completions.create(**kw).choices[0]
+            content, finish = reply.message.content or "", reply.finish_reason
+            names = [call.function.name for call in reply.message.tool_calls or ()]
+        assert finish == "length" and content == ""
+        assert names and set(names) <= {"lookup", "count"}, names
+
+
 def test_json_schema_replies_validate(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",

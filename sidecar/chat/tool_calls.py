@@ -211,6 +211,43 @@ class ForcedParser(ToolCallParser):
             raise ValueError("expected a list of tool calls")
         return [_call(item.get("name"), item.get("parameters")) for item in value]
 
+    def parse(self, text: str) -> ParsedOutput:
+        """The forced calls; output the grammar forced but max_tokens cut is still calls (as
+        a stream of them would have shown): the whole ones, then the last with its arguments
+        as far as they came (OpenAI's arguments are text), never the forcing JSON as content."""
+        parsed = super().parse(text)
+        if parsed.tool_calls or not text.strip():
+            return parsed
+        if self.function is not None:
+            return ParsedOutput(None, [ToolCall(new_call_id(), self.function, text.strip())])
+        return ParsedOutput(None, _cut_calls(text))
+
+
+# The forced list's last, cut call: its name whole, then its parameters' text as far as they
+# came (none if the cut fell before them).
+_CUT_CALL = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)+)"\s*(?:,\s*"parameters"\s*:(.*))?', re.S
+)
+
+
+def _cut_calls(text: str) -> list[ToolCall]:
+    """The calls of a forced ``[{"name", "parameters"}, ...]`` list that max_tokens cut."""
+    rest = text.strip().removeprefix("[")
+    calls: list[ToolCall] = []
+    while rest.strip():
+        try:
+            item, end = _DECODER.raw_decode(rest.lstrip())
+        except ValueError:
+            cut = _CUT_CALL.match(rest)
+            if cut is not None:
+                name = json.loads(f'"{cut.group(1)}"')
+                calls.append(ToolCall(new_call_id(), name, (cut.group(2) or "").strip()))
+            break
+        if isinstance(item, dict):
+            calls.append(_call(item.get("name"), item.get("parameters")))
+        rest = rest.lstrip()[end:].lstrip().removeprefix(",")
+    return calls
+
 
 PARSERS: dict[str, type[ToolCallParser]] = {
     cls.name: cls for cls in (HermesParser, Llama3JsonParser, MistralParser)
@@ -264,8 +301,9 @@ class ToolCallStream:
     def finish(self) -> ParsedOutput:
         """The rest: content not yet released, and the tool calls (as ``parse`` would)."""
         parsed = self.parser.parse(self.text)
-        if not parsed.tool_calls:
-            return ParsedOutput(self.text[self.emitted :] or None)
+        if not parsed.tool_calls:  # content, unless the whole reply has none (as parse says)
+            rest = self.text[self.emitted :] if parsed.content is not None else ""
+            return ParsedOutput(rest or None)
         return ParsedOutput(None, parsed.tool_calls)
 
 

@@ -243,7 +243,9 @@ def _chat_message(job: Job, result: Collected) -> tuple[rt.ChatMessage, str]:
     if not parsed.tool_calls:
         return rt.ChatMessage("assistant", result.text), result.finish_reason
     calls = [_tool_call_reply(call) for call in parsed.tool_calls]
-    return rt.ChatMessage("assistant", parsed.content, tool_calls=calls), "tool_calls"
+    # calls max_tokens cut (a forced one's arguments as far as they came) still say "length"
+    reason = "length" if result.finish_reason == "length" else "tool_calls"
+    return rt.ChatMessage("assistant", parsed.content, tool_calls=calls), reason
 
 
 def _tool_call_reply(call: ToolCall) -> rt.ToolCallReply:
@@ -372,7 +374,7 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
                     yield [_delta_choice(job, rest.content, None, None)], None
                 for choice in _tool_call_deltas(rest.tool_calls, job.index):
                     yield [choice], None
-                reason = "tool_calls" if rest.tool_calls else reason
+                reason = "tool_calls" if rest.tool_calls and reason != "length" else reason
             yield [_delta_choice(job, None, reason, None)], usage
             return
 
