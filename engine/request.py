@@ -60,8 +60,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.top_p <= 1.0:  # 0: the most likely token alone (as OpenAI's range)
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0 or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias: token ids >= 0, biases in [-100, 100]: {token}")

@@ -206,7 +206,7 @@ def test_sampling_defaults_from_generation_config(tmp_path: Path) -> None:
     assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}
     assert load_model(str(write_folder(tmp_path / "none"))).sampling_defaults == {}
     bad = write_folder(tmp_path / "bad")
-    values = {"top_k": -1, "top_p": 0.0, "repetition_penalty": 2.5, "temperature": 0.7}
+    values = {"top_k": -1, "top_p": 1.5, "repetition_penalty": 2.5, "temperature": 0.7}
     (bad / "generation_config.json").write_text(json.dumps(values))
     with pytest.warns(UserWarning, match="ignored"):
         defaults = load_model(str(bad)).sampling_defaults

@@ -250,8 +250,10 @@ def test_echo_with_logprobs_scores_prompts_as_lm_eval_reads_them(sidecar_server:
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[1:])
         for i in range(1, len(ids) + 1):
-            (best,) = lp.top_logprobs[i].values()  # logprobs=1: the top token
-            assert best >= lp.token_logprobs[i] - 1e-6
+            # logprobs=1: the top token, and the token itself where it is another (k + 1)
+            top = lp.top_logprobs[i]
+            assert lp.tokens[i] in top and top[lp.tokens[i]] == lp.token_logprobs[i]
+            assert 1 <= len(top) <= 2 and max(top.values()) >= lp.token_logprobs[i] - 1e-6
         decoded = httpx.post(
             f"{sidecar_server.root}/detokenize", json={"tokens": ids}, timeout=30
         ).json()["prompt"]
@@ -353,3 +355,47 @@ def test_echo_without_generation_returns_the_prompt_alone(sidecar_server: Server
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     wait_for_idle_blocks(sidecar_server.root)
+
+
+def test_logprobs_list_only_the_tokens_of_the_text(sidecar_server: Server) -> None:
+    """An end-of-turn token ends the reply but is not in its text: no logprob entry names it,
+    so the entries' bytes (chat) and tokens (completions) join into the text exactly."""
+    client = openai.OpenAI(base_url=sidecar_server.url, api_key="x")
+    (eot,) = httpx.post(
+        f"{sidecar_server.root}/tokenize", json={"prompt": "<|eot_id|>"}, timeout=30
+    ).json()["tokens"]
+    # sampled (seeded) with the end of turn favoured: it comes after some text, within 16
+    common = {"model": "demo", "max_tokens": 16, "temperature": 1, "seed": 0}
+    common["logit_bias"] = {str(eot): 4}
+    chat = dict(common, messages=[{"role": "user", "content": PROMPT}], logprobs=True)
+    for stream in (False, True):
+        if stream:
+            chunks = [c for c in client.chat.completions.create(**chat, stream=True) if c.choices]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+            entries = [
+                e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content
+            ]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            choice = client.chat.completions.create(**chat).choices[0]
+            text, entries = choice.message.content or "", choice.logprobs.content
+            finish = choice.finish_reason
+        assert finish == "stop" and text
+        assert b"".join(bytes(e.bytes) for e in entries).decode() == text
+    done = client.completions.create(**common, prompt=PROMPT, logprobs=0)
+    choice = done.choices[0]
+    assert choice.finish_reason == "stop" and choice.text
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert len(choice.logprobs.top_logprobs) == len(choice.logprobs.tokens)
+    for token, lp, top in zip(
+        choice.logprobs.tokens,
+        choice.logprobs.token_logprobs,
+        choice.logprobs.top_logprobs,
+        strict=True,
+    ):
+        assert top == {token: lp}  # logprobs=0: the sampled token's own, as OpenAI's
+    offsets = choice.logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    for token, at in zip(choice.logprobs.tokens, offsets, strict=True):
+        if "\ufffd" not in token:  # where a whole token starts, its text is
+            assert choice.text[at : at + len(token)] == token

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sidecar_fake_engine import FakeEngine
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers
@@ -17,6 +19,7 @@ from tokenizers import decoders, models, normalizers
 from prefixcache.engine.request import TokenLogprob
 from prefixcache.engine.text.tokenizer import Tokenizer
 from prefixcache.sidecar.server.app import SidecarSettings, create_app
+from prefixcache.sidecar.server.logprob_format import completion_logprobs
 from prefixcache.sidecar.server.responses import chat_logprobs
 
 ASSETS = Path(__file__).resolve().parents[1] / "engine" / "model" / "demo_assets"
@@ -203,6 +206,17 @@ async def test_vllm_stop_token_ids_reach_the_engine(
         assert engine.received[-1].sampling.stop_token_ids == [7, 9]
 
 
+async def test_openai_ranges_top_p_zero_and_a_negative_seed(
+    engine: FakeEngine, client: httpx.AsyncClient
+) -> None:
+    """OpenAI allows top_p 0 (the most likely token alone) and any int64 seed."""
+    body = {"messages": USER, "max_tokens": 1, "top_p": 0, "seed": -1}
+    response = await client.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    sampling = engine.received[-1].sampling
+    assert (sampling.top_p, sampling.seed) == (0.0, 2**63 - 1)
+
+
 @pytest.mark.parametrize("top_k", [-1, 0])
 async def test_top_k_minus_one_and_zero_are_off(
     engine: FakeEngine, client: httpx.AsyncClient, top_k: int
@@ -344,3 +358,24 @@ async def test_priority_reaches_the_engine_and_is_range_checked(
     assert (await client.post(CHAT, json={"messages": USER, "priority": None})).status_code == 200
     assert engine.received[-1].priority == 0
     error_of(await client.post(CHAT, json={"messages": USER, "priority": 10**6}), 400)
+
+
+@given(text=st.text(st.characters(blacklist_characters="\ufffd", blacklist_categories=["Cs"])))
+@settings(max_examples=60, deadline=None)
+def test_text_offsets_are_where_each_token_starts(text: str) -> None:
+    """Completions' ``text_offset``: each token starts where the text before it ends, a token
+    inside a character split across several at that character's start (never past it)."""
+    for tok in (BYTE_LEVEL, SENTENCEPIECE):
+        ids = tok.encode(text)
+        entries = [TokenLogprob(i, -1.0, []) for i in ids]
+        offsets = completion_logprobs(entries, tok.decode, 7)["text_offset"]
+        # the oracle: the characters the bytes before token i make whole (less a leading
+        # space a SentencePiece decoder drops)
+        raw = [tok.token_bytes(i) for i in ids]
+        shift = len(b"".join(raw).decode()) - len(tok.decode(ids))
+        whole = [len(b"".join(raw[:i]).decode(errors="ignore")) for i in range(len(ids))]
+        assert offsets == [7 + max(0, n - shift) for n in whole]
+
+
+BYTE_LEVEL = demo_tokenizer("")
+SENTENCEPIECE = sentencepiece_tokenizer()

@@ -72,7 +72,7 @@ CORPUS: list[tuple[str, str, str, bytes | None, int]] = [
     ("huge max_completion_tokens", "POST", CHAT, chat(max_completion_tokens=10**6), 400),
     ("negative temperature", "POST", CHAT, chat(temperature=-0.5), 400),
     ("temperature too high", "POST", CHAT, chat(temperature=7), 400),
-    ("top_p zero", "POST", CHAT, chat(top_p=0), 400),
+    ("negative top_p", "POST", CHAT, chat(top_p=-0.1), 400),
     ("top_p above one", "POST", CHAT, chat(top_p=1.5), 400),
     ("negative top_k", "POST", CHAT, chat(top_k=-3), 400),
     ("tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": MARK}}]), 400),
@@ -97,7 +97,7 @@ CORPUS: list[tuple[str, str, str, bytes | None, int]] = [
     ("top_logprobs too many", "POST", CHAT, chat(logprobs=True, top_logprobs=50), 400),
     ("presence_penalty out of range", "POST", CHAT, chat(presence_penalty=2.5), 400),
     ("repetition_penalty zero", "POST", CHAT, chat(repetition_penalty=0), 400),
-    ("negative seed", "POST", CHAT, chat(seed=-1), 400),
+    ("seed below int64", "POST", CHAT, chat(seed=-(2**63) - 1), 400),
     ("too many stops", "POST", CHAT, chat(stop=[f"s{i}" for i in range(20)]), 400),
     ("empty stop string", "POST", CHAT, chat(stop=""), 400),
     (

@@ -241,7 +241,7 @@ class GenerationRoutes:
                     top_p=self._sampling(req.top_p, "top_p"),
                     min_p=self._sampling(req.min_p, "min_p"),
                     min_tokens=req.min_tokens or 0,
-                    seed=req.seed,
+                    seed=None if req.seed is None else req.seed % 2**63,  # -1: 2**63 - 1
                     stop=req.stop_list,
                     stop_token_ids=self.gate.stop_token_ids(req.stop_token_ids),
                     ignore_eos=req.ignore_eos,

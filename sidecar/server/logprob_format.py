@@ -26,9 +26,32 @@ def token_texts(decode: Decode) -> Callable[[int], str]:
     return text
 
 
-def chat_logprobs(entries: list[TokenLogprob], decode: Decode, token_bytes: TokenBytes) -> dict:
+def released_offsets(ids: Sequence[int], decode: Decode, start: int = 0) -> list[int]:
+    """Where each token starts in the text ``ids`` decode to, counted from ``start``: the
+    length of the text released before it, as a stream's deltas count it. A character split
+    across tokens is released with its last token, so each of them starts where it does."""
+    offsets: list[int] = []
+    released = start
+    prefix = read = 0  # ids[prefix:read] decoded last: context for the next token's text
+    for i in range(len(ids)):
+        offsets.append(released)
+        after = decode(list(ids[prefix : i + 1]))
+        if after.endswith("\ufffd"):  # a character not whole yet
+            continue
+        released += len(after) - len(decode(list(ids[prefix:read])))
+        prefix, read = read, i + 1
+    return offsets
+
+
+def chat_logprobs(
+    entries: list[TokenLogprob],
+    decode: Decode,
+    token_bytes: TokenBytes,
+    shown: Callable[[int], bool] | None = None,
+) -> dict:
     """``token`` is the decoded text (U+FFFD for part of a character, as OpenAI); ``bytes``
-    are the token's raw bytes, so joining them rebuilds the exact UTF-8 output."""
+    are the token's raw bytes, so joining them rebuilds the exact UTF-8 output: tokens the
+    text leaves out (``shown`` false: an end-of-turn or other special token) are not listed."""
 
     def item(token_id: int, logprob: float) -> dict:
         return {
@@ -39,6 +62,8 @@ def chat_logprobs(entries: list[TokenLogprob], decode: Decode, token_bytes: Toke
 
     content = []
     for entry in entries:
+        if shown is not None and not shown(entry.token_id):
+            continue
         top = [item(t, lp) for t, lp in entry.top]
         content.append({**item(entry.token_id, entry.logprob), "top_logprobs": top})
     return {"content": content}
@@ -49,28 +74,35 @@ def completion_logprobs(
     decode: Decode,
     offset: int = 0,
     ids: Sequence[int] | None = None,
+    shown: Callable[[int], bool] | None = None,
 ) -> dict:
     """The legacy completions shape; text offsets count from ``offset``. A None entry (an
     echoed prompt's first token) is null in ``token_logprobs`` and ``top_logprobs``: its
-    token comes from ``ids``."""
+    token comes from ``ids``. Each ``top_logprobs`` holds the sampled token too (up to k + 1
+    entries, as OpenAI's); tokens the text leaves out (``shown`` false) are not listed."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
+    token_ids: list[int] = []
     text = token_texts(decode)
     for i, entry in enumerate(entries):
         token_id = entry.token_id if entry is not None else (ids or ())[i]
-        token = text(token_id)
-        tokens.append(token)
+        if shown is not None and not shown(token_id):
+            continue
+        token_ids.append(token_id)
+        tokens.append(text(token_id))
         token_logprobs.append(None if entry is None else entry.logprob)
-        top_logprobs.append(None if entry is None else {text(t): lp for t, lp in entry.top})
-        text_offset.append(offset)
-        offset += len(token)
+        if entry is None:
+            top_logprobs.append(None)
+            continue
+        top = {text(t): lp for t, lp in entry.top}
+        top.setdefault(text(token_id), entry.logprob)
+        top_logprobs.append(top)
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": top_logprobs,
-        "text_offset": text_offset,
+        "text_offset": released_offsets(token_ids, decode, offset),
     }
 
 

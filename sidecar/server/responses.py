@@ -400,9 +400,27 @@ def _logprobs(
     job: Job, tokenizer: TokenizerAPI, entries: list[TokenLogprob], offset: int = 0
 ) -> dict:
     decode = _decoder(tokenizer)
+    shown = _shown(job, tokenizer)
     if job.kind == "chat":
-        return chat_logprobs(entries, decode, tokenizer.token_bytes)
-    return completion_logprobs(entries, decode, offset)
+        return chat_logprobs(entries, decode, tokenizer.token_bytes, shown)
+    return completion_logprobs(entries, decode, offset, shown=shown)
+
+
+def _shown(job: Job, tokenizer: TokenizerAPI) -> Callable[[int], bool] | None:
+    """Whether a generated token is in the reply's text: not a special token (an end of turn,
+    a header marker) that the text skips. None: the text keeps every token."""
+    if not job.stream.request.sampling.skip_special_tokens:
+        return None
+    known: dict[int, bool] = {}
+
+    def shown(token_id: int) -> bool:
+        found = known.get(token_id)
+        if found is None:
+            skipped = tokenizer.decode([token_id], skip_special_tokens=True)
+            found = known[token_id] = bool(skipped) or not tokenizer.decode([token_id], False)
+        return found
+
+    return shown
 
 
 def _delta_choice(job: Job, text: str | None, finish: str | None, logprobs: Any) -> Any:
@@ -414,7 +432,15 @@ def _delta_choice(job: Job, text: str | None, finish: str | None, logprobs: Any)
 def _echoed(job: Job, tokenizer: TokenizerAPI, prompt: list[TokenLogprob | None] | None) -> dict:
     """An echoed prompt's completions logprobs (its first token has none: null, as vLLM)."""
     ids = job.stream.request.prompt_token_ids
-    return completion_logprobs(prompt or [None] * len(ids), _decoder(tokenizer), 0, ids)
+    decode = _decoder(tokenizer)
+    out = completion_logprobs(prompt or [None] * len(ids), decode, 0, ids)
+    # The echo is the prompt's text; its ids may hold more (a BOS the tokenizer added): the
+    # offsets count within the echo, never past it (the completion's start there).
+    echo = job.echo or ""
+    decoded = decode(list(ids))
+    extra = len(decoded) - len(echo) if decoded.endswith(echo) else 0
+    out["text_offset"] = [min(max(o - extra, 0), len(echo)) for o in out["text_offset"]]
+    return out
 
 
 def _vllm_prompt_logprobs(job: Job, tokenizer: TokenizerAPI, result: Collected) -> Any:

@@ -35,10 +35,10 @@ from .tool_requests import check_response_format as check_response_format
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
-TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopP = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 StopList = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=16)]
-Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # OpenAI's int64 range
 MAX_CHOICES = 128  # n: OpenAI's limit; each choice is an engine request of its own
 MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI documents 300; vLLM sets no limit)
 
