@@ -102,8 +102,11 @@ def test_breakpoints_report_cache_writes_then_reads(client: anthropic.Anthropic)
 
 def test_one_hour_breakpoints_are_counted_apart(client: anthropic.Anthropic) -> None:
     system = unique_system(ttl="1h")
+    # A question of more than a block: the last breakpoint's end, which counts as far as the
+    # prompt's last whole block, is past the system's.
+    question = [{"role": "user", "content": "What is evicted first, and what is pinned? " * 4}]
     message = client.messages.create(
-        model="demo", max_tokens=2, system=system, messages=QUESTION, cache_control=EPHEMERAL
+        model="demo", max_tokens=2, system=system, messages=question, cache_control=EPHEMERAL
     )
     usage = message.usage
     assert usage.cache_creation.ephemeral_1h_input_tokens > 100
@@ -233,7 +236,7 @@ def test_streamed_tool_use_sends_input_json_deltas(client: anthropic.Anthropic) 
 
 def test_assistant_prefill_is_continued(client: anthropic.Anthropic) -> None:
     free = client.messages.create(model="demo", max_tokens=6, messages=QUESTION, extra_body=GREEDY)
-    head = free.content[0].text[:4]
+    head = free.content[0].text[:4].rstrip() or "The"  # a prefill may not end in whitespace
     prefilled = [*QUESTION, {"role": "assistant", "content": head}]
     rest = client.messages.create(model="demo", max_tokens=5, messages=prefilled, extra_body=GREEDY)
     assert rest.content and rest.content[0].type == "text"
@@ -381,6 +384,7 @@ def test_keys_come_as_x_api_key_or_bearer(api_tenant_server: Server) -> None:
     body = {"model": "demo", "messages": QUESTION}
     missing = httpx.post(url, json=body, timeout=10)
     assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+    assert "x-api-key" in missing.json()["error"]["message"]  # how to send one, both ways
     for headers in (
         {"x-api-key": API_KEYS["x"]["key"]},
         {"authorization": f"Bearer {API_KEYS['x']['key']}"},

@@ -4,8 +4,10 @@ cache breakpoints.
 The conversation maps onto chat messages: ``system`` blocks become one system message,
 ``tool_use`` blocks an assistant turn's ``tool_calls``, each ``tool_result`` a ``tool``
 message; text blocks of one message stay text parts of one message (joined as the chat path
-joins them, so the same text sent to either endpoint renders to the same tokens). A final
-assistant message is a prefill: the model continues it.
+joins them, so the same text sent to either endpoint renders to the same tokens). Consecutive
+messages of one role are one turn, as Anthropic combines them: their blocks in order, as if
+one message held them all. A final assistant message is a prefill: the model continues it
+(an empty one is no prefill).
 
 A breakpoint (``cache_control`` on a tool, a system block or a message block, or the
 top-level automatic one, which marks the last block) is kept as the conversation cut just
@@ -90,19 +92,49 @@ def conversation(req: w.CountTokensRequest) -> Conversation:
                     Breakpoint([p.Message("system", list(parts))], block.cache_control.ttl)
                 )
         out.messages.append(p.Message("system", parts))
+    check_turns(req.messages)
+    turns = _turns(req.messages)
+    if len(turns) > 1 and turns[-1].role == "assistant" and not turns[-1].content:
+        turns.pop()  # the optional empty final assistant message: nothing to continue
     tool_use_ids: set[str] = set()
-    for i, message in enumerate(req.messages):
-        if isinstance(message.content, str):
-            out.messages.append(p.Message(message.role, message.content))
-        elif message.role == "assistant":
-            _assistant(message.content, out, tool_use_ids)
+    for turn in turns:
+        if isinstance(turn.content, str):
+            out.messages.append(p.Message(turn.role, turn.content))
+        elif turn.role == "assistant":
+            _assistant(turn.content, out, tool_use_ids)
         else:
-            _user(message.content, out, tool_use_ids, i)
+            _user(turn.content, out, tool_use_ids, turn.index)
     if req.cache_control is not None:  # automatic caching: a breakpoint on the last block
         out.breakpoints.append(Breakpoint(list(out.messages), req.cache_control.ttl))
     check_breakpoints(out.breakpoints)
-    out.prefill = req.messages[-1].role == "assistant"
+    out.prefill = turns[-1].role == "assistant"
     return out
+
+
+@dataclass(slots=True)
+class _Turn:
+    index: int  # its first message's
+    role: Literal["user", "assistant"]
+    content: str | list[w.Block]
+
+
+def _turns(messages: list[w.InputMessage]) -> list[_Turn]:
+    """The messages with each run of one role as one turn: the run's blocks in order (a
+    lone message keeps its content as it came)."""
+    turns: list[_Turn] = []
+    for i, message in enumerate(messages):
+        if not turns or turns[-1].role != message.role:
+            turns.append(_Turn(i, message.role, message.content))
+            continue
+        turn = turns[-1]
+        turn.content = [*_blocks(turn.content), *_blocks(message.content)]
+    return turns
+
+
+def _blocks(content: str | list[w.Block]) -> list[w.Block]:
+    if isinstance(content, str):
+        return [w.TextBlock(content)] if content else []
+    return content
 
 
 def _assistant(blocks: list[w.Block], out: Conversation, tool_use_ids: set[str]) -> None:
@@ -190,6 +222,38 @@ def check_unsupported(req: w.CountTokensRequest) -> None:
             raise p.Error(f"{kind} content blocks are not supported by this server", "messages")
         if isinstance(block, w.TextBlock) and block.citations:
             raise p.Error("citations are not supported by this server", "messages")
+
+
+def check_turns(messages: list[w.InputMessage]) -> None:
+    """Anthropic's 400s on the messages themselves: empty content (but an optional final
+    assistant message), empty or blank text blocks, a ``tool_result`` after another block of
+    its message, a prefill that ends in whitespace."""
+    last = len(messages) - 1
+    for i, message in enumerate(messages):
+        prefill = i == last and message.role == "assistant"
+        if not message.content and not prefill:
+            raise p.Error(
+                f"messages.{i}: all messages must have non-empty content except for the "
+                "optional final assistant message"
+            )
+        blocks = _blocks(message.content)
+        for j, block in enumerate(blocks):
+            where = f"messages.{i}" + (f".content.{j}" if isinstance(message.content, list) else "")
+            if isinstance(block, w.TextBlock) and not block.text:
+                raise p.Error(f"{where}: text content blocks must be non-empty")
+            if isinstance(block, w.TextBlock) and not block.text.strip() and not prefill:
+                raise p.Error(f"{where}: text content blocks must contain non-whitespace text")
+            after_other = j > 0 and not isinstance(blocks[j - 1], w.ToolResultBlock)
+            if isinstance(block, w.ToolResultBlock) and after_other and message.role == "user":
+                raise p.Error(
+                    f"{where}: tool_result blocks must come before any other content in a "
+                    "user message"
+                )
+        end = blocks[-1] if blocks else None
+        if prefill and isinstance(end, w.TextBlock) and end.text != end.text.rstrip():
+            raise p.Error(
+                f"messages.{i}: final assistant content cannot end with trailing whitespace"
+            )
 
 
 def check_breakpoints(breakpoints: list[Breakpoint]) -> None:

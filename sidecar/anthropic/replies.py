@@ -9,11 +9,14 @@ breakpoint (0 without one) and ``C`` the prompt tokens the engine served from it
 - ``cache_creation_input_tokens`` = B - min(C, B): the rest of it, written now;
 - ``input_tokens`` = prompt - B: the tokens after the last breakpoint.
 
-So the three add up to the prompt, and a request without a breakpoint reports no cache
-traffic, as the hosted API would; the ``prefixcache`` extension field keeps the engine's own
-report (cached tokens, per segment, by tier). The engine reports usage when a request ends,
-so in a stream ``message_start`` carries ``input_tokens`` and ``message_delta`` the whole
-usage (Anthropic's ``message_delta`` usage is cumulative).
+``B`` goes at most as far as the engine stores the prompt: its whole blocks before its last
+token (a partial last block is never stored, the last token always computed), so that an
+identical repeat reads all of ``B`` and writes nothing. So the three add up to the prompt,
+and a request without a breakpoint reports no cache traffic, as the hosted API would; the
+``prefixcache`` extension field keeps the engine's own report (cached tokens, per segment,
+by tier). The engine reports usage when a request ends, so in a stream ``message_start``
+carries ``input_tokens`` and ``message_delta`` the whole usage (Anthropic's
+``message_delta`` usage is cumulative).
 """
 
 from __future__ import annotations
@@ -29,11 +32,18 @@ import msgspec
 from prefixcache.engine.api import TokenizerAPI
 from prefixcache.engine.request import RetentionHint, Usage
 
-from ..chat.tool_calls import ForcedParser, ToolCall, ToolCallStream, new_call_id
+from ..chat.tool_calls import (
+    ForcedParser,
+    ToolCall,
+    ToolCallParser,
+    ToolCallStream,
+    new_call_id,
+)
 from ..http.errors import APIError
 from ..server.responses import Job, cache_report, fallback_usage, raise_engine_error
 from ..wire import reply_types as rt
 from .errors import error_body
+from .partial_json import partial_object
 
 log = logging.getLogger("prefixcache.sidecar")
 
@@ -74,10 +84,21 @@ class Message(msgspec.Struct, tag_field="type", tag="message"):
     prefixcache: rt.CacheReport | None = None  # the engine's cache report (extension)
 
 
-def message_usage(usage: Usage, retain: list[RetentionHint], output_tokens: int) -> MessageUsage:
+def stored_end(prompt_tokens: int, block_size: int) -> int:
+    """How far a repeat of the prompt can be read from the cache: its whole blocks before its
+    last token (all of it while the block size is unknown, 0)."""
+    if block_size <= 0:
+        return prompt_tokens
+    return max(prompt_tokens - 1, 0) // block_size * block_size
+
+
+def message_usage(
+    usage: Usage, retain: list[RetentionHint], output_tokens: int, block_size: int
+) -> MessageUsage:
     """Anthropic's split of the prompt (see the module docstring)."""
     prompt = usage.prompt_tokens
-    marks = sorted((min(h.end, prompt), h.ttl_s) for h in retain)
+    stored = stored_end(prompt, block_size)
+    marks = sorted((min(h.end, stored), h.ttl_s) for h in retain)
     written_to = marks[-1][0] if marks else 0
     read = min(usage.cached_tokens, written_to)
     creation = CacheCreation()
@@ -107,7 +128,19 @@ def tool_use_id(call: ToolCall) -> str:
 
 
 def tool_use(call: ToolCall) -> ToolUseContent:
-    return ToolUseContent(tool_use_id(call), call.name, msgspec.json.decode(call.arguments))
+    """The call as a block; arguments that max_tokens cut are read as far as they came."""
+    return ToolUseContent(tool_use_id(call), call.name, partial_object(call.arguments))
+
+
+def forced_call_cut(parser: ToolCallParser | None, text: str, finish: str) -> bool:
+    """Whether ``text`` is a forced call that max_tokens stopped before its JSON ended: its
+    reply stops for ``max_tokens`` (with the call as far as it came), not ``tool_use``."""
+    if finish != "length" or not isinstance(parser, ForcedParser):
+        return False
+    try:
+        return not parser.parse_calls(text)
+    except ValueError:
+        return True
 
 
 def stop_reason(finish: str, tool_calls: bool, matched: str | None) -> tuple[str, str | None]:
@@ -133,28 +166,35 @@ def matched_stop(
 
 
 def whole_message(
-    job: Job, text: str, finish: str, usage: Usage, token_ids: list[int], tokenizer: TokenizerAPI
+    job: Job,
+    text: str,
+    finish: str,
+    usage: Usage,
+    token_ids: list[int],
+    tokenizer: TokenizerAPI,
+    block_size: int,
 ) -> Message:
     content: list[TextContent | ToolUseContent] = []
     calls: list[ToolCall] = []
     stops = job.stream.request.sampling.stop
     matched = matched_stop(tokenizer, token_ids, text, stops, finish)
+    cut = forced_call_cut(job.tool_parser, text, finish)
     if job.tool_parser is not None:
         parsed = job.tool_parser.parse(text)
         calls = parsed.tool_calls
-        if calls:
+        if calls or isinstance(job.tool_parser, ForcedParser):  # never the forcing JSON as text
             text = parsed.content or ""
     if text:
         content.append(TextContent(text))
     content.extend(tool_use(call) for call in calls)
-    reason, sequence = stop_reason(finish, bool(calls), matched)
+    reason, sequence = stop_reason(finish, bool(calls) and not cut, matched)
     return Message(
         id=job.id,
         model=job.model,
         content=content,
         stop_reason=reason,
         stop_sequence=sequence,
-        usage=message_usage(usage, job.retain, len(token_ids)),
+        usage=message_usage(usage, job.retain, len(token_ids), block_size),
         prefixcache=cache_report(usage, job.spans),
     )
 
@@ -165,10 +205,11 @@ def event(kind: str, **fields: Any) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
 
-async def stream_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[bytes]:
+async def stream_events(job: Job, tokenizer: TokenizerAPI, block_size: int) -> AsyncIterator[bytes]:
     """The SSE events of one streamed message."""
     prompt_tokens = len(job.stream.request.prompt_token_ids)
-    marks = [min(h.end, prompt_tokens) for h in job.retain]
+    stored = stored_end(prompt_tokens, block_size)
+    marks = [min(h.end, stored) for h in job.retain]
     start = Message(
         id=job.id,
         model=job.model,
@@ -181,7 +222,11 @@ async def stream_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[byte
     yield event("ping")
     parser = job.tool_parser
     forced = parser.function if isinstance(parser, ForcedParser) else None
-    body = _forced_call_events(job, forced) if forced else _content_events(job, tokenizer)
+    body = (
+        _forced_call_events(job, forced, block_size)
+        if forced
+        else _content_events(job, tokenizer, block_size)
+    )
     try:
         async with contextlib.aclosing(body) as frames:
             async for frame in frames:
@@ -194,7 +239,9 @@ async def stream_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[byte
         yield event("error", error={"type": "api_error", "message": message})
 
 
-async def _content_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[bytes]:
+async def _content_events(
+    job: Job, tokenizer: TokenizerAPI, block_size: int
+) -> AsyncIterator[bytes]:
     """Text as it comes (less what could start a tool call), then any parsed tool calls."""
     calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
     index = 0
@@ -236,13 +283,14 @@ async def _content_events(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[by
         finish = out.finish_reason or "stop"
         stops = job.stream.request.sampling.stop
         matched = matched_stop(tokenizer, token_ids, "".join(released), stops, finish)
-        reason, sequence = stop_reason(finish, bool(tool_calls), matched)
+        cut = calls is not None and forced_call_cut(job.tool_parser, calls.text, finish)
+        reason, sequence = stop_reason(finish, bool(tool_calls) and not cut, matched)
         usage = out.usage or fallback_usage(job, len(token_ids))
-        yield _message_end(job, usage, reason, sequence, len(token_ids))
+        yield _message_end(job, usage, reason, sequence, len(token_ids), block_size)
         return
 
 
-async def _forced_call_events(job: Job, name: str) -> AsyncIterator[bytes]:
+async def _forced_call_events(job: Job, name: str, block_size: int) -> AsyncIterator[bytes]:
     """``tool_choice`` naming a tool: the grammar makes the whole output the call's input
     JSON, so it streams as ``input_json_delta``s while it is generated."""
     head = ToolUseContent(tool_use_id(ToolCall(new_call_id(), name, "{}")), name, {})
@@ -259,23 +307,28 @@ async def _forced_call_events(job: Job, name: str) -> AsyncIterator[bytes]:
         if out.finished:
             yield event("content_block_stop", index=0)
             assert job.tool_parser is not None
-            called = bool(job.tool_parser.parse("".join(parts)).tool_calls)
-            reason = (
-                "tool_use" if called else _STOP_REASONS.get(out.finish_reason or "", "end_turn")
-            )
+            text, finish = "".join(parts), out.finish_reason or "stop"
+            called = bool(job.tool_parser.parse(text).tool_calls)
+            called = called and not forced_call_cut(job.tool_parser, text, finish)
+            reason = "tool_use" if called else _STOP_REASONS.get(finish, "end_turn")
             usage = out.usage or fallback_usage(job, num_tokens)
-            yield _message_end(job, usage, reason, None, num_tokens)
+            yield _message_end(job, usage, reason, None, num_tokens, block_size)
             return
 
 
 def _message_end(
-    job: Job, usage: Usage, reason: str, sequence: str | None, output_tokens: int
+    job: Job,
+    usage: Usage,
+    reason: str,
+    sequence: str | None,
+    output_tokens: int,
+    block_size: int,
 ) -> bytes:
     """``message_delta`` (the stop reason and the whole usage) and ``message_stop``."""
     delta = event(
         "message_delta",
         delta={"stop_reason": reason, "stop_sequence": sequence},
-        usage=message_usage(usage, job.retain, output_tokens),
+        usage=message_usage(usage, job.retain, output_tokens, block_size),
         prefixcache=cache_report(usage, job.spans),
     )
     return delta + event("message_stop")

@@ -61,12 +61,15 @@ class KeyStore:
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    def authenticate(self, authorization: str | None) -> Tenant:
-        """The tenant of an ``Authorization: Bearer <key>`` header; raises 401 when unknown."""
+    def authenticate(
+        self, authorization: str | None, how: str = "'Authorization: Bearer <key>'"
+    ) -> Tenant:
+        """The tenant of an ``Authorization: Bearer <key>`` header; raises 401 when unknown
+        (a missing key's message says ``how`` to send one)."""
         if not self._keys:
             return Tenant(DEFAULT_TENANT, admin=True)
         if not authorization or not authorization.startswith("Bearer "):
-            raise unauthorized("Missing API key: send 'Authorization: Bearer <key>'")
+            raise unauthorized(f"Missing API key: send {how}")
         digest = hashlib.sha256(authorization[7:].strip().encode()).digest()
         found: Tenant | None = None
         for key in self._keys:  # no early exit: the time taken does not depend on which key

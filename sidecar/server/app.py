@@ -79,8 +79,7 @@ class Sidecar:
             model=self.model,
         )
         other_apis = [
-            Route("/v1/messages", self.anthropic.messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", self.anthropic.count_tokens, methods=["POST"]),
+            *self.anthropic.routes(),  # with Anthropic-shaped 404s and 405s under /v1/messages
             Route("/v1/responses", self.responses.create, methods=["POST"]),
         ]
         return [

@@ -49,9 +49,12 @@ class RequestGate:
         """The authenticated tenant of a serving route; 401, then 503 while loading.
         ``accept_x_api_key``: the key may come as Anthropic's ``x-api-key`` header instead."""
         authorization = request.headers.get("authorization")
-        if authorization is None and accept_x_api_key and "x-api-key" in request.headers:
-            authorization = f"Bearer {request.headers['x-api-key']}"
-        tenant = self.settings.keys.authenticate(authorization)
+        how = "'Authorization: Bearer <key>'"
+        if accept_x_api_key:
+            how = "'x-api-key: <key>' or " + how
+            if authorization is None and "x-api-key" in request.headers:
+                authorization = f"Bearer {request.headers['x-api-key']}"
+        tenant = self.settings.keys.authenticate(authorization, how)
         self.require_ready()
         return tenant
 
