@@ -3,15 +3,19 @@
 ``instructions`` is a system message in front (not carried over by ``previous_response_id``,
 as OpenAI's); a string ``input`` is one user message; message items keep their role
 (``developer`` is the system role), ``function_call`` items become the ``tool_calls`` of an
-assistant turn (consecutive ones one turn), ``function_call_output`` items ``tool`` messages.
+assistant turn (consecutive ones one turn), ``function_call_output`` items ``tool`` messages
+(each answering a ``function_call`` of the input or the stored conversation, as OpenAI asks).
+Errors name the Responses request's fields, also those the chat path's checks raise.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
 
+from ..http.errors import APIError
 from ..wire import protocol as p
 from ..wire.prompt_parts import FunctionCall, ToolCallItem
 from ..wire.tool_requests import (
@@ -59,6 +63,7 @@ def input_messages(req: w.ResponsesRequest) -> list[p.Message]:
                 messages.append(p.Message(item.role, _text(item.content, index)))
             elif kind == "function_call":
                 call = msgspec.convert(raw, w.FunctionCallItem)
+                _check_arguments(call.arguments, index)
                 tool_call = ToolCallItem(call.call_id, FunctionCall(call.name, call.arguments))
                 last = messages[-1] if messages else None
                 if last is not None and last.role == "assistant":
@@ -77,6 +82,27 @@ def input_messages(req: w.ResponsesRequest) -> list[p.Message]:
     if not messages:
         raise p.Error("'input' must not be empty", "input")
     return messages
+
+
+def _check_arguments(arguments: str, index: int) -> None:
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        value = None
+    if not isinstance(value, dict):
+        message = f"input[{index}]: 'arguments' must be the JSON text of an object"
+        raise p.Error(message, f"input[{index}].arguments")
+
+
+def _check_call_outputs(messages: list[p.Message]) -> None:
+    """Every tool result answers a call of the conversation (OpenAI's check and words)."""
+    calls = {call.id for message in messages for call in message.tool_calls or ()}
+    for message in messages:
+        if message.role == "tool" and message.tool_call_id not in calls:
+            call_id = (message.tool_call_id or "")[:128]
+            raise p.Error(
+                f"No tool call found for function call output with call_id {call_id}.", "input"
+            )
 
 
 def _text(content: str | list[w.ContentPart], index: int) -> str:
@@ -101,6 +127,7 @@ def _without_values(message: str) -> str:
 def chat_request(req: w.ResponsesRequest, history: list[p.Message]) -> p.ChatCompletionRequest:
     """``history`` (earlier turns, from ``previous_response_id``) and this input."""
     messages = [*history, *input_messages(req)]
+    _check_call_outputs(messages)
     if req.instructions:
         messages.insert(0, p.Message("system", req.instructions))
     tools = [
@@ -135,3 +162,21 @@ def _response_format(req: w.ResponsesRequest) -> ResponseFormat | None:
     return ResponseFormat(
         "json_schema", JSONSchemaFormat(fmt.name, fmt.schema, fmt.description, fmt.strict)
     )
+
+
+# The chat request's fields, as the Responses request names them.
+_FIELDS = {
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+    "segments": "input",
+    "response_format": "text.format",
+}
+
+
+def renamed(exc: APIError) -> APIError:
+    """An error of the chat path naming the Responses request's field instead of its own."""
+    field = _FIELDS.get(exc.param or "")
+    if field is not None:
+        exc.message = exc.message.replace(f"{exc.param}=", f"{field}=")
+        exc.param = field
+    return exc

@@ -7,10 +7,13 @@ event stream (``response.created``, ``response.in_progress``, ``response.output_
 A message item opens at the first released text; tool calls, parsed once generation ends,
 follow as ``function_call`` items, their arguments in one delta. A named function's call
 (``tool_choice`` naming it) is the whole output, so its arguments stream token by token.
+Cut off by ``max_output_tokens``, the open item is ``incomplete``: the message, or a call
+whose arguments are no JSON object yet (a forced call stays a call: ``ForcedParser``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -46,6 +49,28 @@ def function_call(call: ToolCall) -> w.OutputFunctionCall:
     return w.OutputFunctionCall(new_id("fc"), call.id, call.name, call.arguments)
 
 
+def item_status(finish_reason: str | None) -> str:
+    """An output item's status once generation ended: cut off by the limit, ``incomplete``."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def call_status(arguments: str, finish_reason: str | None) -> str:
+    """A call cut off is ``incomplete`` while its arguments are no JSON object yet."""
+    try:
+        whole = isinstance(json.loads(arguments), dict)
+    except ValueError:
+        whole = False
+    return "completed" if whole else item_status(finish_reason)
+
+
+def function_calls(calls: list[ToolCall], finish_reason: str | None) -> list[w.OutputFunctionCall]:
+    """The calls as items; only the last can be one the limit cut."""
+    items = [function_call(call) for call in calls]
+    if items:
+        items[-1].status = call_status(items[-1].arguments, finish_reason)
+    return items
+
+
 def finish(response: w.Response, finish_reason: str, usage: Usage, job: Job) -> w.Response:
     """``response`` at its end: status, usage and the cache report."""
     if finish_reason == "length":
@@ -58,30 +83,37 @@ def finish(response: w.Response, finish_reason: str, usage: Usage, job: Job) -> 
     return response
 
 
-def output_items(job: Job, text: str) -> list[w.OutputItem]:
+def output_items(job: Job, text: str, finish_reason: str) -> list[w.OutputItem]:
+    """The whole output of a non-streamed response."""
     calls: list[ToolCall] = []
-    if job.tool_parser is not None:
-        parsed = job.tool_parser.parse(text)
-        if parsed.tool_calls:
+    parser = job.tool_parser
+    if isinstance(parser, ForcedParser) and parser.function is not None:
+        # A named function's arguments are the whole output as generated, as streamed.
+        calls, text = [ToolCall(new_call_id(), parser.function, text)], ""
+    elif parser is not None:
+        parsed = parser.parse(text)
+        # A forced output is never text (cut inside its first name, it is no call either).
+        if parsed.tool_calls or isinstance(parser, ForcedParser):
             calls, text = parsed.tool_calls, parsed.content or ""
     items: list[w.OutputItem] = []
     if text:
-        items.append(w.OutputMessage(new_id("msg"), "completed", [w.OutputText(text)]))
-    items.extend(function_call(call) for call in calls)
+        status = "completed" if calls else item_status(finish_reason)
+        items.append(w.OutputMessage(new_id("msg"), status, [w.OutputText(text)]))
+    items.extend(function_calls(calls, finish_reason))
     return items
 
 
 def _arguments_delta(
-    event: _Events, item: w.OutputFunctionCall, delta: str, finished: bool
+    event: _Events, item: w.OutputFunctionCall, delta: str, finish_reason: str | None
 ) -> list[bytes]:
-    """A forced call's arguments so far; once finished, its ``.done`` events."""
+    """A named call's arguments so far; once finished (a reason), its ``.done`` events."""
     frames: list[bytes] = []
     ids = {"item_id": item.id, "output_index": 0}
     if delta:
         item.arguments += delta
         frames.append(event("response.function_call_arguments.delta", **ids, delta=delta))
-    if finished:
-        item.status = "completed"
+    if finish_reason is not None:
+        item.status = call_status(item.arguments, finish_reason)
         done = "response.function_call_arguments.done"
         frames.append(event(done, **ids, name=item.name, arguments=item.arguments))
         frames.append(event("response.output_item.done", output_index=0, item=item))
@@ -153,7 +185,8 @@ async def stream_events(
             raise_engine_error(out.error, out.finish_reason)
             num_tokens += len(out.new_token_ids)
             if forced is not None:
-                for frame in _arguments_delta(event, forced, out.text_delta, out.finished):
+                reason = (out.finish_reason or "stop") if out.finished else None
+                for frame in _arguments_delta(event, forced, out.text_delta, reason):
                     yield frame
             else:
                 text = out.text_delta if calls is None else calls.push(out.text_delta)
@@ -161,22 +194,21 @@ async def stream_events(
                     yield frame
             if not out.finished:
                 continue
-            tool_calls: list[ToolCall] = []
+            items: list[w.OutputFunctionCall] = []
             if calls is not None:
                 rest = calls.finish()
                 for frame in text_delta(rest.content) if rest.content else ():
                     yield frame
-                tool_calls = rest.tool_calls
+                items = function_calls(rest.tool_calls, out.finish_reason)
             if message is not None:
                 whole = w.OutputText("".join(texts))
                 message.content = [whole]
-                message.status = "completed"
+                message.status = "completed" if items else item_status(out.finish_reason)
                 ids = {"item_id": message.id, "output_index": 0, "content_index": 0}
                 yield event("response.output_text.done", **ids, text=whole.text, logprobs=[])
                 yield event("response.content_part.done", **ids, part=whole)
                 yield event("response.output_item.done", output_index=0, item=message)
-            for call in tool_calls:
-                item = function_call(call)
+            for item in items:
                 index = len(response.output)
                 added = msgspec.structs.replace(item, arguments="", status="in_progress")
                 yield event("response.output_item.added", output_index=index, item=added)
@@ -199,14 +231,17 @@ async def stream_events(
             yield event(kind, response=response)
             return
     except APIError as exc:
+        # OpenAI's codes for response.failed name no invalid request: a client's error keeps
+        # its own code, else its type (as an HTTP 400's error object has it).
+        code = exc.code or ("invalid_request_error" if exc.status < 500 else "server_error")
         response.status = "failed"
-        response.error = w.ResponseError(exc.code or "server_error", exc.message)
-        yield event("error", code=exc.code, message=exc.message, param=exc.param)
+        response.error = w.ResponseError(code, exc.message, exc.param, exc.type)
+        yield event("error", code=code, message=exc.message, param=exc.param)
         yield event("response.failed", response=response)
     except Exception as exc:
         log.exception("stream %s failed", job.id)
         message_text = f"generation failed: {type(exc).__name__}"
         response.status = "failed"
-        response.error = w.ResponseError("server_error", message_text)
+        response.error = w.ResponseError("server_error", message_text, type="server_error")
         yield event("error", code="server_error", message=message_text, param=None)
         yield event("response.failed", response=response)

@@ -22,7 +22,7 @@ from ..chat.rendering import PromptRenderer, RenderedPrompt, common_prefix
 from ..http.errors import APIError, bad_request
 from ..http.streaming import SSEResponse, run_until_disconnect
 from ..server.generation import GenerationRoutes, Retention
-from ..server.responses import collect, json_response
+from ..server.responses import collect, json_response, server_timing
 from ..wire import protocol as p
 from ..wire.prompt_parts import FunctionCall, ToolCallItem
 from . import convert
@@ -60,14 +60,17 @@ class ResponsesRoutes:
             chat_req = convert.chat_request(req, history)
         except p.Error as exc:
             raise bad_request(str(exc), exc.param) from None
-        gate.check(p.check_chat, chat_req)
-        gate.check_model(req.model)
         response_id = new_id("resp")
         assert chat_req.messages is not None
         retention = None
         if req.prompt_cache_retention == "24h":
             retention = extended_retention(chat_req.messages)
-        job = await self.generation.chat_job(tenant, chat_req, response_id, retention)
+        try:  # the chat path's checks: their errors name the Responses fields
+            gate.check(p.check_chat, chat_req)
+            gate.check_model(req.model)
+            job = await self.generation.chat_job(tenant, chat_req, response_id, retention)
+        except APIError as exc:
+            raise convert.renamed(exc) from None
         response = self._response(req, response_id, job.model)
         conversation = chat_req.messages[1:] if req.instructions else chat_req.messages
 
@@ -81,10 +84,13 @@ class ResponsesRoutes:
             result = await run_until_disconnect(collect(job), request.receive)
         finally:
             await job.stream.aclose()
-        response.output = output_items(job, result.text)
+        response.output = output_items(job, result.text, result.finish_reason)
         finish(response, result.finish_reason, result.usage, job)
         keep(response)
-        return json_response(response)
+        reply = json_response(response)
+        if result.timing is not None:
+            reply.headers["server-timing"] = server_timing(result.timing)
+        return reply
 
     @staticmethod
     def _response(req: w.ResponsesRequest, response_id: str, model: str) -> w.Response:
@@ -112,7 +118,7 @@ class ResponsesRoutes:
             previous_response_id=req.previous_response_id,
             temperature=req.temperature,
             top_p=req.top_p,
-            tool_choice=choice if choice is not None else ("auto" if tools else "none"),
+            tool_choice=choice if choice is not None else "auto",
             tools=tools,
             text={"format": fmt if fmt is not None else {"type": "text"}},
             truncation=req.truncation or "disabled",

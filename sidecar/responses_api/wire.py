@@ -165,6 +165,8 @@ class IncompleteDetails(msgspec.Struct):
 class ResponseError(msgspec.Struct):
     code: str
     message: str
+    param: str | None = None
+    type: str | None = None  # the error's OpenAI type, e.g. invalid_request_error
 
 
 class Response(msgspec.Struct, kw_only=True):

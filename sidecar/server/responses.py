@@ -27,7 +27,7 @@ from prefixcache.engine.request import (
     Usage,
 )
 
-from ..chat.tool_calls import ToolCall, ToolCallParser, ToolCallStream
+from ..chat.tool_calls import ForcedParser, ToolCall, ToolCallParser, ToolCallStream
 from ..http.errors import APIError, server_error
 from ..http.streaming import DONE, SSEResponse, interleave, run_until_disconnect, sse_event
 from ..wire import reply_types as rt
@@ -240,8 +240,9 @@ def _chat_message(job: Job, result: Collected) -> tuple[rt.ChatMessage, str]:
     if job.tool_parser is None:
         return rt.ChatMessage("assistant", result.text), result.finish_reason
     parsed = job.tool_parser.parse(result.text)
-    if not parsed.tool_calls:
-        return rt.ChatMessage("assistant", result.text), result.finish_reason
+    if not parsed.tool_calls:  # a forced output cut in its first name: nothing to show
+        text = None if isinstance(job.tool_parser, ForcedParser) else result.text
+        return rt.ChatMessage("assistant", text), result.finish_reason
     calls = [_tool_call_reply(call) for call in parsed.tool_calls]
     # calls max_tokens cut (a forced one's arguments as far as they came) still say "length"
     reason = "length" if result.finish_reason == "length" else "tool_calls"
