@@ -121,17 +121,13 @@ def test_an_unusable_schema_fails_as_the_clients_error(
     whole = post(tools_sidecar, input="hi", max_output_tokens=4, text={"format": fmt})
     assert whole.status_code == 400, whole.text
     assert whole.json()["error"]["type"] == "invalid_request_error"
-    events = list(
+    assert whole.json()["error"]["param"] == "text.format"
+    with pytest.raises(openai.BadRequestError) as refused:  # streamed: before the stream
         client.responses.create(
             model="demo", input="hi", max_output_tokens=4, stream=True, text={"format": fmt}
         )
-    )
-    error_event, failed = events[-2:]
-    assert error_event.type == "error" and error_event.code == "invalid_request_error"
-    assert failed.type == "response.failed" and failed.response.status == "failed"
-    assert failed.response.error.code == "invalid_request_error"
-    assert failed.response.error.type == "invalid_request_error"
-    assert "schema" in failed.response.error.message
+    assert refused.value.body["param"] == "text.format"  # type: ignore[index]
+    assert "schema" in refused.value.body["message"]  # type: ignore[index]
 
 
 def test_non_streamed_responses_carry_server_timing(tools_sidecar: Server) -> None:

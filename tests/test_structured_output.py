@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
+from prefixcache.engine.grammar import closed_objects
 from prefixcache.engine.request import EngineRequest, GrammarSpec, SamplingParams
-from prefixcache.engine.step.structured_output import closed_objects
 from prefixcache.sdk.canonical import canonical_json
 
 pytest.importorskip("llguidance")

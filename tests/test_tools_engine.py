@@ -180,10 +180,27 @@ def test_json_schema_replies_validate(client: openai.OpenAI) -> None:
         assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
 
-def test_a_schema_the_grammar_engine_cannot_use_is_a_400(client: openai.OpenAI) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_the_grammar_engine_cannot_use_is_a_400(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    """Streamed too: a 400 naming the field before any stream begins, not an error inside."""
     fmt = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"$ref": "#/missing"}}}
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
-            model="demo", messages=START, response_format=fmt, max_tokens=8
+            model="demo", messages=START, response_format=fmt, max_tokens=8, stream=stream
         )
     assert "schema" in str(refused.value)
+    assert refused.value.body["param"] == "response_format"  # type: ignore[index]
+    bad = copy.deepcopy(COUNT)
+    bad["function"]["parameters"]["properties"]["n"]["type"] = "integr"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model="demo",
+            messages=START,
+            tools=[LOOKUP, bad],
+            tool_choice={"type": "function", "function": {"name": "count"}},
+            max_tokens=8,
+            stream=stream,
+        )
+    assert refused.value.body["param"] == "tools[1].function.parameters"  # type: ignore[index]

@@ -8,17 +8,13 @@ alone) and then ``accept`` the sampled tokens. The grammar's end allows only the
 tokens, so a finished value ends the request with "stop"; ``max_tokens`` may still cut it
 ("length").
 
-Objects allow only the properties their schema names unless it says otherwise
-(``additionalProperties`` defaults to false, as xgrammar's strict mode and OpenAI's strict
-structured outputs do); ``json`` mode (any object) allows any. No free whitespace: a model
-that likes spaces could otherwise never finish.
-
-llguidance is imported on the first constrained request.
+The grammar itself (objects closed unless the schema says, no free whitespace) comes from
+``engine/grammar.py``; here it is checked against the tokenizer. llguidance is imported on the
+first constrained request.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -26,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..grammar import REFUSED, compiled_grammar
 from ..request import GrammarSpec
 
 if TYPE_CHECKING:
@@ -33,35 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("prefixcache.engine")
 
-JSON_OPTIONS = {"whitespace_flexible": False}
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
-# Keys whose value is one schema, a list of schemas, or a map of name -> schema.
-_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
-_MANY = ("anyOf", "allOf", "oneOf", "prefixItems")
-_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def closed_objects(schema: Any) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object schema that does not
-    say (a copy; boolean schemas and schemas that already say are kept)."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _ONE:
-        if key in out:
-            out[key] = closed_objects(out[key])
-    for key in _MANY:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_objects(s) for s in out[key]]
-    for key in _MAP:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
-    if isinstance(out.get("additionalProperties"), dict):
-        out["additionalProperties"] = closed_objects(out["additionalProperties"])
-    is_object = out.get("type") == "object" or "properties" in out
-    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 class StructuredOutput:
@@ -89,18 +58,13 @@ class StructuredOutput:
             return grammar
         import llguidance as llg
 
-        tokenizer = self._tokenizer()
+        grammar = compiled_grammar(spec)  # ValueError where the schema itself is refused
         try:
-            if spec.kind == "json":  # OpenAI's json_object: any JSON object
-                schema: Any = {"type": "object"}
-            else:
-                schema = closed_objects(json.loads(spec.schema))
-            grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-            error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
+            error = llg.LLMatcher.validate_grammar(grammar, self._tokenizer())
         except (RuntimeError, ValueError, TypeError) as exc:
             error = str(exc)
         if error:
-            raise ValueError(f"the JSON schema cannot be used for constrained output: {error}")
+            raise ValueError(f"{REFUSED}: {error}")
         self.num_compiled += 1
         self._grammars[spec.digest] = grammar
         if len(self._grammars) > self.cache_size:

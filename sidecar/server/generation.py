@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from prefixcache.engine.api import EngineAPI, TokenizerAPI
+from prefixcache.engine.grammar import compiled_grammar
 from prefixcache.engine.request import EngineRequest, GrammarSpec, RetentionHint, SamplingParams
 
 from ..chat.rendering import PromptRenderer, RenderedPrompt
@@ -77,6 +78,7 @@ class GenerationRoutes:
         choices: int | None = None,
     ) -> list[Job]:
         """The request's ``n`` choices (or ``choices``), one job each over the one rendering."""
+        grammar = checked_grammar(req)  # before anything is rendered or started
         namespace = self.gate.namespace(tenant.name, req.cache_salt)
         prompt = await self.render_chat(req, namespace, retention)
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -90,7 +92,7 @@ class GenerationRoutes:
             prompt,
             max_tokens,
             top,
-            grammar=grammar_for(req),
+            grammar=grammar,
             skip_special_tokens=parser is None or not parser.needs_special_tokens,
             choices=choices,
         )
@@ -327,3 +329,21 @@ def echo_text(prompt: RenderedPrompt, given: str | list[int], tokenizer: Tokeniz
     if isinstance(given, str):
         return given
     return tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+
+
+def checked_grammar(req: p.ChatCompletionRequest) -> GrammarSpec | None:
+    """``req``'s grammar, compiled once here so that a schema llguidance refuses is a 400
+    naming the field, not an error inside a stream that has begun."""
+    grammar = grammar_for(req)
+    if grammar is None:
+        return None
+    try:
+        compiled_grammar(grammar)
+    except ValueError as exc:
+        param = "response_format"
+        if req.response_format is None:
+            named = req.tool_choice.function.name if req.tool_mode == "named" else None  # type: ignore[union-attr]
+            where = [i for i, t in enumerate(req.tools or ()) if t.function.name == named]
+            param = f"tools[{where[0]}].function.parameters" if where else "tools"
+        raise bad_request(str(exc), param) from None
+    return grammar
