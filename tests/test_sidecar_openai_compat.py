@@ -19,7 +19,7 @@ from tokenizers import decoders, models, normalizers
 from prefixcache.engine.request import TokenLogprob
 from prefixcache.engine.text.tokenizer import Tokenizer
 from prefixcache.sidecar.server.app import SidecarSettings, create_app
-from prefixcache.sidecar.server.logprob_format import completion_logprobs
+from prefixcache.sidecar.server.logprob_format import TokenOffsets, completion_logprobs
 from prefixcache.sidecar.server.responses import chat_logprobs
 
 ASSETS = Path(__file__).resolve().parents[1] / "engine" / "model" / "demo_assets"
@@ -368,7 +368,13 @@ def test_text_offsets_are_where_each_token_starts(text: str) -> None:
     for tok in (BYTE_LEVEL, SENTENCEPIECE):
         ids = tok.encode(text)
         entries = [TokenLogprob(i, -1.0, []) for i in ids]
-        offsets = completion_logprobs(entries, tok.decode, 7)["text_offset"]
+        offsets = completion_logprobs(entries, tok.decode, TokenOffsets(tok.decode, 7))[
+            "text_offset"
+        ]
+        stream = TokenOffsets(tok.decode, 7)  # fed in pieces, as a stream's outputs come
+        pieces = [entries[i : i + 2] for i in range(0, len(entries), 2)]
+        streamed = [completion_logprobs(p, tok.decode, stream)["text_offset"] for p in pieces]
+        assert [o for part in streamed for o in part] == offsets
         # the oracle: the characters the bytes before token i make whole (less a leading
         # space a SentencePiece decoder drops)
         raw = [tok.token_bytes(i) for i in ids]
@@ -379,3 +385,18 @@ def test_text_offsets_are_where_each_token_starts(text: str) -> None:
 
 BYTE_LEVEL = demo_tokenizer("")
 SENTENCEPIECE = sentencepiece_tokenizer()
+
+
+async def test_every_response_names_its_request(client: httpx.AsyncClient) -> None:
+    """x-request-id (OpenAI's client reads it as request_id) and request-id (Anthropic's), one
+    id; a caller's own x-request-id is echoed; a 405 says what is allowed."""
+    fresh = await client.post(CHAT, json={"messages": USER, "max_tokens": 1})
+    rid = fresh.headers["x-request-id"]
+    assert re.fullmatch(r"req_[0-9a-f]{32}", rid) and fresh.headers["request-id"] == rid
+    again = await client.post(CHAT, json={"messages": USER, "max_tokens": 1})
+    assert again.headers["x-request-id"] != rid
+    echoed = await client.get("/v1/models", headers={"x-request-id": "trace-42"})
+    assert echoed.headers["x-request-id"] == echoed.headers["request-id"] == "trace-42"
+    wrong = await client.get(CHAT)
+    assert wrong.status_code == 405 and "POST" in wrong.headers["allow"]
+    assert wrong.headers["x-request-id"].startswith("req_")

@@ -17,6 +17,7 @@ from starlette.routing import Route
 
 from .io import exception_handlers
 from .metrics import HTTPMetrics
+from .request_ids import RequestIds
 
 Endpoint = Callable[[Request], Awaitable[Any]]
 Lifespan = Callable[[Starlette], AbstractAsyncContextManager[None]]
@@ -49,7 +50,10 @@ def build_app(
     paths = [route.path for route in routes]
     return Starlette(
         routes=list(routes),
-        middleware=[Middleware(HTTPMetrics, paths=paths, registry=registry)],
+        middleware=[
+            Middleware(HTTPMetrics, paths=paths, registry=registry),
+            Middleware(RequestIds),
+        ],
         exception_handlers=exception_handlers(),
         lifespan=lifespan,
     )

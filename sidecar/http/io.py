@@ -69,7 +69,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404:
         return not_found(f"No route {request.method} {request.url.path[:200]}").response()
     error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return APIError(exc.status_code, str(exc.detail), type=error_type).response()
+    response = APIError(exc.status_code, str(exc.detail), type=error_type).response()
+    response.headers.update(exc.headers or {})  # a 405's Allow (RFC 9110 requires it)
+    return response
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:

@@ -26,21 +26,36 @@ def token_texts(decode: Decode) -> Callable[[int], str]:
     return text
 
 
-def released_offsets(ids: Sequence[int], decode: Decode, start: int = 0) -> list[int]:
-    """Where each token starts in the text ``ids`` decode to, counted from ``start``: the
-    length of the text released before it, as a stream's deltas count it. A character split
-    across tokens is released with its last token, so each of them starts where it does."""
-    offsets: list[int] = []
-    released = start
-    prefix = read = 0  # ids[prefix:read] decoded last: context for the next token's text
-    for i in range(len(ids)):
-        offsets.append(released)
-        after = decode(list(ids[prefix : i + 1]))
-        if after.endswith("\ufffd"):  # a character not whole yet
-            continue
-        released += len(after) - len(decode(list(ids[prefix:read])))
-        prefix, read = read, i + 1
-    return offsets
+class TokenOffsets:
+    """Where each next token starts in the text the tokens decode to, counted from ``start``:
+    the characters before it that are whole. A token inside a character split across several
+    starts at that character; one that ends with part of a character still moves the next one
+    past its whole ones. The same for a whole reply and a stream fed token by token."""
+
+    def __init__(self, decode: Decode, start: int = 0) -> None:
+        self.decode = decode
+        self.released = start  # characters of ids[:read], the whole ones
+        self.pending = 0  # whole characters past them in the window's undecided tail
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read] decoded last: the next token's context
+
+    def take(self, token_id: int) -> int:
+        """``token_id``'s offset; it becomes the text's next token."""
+        at = self.released + self.pending
+        self.ids.append(token_id)
+        before = self.decode(self.ids[self.prefix : self.read])
+        after = self.decode(self.ids[self.prefix :])
+        if after.endswith("\ufffd"):  # a character not whole yet: count what is
+            whole = after.rstrip("\ufffd")
+            self.pending = len(whole) - len(before) if whole.startswith(before) else 0
+            return at
+        self.released += len(after) - len(before)
+        self.pending = 0
+        self.prefix, self.read = self.read, len(self.ids)
+        del self.ids[: self.prefix]  # what no later window reads
+        self.read -= self.prefix
+        self.prefix = 0
+        return at
 
 
 def chat_logprobs(
@@ -72,24 +87,25 @@ def chat_logprobs(
 def completion_logprobs(
     entries: Sequence[TokenLogprob | None],
     decode: Decode,
-    offset: int = 0,
+    offsets: TokenOffsets,
     ids: Sequence[int] | None = None,
     shown: Callable[[int], bool] | None = None,
 ) -> dict:
-    """The legacy completions shape; text offsets count from ``offset``. A None entry (an
+    """The legacy completions shape; text offsets from ``offsets`` (a stream's carries on
+    from one call to the next). A None entry (an
     echoed prompt's first token) is null in ``token_logprobs`` and ``top_logprobs``: its
     token comes from ``ids``. Each ``top_logprobs`` holds the sampled token too (up to k + 1
     entries, as OpenAI's); tokens the text leaves out (``shown`` false) are not listed."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
-    token_ids: list[int] = []
+    text_offset: list[int] = []
     text = token_texts(decode)
     for i, entry in enumerate(entries):
         token_id = entry.token_id if entry is not None else (ids or ())[i]
         if shown is not None and not shown(token_id):
             continue
-        token_ids.append(token_id)
+        text_offset.append(offsets.take(token_id))
         tokens.append(text(token_id))
         token_logprobs.append(None if entry is None else entry.logprob)
         if entry is None:
@@ -102,7 +118,7 @@ def completion_logprobs(
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": top_logprobs,
-        "text_offset": released_offsets(token_ids, decode, offset),
+        "text_offset": text_offset,
     }
 
 

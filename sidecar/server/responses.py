@@ -32,7 +32,13 @@ from ..http.errors import APIError, server_error
 from ..http.streaming import DONE, SSEResponse, interleave, run_until_disconnect, sse_event
 from ..wire import reply_types as rt
 from .admission import EngineStream
-from .logprob_format import chat_logprobs, completion_logprobs, joined, vllm_prompt_logprobs
+from .logprob_format import (
+    TokenOffsets,
+    chat_logprobs,
+    completion_logprobs,
+    joined,
+    vllm_prompt_logprobs,
+)
 
 log = logging.getLogger("prefixcache.sidecar")
 
@@ -180,7 +186,11 @@ def reply_body(jobs: list[Job], results: list[Collected], tokenizer: TokenizerAP
     if job.kind == "chat":
         chat_choices = []
         for j, result in zip(jobs, results, strict=True):
-            logprobs = _logprobs(j, tokenizer, result.logprobs) if j.want_logprobs else None
+            logprobs = None
+            if j.want_logprobs:
+                logprobs = _logprobs(
+                    j, tokenizer, result.logprobs, TokenOffsets(_decoder(tokenizer))
+                )
             message, finish = _chat_message(j, result)
             chat_choices.append(rt.ChatChoice(j.index, message, finish, logprobs))
         body = rt.ChatCompletion(*head, chat_choices, usage_info(usage), report, job.fingerprint)
@@ -190,7 +200,8 @@ def reply_body(jobs: list[Job], results: list[Collected], tokenizer: TokenizerAP
         for j, result in zip(jobs, results, strict=True):
             logprobs, echo = None, j.echo or ""
             if j.want_logprobs:
-                logprobs = _logprobs(j, tokenizer, result.logprobs, len(echo))
+                offsets = TokenOffsets(_decoder(tokenizer), len(echo))
+                logprobs = _logprobs(j, tokenizer, result.logprobs, offsets)
                 if j.echo is not None:
                     logprobs = joined(_echoed(j, tokenizer, result.prompt_logprobs), logprobs)
             choice = rt.CompletionChoice(
@@ -342,7 +353,7 @@ async def stream_events(jobs: list[Job], tokenizer: TokenizerAPI) -> AsyncIterat
 async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[ChoiceFrame]:
     """One choice's frames, to its finish (which carries its usage)."""
     num_tokens = 0
-    offset = 0
+    offsets = None  # the completion's token offsets, carried from one output to the next
     calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
     async for out in job.stream:
         raise_engine_error(out.error, out.finish_reason)
@@ -351,7 +362,6 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
             if job.want_logprobs:
                 echoed = _echoed(job, tokenizer, out.prompt_logprobs)
             yield [_delta_choice(job, job.echo, None, echoed)], None
-            offset = len(job.echo)
             if job.prompt_only:  # one token was asked for: this output is the last
                 usage = dataclasses.replace(
                     out.usage or fallback_usage(job, 0), completion_tokens=0
@@ -361,8 +371,9 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
         num_tokens += len(out.new_token_ids)
         logprobs = None
         if job.want_logprobs and out.logprobs:
-            logprobs = _logprobs(job, tokenizer, out.logprobs, offset)
-        offset += len(out.text_delta)
+            if offsets is None:
+                offsets = TokenOffsets(_decoder(tokenizer), len(job.echo or ""))
+            logprobs = _logprobs(job, tokenizer, out.logprobs, offsets)
         text = out.text_delta if calls is None else calls.push(out.text_delta)
         if text or logprobs is not None:
             yield [_delta_choice(job, text, None, logprobs)], None
@@ -398,13 +409,13 @@ def _decoder(tokenizer: TokenizerAPI) -> Callable[[list[int]], str]:
 
 
 def _logprobs(
-    job: Job, tokenizer: TokenizerAPI, entries: list[TokenLogprob], offset: int = 0
+    job: Job, tokenizer: TokenizerAPI, entries: list[TokenLogprob], offsets: TokenOffsets
 ) -> dict:
     decode = _decoder(tokenizer)
     shown = _shown(job, tokenizer)
     if job.kind == "chat":
         return chat_logprobs(entries, decode, tokenizer.token_bytes, shown)
-    return completion_logprobs(entries, decode, offset, shown=shown)
+    return completion_logprobs(entries, decode, offsets, shown=shown)
 
 
 def _shown(job: Job, tokenizer: TokenizerAPI) -> Callable[[int], bool] | None:
@@ -434,7 +445,7 @@ def _echoed(job: Job, tokenizer: TokenizerAPI, prompt: list[TokenLogprob | None]
     """An echoed prompt's completions logprobs (its first token has none: null, as vLLM)."""
     ids = job.stream.request.prompt_token_ids
     decode = _decoder(tokenizer)
-    out = completion_logprobs(prompt or [None] * len(ids), decode, 0, ids)
+    out = completion_logprobs(prompt or [None] * len(ids), decode, TokenOffsets(decode), ids)
     # The echo is the prompt's text; its ids may hold more (a BOS the tokenizer added): the
     # offsets count within the echo, never past it (the completion's start there).
     echo = job.echo or ""
