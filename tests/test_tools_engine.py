@@ -133,6 +133,7 @@ def test_a_forced_call_cut_by_max_tokens_is_still_a_call(
         )
         if stream:
             chunks = list(client.chat.completions.create(**kw, stream=True))
+            assert chunks[0].choices[0].delta.content is None  # a forced call: no content at all
             content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
             names = [d.function.name for d in deltas if d.function and d.function.name]

@@ -97,10 +97,13 @@ def message_usage(
 ) -> MessageUsage:
     """Anthropic's split of the prompt (see the module docstring)."""
     prompt = usage.prompt_tokens
+    # Read: what the engine found, up to the last breakpoint. Written: past that, up to the
+    # breakpoints, but only as far as the engine stores (whole blocks), so that an identical
+    # repeat reads all that its first request wrote.
+    read = min(usage.cached_tokens, max((h.end for h in retain), default=0))
     stored = stored_end(prompt, block_size)
     marks = sorted((min(h.end, stored), h.ttl_s) for h in retain)
-    written_to = marks[-1][0] if marks else 0
-    read = min(usage.cached_tokens, written_to)
+    written_to = max(marks[-1][0] if marks else 0, read)
     creation = CacheCreation()
     start = read
     for end, ttl_s in marks:  # the written tokens by the TTL of the breakpoint they fall under

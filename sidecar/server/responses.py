@@ -327,8 +327,9 @@ async def stream_events(jobs: list[Job], tokenizer: TokenizerAPI) -> AsyncIterat
         return sse_event(chunk)
 
     if job.kind == "chat":
-        for j in jobs:
-            yield frame([rt.ChatChunkChoice(j.index, rt.ChatDelta(role="assistant", content=""))])
+        for j in jobs:  # a forced call has no content: none, not "" (as OpenAI's)
+            content = None if isinstance(j.tool_parser, ForcedParser) else ""
+            yield frame([rt.ChatChunkChoice(j.index, rt.ChatDelta("assistant", content))])
     usages: dict[int, Usage] = {}
     try:
         async for index, (choices, usage) in interleave(
