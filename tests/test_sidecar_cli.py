@@ -338,3 +338,26 @@ def test_a_model_that_cannot_load_ends_the_process(
         assert f"model {str(model)!r} not found" in line
     else:
         assert f"{model / 'config.json'}: invalid JSON" in line
+
+
+def test_without_the_server_extras_the_command_says_what_to_install() -> None:
+    """`pip install prefixcache` (the SDK alone) installs the console script too: run without
+    starlette it names the missing piece and the extra, instead of a traceback."""
+    blocked = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('starlette', 'uvicorn', 'torch'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import prefixcache.sidecar\n"  # the package itself imports none of them
+        "from prefixcache.sidecar.cli import main\n"
+        "sys.argv = ['prefixcache', '--help']\n"
+        "main()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1, done.stderr
+    assert "pip install 'prefixcache[serve]'" in done.stderr
+    assert "Traceback" not in done.stderr
