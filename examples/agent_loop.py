@@ -3,12 +3,16 @@ lookup, run against ``prefixcache serve``. Every step resends the same tools blo
 growing transcript; the sidecar renders tools canonically, so from step 2 on the tools block
 and all earlier turns come from the prefix cache (printed per step).
 
-    prefixcache serve --model PATH_OR_NAME     # a model whose chat template supports tools
+    prefixcache serve --model PATH_OR_NAME     # a model whose chat template renders tools
     python examples/agent_loop.py [--base-url URL] [--model NAME] [--steps 6] [--force-tools 2]
 
 ``--force-tools N`` sends ``tool_choice="required"`` (one call per step) for the first N steps, so the loop calls
 tools even on a model that would not (the grammar engine then forces a valid call); after
 that the model decides (``auto``) and the loop ends when it answers in text.
+
+The demo model's template ignores tools, so the sidecar refuses them (400
+``tools_not_supported``); ``--chat-template FILE`` gives it one that renders them (a ChatML
+template with a ``<tools>`` block, as Qwen2.5's, will do; the text stays meaningless).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import ast
 import json
 import operator
+import os
 import sys
 
 import openai
@@ -94,14 +99,18 @@ def run_tool(name: str, arguments: str) -> str:
     return f"error: unknown tool {name!r}"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default=DEFAULT_BASE_URL)
+    parser.add_argument(
+        "--base-url",
+        default=os.environ.get("PREFIXCACHE_BASE_URL", DEFAULT_BASE_URL),
+        help=f"$PREFIXCACHE_BASE_URL, else {DEFAULT_BASE_URL} (here: %(default)s)",
+    )
     parser.add_argument("--model", default=None, help="model name (default: the server's)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--force-tools", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=96)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     client = openai.OpenAI(base_url=args.base_url, api_key="unused", max_retries=0)
     model = args.model or client.models.list().data[0].id

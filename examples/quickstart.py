@@ -3,7 +3,7 @@
 Run against a running sidecar (``prefixcache serve --model smollm2``, a real instruct model;
 ``make demo`` starts one and runs this):
 
-    python examples/quickstart.py --base-url http://127.0.0.1:8000/v1
+    python examples/quickstart.py [--base-url URL]    # default: $PREFIXCACHE_BASE_URL, else :8000
 
 Plain OpenAI wire format over httpx: any OpenAI-compatible client works the same way. The
 first request computes the system prompt's KV state; the next ones, with other questions,
@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 
 import httpx
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 
 QUESTIONS = [
     "When are you open on Sundays?",
@@ -188,14 +191,18 @@ def run(
     return 0 if warm_hits else 1
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument(
+        "--base-url",
+        default=os.environ.get("PREFIXCACHE_BASE_URL", DEFAULT_BASE_URL),
+        help=f"$PREFIXCACHE_BASE_URL, else {DEFAULT_BASE_URL} (here: %(default)s)",
+    )
     parser.add_argument("--warm", type=int, default=5, help="warm requests after the cold one")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--fresh", action="store_true", help="evict the cache first (admin)")
     parser.add_argument("--api-key", default=None, help="an admin key, if the server has keys")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     return run(args.base_url, args.warm, args.max_tokens, args.fresh, args.api_key)
 
 

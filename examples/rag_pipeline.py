@@ -136,7 +136,11 @@ async def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base-url", default=os.environ.get("PREFIXCACHE_BASE_URL", DEFAULT_BASE_URL))
+    p.add_argument(
+        "--base-url",
+        default=os.environ.get("PREFIXCACHE_BASE_URL", DEFAULT_BASE_URL),
+        help=f"$PREFIXCACHE_BASE_URL, else {DEFAULT_BASE_URL} (here: %(default)s)",
+    )
     p.add_argument("--model", default=None, help="model name (default: the server's)")
     p.add_argument("--questions", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=40)

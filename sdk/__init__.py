@@ -20,7 +20,7 @@ from .errors import (
     UnprocessableEntityError,
     UnsupportedError,
 )
-from .fingerprint import Divergence, Fingerprint, diff
+from .fingerprint import Divergence, Fingerprint, SegmentDigest, diff
 from .lint import RULES, Finding, lint
 from .prompt import Prompt, PromptBuilder, Segment, Tool
 from .session_report import FamilyReport, Miss, Price, SessionReport
@@ -69,6 +69,7 @@ __all__ = [
     "ResponseFormatError",
     "SaveResult",
     "Segment",
+    "SegmentDigest",
     "SegmentReport",
     "ServiceUnavailableError",
     "SessionReport",

@@ -9,10 +9,7 @@ finished request is also recorded per prompt family for ``cache_report()``.
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import Any, Literal, get_args
 
 import anyio
@@ -21,9 +18,10 @@ import msgspec
 
 from . import anthropic_wire, errors
 from .prompt import Prompt
+from .retries import RETRY_STATUS, retry_wait
 from .session_report import Prices, SessionLedger, SessionReport
 from .stream import CompletionStream
-from .timeouts import Timeouts, deadline_in, remaining
+from .timeouts import Timeouts, deadline_in, http_timeout, remaining
 from .types import (
     CacheReport,
     CacheStats,
@@ -44,8 +42,6 @@ _BACKEND_DEFAULTS: dict[str, tuple[str, str, str]] = {  # base URL env, base URL
     "openai": ("OPENAI_BASE_URL", "https://api.openai.com/v1", "OPENAI_API_KEY"),
     "anthropic": ("ANTHROPIC_BASE_URL", "https://api.anthropic.com/v1", "ANTHROPIC_API_KEY"),
 }
-RETRY_STATUS = frozenset({408, 429, 502, 503, 504})
-MAX_RETRY_AFTER = 60.0  # seconds; a longer Retry-After is not waited for
 PromptLike = Prompt | Sequence[Mapping[str, Any]]
 
 
@@ -113,11 +109,10 @@ class AsyncClient:
         elif api_key:
             all_headers["Authorization"] = f"Bearer {api_key}"
         all_headers.update(headers or {})
-        t = self.timeouts.connect
         self._http = httpx.AsyncClient(
             base_url=self.base_url.rstrip("/") + "/",
             headers=all_headers,
-            timeout=httpx.Timeout(connect=t, read=None, write=t, pool=t),
+            timeout=http_timeout(self.timeouts),
             transport=transport,
         )
 
@@ -141,7 +136,9 @@ class AsyncClient:
         timeouts = params.pop("timeouts", None) or self.timeouts
         body = self._chat_body(prompt, stream=False, params=params)
         deadline = deadline_in(timeouts.total)
-        response = await self._send("POST", self._chat_path, body, deadline, stream=False)
+        response = await self._send(
+            "POST", self._chat_path, body, deadline, stream=False, timeouts=timeouts
+        )
         if self.speaks_messages:
             out = anthropic_wire.to_completion(_decode(response, anthropic_wire.AnthropicMessage))
         else:
@@ -312,18 +309,21 @@ class AsyncClient:
         deadline: float | None,
         *,
         stream: bool,
-        deadline_kind: str = "total",
+        deadline_kind: errors.TimeoutKind = "total",
+        timeouts: Timeouts | None = None,
     ) -> httpx.Response:
         """A 2xx response (body unread when ``stream``), retrying what is safe to retry.
+        ``timeouts`` (default: the client's) gives httpx its connect, write and pool limits.
 
         Retried: connection failures before anything was sent, and 408/429/502/503/504,
         waiting ``Retry-After`` when the server gives one (up to 60 s), else exponential
         backoff from ``retry_backoff`` seconds with jitter. Never retried: anything after a
         2xx response arrived.
         """
+        limits = http_timeout(timeouts or self.timeouts)
         attempt = 0
         while True:
-            request = self._http.build_request(method, path, json=body)
+            request = self._http.build_request(method, path, json=body, timeout=limits)
             response: httpx.Response | None = None
             try:
                 with anyio.fail_after(remaining(deadline)):
@@ -339,7 +339,7 @@ class AsyncClient:
             except httpx.ConnectError as exc:
                 error = errors.APIConnectionError(f"cannot connect to {self.base_url}: {exc}")
             except httpx.TimeoutException as exc:
-                kind = type(exc).__name__.removesuffix("Timeout").lower()
+                kind = _HTTPX_TIMEOUT_KINDS.get(type(exc), "read")  # "read": a transport's own
                 raise errors.APITimeoutError(str(exc) or "timed out", kind=kind) from exc
             except httpx.TransportError as exc:
                 raise errors.APIConnectionError(f"connection failed: {exc!r}") from exc
@@ -354,11 +354,18 @@ class AsyncClient:
                     raise error
             if attempt >= self.max_retries:
                 raise error
-            wait = _retry_wait(attempt, response, self.retry_backoff)
+            wait = retry_wait(attempt, response, self.retry_backoff)
             if deadline is not None and anyio.current_time() + wait > deadline:
                 raise error
             await anyio.sleep(wait)
             attempt += 1
+
+
+_HTTPX_TIMEOUT_KINDS: dict[type[httpx.TimeoutException], errors.TimeoutKind] = {
+    httpx.ReadTimeout: "read",
+    httpx.WriteTimeout: "write",
+    httpx.PoolTimeout: "pool",
+}
 
 
 def _decode(response: httpx.Response, type_: Any) -> Any:
@@ -370,28 +377,3 @@ def _decode(response: httpx.Response, type_: Any) -> Any:
             status_code=response.status_code,
             response=response,
         ) from exc
-
-
-def _retry_wait(attempt: int, response: httpx.Response | None, base: float) -> float:
-    if response is not None:
-        after = _retry_after(response.headers.get("retry-after"))
-        if after is not None and 0.0 <= after <= MAX_RETRY_AFTER:
-            return after
-    return min(base * 2**attempt, 16 * base) * (1.0 - 0.25 * random.random())
-
-
-def _retry_after(value: str | None) -> float | None:
-    """Seconds from a Retry-After header: a number of seconds or an HTTP date."""
-    if not value:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        pass
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return (when - datetime.now(UTC)).total_seconds()

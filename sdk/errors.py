@@ -24,7 +24,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -66,10 +66,15 @@ class APIConnectionError(APIError):
     pass
 
 
+# connect, first_token, total: the Timeouts fields. write, pool: sending the body or waiting
+# for a pooled connection took longer than ``connect``. read: a transport's own read limit.
+TimeoutKind = Literal["connect", "first_token", "total", "write", "pool", "read"]
+
+
 class APITimeoutError(APIConnectionError):
-    def __init__(self, message: str, *, kind: str) -> None:
+    def __init__(self, message: str, *, kind: TimeoutKind) -> None:
         super().__init__(message, error_type="timeout", code=kind)
-        self.kind = kind  # "connect" | "first_token" | "total" | "read" | "write" | "pool"
+        self.kind: TimeoutKind = kind
 
 
 class APIStatusError(APIError):
@@ -135,8 +140,10 @@ def parse_error_body(body: Any) -> dict[str, Any]:
             return {"message": err}
         if isinstance(err, dict):
             message = err.get("message") or err.get("detail") or body.get("detail")
+            if message is not None and not isinstance(message, str):
+                message = json.dumps(message)  # FastAPI's validation list, say
             return {
-                "message": message if isinstance(message, str) else json.dumps(message),
+                "message": message,  # None: the caller falls back to the body text
                 "type": _opt_str(err.get("type")),
                 "code": _opt_str(err.get("code")),
                 "param": _opt_str(err.get("param")),

@@ -31,7 +31,8 @@ class Send(Protocol):
         deadline: float | None,
         *,
         stream: bool,
-        deadline_kind: str = "total",
+        deadline_kind: errors.TimeoutKind = "total",
+        timeouts: Timeouts | None = None,
     ) -> httpx.Response: ...
 
 
@@ -92,6 +93,7 @@ class CompletionStream:
             limit,
             stream=True,
             deadline_kind="first_token" if limit == first_deadline else "total",
+            timeouts=self._timeouts,
         )
         try:
             if "json" in response.headers.get("content-type", ""):
@@ -115,7 +117,9 @@ class CompletionStream:
                 except StopAsyncIteration:
                     ended, sse = True, decoder.flush()  # ended without a blank line / [DONE]
                 except TimeoutError:
-                    kind = "first_token" if waiting_first and limit == first_deadline else "total"
+                    kind: errors.TimeoutKind = (
+                        "first_token" if waiting_first and limit == first_deadline else "total"
+                    )
                     raise errors.APITimeoutError(f"{kind} timeout exceeded", kind=kind) from None
                 except httpx.TransportError as exc:  # the stream started: never retried
                     raise errors.APIConnectionError(f"stream interrupted: {exc!r}") from exc
@@ -131,6 +135,10 @@ class CompletionStream:
                             self.ttft = anyio.current_time() - start
                         yield delta
                 if ended:
+                    if self.finish_reason is None:  # a clean EOF before the last chunk
+                        raise errors.APIConnectionError(
+                            "stream ended before its last chunk (no finish_reason or [DONE])"
+                        )
                     self._finished()
                     return
         finally:

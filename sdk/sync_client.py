@@ -3,10 +3,12 @@ background thread (an anyio blocking portal), so both share one implementation."
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
-from anyio.from_thread import start_blocking_portal
+from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from .client import AsyncClient, CompletionStream, PromptLike
 from .session_report import Prices, SessionReport
@@ -21,18 +23,24 @@ class Client:
 
     ``event_loop`` ("asyncio" or "trio") runs the client; ``backend`` is the API backend, as for
     ``AsyncClient`` (an older spelling, ``backend="asyncio"``/``"trio"``, still names the loop).
+    A client left open is closed when it is garbage-collected or, at the latest, at
+    interpreter exit.
     """
 
     def __init__(self, *args: Any, event_loop: str = "asyncio", **kwargs: Any) -> None:
         if kwargs.get("backend") in _EVENT_LOOPS:
             event_loop = kwargs.pop("backend")
-        self._portal_cm = start_blocking_portal(event_loop)
-        self._portal = self._portal_cm.__enter__()
+        portal_cm = start_blocking_portal(event_loop)
+        self._portal = portal_cm.__enter__()
         try:
             self._async: AsyncClient = self._portal.call(lambda: AsyncClient(*args, **kwargs))
         except BaseException:
-            self._portal_cm.__exit__(None, None, None)
+            portal_cm.__exit__(None, None, None)
             raise
+        # The loop thread is a daemon, but the portal's context manager, if left to module
+        # teardown, would ask that (by then frozen) thread to stop and wait forever. A finalizer
+        # closes the client first: on collection, or in atexit, while the thread still runs.
+        self._closer = weakref.finalize(self, _shut_down, portal_cm, self._portal, self._async)
 
     def __enter__(self) -> Client:
         return self
@@ -41,13 +49,11 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        if self._portal_cm is None:
-            return
-        try:
-            self._portal.call(self._async.aclose)
-        finally:
-            self._portal_cm.__exit__(None, None, None)
-            self._portal_cm = None
+        self._closer()  # runs once; later calls do nothing
+
+    @property
+    def closed(self) -> bool:
+        return not self._closer.alive
 
     @property
     def base_url(self) -> str:
@@ -97,6 +103,16 @@ class Client:
 
     def cache_report(self, prices: Prices | None = None) -> SessionReport:
         return self._portal.call(lambda: self._async.cache_report(prices))
+
+
+def _shut_down(
+    portal_cm: AbstractContextManager[BlockingPortal], portal: BlockingPortal, client: AsyncClient
+) -> None:
+    """Close the client on its loop, then stop the loop and join its thread."""
+    try:
+        portal.call(client.aclose)
+    finally:
+        portal_cm.__exit__(None, None, None)
 
 
 async def _next(stream: CompletionStream) -> Any:

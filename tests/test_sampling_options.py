@@ -32,7 +32,9 @@ def run(loaded: LoadedModel, prompt: list[int], sampling: SamplingParams) -> lis
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_min_p_one_and_top_p_zero_keep_only_the_most_likely_token(demo: LoadedModel, seed: int) -> None:
+def test_min_p_one_and_top_p_zero_keep_only_the_most_likely_token(
+    demo: LoadedModel, seed: int
+) -> None:
     rng = random.Random(seed)
     prompt = [rng.randrange(4, demo.config.vocab_size) for _ in range(20)]
     greedy = run(demo, prompt, SamplingParams(max_tokens=8, ignore_eos=True))
