@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
+import test_sidecar_anthropic as base
 from conftest import Server
 from prometheus_client import CollectorRegistry
 from sidecar_fake_engine import FakeEngine
@@ -40,12 +41,7 @@ WEATHER = {
 }
 
 
-@pytest.fixture(scope="module")
-def client(tools_sidecar: Server) -> Iterator[anthropic.Anthropic]:
-    with anthropic.Anthropic(
-        base_url=tools_sidecar.root, api_key="unused", max_retries=0, timeout=120
-    ) as client:
-        yield client
+client = base.client  # the module-scoped client fixture of the tests beside these
 
 
 def post(server: Server, path: str = "/v1/messages", **body: Any) -> httpx.Response:

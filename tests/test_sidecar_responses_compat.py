@@ -6,12 +6,12 @@ orphan ``function_call_output`` items, in-stream failures of invalid requests, t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import test_sidecar_responses as base
 from conftest import Server
 from test_sidecar_responses import LOOKUP
 
@@ -20,12 +20,7 @@ pytest.importorskip("llguidance")
 NAMED = {"type": "function", "name": "lookup"}
 
 
-@pytest.fixture(scope="module")
-def client(tools_sidecar: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=tools_sidecar.url, api_key="unused", max_retries=0, timeout=120
-    ) as client:
-        yield client
+client = base.client  # the module-scoped client fixture of the tests beside these
 
 
 def post(server: Server, **body: Any) -> httpx.Response:
