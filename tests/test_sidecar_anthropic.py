@@ -213,6 +213,15 @@ def test_forced_tool_use_and_a_two_step_loop(client: anthropic.Anthropic) -> Non
     assert second.usage.cache_creation_input_tokens > 0  # the new turns, up to the new mark
 
 
+def input_json_text(events: list[Any]) -> str:
+    """The input_json_delta text of a stream's events, joined."""
+    return "".join(
+        e.delta.partial_json
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    )
+
+
 def test_streamed_tool_use_sends_input_json_deltas(client: anthropic.Anthropic) -> None:
     with client.messages.stream(
         model="demo",
@@ -223,11 +232,7 @@ def test_streamed_tool_use_sends_input_json_deltas(client: anthropic.Anthropic) 
     ) as stream:
         events = list(stream)
         final = stream.get_final_message()
-    partial = "".join(
-        e.delta.partial_json
-        for e in events
-        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
-    )
+    partial = input_json_text(events)
     (call,) = [b for b in final.content if b.type == "tool_use"]
     assert json.loads(partial) == call.input
     jsonschema.validate(call.input, LOOKUP["input_schema"])

@@ -234,12 +234,7 @@ def streamed_and_whole(
     with client.messages.stream(**request) as stream:
         events = list(stream)
         streamed = stream.get_final_message()
-    partial = "".join(
-        e.delta.partial_json
-        for e in events
-        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
-    )
-    return streamed, client.messages.create(**request), partial
+    return streamed, client.messages.create(**request), base.input_json_text(events)
 
 
 def uses(message: anthropic.types.Message) -> list[tuple[str, str, dict]]:
