@@ -17,6 +17,12 @@ MARK = "SECRET-MARK-7f3a"  # must never come back in an error message
 USER = {"role": "user", "content": f"hello {MARK}"}
 
 
+def called(arguments: str) -> dict:
+    """An assistant turn with one tool call whose arguments are ``arguments`` (text)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
 def chat(**fields) -> bytes:
     return json.dumps({"messages": [USER], "max_tokens": 4, **fields}).encode()
 
@@ -221,6 +227,38 @@ CORPUS: list[tuple[str, str, str, bytes | None, int]] = [
         "POST",
         "/v1/cache/warm",
         json.dumps({"messages": [USER], "cache_salt": "a/b"}).encode(),
+        400,
+    ),
+    *(
+        (f"{where}: tool call arguments {arguments!r}", "POST", path, body(arguments), 400)
+        for arguments in ("not json", '{"a": NaN}', "[1, 2]", '{"a": -Infinity}')
+        for where, path, body in (
+            ("chat", CHAT, lambda a: chat(messages=[USER, called(a)])),
+            (
+                "warm",
+                "/v1/cache/warm",
+                lambda a: json.dumps({"messages": [USER, called(a)]}).encode(),
+            ),
+            (
+                "unpin",
+                "/v1/cache/unpin",
+                lambda a: json.dumps({"messages": [USER, called(a)]}).encode(),
+            ),
+        )
+    ),
+    ("evict: a misspelt field", "POST", "/v1/cache/evict", b'{"include_pined": true}', 400),
+    (
+        "warm: a misspelt field",
+        "POST",
+        "/v1/cache/warm",
+        json.dumps({"messages": [USER], "pinned": True}).encode(),
+        400,
+    ),
+    (
+        "warm: a tool message without tool_call_id",
+        "POST",
+        "/v1/cache/warm",
+        json.dumps({"messages": [USER, {"role": "tool", "content": "x"}]}).encode(),
         400,
     ),
 ]

@@ -10,7 +10,6 @@ Errors name the Responses request's fields, also those the chat path's checks ra
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
@@ -85,11 +84,7 @@ def input_messages(req: w.ResponsesRequest) -> list[p.Message]:
 
 
 def _check_arguments(arguments: str, index: int) -> None:
-    try:
-        value = json.loads(arguments)
-    except (ValueError, RecursionError):
-        value = None
-    if not isinstance(value, dict):
+    if p.arguments_object(arguments) is None:
         message = f"input[{index}]: 'arguments' must be the JSON text of an object"
         raise p.Error(message, f"input[{index}].arguments")
 

@@ -137,6 +137,7 @@ class CacheRoutes:
         tenant = gate.admin(request)
         req = await gate.read(request, p.CacheRequest)
         gate.check(p.check_prompt_source, req.messages, req.segments)
+        gate.check(p.check_tool_messages, req.messages)
         gate.check(p.check_template_kwargs, req.chat_template_kwargs)
         gate.check_model(req.model)
         namespace = gate.namespace(tenant.name, req.cache_salt)

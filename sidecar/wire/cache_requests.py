@@ -1,5 +1,7 @@
 """Bodies of the cache admin routes: /v1/cache/{warm,unpin} (``CacheRequest``), evict, save
-and load."""
+and load. Unknown fields are refused (a 400), unlike the OpenAI routes': an admin's typo
+(``"nmae"``, ``"include_pined"``) must not run the default action (overwrite the default
+snapshot, keep the pins)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from .prompt_parts import MAX_SEGMENTS, CacheSalt, Error, Message, Segment, fill
 CacheFileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")]
 
 
-class CacheRequest(msgspec.Struct, kw_only=True):
+class CacheRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Body of /v1/cache/warm and /v1/cache/unpin."""
 
     model: str | None = None
@@ -34,14 +36,14 @@ class CacheRequest(msgspec.Struct, kw_only=True):
         return self.chat_template_kwargs or {}
 
 
-class EvictRequest(msgspec.Struct, kw_only=True):
+class EvictRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Body of /v1/cache/evict (optional)."""
 
     include_pinned: bool = False  # unpin everything first
     keep_tier: bool = False  # the pool's blocks spill into the KV tier instead of being lost
 
 
-class CacheFileRequest(msgspec.Struct, kw_only=True):
+class CacheFileRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Body of /v1/cache/save and /v1/cache/load: which file in --cache-dir."""
 
     name: CacheFileName = "pinned"

@@ -301,21 +301,36 @@ def check_tools(req: ChatCompletionRequest) -> None:
             f"tool_choice names {req.tool_choice.function.name!r}, which is not in 'tools'",
             "tool_choice",
         )
-    for message in req.messages or ():
+    check_tool_messages(req.messages)
+
+
+def check_tool_messages(messages: list[Message] | None) -> None:
+    """Tool turns as a template can render them (chat, and the cache routes' warm / unpin)."""
+    for message in messages or ():
         if message.role == "tool" and not message.tool_call_id:
             raise Error("a 'tool' message needs 'tool_call_id'", "messages")
         if message.tool_calls and message.role != "assistant":
             raise Error("only assistant messages may carry 'tool_calls'", "messages")
         for call in message.tool_calls or ():
-            try:
-                arguments = json.loads(call.function.arguments)
-            except ValueError:
-                arguments = None
-            if not isinstance(arguments, dict):
+            if arguments_object(call.function.arguments) is None:
                 raise Error(
                     f"tool call {call.id!r}: 'arguments' must be the JSON text of an object",
                     "messages",
                 )
+
+
+def arguments_object(text: str) -> dict[str, Any] | None:
+    """A tool call's arguments as the object their JSON text holds; None if they hold none
+    (or NaN / Infinity, which Python's json reads but JSON has not)."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    try:
+        value = json.loads(text, parse_constant=refuse)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 # Set by the server from the request itself; chat_template_kwargs may not replace them.
