@@ -99,6 +99,9 @@ CUT = [
         [("f", "{}"), ("g", '{"b')],
     ),
     (ForcedParser(None), '[{"name": "long_na', []),  # the name itself cut: no call to name
+    # what the grammar never writes ends the calls there, never an error
+    (ForcedParser(None), '[{"name":"f","parameters":{}},{"x":1},', [("f", "{}")]),
+    (ForcedParser(None), '[{"name":"f","parameters":[1]}', []),
 ]
 
 

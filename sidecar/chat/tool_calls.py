@@ -16,6 +16,7 @@ section, and parses the section once generation ends, so a stream and a whole re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -240,11 +241,16 @@ def _cut_calls(text: str) -> list[ToolCall]:
         except ValueError:
             cut = _CUT_CALL.match(rest)
             if cut is not None:
-                name = json.loads(f'"{cut.group(1)}"')
-                calls.append(ToolCall(new_call_id(), name, (cut.group(2) or "").strip()))
+                with contextlib.suppress(ValueError):  # a name the grammar would not write
+                    name = json.loads(f'"{cut.group(1)}"')
+                    calls.append(ToolCall(new_call_id(), name, (cut.group(2) or "").strip()))
             break
-        if isinstance(item, dict):
+        if not isinstance(item, dict):
+            break
+        try:
             calls.append(_call(item.get("name"), item.get("parameters")))
+        except ValueError:  # not a call: what came so far is all there is
+            break
         rest = rest.lstrip()[end:].lstrip().removeprefix(",")
     return calls
 
