@@ -204,10 +204,14 @@ class AsyncClient:
         response = await self._admin("GET", "cache/stats", None)
         return _decode(response, CacheStats)
 
-    async def cache_save(self, name: str = "pinned") -> SaveResult:
-        """Write the server's pinned prefixes with their KV to ``name`` in its --cache-dir."""
+    async def cache_save(self, name: str = "pinned", allow_empty: bool = False) -> SaveResult:
+        """Write the server's pinned prefixes with their KV to ``name`` in its --cache-dir
+        (with nothing pinned, an existing file is kept: a 409, unless ``allow_empty``)."""
         self._require_sidecar("cache_save")
-        response = await self._admin("POST", "cache/save", {"name": name})
+        body: dict[str, Any] = {"name": name}
+        if allow_empty:
+            body["allow_empty"] = True
+        response = await self._admin("POST", "cache/save", body)
         return _decode(response, SaveResult)
 
     async def cache_load(self, name: str = "pinned") -> LoadResult:

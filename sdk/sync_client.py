@@ -92,8 +92,8 @@ class Client:
     def cache_stats(self) -> CacheStats:
         return self._portal.call(self._async.cache_stats)
 
-    def cache_save(self, name: str = "pinned") -> SaveResult:
-        return self._portal.call(lambda: self._async.cache_save(name))
+    def cache_save(self, name: str = "pinned", allow_empty: bool = False) -> SaveResult:
+        return self._portal.call(lambda: self._async.cache_save(name, allow_empty))
 
     def cache_load(self, name: str = "pinned") -> LoadResult:
         return self._portal.call(lambda: self._async.cache_load(name))

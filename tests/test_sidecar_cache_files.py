@@ -81,6 +81,14 @@ def test_bad_cache_files_are_refused_and_the_server_stays_healthy(
         assert httpx.get(f"{server.root}/health").json() == {"status": "ok"}
         default = httpx.post(f"{server.url}/cache/save").json()  # no body: "pinned"
         assert default["name"] == "pinned" and default["blocks"] == 0
+        # Now the file exists and nothing is pinned: a save would wipe it (a scheduled save
+        # after a restart whose load failed), so it is refused unless asked for.
+        kept = httpx.post(f"{server.url}/cache/save", json={"name": "pinned"})
+        assert kept.status_code == 409 and kept.json()["error"]["code"] == "nothing_pinned"
+        forced = httpx.post(f"{server.url}/cache/save", json={"allow_empty": True})
+        assert forced.status_code == 200 and forced.json()["blocks"] == 0
+        typo = httpx.post(f"{server.url}/cache/save", json={"nmae": "pinned"})
+        assert typo.status_code == 400  # unknown fields are refused on the cache routes
     finally:
         server.stop()
 
@@ -96,7 +104,7 @@ def test_without_a_cache_dir_the_routes_say_how_to_enable_them(
 
 
 def test_the_sdk_saves_and_loads(server_loop: ServerLoop, demo_loaded: Any, tmp_path: Path) -> None:
-    from prefixcache.sdk import Client, Prompt
+    from prefixcache.sdk import APIStatusError, Client, Prompt
 
     prompt = Prompt.builder().static(SYSTEM, tag="rules").dynamic("Any delays?", tag="q").build()
     server = start(server_loop, demo_loaded, tmp_path)
@@ -107,6 +115,11 @@ def test_the_sdk_saves_and_loads(server_loop: ServerLoop, demo_loaded: Any, tmp_
             assert saved.blocks == warmed.pinned_blocks and saved.bytes > 0
             loaded = client.cache_load("sdk")
             assert (loaded.reused_blocks, loaded.restored_blocks) == (saved.blocks, 0)
+            client.unpin(prompt)
+            with pytest.raises(APIStatusError) as kept:  # nothing pinned: the file stays
+                client.cache_save("sdk")
+            assert kept.value.status_code == 409
+            assert client.cache_save("sdk", allow_empty=True).blocks == 0
     finally:
         server.stop()
 

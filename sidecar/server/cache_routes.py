@@ -78,8 +78,17 @@ class CacheRoutes:
     async def save(self, request: Request) -> Response:
         """Write every pinned prefix and its KV to a file in --cache-dir."""
         self.gate.admin(request)
-        req = await self.gate.read_optional(request, p.CacheFileRequest)
-        result = await self.engine.save_pinned(self.cache_file(req.name), self.file_key)
+        req = await self.gate.read_optional(request, p.CacheSaveRequest)
+        path = self.cache_file(req.name)
+        if not req.allow_empty and path.exists() and not self.engine.cache_stats().blocks.pinned:
+            raise APIError(
+                409,
+                f"nothing is pinned: saving would replace {req.name!r} with an empty file; "
+                'pin prefixes first, or send "allow_empty": true',
+                param="name",
+                code="nothing_pinned",
+            )
+        result = await self.engine.save_pinned(path, self.file_key)
         return json_response(
             rt.CacheSaveResponse(req.name, result.prefixes, result.blocks, result.bytes)
         )

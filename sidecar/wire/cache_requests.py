@@ -47,3 +47,10 @@ class CacheFileRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """Body of /v1/cache/save and /v1/cache/load: which file in --cache-dir."""
 
     name: CacheFileName = "pinned"
+
+
+class CacheSaveRequest(CacheFileRequest, kw_only=True, forbid_unknown_fields=True):
+    """Body of /v1/cache/save: with nothing pinned, an existing file is kept unless
+    ``allow_empty`` (a scheduled save after a restart whose load failed must not wipe it)."""
+
+    allow_empty: bool = False

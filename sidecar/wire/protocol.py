@@ -19,6 +19,7 @@ import msgspec
 
 from .cache_requests import CacheFileRequest as CacheFileRequest
 from .cache_requests import CacheRequest as CacheRequest
+from .cache_requests import CacheSaveRequest as CacheSaveRequest
 from .cache_requests import EvictRequest as EvictRequest
 from .prompt_parts import (
     MAX_CACHE_BREAKPOINTS,
