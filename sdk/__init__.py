@@ -1,7 +1,7 @@
 """prefixcache.sdk: build cache-friendly prompts and send them. Never imports torch."""
 
 from .canonical import canonical_json
-from .client import AsyncClient, CompletionStream, Timeouts
+from .client import AsyncClient
 from .errors import (
     APIConnectionError,
     APIError,
@@ -24,7 +24,9 @@ from .fingerprint import Divergence, Fingerprint, SegmentDigest, diff
 from .lint import RULES, Finding, lint
 from .prompt import Prompt, PromptBuilder, Segment, Tool
 from .session_report import FamilyReport, Miss, Price, SessionReport
+from .stream import CompletionStream
 from .sync_client import Client
+from .timeouts import Timeouts
 from .types import (
     CacheReport,
     CacheStats,

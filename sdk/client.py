@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import anyio
 import httpx
@@ -372,7 +372,10 @@ _HTTPX_TIMEOUT_KINDS: dict[type[httpx.TimeoutException], errors.TimeoutKind] = {
 }
 
 
-def _decode(response: httpx.Response, type_: Any) -> Any:
+T = TypeVar("T")
+
+
+def _decode(response: httpx.Response, type_: type[T]) -> T:
     try:
         return msgspec.json.decode(response.content, type=type_)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:

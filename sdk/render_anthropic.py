@@ -45,7 +45,7 @@ def render_anthropic(
     system: list[tuple[dict[str, Any], str]] = []
     turns: list[tuple[str, list[tuple[dict[str, Any], str]]]] = []
     for seg in prompt.rendered():
-        block = {"type": "text", "text": seg.content}
+        block: dict[str, Any] = {"type": "text", "text": seg.content}
         if seg.role == "system" and not turns:
             system.append((block, seg.stability))
             continue

@@ -17,7 +17,7 @@ def retry_wait(attempt: int, response: httpx.Response | None, base: float) -> fl
         after = retry_after(response.headers.get("retry-after"))
         if after is not None and 0.0 <= after <= MAX_RETRY_AFTER:
             return after
-    return min(base * 2**attempt, 16 * base) * (1.0 - 0.25 * random.random())
+    return min(base * 2.0**attempt, 16 * base) * (1.0 - 0.25 * random.random())
 
 
 def retry_after(value: str | None) -> float | None:

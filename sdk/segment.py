@@ -83,7 +83,8 @@ class Tool:
 
     @property
     def parameters(self) -> dict[str, Any]:
-        return json.loads(self.parameters_json)
+        value: dict[str, Any] = json.loads(self.parameters_json)
+        return value
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "parameters": self.parameters}

@@ -130,16 +130,17 @@ class SessionReport:
         """A short fixed-width table: one line per family, then the total. A "reused" column
         (document-store tokens) appears once any request had some."""
         reused = self.reused_tokens > 0
-        head = ("family", "requests", "prompt tok", "hit rate", "cache writes", "saved")
+        head: tuple[str, ...] = ("family", "requests", "prompt tok", "hit rate")
+        head += ("cache writes", "saved")
         head += ("reused",) * reused + ("last miss",)
-        rows = [head]
+        rows: list[tuple[str, ...]] = [head]
         for f in self.families:
             last = str(f.misses[-1]) if f.misses else "-"
             rows.append(_row(f"{f.label} {f.family[:6]}", f, last, reused))
         misses = f"{sum(len(f.misses) for f in self.families)} misses"
         rows.append(_row("total", self, misses, reused))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        left = (0, len(head) - 1)  # text columns; numbers align right
+        left: tuple[int, ...] = (0, len(head) - 1)  # text columns; numbers align right
         lines = [
             "  ".join(
                 cell.ljust(w) if i in left else cell.rjust(w)
@@ -155,7 +156,7 @@ class SessionReport:
 
 def _row(name: str, r: FamilyReport | SessionReport, last: str, reused: bool) -> tuple[str, ...]:
     saved = "-" if r.savings is None else f"{r.savings:.4f}"
-    counts = (str(r.requests), f"{r.prompt_tokens:,}", f"{r.hit_rate:.1%}")
+    counts: tuple[str, ...] = (str(r.requests), f"{r.prompt_tokens:,}", f"{r.hit_rate:.1%}")
     counts += (f"{r.cache_write_tokens:,}", saved)
     return (name, *counts, *((f"{r.reused_tokens:,}",) * reused), last)
 

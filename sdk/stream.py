@@ -7,7 +7,7 @@ first byte on nothing is retried, and errors sent in-band raise ``StreamError``.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 import anyio
@@ -80,7 +80,7 @@ class CompletionStream:
     async def aclose(self) -> None:
         await self._iter.aclose()
 
-    async def _run(self) -> AsyncIterator[Delta]:
+    async def _run(self) -> AsyncGenerator[Delta, None]:
         start = anyio.current_time()
         deadline = deadline_in(self._timeouts.total)
         first = self._timeouts.first_token

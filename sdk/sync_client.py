@@ -10,8 +10,9 @@ from typing import Any
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from .client import AsyncClient, CompletionStream, PromptLike
+from .client import AsyncClient, PromptLike
 from .session_report import Prices, SessionReport
+from .stream import CompletionStream
 from .types import CacheStats, Completion, Delta, LoadResult, SaveResult, WarmResult
 
 _END = object()

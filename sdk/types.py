@@ -8,14 +8,12 @@ from typing import Any
 import msgspec
 
 # Re-exported: ``from prefixcache.sdk.types import CacheStats`` keeps working.
-from .cache_stats import (  # noqa: F401
-    BlockStats,
-    CacheStats,
-    LocalPageStats,
-    TierBlockStats,
-    TokenizerPieceStats,
-    TokenStats,
-)
+from .cache_stats import BlockStats as BlockStats
+from .cache_stats import CacheStats as CacheStats
+from .cache_stats import LocalPageStats as LocalPageStats
+from .cache_stats import TierBlockStats as TierBlockStats
+from .cache_stats import TokenizerPieceStats as TokenizerPieceStats
+from .cache_stats import TokenStats as TokenStats
 from .canonical import canonical_json
 
 
