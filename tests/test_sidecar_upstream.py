@@ -72,8 +72,10 @@ class FakeUpstream:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     stream_cut: threading.Event = field(default_factory=threading.Event)
+    health_status: int = 200
 
     def reset(self) -> None:
+        self.health_status = 200
         self.bodies.clear()
         self.headers.clear()
         self.stream_cut.clear()
@@ -95,7 +97,7 @@ class FakeUpstream:
         return JSONResponse({"count": 1, "max_model_len": 8, "tokens": [len(body["prompt"])]})
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok"}, self.health_status)
 
     async def models(self, request: Request) -> Response:
         card = {"id": self.name, "object": "model", "created": 0, "owned_by": "fake"}
@@ -207,7 +209,7 @@ def start_sidecar(
     def start(urls: list[str], **options: Any) -> Server:
         options.setdefault("routing", "hash")  # these tests pin the hash policy down
         settings = UpstreamSettings(tuple(urls), **options)
-        server = serve(server_loop, create_upstream_app(settings))
+        server = serve(server_loop, create_upstream_app(settings), health=False)
         started.append(server)
         return server
 
@@ -445,7 +447,8 @@ async def test_a_dead_upstream_is_failed_over(
         assert all(answer.status_code == 200 for answer in answers)
         assert {answer.json()["model"] for answer in answers} == {"up0", "up1"}
         assert (await client.get(f"{sidecar.root}/health")).json() == {"status": "ok"}
-    assert metric(sidecar.root, "prefixcache:upstream_connect_failures_total", upstream=dead) == 1
+    # one for the first request, one for /health's probe (it asks down upstreams too)
+    assert metric(sidecar.root, "prefixcache:upstream_connect_failures_total", upstream=dead) == 2
     assert metric(sidecar.root, "prefixcache:upstream_healthy", upstream=dead) == 0
     failovers = sum(
         metric(sidecar.root, "prefixcache:upstream_requests_total", upstream=url, route="failover")
@@ -474,6 +477,36 @@ async def test_no_reachable_upstream_is_a_502_and_health_503(
         assert models.status_code == 502  # nothing is tried while every upstream is down
 
 
+async def test_health_asks_the_upstreams_before_any_request_fails(
+    start_sidecar: Callable[..., Server], fakes: list[FakeUpstream]
+) -> None:
+    dead = [closed_url(), closed_url()]
+    sidecar = start_sidecar(dead, retry_after_s=60)
+    assert httpx.get(f"{sidecar.root}/health").status_code == 503  # no request was sent
+    for url in dead:
+        assert metric(sidecar.root, "prefixcache:upstream_connect_failures_total", upstream=url)
+
+    mixed = start_sidecar([dead[0], fakes[0].url], retry_after_s=60)
+    assert httpx.get(f"{mixed.root}/health").status_code == 200
+    pool = mixed.app.state.upstream.pool
+    assert [pool.is_healthy(u) for u in pool.upstreams] == [False, True]
+
+
+async def test_an_upstream_whose_health_fails_is_skipped_until_it_recovers(
+    start_sidecar: Callable[..., Server], fakes: list[FakeUpstream]
+) -> None:
+    fakes[0].health_status = 503  # e.g. still loading its cache
+    sidecar = start_sidecar([fakes[0].url], retry_after_s=60)
+    assert httpx.get(f"{sidecar.root}/health").status_code == 503
+    assert httpx.post(f"{sidecar.url}/chat/completions", json=chat(SYSTEM, "x")).status_code == 502
+    assert not fakes[0].bodies
+    fakes[0].health_status = 200
+    await asyncio.sleep(1.1)  # past the probe's interval, far inside the 60 s mark
+    assert httpx.get(f"{sidecar.root}/health").status_code == 200
+    answer = httpx.post(f"{sidecar.url}/chat/completions", json=chat(SYSTEM, "x"))
+    assert answer.status_code == 200 and len(fakes[0].bodies) == 1
+
+
 async def test_a_failed_upstream_is_tried_again_after_retry_after(
     start_sidecar: Callable[..., Server], fakes: list[FakeUpstream]
 ) -> None:
@@ -481,14 +514,17 @@ async def test_a_failed_upstream_is_tried_again_after_retry_after(
     sidecar = start_sidecar([dead], retry_after_s=60)
     now = [1000.0]  # the pool's clock, moved by the test: a loaded box cannot lapse it early
     sidecar.app.state.upstream.pool.clock = lambda: now[0]
+    failures = "prefixcache:upstream_connect_failures_total"
     assert httpx.post(f"{sidecar.url}/completions", json={"prompt": "a"}).status_code == 502
-    assert httpx.get(f"{sidecar.root}/health").status_code == 503
+    assert metric(sidecar.root, failures, upstream=dead) == 1
     now[0] += 59.9
-    assert httpx.get(f"{sidecar.root}/health").status_code == 503  # not before Retry-After
-    now[0] += 0.1
-    assert httpx.get(f"{sidecar.root}/health").status_code == 200
     assert httpx.post(f"{sidecar.url}/completions", json={"prompt": "a"}).status_code == 502
-    assert metric(sidecar.root, "prefixcache:upstream_connect_failures_total", upstream=dead) == 2
+    assert metric(sidecar.root, failures, upstream=dead) == 1  # not tried before Retry-After
+    now[0] += 0.1
+    assert httpx.post(f"{sidecar.url}/completions", json={"prompt": "a"}).status_code == 502
+    assert metric(sidecar.root, failures, upstream=dead) == 2  # tried again, still dead
+    assert httpx.get(f"{sidecar.root}/health").status_code == 503  # and /health asked it too
+    assert metric(sidecar.root, failures, upstream=dead) == 3
 
 
 # --- streaming ------------------------------------------------------------------------------

@@ -132,7 +132,7 @@ def router(server_loop: ServerLoop, replicas: list[Replica]) -> Iterator[Server]
         events={r.url: r.source for r in replicas},
         tokenizer=Tokenizer.from_folder(ensure_demo_model()),
     )
-    server = serve(server_loop, create_upstream_app(settings))
+    server = serve(server_loop, create_upstream_app(settings), health=False)
     yield server
     server.stop()
 

@@ -35,7 +35,7 @@ def router(server_loop: ServerLoop) -> Iterator[Server]:
         events={url: source for url, source in parsed if source is not None},
         tokenizer=Tokenizer.from_folder(os.environ["PREFIXCACHE_VLLM_TOKENIZER"]),
     )
-    server = serve(server_loop, create_upstream_app(settings))
+    server = serve(server_loop, create_upstream_app(settings), health=False)
     yield server
     server.stop()
 

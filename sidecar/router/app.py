@@ -36,6 +36,7 @@ from ..http.streaming import SSEResponse, run_until_disconnect
 from ..http.tenancy import KeyStore
 from .bodies import decode_object, segments_to_messages
 from .cache_aware import CacheAwareRouter, Replica, RoutingSettings
+from .health_probe import HealthProbe
 from .kv_index import ReplicaIndex
 from .kv_subscriber import EventSubscriber
 from .metrics import UpstreamMetrics
@@ -121,6 +122,9 @@ class UpstreamProxy:
         if settings.upstream_api_key:
             self.upstream_headers["authorization"] = f"Bearer {settings.upstream_api_key}"
         self._client: httpx.AsyncClient | None = None
+        self.probe = HealthProbe(
+            self.pool, self._mark_down, timeout_s=min(2.0, settings.connect_timeout_s)
+        )
 
     def _replicas(self, settings: UpstreamSettings) -> list[Replica]:
         events = {url.rstrip("/"): source for url, source in settings.events.items()}
@@ -183,6 +187,7 @@ class UpstreamProxy:
     # --- plain routes ---------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        await self.probe.refresh(self.client, self.upstream_headers)
         if self.pool.healthy():
             return health_reply("ok")
         return health_reply("unavailable", "no upstream reachable", self._retry_after())
@@ -301,7 +306,7 @@ class UpstreamProxy:
             response = await self._send(upstream, method, path, payload, root)
             opened = True
         except CONNECT_FAILURES as exc:
-            self._mark_down(upstream, exc)
+            self._mark_down(upstream, type(exc).__name__)
             return None
         except httpx.TimeoutException:
             raise self._timed_out() from None
@@ -337,13 +342,13 @@ class UpstreamProxy:
             headers["retry-after"] = retry_after  # the upstream's backoff, for the client's
         return Response(content, exchange.response.status_code, headers=headers)
 
-    def _mark_down(self, upstream: Upstream, exc: Exception) -> None:
+    def _mark_down(self, upstream: Upstream, reason: str) -> None:
         self.pool.mark_down(upstream)
         self.metrics.connect_failures.labels(upstream.url).inc()
         log.warning(
             "upstream %s unreachable (%s); skipped for %.1fs",
             upstream.url,
-            type(exc).__name__,
+            reason,
             self.settings.retry_after_s,
         )
 

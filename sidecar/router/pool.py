@@ -8,8 +8,9 @@
   num_healthy)); then the next-best under the bound does. ``min_load`` keeps a light load from
   being spread: a replica batches a few requests at once for free, while a prefix recomputed
   elsewhere costs a whole prefill. Adding or removing an upstream only moves the keys it owns.
-- Health is passive: a connection failure marks an upstream down for ``retry_after_s``;
-  after that it is tried again.
+- Health: a connection failure marks an upstream down for ``retry_after_s``; after that it
+  is tried again (router/health_probe.py also asks each upstream's /health when this
+  sidecar's is asked).
 
 router/app.py does the HTTP.
 """
@@ -189,6 +190,9 @@ class UpstreamPool:
 
     def mark_down(self, upstream: Upstream) -> None:
         upstream.down_until = self.clock() + self.retry_after_s
+
+    def mark_up(self, upstream: Upstream) -> None:
+        upstream.down_until = 0.0
 
     def is_healthy(self, upstream: Upstream) -> bool:
         return self.clock() >= upstream.down_until
