@@ -10,9 +10,14 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# torch is pinned to the CPU wheel first, so that the `serve` extra never pulls a CUDA build.
+# torch is pinned to its CPU build first, so that the `serve` extra never pulls a CUDA one:
+# the +cpu wheel from pip's own indexes or PyTorch's CPU index (PyPI's Linux wheel is the
+# CUDA build), else PyPI's plain wheel (CPU-only on macOS, which has no +cpu build).
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet 'torch==2.13.0+cpu' 2>/dev/null \
+	  || $(PY) -m pip install --quiet 'torch==2.13.0+cpu' --extra-index-url $(TORCH_CPU_INDEX) 2>/dev/null \
+	  || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[serve,dev]'
 	touch $(STAMP)
 
