@@ -106,13 +106,18 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("PREFIXCACHE_BASE_URL", DEFAULT_BASE_URL),
         help=f"$PREFIXCACHE_BASE_URL, else {DEFAULT_BASE_URL} (here: %(default)s)",
     )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("PREFIXCACHE_API_KEY"),
+        help="a key, if the server has keys (default: $PREFIXCACHE_API_KEY)",
+    )
     parser.add_argument("--model", default=None, help="model name (default: the server's)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--force-tools", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args(argv)
 
-    client = openai.OpenAI(base_url=args.base_url, api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key or "none", max_retries=0)
     model = args.model or client.models.list().data[0].id
     messages: list[dict] = [
         {

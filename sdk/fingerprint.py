@@ -64,7 +64,14 @@ class Divergence:
     tag_b: str | None
 
     def __str__(self) -> str:
-        return f"stable segment {self.index}: {self.tag_a!r} vs {self.tag_b!r}"
+        where = f"stable segment {self.index}"
+        if self.tag_a == self.tag_b:
+            return f"{where} {self.tag_a!r}: its content changed"
+        if self.tag_a is None:
+            return f"{where}: {self.tag_b!r} added"
+        if self.tag_b is None:
+            return f"{where}: {self.tag_a!r} gone"
+        return f"{where}: {self.tag_a!r} became {self.tag_b!r}"
 
 
 def compute_fingerprint(prompt: PromptParts) -> Fingerprint:

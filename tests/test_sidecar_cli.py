@@ -340,9 +340,18 @@ def test_a_model_that_cannot_load_ends_the_process(
         assert f"{model / 'config.json'}: invalid JSON" in line
 
 
-def test_without_the_server_extras_the_command_says_what_to_install() -> None:
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "from prefixcache.sidecar.cli import main\nmain()\n",  # the console script
+        "import runpy\nrunpy.run_module('prefixcache.sidecar.cli', run_name='__main__')\n",
+    ],
+    ids=["console-script", "python-m"],
+)
+def test_without_the_server_extras_the_command_says_what_to_install(entry: str) -> None:
     """`pip install prefixcache` (the SDK alone) installs the console script too: run without
-    starlette it names the missing piece and the extra, instead of a traceback."""
+    starlette it (or ``python -m prefixcache.sidecar.cli``) names the missing piece and the
+    extra, instead of a traceback."""
     blocked = (
         "import sys\n"
         "class Block:\n"
@@ -351,9 +360,7 @@ def test_without_the_server_extras_the_command_says_what_to_install() -> None:
         "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import prefixcache.sidecar\n"  # the package itself imports none of them
-        "from prefixcache.sidecar.cli import main\n"
-        "sys.argv = ['prefixcache', '--help']\n"
-        "main()\n"
+        "sys.argv = ['prefixcache', 'serve']\n" + entry
     )
     done = subprocess.run(
         [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60

@@ -1,5 +1,5 @@
 """``python -m prefixcache.sidecar.cli``: the ``prefixcache`` command."""
 
-from .main import main
+from . import main
 
 main()

@@ -20,8 +20,8 @@ DESCRIPTION = (
     "Requests that start with the same tokens share their cached KV blocks."
 )
 SERVE_DESCRIPTION = (
-    "Serve /v1/chat/completions, /v1/completions, /v1/models, /v1/cache/*, /health and "
-    "/metrics over the embedded engine."
+    "Serve /v1/chat/completions, /v1/completions, /v1/messages, /v1/responses, /v1/models, "
+    "/v1/cache/*, /tokenize, /health and /metrics over the embedded engine."
 )
 ROUTE_DESCRIPTION = (
     "Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics by routing "
