@@ -179,7 +179,9 @@ class LLMEngine:
                 self.tokenizer, request.sampling.skip_special_tokens
             ),
         )
-        self.sampler.add(request.request_id, request.sampling)  # ValueError: a bad schema
+        self.sampler.add(
+            request.request_id, request.sampling, request.namespace
+        )  # bad schema: ValueError
         self._sequences[request.request_id] = seq
         self.scheduler.add(seq)
 

@@ -10,8 +10,10 @@ that likes spaces could otherwise never finish. llguidance is imported on first 
 
 from __future__ import annotations
 
-import functools
 import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from .request import GrammarSpec
@@ -47,21 +49,79 @@ def closed_objects(schema: Any) -> Any:
     return out
 
 
+class GrammarCache:
+    """Compiled grammars, and refusals (their message), by (namespace, spec digest): bounded in
+    bytes, oldest out; an entry over an eighth of the bound is not kept. Keyed by namespace
+    (tenant and salt), so one tenant's schemas never make another's compile faster: no timing
+    says what schemas someone else sent. Agents send the same few schemas again and again;
+    a refused one repeated is refused at once. Thread-safe (the sidecar compiles on worker
+    threads); two threads may compile the same spec at once, one result is kept."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[tuple[str, str], tuple[bool, str]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, spec: GrammarSpec, namespace: str = "") -> str | None:
+        """The grammar if cached; ValueError if cached as refused; None if not cached."""
+        key = (namespace, spec.digest)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+        ok, text = entry
+        if not ok:
+            raise ValueError(text)
+        return text
+
+    def get_or_compile(
+        self, spec: GrammarSpec, compile: Callable[[GrammarSpec], str], namespace: str = ""
+    ) -> str:
+        """The cached grammar, else ``compile(spec)``'s, kept; its ValueError kept and raised."""
+        if (grammar := self.lookup(spec, namespace)) is not None:
+            return grammar
+        try:
+            grammar = compile(spec)
+        except ValueError as exc:
+            self._keep((namespace, spec.digest), False, str(exc))
+            raise
+        self._keep((namespace, spec.digest), True, grammar)
+        return grammar
+
+    def _keep(self, key: tuple[str, str], ok: bool, text: str) -> None:
+        size = _entry_bytes(key, text)
+        if size > self.max_bytes // 8:
+            return
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = (ok, text)
+            self.nbytes += size
+            while self.nbytes > self.max_bytes:
+                old_key, (_, old_text) = self._entries.popitem(last=False)
+                self.nbytes -= _entry_bytes(old_key, old_text)
+
+
+def _entry_bytes(key: tuple[str, str], text: str) -> int:
+    return 200 + len(key[0]) + len(key[1]) + len(text)  # ~200: the dict slot, tuple, objects
+
+
 def compiled_grammar(spec: GrammarSpec) -> str:
     """``spec``'s llguidance grammar, checked as far as it goes without a tokenizer;
-    ValueError naming the problem where llguidance refuses the schema."""
-    return _compiled(spec.kind, spec.schema)
-
-
-@functools.lru_cache(maxsize=256)  # agents send the same few schemas again and again
-def _compiled(kind: str, schema_text: str) -> str:
+    ValueError naming the problem where llguidance refuses the schema. Not cached: callers
+    keep results in a ``GrammarCache``."""
     import llguidance as llg
 
     try:
-        if kind == "json":  # OpenAI's json_object: any JSON object
+        if spec.kind == "json":  # OpenAI's json_object: any JSON object
             schema: Any = {"type": "object"}
         else:
-            schema = closed_objects(json.loads(schema_text))
+            schema = closed_objects(json.loads(spec.schema))
         grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         error = llg.LLMatcher.validate_grammar(grammar, None)
     except (RuntimeError, ValueError, TypeError) as exc:

@@ -9,9 +9,12 @@ import copy
 import dataclasses
 import json
 import shutil
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -205,3 +208,52 @@ def test_a_schema_the_grammar_engine_cannot_use_is_a_400(
             stream=stream,
         )
     assert refused.value.body["param"] == "tools[1].function.parameters"  # type: ignore[index]
+
+
+def test_a_schema_compiles_off_the_event_loop_once_per_namespace(
+    client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big schema takes llguidance up to a second: the front end compiles it on a worker
+    thread (the event loop answers /health meanwhile), keeps a refusal so that the same body
+    sent again is refused at once, and keeps both per cache namespace (another salt compiles
+    again: no tenant learns by timing what schemas another sent)."""
+    from prefixcache.sidecar.server import generation
+
+    calls: list[str] = []
+
+    def slow_refusal(spec: Any) -> str:
+        calls.append(spec.schema)
+        time.sleep(1.5)  # blocks whatever thread runs it
+        raise ValueError("the JSON schema cannot be used for constrained output: slow")
+
+    monkeypatch.setattr(generation, "compiled_grammar", slow_refusal)
+    schema = {"type": "object", "properties": {"slow": {"type": "string"}}, "x-nonce": time.time()}
+    fmt = {"type": "json_schema", "json_schema": {"name": "slow", "schema": schema}}
+
+    def ask(salt: str) -> None:
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(
+                model="demo",
+                messages=START,
+                response_format=fmt,
+                max_tokens=4,
+                extra_body={"cache_salt": salt},
+            )
+
+    root = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    asking = threading.Thread(target=ask, args=("a",))
+    asking.start()
+    gaps = []
+    while asking.is_alive():
+        start = time.perf_counter()
+        assert httpx.get(f"{root}/health", timeout=10).status_code == 200
+        gaps.append(time.perf_counter() - start)
+        time.sleep(0.05)
+    asking.join()
+    assert len(calls) == 1 and len(gaps) >= 5
+    assert max(gaps) < 0.75, gaps  # the 1.5 s compile never held the loop
+    start = time.perf_counter()
+    ask("a")  # the same schema, same namespace: refused from the cache
+    assert len(calls) == 1 and time.perf_counter() - start < 1.5
+    ask("b")  # another namespace: compiled again
+    assert len(calls) == 2

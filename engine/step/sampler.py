@@ -72,12 +72,13 @@ class Sampler:
         self.eos_token_ids = sorted(eos_token_ids)  # masked while a request is under min_tokens
         self._generators: dict[str, torch.Generator] = {}
 
-    def add(self, request_id: str, params: SamplingParams) -> None:
-        """A new request: its grammar compiled (ValueError for a schema it cannot use)."""
+    def add(self, request_id: str, params: SamplingParams, namespace: str = "") -> None:
+        """A new request: its grammar compiled, cached per cache namespace (ValueError for a
+        schema it cannot use)."""
         if params.grammar is not None:
             if self.grammar is None:
                 raise ValueError("this engine does no constrained output")
-            self.grammar.add(request_id, params.grammar)
+            self.grammar.add(request_id, params.grammar, namespace)
 
     def sample_next(self, logits: torch.Tensor, seqs: list[Seq]) -> Sampled:
         """The next token of each sequence (a row of ``logits`` each, in order)."""

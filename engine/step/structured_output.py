@@ -16,13 +16,12 @@ first constrained request.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ..grammar import REFUSED, compiled_grammar
+from ..grammar import REFUSED, GrammarCache, compiled_grammar
 from ..request import GrammarSpec
 
 if TYPE_CHECKING:
@@ -34,13 +33,12 @@ _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 
 
 class StructuredOutput:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_bytes: int = 64 << 20) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (the model's, >= the tokenizer's)
-        self.cache_size = cache_size
         self._lltok: Any = None
         self._executor: Any = None
-        self._grammars: OrderedDict[str, str] = OrderedDict()  # digest -> grammar (checked)
+        self.grammars = GrammarCache(cache_bytes)  # checked against the tokenizer
         self._matchers: dict[str, Any] = {}  # request id -> LLMatcher
         self._ended: set[str] = set()  # requests whose matcher took its stop token
         self._stop_ids = frozenset(tokenizer.eos_token_ids)
@@ -50,12 +48,12 @@ class StructuredOutput:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
 
-    def compile(self, spec: GrammarSpec) -> str:
-        """The checked grammar of ``spec``, from the cache if seen; ValueError if invalid."""
-        grammar = self._grammars.get(spec.digest)
-        if grammar is not None:
-            self._grammars.move_to_end(spec.digest)
-            return grammar
+    def compile(self, spec: GrammarSpec, namespace: str = "") -> str:
+        """The checked grammar of ``spec``, from the namespace's cache if seen; ValueError if
+        invalid (kept too: a refused schema sent again is refused at once)."""
+        return self.grammars.get_or_compile(spec, self._checked, namespace)
+
+    def _checked(self, spec: GrammarSpec) -> str:
         import llguidance as llg
 
         grammar = compiled_grammar(spec)  # ValueError where the schema itself is refused
@@ -66,15 +64,12 @@ class StructuredOutput:
         if error:
             raise ValueError(f"{REFUSED}: {error}")
         self.num_compiled += 1
-        self._grammars[spec.digest] = grammar
-        if len(self._grammars) > self.cache_size:
-            self._grammars.popitem(last=False)
         return grammar
 
-    def add(self, request_id: str, spec: GrammarSpec) -> None:
+    def add(self, request_id: str, spec: GrammarSpec, namespace: str = "") -> None:
         import llguidance as llg
 
-        matcher = llg.LLMatcher(self._tokenizer(), self.compile(spec), log_level=0)
+        matcher = llg.LLMatcher(self._tokenizer(), self.compile(spec, namespace), log_level=0)
         if matcher.is_error():
             raise ValueError(
                 f"the JSON schema cannot be used for constrained output: {matcher.get_error()}"

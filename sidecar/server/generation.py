@@ -10,11 +10,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 
 from prefixcache.engine.api import EngineAPI, TokenizerAPI
-from prefixcache.engine.grammar import compiled_grammar
+from prefixcache.engine.grammar import GrammarCache, compiled_grammar
 from prefixcache.engine.request import EngineRequest, GrammarSpec, RetentionHint, SamplingParams
 
 from ..chat.rendering import PromptRenderer, RenderedPrompt
@@ -48,6 +49,7 @@ class GenerationRoutes:
         self._sampling_defaults: dict[str, float] | None = None
         self.tool_call_parser = settings.tool_call_parser
         self._tool_template: ToolTemplate | None = None
+        self.grammars = GrammarCache()  # by cache namespace: no tenant times another's
 
     async def chat_completions(self, request: Request) -> Response | SSEResponse:
         tenant, req = await self.gate.generation_request(
@@ -78,8 +80,8 @@ class GenerationRoutes:
         choices: int | None = None,
     ) -> list[Job]:
         """The request's ``n`` choices (or ``choices``), one job each over the one rendering."""
-        grammar = checked_grammar(req)  # before anything is rendered or started
         namespace = self.gate.namespace(tenant.name, req.cache_salt)
+        grammar = await checked_grammar(req, self.grammars, namespace)  # before any rendering
         prompt = await self.render_chat(req, namespace, retention)
         max_tokens = req.max_completion_tokens or req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -331,14 +333,25 @@ def echo_text(prompt: RenderedPrompt, given: str | list[int], tokenizer: Tokeniz
     return tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
 
-def checked_grammar(req: p.ChatCompletionRequest) -> GrammarSpec | None:
-    """``req``'s grammar, compiled once here so that a schema llguidance refuses is a 400
-    naming the field, not an error inside a stream that has begun."""
+# One compile at a time off the event loop: a big schema takes up to a second of llguidance
+# (which lets go of the GIL), and a flood of them must not take every worker thread.
+_COMPILES = anyio.CapacityLimiter(1)
+
+
+async def checked_grammar(
+    req: p.ChatCompletionRequest, cache: GrammarCache, namespace: str
+) -> GrammarSpec | None:
+    """``req``'s grammar, compiled once here (on a worker thread, cached per namespace) so
+    that a schema llguidance refuses is a 400 naming the field, not an error inside a stream
+    that has begun."""
     grammar = grammar_for(req)
     if grammar is None:
         return None
     try:
-        compiled_grammar(grammar)
+        if cache.lookup(grammar, namespace) is None:
+            await anyio.to_thread.run_sync(
+                cache.get_or_compile, grammar, compiled_grammar, namespace, limiter=_COMPILES
+            )
     except ValueError as exc:
         param = "response_format"
         if req.response_format is None:
