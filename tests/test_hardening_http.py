@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import httpx
 import pytest
-from conftest import Server
+from conftest import Server, ServerLoop, serve
 
 USER = {"role": "user", "content": "hello"}
 
@@ -150,3 +151,72 @@ def generated_tokens(root: str) -> float:
         if line.startswith("prefixcache:generation_tokens_total "):
             return float(line.split()[1])
     raise AssertionError("no prefixcache:generation_tokens_total in /metrics")
+
+
+# --- slow clients -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def quick_deadlines(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefixcache.sidecar.http import uvicorn_protocol
+
+    assert uvicorn_protocol._DEADLINES  # uvicorn[standard]'s httptools parser is what runs
+    monkeypatch.setattr(uvicorn_protocol, "HEADERS_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(uvicorn_protocol, "BODY_TIMEOUT_S", 0.5)
+
+
+def closed_by_server_within(sock: socket.socket, seconds: float) -> bool:
+    """True if the server closes ``sock`` (EOF or reset) within ``seconds``."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+@pytest.mark.parametrize("send", ["nothing", "half the headers", "half the body"])
+def test_a_slow_client_is_dropped_and_others_are_served(
+    fake_server: Server, quick_deadlines: None, send: str
+) -> None:
+    """A connection that never sends a byte, trickles its headers or stalls in its body is
+    closed (uvicorn held them for as long as the client liked: enough of them used up the
+    process's file descriptors)."""
+    host, port = fake_server.root.removeprefix("http://").split(":")
+    body = json.dumps({"messages": [USER], "max_tokens": 2}).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        if send == "half the headers":
+            sock.sendall(head[:20])
+        elif send == "half the body":
+            sock.sendall(head + body[:5])
+        assert closed_by_server_within(sock, 5.0)
+    answer = httpx.post(f"{fake_server.url}/chat/completions", content=body, timeout=10)
+    assert answer.status_code == 200
+
+
+def test_deadlines_never_cut_a_long_answer_or_a_kept_alive_connection(
+    server_loop: ServerLoop, quick_deadlines: None
+) -> None:
+    from sidecar_fake_engine import FakeEngine
+
+    from prefixcache.sidecar.server.app import SidecarSettings, create_app
+
+    server = serve(server_loop, create_app(FakeEngine(delay=0.1), SidecarSettings()))
+    try:
+        with httpx.Client(timeout=30) as client:  # one kept-alive connection
+            body = {"messages": [USER], "max_tokens": 15, "stream": True}
+            with client.stream("POST", f"{server.url}/chat/completions", json=body) as reply:
+                lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]" and len(lines) >= 15  # 1.5 s of tokens
+            time.sleep(0.3)  # idle, under uvicorn's keep-alive
+            again = client.post(f"{server.url}/chat/completions", json={**body, "stream": False})
+            assert again.status_code == 200
+    finally:
+        server.stop()

@@ -4,6 +4,7 @@ with its own options; and ``serve --upstream``, upstream mode's old spelling, ke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Sequence
 
@@ -90,7 +91,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         route(args, environment, command="prefixcache serve")
         return
     args = build_parser().parse_args(argv)
+    raise_open_file_limit()
     if args.command == "serve":
         serve(args, environment)
     elif args.command == "route":
         route(args, environment)
+
+
+def raise_open_file_limit() -> None:
+    """Every connection is a file descriptor: the soft limit (often 1,024) raised to the hard
+    one, as vLLM and nginx do, so that many clients (or idle ones, until their deadline)
+    exhaust it later."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -12,23 +12,86 @@ HTTP/1.1 client must skip 1xx responses): a client that is gone for good answers
 reset, which the socket then reports; the connection is dropped and the app sees
 ``http.disconnect`` (its request is aborted) as before. A half-closed client reads the 100
 and then its response. An idle connection that ends closes at once, as before.
+
+Slow clients (with uvicorn's httptools parser, the one ``uvicorn[standard]`` brings): a
+connection must finish a request's headers within ``HEADERS_TIMEOUT_S`` of opening (or of
+the request's first byte on a kept-alive one), and its body within ``BODY_TIMEOUT_S`` of the
+headers; otherwise it is closed (the app sees ``http.disconnect``). uvicorn holds a
+connection that never sends a byte, or trickles its headers, for as long as the client likes:
+enough of them used up the process's file descriptors.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # no httptools: h11, whose parser calls none of the hooks below
+    HttpToolsProtocol = None
+
 _PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CHECKS_S = (0.02, 0.1, 0.3, 1.0, 3.0)  # after the probe: when to look for a reset
+HEADERS_TIMEOUT_S = 20.0
+BODY_TIMEOUT_S = 120.0  # a 4 MiB body at 35 KB/s
+_DEADLINES = HttpToolsProtocol is not None and issubclass(AutoHTTPProtocol, HttpToolsProtocol)
 
 
 class HalfCloseHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._input_ended = False
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._arm(HEADERS_TIMEOUT_S, self._headers_too_slow)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._arm(None)
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm(HEADERS_TIMEOUT_S, self._headers_too_slow)  # a kept-alive one's next request
+
+    def on_headers_complete(self) -> None:
+        self._arm(BODY_TIMEOUT_S, self._body_too_slow)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._arm(None)
+        super().on_message_complete()
+
+    def _arm(self, seconds: float | None, then: Any = None) -> None:
+        """Call ``then`` in ``seconds`` unless re-armed or disarmed (None) first."""
+        if not _DEADLINES:
+            return
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        if seconds is not None:
+            self._deadline = self.loop.call_later(seconds, then)
+
+    def _headers_too_slow(self) -> None:
+        self._deadline = None
+        cycle = self.cycle  # during the next request's headers, still the previous request's
+        if cycle is not None and not cycle.response_complete:
+            return  # a pipelined request waits on our response, not the client on its headers
+        self._close()
+
+    def _body_too_slow(self) -> None:
+        self._deadline = None
+        if not self.pipeline:  # a pipelined request's body is not read until its turn
+            self._close()
+
+    def _close(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
 
     def eof_received(self) -> bool | None:
         cycle = getattr(self, "cycle", None)
