@@ -282,6 +282,29 @@ def test_a_forced_call_cut_by_max_tokens_is_a_tool_use_streamed_or_not(
     assert cut_at(3).stop_reason == "max_tokens"
 
 
+def test_a_forced_call_cut_by_a_stop_sequence_says_so_streamed_or_not(
+    client: anthropic.Anthropic,
+) -> None:
+    """Not ``tool_use`` with an empty input: the stop sequence that cut the call's JSON, and
+    the input as far as it came."""
+    request = dict(
+        model="demo",
+        messages=QUESTION,
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "weather"},
+        stop_sequences=['"unit"'],  # always written: the second required property
+        max_tokens=64,
+        extra_body={"temperature": 0},
+    )
+    streamed, whole, partial = streamed_and_whole(client, **request)
+    for message in (streamed, whole):
+        assert message.stop_reason == "stop_sequence" and message.stop_sequence == '"unit"'
+        assert [b.type for b in message.content] == ["tool_use"]
+        assert "unit" not in message.content[0].input
+    assert uses(streamed) == uses(whole)
+    assert partial_object(partial) == whole.content[0].input
+
+
 @pytest.mark.parametrize(
     ("text", "value"),
     [

@@ -149,6 +149,32 @@ def test_a_forced_call_cut_by_max_tokens_is_still_a_call(
         assert names and set(names) <= {"lookup", "count"}, names
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_a_stop_string_says_stop(client: openai.OpenAI, stream: bool) -> None:
+    """A stop string inside the forced JSON: finish_reason "stop" with the call as far as it
+    came (was "tool_calls" with arguments "{", or no call at all for "required")."""
+    cases = [
+        ({"type": "function", "function": {"name": "count"}}, '"ok"', [COUNT]),  # in its args
+        ("required", '"parameters"', [LOOKUP, COUNT]),  # right after the name
+    ]
+    for choice, stop, tools in cases:
+        kw: dict[str, Any] = dict(
+            model="demo", messages=START, tools=tools, tool_choice=choice, max_tokens=48, stop=stop
+        )
+        if stream:
+            chunks = list(client.chat.completions.create(**kw, stream=True))
+            deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+            names = [d.function.name for d in deltas if d.function and d.function.name]
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            reply = client.chat.completions.create(**kw).choices[0]
+            finish = reply.finish_reason
+            names = [call.function.name for call in reply.message.tool_calls or ()]
+            assert not reply.message.content
+        assert finish == "stop", (choice, finish)
+        assert len(names) == 1 and names[0] in {"lookup", "count"}, names
+
+
 def test_json_schema_replies_validate(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",

@@ -35,8 +35,8 @@ from prefixcache.engine.request import RetentionHint, Usage
 from ..chat.tool_calls import (
     ForcedParser,
     ToolCall,
-    ToolCallParser,
     ToolCallStream,
+    forced_call_cut,
     new_call_id,
 )
 from ..http.errors import APIError
@@ -135,17 +135,6 @@ def tool_use(call: ToolCall) -> ToolUseContent:
     return ToolUseContent(tool_use_id(call), call.name, partial_object(call.arguments))
 
 
-def forced_call_cut(parser: ToolCallParser | None, text: str, finish: str) -> bool:
-    """Whether ``text`` is a forced call that max_tokens stopped before its JSON ended: its
-    reply stops for ``max_tokens`` (with the call as far as it came), not ``tool_use``."""
-    if finish != "length" or not isinstance(parser, ForcedParser):
-        return False
-    try:
-        return not parser.parse_calls(text)
-    except ValueError:
-        return True
-
-
 def stop_reason(finish: str, tool_calls: bool, matched: str | None) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence`` for an engine finish reason."""
     if tool_calls:
@@ -181,7 +170,7 @@ def whole_message(
     calls: list[ToolCall] = []
     stops = job.stream.request.sampling.stop
     matched = matched_stop(tokenizer, token_ids, text, stops, finish)
-    cut = forced_call_cut(job.tool_parser, text, finish)
+    cut = forced_call_cut(job.tool_parser, text)
     if job.tool_parser is not None:
         parsed = job.tool_parser.parse(text)
         calls = parsed.tool_calls
@@ -226,7 +215,7 @@ async def stream_events(job: Job, tokenizer: TokenizerAPI, block_size: int) -> A
     parser = job.tool_parser
     forced = parser.function if isinstance(parser, ForcedParser) else None
     body = (
-        _forced_call_events(job, forced, block_size)
+        _forced_call_events(job, forced, tokenizer, block_size)
         if forced
         else _content_events(job, tokenizer, block_size)
     )
@@ -286,23 +275,25 @@ async def _content_events(
         finish = out.finish_reason or "stop"
         stops = job.stream.request.sampling.stop
         matched = matched_stop(tokenizer, token_ids, "".join(released), stops, finish)
-        cut = calls is not None and forced_call_cut(job.tool_parser, calls.text, finish)
+        cut = calls is not None and forced_call_cut(job.tool_parser, calls.text)
         reason, sequence = stop_reason(finish, bool(tool_calls) and not cut, matched)
         usage = out.usage or fallback_usage(job, len(token_ids))
         yield _message_end(job, usage, reason, sequence, len(token_ids), block_size)
         return
 
 
-async def _forced_call_events(job: Job, name: str, block_size: int) -> AsyncIterator[bytes]:
+async def _forced_call_events(
+    job: Job, name: str, tokenizer: TokenizerAPI, block_size: int
+) -> AsyncIterator[bytes]:
     """``tool_choice`` naming a tool: the grammar makes the whole output the call's input
     JSON, so it streams as ``input_json_delta``s while it is generated."""
     head = ToolUseContent(tool_use_id(ToolCall(new_call_id(), name, "{}")), name, {})
     yield _block_start(0, head)
     parts: list[str] = []
-    num_tokens = 0
+    token_ids: list[int] = []
     async for out in job.stream:
         raise_engine_error(out.error, out.finish_reason)
-        num_tokens += len(out.new_token_ids)
+        token_ids += out.new_token_ids
         if out.text_delta:
             parts.append(out.text_delta)
             delta = {"type": "input_json_delta", "partial_json": out.text_delta}
@@ -312,10 +303,12 @@ async def _forced_call_events(job: Job, name: str, block_size: int) -> AsyncIter
             assert job.tool_parser is not None
             text, finish = "".join(parts), out.finish_reason or "stop"
             called = bool(job.tool_parser.parse(text).tool_calls)
-            called = called and not forced_call_cut(job.tool_parser, text, finish)
-            reason = "tool_use" if called else _STOP_REASONS.get(finish, "end_turn")
-            usage = out.usage or fallback_usage(job, num_tokens)
-            yield _message_end(job, usage, reason, None, num_tokens, block_size)
+            called = called and not forced_call_cut(job.tool_parser, text)
+            stops = job.stream.request.sampling.stop
+            matched = matched_stop(tokenizer, token_ids, text, stops, finish)
+            reason, sequence = stop_reason(finish, called, matched)
+            usage = out.usage or fallback_usage(job, len(token_ids))
+            yield _message_end(job, usage, reason, sequence, len(token_ids), block_size)
             return
 
 

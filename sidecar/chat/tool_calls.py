@@ -224,6 +224,17 @@ class ForcedParser(ToolCallParser):
         return ParsedOutput(None, _cut_calls(text))
 
 
+def forced_call_cut(parser: ToolCallParser | None, text: str) -> bool:
+    """Whether ``text`` is forced calls cut before their JSON ended (by max_tokens or a stop
+    string): the reply says what cut it (length, stop), not that the calls were made."""
+    if not isinstance(parser, ForcedParser):
+        return False
+    try:
+        return not parser.parse_calls(text)
+    except ValueError:
+        return True
+
+
 # The forced list's last, cut call: its name whole, then its parameters' text as far as they
 # came (none if the cut fell before them).
 _CUT_CALL = re.compile(

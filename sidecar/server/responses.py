@@ -27,7 +27,13 @@ from prefixcache.engine.request import (
     Usage,
 )
 
-from ..chat.tool_calls import ForcedParser, ToolCall, ToolCallParser, ToolCallStream
+from ..chat.tool_calls import (
+    ForcedParser,
+    ToolCall,
+    ToolCallParser,
+    ToolCallStream,
+    forced_call_cut,
+)
 from ..http.errors import APIError, server_error
 from ..http.streaming import DONE, SSEResponse, interleave, run_until_disconnect, sse_event
 from ..wire import reply_types as rt
@@ -255,8 +261,10 @@ def _chat_message(job: Job, result: Collected) -> tuple[rt.ChatMessage, str]:
         text = None if isinstance(job.tool_parser, ForcedParser) else result.text
         return rt.ChatMessage("assistant", text), result.finish_reason
     calls = [_tool_call_reply(call) for call in parsed.tool_calls]
-    # calls max_tokens cut (a forced one's arguments as far as they came) still say "length"
-    reason = "length" if result.finish_reason == "length" else "tool_calls"
+    # calls max_tokens or a stop string cut (a forced one's arguments as far as they came)
+    # say what cut them
+    cut = result.finish_reason == "length" or forced_call_cut(job.tool_parser, result.text)
+    reason = result.finish_reason if cut else "tool_calls"
     return rt.ChatMessage("assistant", parsed.content, tool_calls=calls), reason
 
 
@@ -387,7 +395,8 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
                     yield [_delta_choice(job, rest.content, None, None)], None
                 for choice in _tool_call_deltas(rest.tool_calls, job.index):
                     yield [choice], None
-                reason = "tool_calls" if rest.tool_calls and reason != "length" else reason
+                cut = reason == "length" or forced_call_cut(calls.parser, calls.text)
+                reason = "tool_calls" if rest.tool_calls and not cut else reason
             yield [_delta_choice(job, None, reason, None)], usage
             return
 
