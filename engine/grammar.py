@@ -123,9 +123,45 @@ def compiled_grammar(spec: GrammarSpec) -> str:
         else:
             schema = closed_objects(json.loads(spec.schema))
         grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-        error = llg.LLMatcher.validate_grammar(grammar, None)
+        error = llg.LLMatcher.validate_grammar(grammar, None) or _no_value(grammar)
     except (RuntimeError, ValueError, TypeError) as exc:
         error = str(exc)
     if error:
         raise ValueError(f"{REFUSED}: {error}")
     return grammar
+
+
+class _ByteVocabulary:
+    """A vocabulary of the 256 bytes and a stop token, for ``_no_value``'s first step."""
+
+    def __init__(self) -> None:
+        self.tokens = [bytes([i]) for i in range(256)] + [b""]
+        self.eos_token_id = 256
+        self.bos_token_id = None
+        self.special_token_ids = [256]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
+
+
+_byte_tokenizer: Any = None
+
+
+def _no_value(grammar: str) -> str:
+    """Why the grammar admits no output at all, or "" where it does: a schema whose ``$ref``s
+    only loop (``a -> b -> a``) compiles, and then allows nothing but the stop token, so the
+    request would answer an empty string that is no JSON."""
+    import llguidance as llg
+
+    global _byte_tokenizer
+    if _byte_tokenizer is None:
+        _byte_tokenizer = llg.LLTokenizer(
+            llg.TokenizerWrapper(_ByteVocabulary()), n_vocab=257, eos_token=[256]
+        )
+    matcher = llg.LLMatcher(_byte_tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        return matcher.get_error()
+    allowed = matcher.compute_bitmask()  # 257 bits, little-endian words: bytes, then stop
+    if not any(allowed[:32]):
+        return "the schema allows no JSON value (its $refs only refer to each other)"
+    return ""

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.engine import LLMEngine
-from prefixcache.engine.grammar import closed_objects
+from prefixcache.engine.grammar import closed_objects, compiled_grammar
 from prefixcache.engine.request import EngineRequest, GrammarSpec, SamplingParams
 from prefixcache.sdk.canonical import canonical_json
 
@@ -284,3 +284,20 @@ def test_a_json_schema_output_holds_no_undeclared_property(engine: LLMEngine) ->
     for r in engine.generate(requests):
         if r.finish_reason == "stop":
             assert set(json.loads(r.text)) <= {"a"}, r.text
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
+        {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+        {"$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"},
+    ],
+)
+def test_a_schema_whose_refs_only_loop_is_refused(schema: dict) -> None:
+    """It compiled, then allowed only the stop token: an empty answer that is no JSON (200 on
+    every API); now a ValueError (the sidecar's 400) naming why. Recursion with content stays."""
+    with pytest.raises(ValueError, match="allows no JSON value"):
+        compiled_grammar(GrammarSpec("json_schema", canonical_json(schema)))
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    assert compiled_grammar(GrammarSpec("json_schema", canonical_json(tree)))
