@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -220,3 +221,44 @@ def test_deadlines_never_cut_a_long_answer_or_a_kept_alive_connection(
             assert again.status_code == 200
     finally:
         server.stop()
+
+
+def test_long_id_lists_are_listed_and_decoded_off_the_event_loop(
+    server_loop: ServerLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/detokenize of 600K ids held the event loop 175 ms (/tokenize's token strings alike):
+    from LONG_IDS on, a worker thread decodes (here a decode made to take 1.5 s)."""
+    from sidecar_fake_engine import OFFSET, FakeEngine
+
+    from prefixcache.sidecar.server.app import SidecarSettings, create_app
+    from prefixcache.sidecar.server.tokenize_routes import LONG_IDS
+
+    engine = FakeEngine()
+    fake_server = serve(server_loop, create_app(engine, SidecarSettings()))
+    tokenizer = engine.tokenizer
+    decode = tokenizer.decode
+
+    def slow(ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) >= LONG_IDS:
+            time.sleep(1.5)  # blocks whatever thread runs it
+        return decode(ids, skip_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "decode", slow)
+    result: list[httpx.Response] = []
+    body = {"tokens": [OFFSET + ord("a")] * LONG_IDS}
+    asking = threading.Thread(
+        target=lambda: result.append(
+            httpx.post(f"{fake_server.root}/detokenize", json=body, timeout=30)
+        )
+    )
+    asking.start()
+    gaps = []
+    while asking.is_alive():
+        start = time.perf_counter()
+        assert httpx.get(f"{fake_server.root}/health", timeout=10).status_code == 200
+        gaps.append(time.perf_counter() - start)
+        time.sleep(0.05)
+    asking.join()
+    fake_server.stop()
+    assert result[0].status_code == 200 and len(gaps) >= 5
+    assert max(gaps) < 0.75, gaps

@@ -5,6 +5,10 @@ the caller's key, the caller's tokenization namespace, and nothing kept of the t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
+import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -55,7 +59,11 @@ class TokenizeRoutes:
         gate.forget(prompt)  # tokenized, not served: keep nothing of it
         ids = prompt.token_ids
         tokenizer = self.generation.engine.tokenizer
-        pieces = [tokenizer.token_piece(i) for i in ids] if req.return_token_strs else None
+        pieces = None
+        if req.return_token_strs:
+            pieces = await off_the_loop_if_long(
+                len(ids), lambda: list(map(tokenizer.token_piece, ids))
+            )
         max_len = self.generation.engine.max_model_len
         return json_response(rt.TokenizeResponse(len(ids), max_len, ids, pieces))
 
@@ -69,5 +77,21 @@ class TokenizeRoutes:
             raise bad_request(
                 f"token ids must be below the vocabulary size {tokenizer.vocab_size}", "tokens"
             )
-        text = tokenizer.decode(req.tokens, skip_special_tokens=False)
+        tokens = req.tokens
+        text = await off_the_loop_if_long(
+            len(tokens), lambda: tokenizer.decode(tokens, skip_special_tokens=False)
+        )
         return json_response(rt.DetokenizeResponse(text))
+
+
+T = TypeVar("T")
+
+# Ids at which listing or decoding them moves to a worker thread: 600K ids held the event
+# loop 175 ms (the prompt's own rendering moves at 32K characters).
+LONG_IDS = 32_768
+
+
+async def off_the_loop_if_long(count: int, work: Callable[[], T]) -> T:
+    if count < LONG_IDS:
+        return work()
+    return await anyio.to_thread.run_sync(work)
