@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 
 import pytest
 
 from prefixcache.engine.config import EngineConfig
 from prefixcache.engine.model.loader import load_model
-from prefixcache.engine.request import EngineRequest, SamplingParams
+from prefixcache.engine.request import EngineRequest, GrammarSpec, SamplingParams
 from prefixcache.engine.serving.async_engine import AsyncEngine
 
 
@@ -185,3 +186,66 @@ async def test_invalid_request_raises_and_leaves_engine_healthy(engine) -> None:
         engine, EngineRequest("ok", [5, 6, 7], SamplingParams(2, ignore_eos=True))
     )
     assert final.finished and len(tokens) == 2
+
+
+def slow_compiles(engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch, seconds: float) -> list:
+    """Every grammar compile in ``engine`` takes ``seconds`` more; returns when each ended."""
+    structured = engine.engine.structured
+    checked = structured._checked
+    ended: list[float] = []
+
+    def slow(spec: GrammarSpec) -> str:
+        time.sleep(seconds)
+        grammar = checked(spec)
+        ended.append(time.monotonic())
+        return grammar
+
+    monkeypatch.setattr(structured, "_checked", slow)
+    return ended
+
+
+async def test_a_grammar_compiles_off_the_step_loop(engine, loaded, monkeypatch) -> None:
+    """A constrained request's grammar compiles on a worker thread: a request that came after
+    it is served meanwhile (a big schema held every running request's steps up to a second);
+    the constrained one runs once its grammar is ready, and a second one takes it cached."""
+    pytest.importorskip("llguidance")
+    ended = slow_compiles(engine, monkeypatch, 3.0)  # many steps of the plain one, loaded box too
+    vocab = loaded.config.vocab_size
+    constrained = SamplingParams(16, grammar=GrammarSpec("json"))
+    finished: dict[str, float] = {}
+
+    async def timed(request: EngineRequest):
+        result = await collect(engine, request)
+        finished[request.request_id] = time.monotonic()
+        return result
+
+    first = asyncio.ensure_future(timed(EngineRequest("json", prompt(7, 20, vocab), constrained)))
+    await asyncio.sleep(0)  # its Add goes in first
+    plain = await timed(EngineRequest("plain", prompt(8, 20, vocab), SamplingParams(4)))
+    (_, final) = await first
+    assert plain[1].finished and final.finished and len(ended) == 1
+    assert finished["plain"] < ended[0] <= finished["json"]
+    again = await collect(engine, EngineRequest("json2", prompt(9, 20, vocab), constrained))
+    assert again[1].finished and len(ended) == 1  # cached: no second compile
+
+
+async def test_a_request_aborted_while_its_grammar_compiles_never_runs(
+    engine, loaded, monkeypatch
+) -> None:
+    pytest.importorskip("llguidance")
+    ended = slow_compiles(engine, monkeypatch, 0.5)
+    request = EngineRequest(
+        "gone",
+        prompt(10, 20, loaded.config.vocab_size),
+        SamplingParams(8, grammar=GrammarSpec("json")),
+    )
+    consumer = asyncio.ensure_future(collect(engine, request))
+    await asyncio.sleep(0.1)
+    consumer.cancel()  # the client left: an Abort while the grammar compiles
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    while not ended:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.2)  # the Add came back and was dropped
+    assert engine.num_running == 0 and engine.num_waiting == 0
+    assert generated(engine) == 0

@@ -11,12 +11,14 @@ from any thread; everything else runs on the loop's own thread.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from ..engine import LLMEngine
@@ -94,6 +96,9 @@ class EngineCore:
         self.refused: list[wire.Refusal] = []
         self.metrics_sent_at = 0.0
         self.records_sent = 0  # the seq of the last RequestRecord sent
+        self._compiler: ThreadPoolExecutor | None = None
+        self._compiling: set[str] = set()  # requests whose grammar compiles off the loop
+        self._dropped: set[str] = set()  # ... and were aborted meanwhile
 
     def ready(self) -> wire.Ready:
         return ready_message(self.engine, self.out.mirrors_metrics)
@@ -128,6 +133,8 @@ class EngineCore:
                     self.send_step([], refresh=True)
         for seq in [*engine.scheduler.running, *engine.scheduler.waiting]:
             engine.abort_request(seq.request_id)
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
 
     def idle_wait(self) -> float:
         """How long an idle loop sleeps: until the next TTL pin lapses, at most IDLE_WAIT_S."""
@@ -156,11 +163,16 @@ class EngineCore:
     def handle(self, msg: wire.ToCore) -> None:
         engine = self.engine
         if isinstance(msg, wire.Add):
+            if self.compiles_first(msg):
+                return
             try:
                 engine.add_request(msg.request, msg.arrival)
             except ValueError as e:
                 self.refused.append(wire.Refusal(msg.request.request_id, str(e)))
         elif isinstance(msg, wire.Abort):
+            if msg.request_id in self._compiling:
+                self._dropped.add(msg.request_id)
+                return
             out = engine.abort_request(msg.request_id)
             if out is not None:
                 self.pending.append(out)
@@ -168,6 +180,42 @@ class EngineCore:
             self.reply(msg)
         else:
             self.stopping = True
+
+    def compiles_first(self, msg: wire.Add) -> bool:
+        """Whether ``msg`` waits for its grammar: one not compiled yet in its namespace is
+        compiled on a worker thread, and the Add comes back through the inbox when it is (a
+        big schema held every running request's next step for up to a second). A kept
+        refusal, or a grammar that is back, goes on to ``add_request`` now."""
+        request = msg.request
+        rid = request.request_id
+        if rid in self._compiling:  # back from its compile
+            self._compiling.discard(rid)
+            if rid in self._dropped:  # aborted meanwhile: never added (the Refusal, which
+                self._dropped.discard(rid)  # no one reads, sends the counts on)
+                self.refused.append(wire.Refusal(rid, "aborted while its grammar compiled"))
+                return True
+            return False
+        spec = request.sampling.grammar
+        structured = self.engine.structured
+        if spec is None:
+            return False
+        try:
+            if structured.grammars.lookup(spec, request.namespace) is not None:
+                return False
+        except ValueError:
+            return False  # refused before: add_request refuses it at once
+        structured.prepare()  # the vocabulary's trie, built on this thread
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="prefixcache-grammar")
+        self._compiling.add(rid)
+
+        def compile_then_add() -> None:
+            with contextlib.suppress(Exception):  # a refusal is kept: add_request raises it
+                structured.compile(spec, request.namespace)
+            self.submit(msg)
+
+        self._compiler.submit(compile_then_add)
+        return True
 
     def reply(self, call: wire.Call) -> None:
         result: Any = None
@@ -215,7 +263,7 @@ class EngineCore:
                 outputs,
                 refused,
                 stats,
-                engine.num_waiting,
+                engine.num_waiting + len(self._compiling),  # a grammar compiling waits too
                 engine.num_running,
                 metrics,
                 engine.error,

@@ -128,6 +128,10 @@ class StructuredOutput:
             self._bitmask = np.zeros((max(num_rows, 8), words), dtype=np.int32)
         return self._bitmask
 
+    def prepare(self) -> None:
+        """Build llguidance's view of the vocabulary now (before compiles on other threads)."""
+        self._tokenizer()
+
     def _tokenizer(self) -> Any:
         """llguidance's view of the vocabulary (built once: the token trie)."""
         if self._lltok is None:
