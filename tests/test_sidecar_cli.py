@@ -138,16 +138,22 @@ def test_environment_variables_are_read_in_one_place() -> None:
 
 
 def launch(
-    *options: str, timeout: float = 120, command: str = "serve", log: IO[bytes] | None = None
+    *options: str,
+    timeout: float = 120,
+    command: str = "serve",
+    log: IO[bytes] | None = None,
+    session: bool = False,
 ) -> tuple[subprocess.Popen, str]:
     """`prefixcache COMMAND OPTIONS` as a subprocess on a free port, and its root URL, once
-    healthy; ``log`` takes its stdout and stderr."""
+    healthy; ``log`` takes its stdout and stderr; ``session``: in a process group of its own."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", command, "--port", str(port)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([*cmd, *options], env=env, stdout=log, stderr=log)
+    proc = subprocess.Popen(
+        [*cmd, *options], env=env, stdout=log, stderr=log, start_new_session=session
+    )
     root = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while True:
@@ -284,6 +290,31 @@ def test_the_engine_core_is_a_child_that_ends_with_the_server(end: str) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="process groups (POSIX)")
+def test_sigterm_to_the_whole_group_is_a_clean_stop(tmp_path: Path) -> None:
+    """systemd's default KillMode signals every process of the service: the core waits for
+    the server's Shutdown (after its graceful drain) instead of stopping at once, so a
+    request in flight finishes and no error is logged."""
+    log_path = tmp_path / "server.log"
+    with log_path.open("wb") as log:
+        proc, root = launch(
+            "--model", "demo", "--num-blocks", "64", "--log-level", "info", log=log, session=True
+        )
+        try:
+            body = {"prompt": "once upon a time", "max_tokens": 2}
+            assert httpx.post(f"{root}/v1/completions", json=body, timeout=60).status_code == 200
+            kids = children_of(proc.pid)
+            os.killpg(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=60) == -signal.SIGTERM
+            assert wait_gone(kids, 60) == []
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log_path.read_text(encoding="utf-8", errors="replace")
+    assert "ERROR" not in text and "Traceback" not in text, text
 
 
 def test_the_default_engine_mode_is_a_process() -> None:

@@ -125,3 +125,17 @@ def test_tokenize_needs_a_tenant_key_where_keys_are_set(tenant_server: Server) -
     assert post(tenant_server, "/detokenize", {"tokens": [5]}).status_code == 401
     ok = post(tenant_server, "/tokenize", {"prompt": TEXT}, KEYS["a"]["key"])
     assert ok.status_code == 200, ok.text
+
+
+def test_an_empty_prompt_tokenizes_as_completions_take_it(fake_server: Server) -> None:
+    """ "" is a prompt where the tokenizer adds a start token (/v1/completions serves it):
+    /tokenize gave a 400 for it; an empty id list stays a 400 on both."""
+    from sidecar_fake_engine import BOS
+
+    out = post(fake_server, "/tokenize", {"prompt": ""})
+    assert out.status_code == 200 and out.json()["tokens"] == [BOS], out.text
+    done = httpx.post(
+        f"{fake_server.url}/completions", json={"prompt": "", "max_tokens": 1}, timeout=30
+    )
+    assert done.status_code == 200 and done.json()["usage"]["prompt_tokens"] == 1
+    assert post(fake_server, "/tokenize", {"prompt": []}).status_code == 400

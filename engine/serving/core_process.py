@@ -98,9 +98,21 @@ def run_core(
     while loop.is_alive() and not ready.wait(timeout=0.5):
         pass
     if served:
-        # SIGTERM to the whole group (systemd, a container's stop) stops it as Shutdown does.
-        signal.signal(signal.SIGTERM, lambda signum, frame: served[0].stop())
+        # SIGTERM to the whole group (systemd's default, some containers' stop): the API side
+        # drains its requests and sends Shutdown; a SIGTERM it did not get (this process's
+        # alone) stops the core STOP_GRACE_S later, as Shutdown does. Stopping at once cut the
+        # API side's graceful drain and logged the engine's exit as an error.
+        signal.signal(signal.SIGTERM, lambda signum, frame: _stop_later(served[0]))
     loop.join()
+
+
+STOP_GRACE_S = 10.0  # past the server's own graceful shutdown (5 s)
+
+
+def _stop_later(core: EngineCore) -> None:
+    timer = threading.Timer(STOP_GRACE_S, core.stop)
+    timer.daemon = True
+    timer.start()
 
 
 def _load_and_serve(

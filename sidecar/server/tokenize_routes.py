@@ -48,8 +48,8 @@ class TokenizeRoutes:
             )
         namespace = gate.namespace(tenant.name, req.cache_salt)
         if req.prompt is not None:
-            if not req.prompt:
-                raise bad_request("'prompt' must not be empty", "prompt")
+            if isinstance(req.prompt, list) and not req.prompt:  # "" is a prompt, as for
+                raise bad_request("'prompt' must not be empty", "prompt")  # /v1/completions
             special = req.add_special_tokens is None or req.add_special_tokens
             prompt = await gate.completion_prompt(req.prompt, namespace, special)
         else:
