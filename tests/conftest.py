@@ -18,7 +18,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -189,6 +189,21 @@ def fake_server(server_loop: ServerLoop) -> Iterator[Server]:
     server = serve(server_loop, create_app(FakeEngine(), SidecarSettings(max_body_bytes=65536)))
     yield server
     server.stop()
+
+
+def health_gaps_while(root: str, work: Callable[[], object]) -> list[float]:
+    """Run ``work`` on a thread and probe ``root``'s /health until it returns: each probe's
+    seconds (an event loop that something held answers late)."""
+    asking = threading.Thread(target=work)
+    asking.start()
+    gaps = []
+    while asking.is_alive():
+        start = time.perf_counter()
+        assert httpx.get(f"{root}/health", timeout=10).status_code == 200
+        gaps.append(time.perf_counter() - start)
+        time.sleep(0.05)
+    asking.join()
+    return gaps
 
 
 def wait_for_idle_blocks(root: str, timeout: float = 10, headers: dict | None = None) -> dict:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 
 import httpx
 import pytest
-from conftest import Server, ServerLoop, serve
+from conftest import Server, ServerLoop, health_gaps_while, serve
 
 USER = {"role": "user", "content": "hello"}
 
@@ -246,19 +245,10 @@ def test_long_id_lists_are_listed_and_decoded_off_the_event_loop(
     monkeypatch.setattr(tokenizer, "decode", slow)
     result: list[httpx.Response] = []
     body = {"tokens": [OFFSET + ord("a")] * LONG_IDS}
-    asking = threading.Thread(
-        target=lambda: result.append(
-            httpx.post(f"{fake_server.root}/detokenize", json=body, timeout=30)
-        )
+    gaps = health_gaps_while(
+        fake_server.root,
+        lambda: result.append(httpx.post(f"{fake_server.root}/detokenize", json=body, timeout=30)),
     )
-    asking.start()
-    gaps = []
-    while asking.is_alive():
-        start = time.perf_counter()
-        assert httpx.get(f"{fake_server.root}/health", timeout=10).status_code == 200
-        gaps.append(time.perf_counter() - start)
-        time.sleep(0.05)
-    asking.join()
     fake_server.stop()
     assert result[0].status_code == 200 and len(gaps) >= 5
     assert max(gaps) < 0.75, gaps
