@@ -100,6 +100,19 @@ def test_breakpoints_report_cache_writes_then_reads(client: anthropic.Anthropic)
     assert second.model_extra["prefixcache"]["cached_tokens"] >= prefix
 
 
+def test_cache_salt_narrows_the_namespace(client: anthropic.Anthropic) -> None:
+    """vLLM's cache_salt works here as on chat (it was ignored: another salt still hit)."""
+    system = unique_system()
+    body = dict(model="demo", max_tokens=2, system=system, messages=QUESTION)
+    client.messages.create(**body, extra_body={**GREEDY, "cache_salt": "alice"})
+    again = client.messages.create(**body, extra_body={**GREEDY, "cache_salt": "alice"})
+    other = client.messages.create(**body, extra_body={**GREEDY, "cache_salt": "bob"})
+    assert again.usage.cache_read_input_tokens > 100
+    assert other.usage.cache_read_input_tokens < 32  # only the template's head
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(**body, extra_body={"cache_salt": "bad salt!!"})
+
+
 def test_one_hour_breakpoints_are_counted_apart(client: anthropic.Anthropic) -> None:
     system = unique_system(ttl="1h")
     # A question of more than a block: the last breakpoint's end, which counts as far as the

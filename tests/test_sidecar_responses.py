@@ -69,6 +69,21 @@ def test_create_reports_cached_tokens(client: openai.OpenAI) -> None:
     )
 
 
+def test_cache_salt_narrows_the_namespace(client: openai.OpenAI) -> None:
+    """vLLM's cache_salt works here as on chat (it was ignored: another salt still hit)."""
+    rules = instructions()
+    body = dict(
+        model="demo", instructions=rules, input="What is evicted first?", max_output_tokens=2
+    )
+    client.responses.create(**body, extra_body={"cache_salt": "alice"})
+    again = client.responses.create(**body, extra_body={"cache_salt": "alice"})
+    other = client.responses.create(**body, extra_body={"cache_salt": "bob"})
+    assert again.usage.input_tokens_details.cached_tokens > 100
+    assert other.usage.input_tokens_details.cached_tokens < 32  # only the template's head
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**body, extra_body={"cache_salt": "bad salt!!"})
+
+
 def test_stream_has_the_semantic_events(client: openai.OpenAI) -> None:
     events = list(
         client.responses.create(

@@ -23,6 +23,9 @@ def called(arguments: str) -> dict:
     return {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
+TOOL_RESULT = {"role": "tool", "tool_call_id": "c1", "content": "42"}
+
+
 def chat(**fields) -> bytes:
     return json.dumps({"messages": [USER], "max_tokens": 4, **fields}).encode()
 
@@ -253,6 +256,18 @@ CORPUS: list[tuple[str, str, str, bytes | None, int]] = [
         "/v1/cache/warm",
         json.dumps({"messages": [USER], "pinned": True}).encode(),
         400,
+    ),
+    # OpenAI's rule: a tool message answers a call of the assistant message before it
+    *(
+        (f"chat: {name}", "POST", CHAT, chat(messages=[USER, *turns]), 400)
+        for name, turns in (
+            ("a tool result with no call before it", [TOOL_RESULT]),
+            (
+                "a tool result for another call id",
+                [called('{"a": 1}'), {**TOOL_RESULT, "tool_call_id": "call_zzz"}],
+            ),
+            ("a tool result after a user turn", [called('{"a": 1}'), USER, TOOL_RESULT]),
+        )
     ),
     (
         "warm: a tool message without tool_call_id",

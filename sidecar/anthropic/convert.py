@@ -309,6 +309,7 @@ def chat_request(req: w.MessagesRequest, chat: Conversation) -> p.ChatCompletion
         add_generation_prompt=not chat.prefill,
         continue_final_message=chat.prefill,
         response_format=response_format,
+        cache_salt=req.cache_salt,
     )
 
 

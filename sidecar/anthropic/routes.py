@@ -114,7 +114,8 @@ class MessagesRoutes:
         fields = {name: getattr(body, name) for name in w.CountTokensRequest.__struct_fields__}
         req = w.MessagesRequest(**fields, max_tokens=1)
         chat_req, _ = self._chat_request(req)
-        prompt = await self.generation.render_chat(chat_req, gate.namespace(tenant.name, None))
+        namespace = gate.namespace(tenant.name, chat_req.cache_salt)
+        prompt = await self.generation.render_chat(chat_req, namespace)
         gate.forget(prompt)  # counted, not served: keep nothing of it
         return json_response({"input_tokens": len(prompt.token_ids)})
 

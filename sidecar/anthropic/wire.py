@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from ..wire.prompt_parts import CacheControl, FunctionName
+from ..wire.prompt_parts import CacheControl, CacheSalt, FunctionName
 
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 Unit = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
@@ -128,6 +128,7 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     tools: Annotated[list[Tool], msgspec.Meta(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     cache_control: CacheControl | None = None  # automatic caching: the last block
+    cache_salt: CacheSalt | None = None  # vLLM's: narrows the tenant's cache namespace
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
     # Accepted for compatibility, meaning nothing here (mcp_servers: refused unless empty).

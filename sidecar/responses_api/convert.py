@@ -144,6 +144,7 @@ def chat_request(req: w.ResponsesRequest, history: list[p.Message]) -> p.ChatCom
         tool_choice=choice,
         parallel_tool_calls=req.parallel_tool_calls,
         response_format=_response_format(req),
+        cache_salt=req.cache_salt,
     )
 
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from ..wire.prompt_parts import FunctionName
+from ..wire.prompt_parts import CacheSalt, FunctionName
 from ..wire.protocol import PositiveInt, Temperature, TopP
 
 MAX_INPUT_ITEMS = 4096
@@ -61,6 +61,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     prompt_cache_key: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's: narrows the tenant's cache namespace
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     previous_response_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] | None = None
     store: bool | None = True

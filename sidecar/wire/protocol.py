@@ -306,10 +306,29 @@ def check_tools(req: ChatCompletionRequest) -> None:
 
 
 def check_tool_messages(messages: list[Message] | None) -> None:
-    """Tool turns as a template can render them (chat, and the cache routes' warm / unpin)."""
+    """Tool turns as a template can render them (chat, and the cache routes' warm / unpin):
+    each ``tool`` message answers a call of the assistant message before it (only tool
+    messages between), as OpenAI requires; an agent's id bug is a 400, not a prompt."""
+    calls: set[str] | None = None  # the open assistant turn's call ids, while tools answer it
     for message in messages or ():
         if message.role == "tool" and not message.tool_call_id:
             raise Error("a 'tool' message needs 'tool_call_id'", "messages")
+        if message.role == "tool":
+            if calls is None:
+                raise Error(
+                    "a 'tool' message must answer a preceding assistant message's 'tool_calls'",
+                    "messages",
+                )
+            if message.tool_call_id not in calls:
+                raise Error(
+                    f"tool_call_id {message.tool_call_id!r} answers no call of the assistant "
+                    "message before it",
+                    "messages",
+                )
+        elif message.role == "assistant" and message.tool_calls:
+            calls = {call.id for call in message.tool_calls}
+        else:
+            calls = None
         if message.tool_calls and message.role != "assistant":
             raise Error("only assistant messages may carry 'tool_calls'", "messages")
         for call in message.tool_calls or ():
