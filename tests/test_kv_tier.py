@@ -456,3 +456,26 @@ def test_a_closed_tier_holds_nothing_and_refuses_spills(tmp_path: Path) -> None:
     threading.Thread(target=spill, daemon=True).start()
     assert done.wait(10), "a spill after close waited on a writer that is gone"
     tier.check()
+
+
+@pytest.mark.parametrize("fs", ["full", "no fallocate, too small"])
+def test_a_disk_tier_that_does_not_fit_is_refused_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fs: str
+) -> None:
+    """A tier file the filesystem cannot hold was made sparse: the first spill past the free
+    space faulted in the mmap and killed the engine. Now an OSError at start, nothing left."""
+    import errno
+    import os
+
+    def fallocate(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC if fs == "full" else errno.EOPNOTSUPP, "refused")
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    if fs != "full":
+        real = os.statvfs(tmp_path)
+        small = os.statvfs_result((*real[:4], 1, *real[5:]))  # f_bavail: one block
+        monkeypatch.setattr(os, "statvfs", lambda path: small)
+    with pytest.raises(OSError, match="cannot reserve") as refused:
+        DiskSlots(64, 1 << 16, str(tmp_path), keep=False)
+    assert refused.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []  # the file is gone

@@ -25,6 +25,7 @@ preallocated file, memory-mapped, removed at close unless kept).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import queue
 import tempfile
@@ -87,6 +88,22 @@ class HostSlots:
         pass
 
 
+def _preallocate(fd: int, size: int, directory: str) -> None:
+    """Reserve the file's blocks: a full disk is an error now, not a fault at the mmap's
+    first write there (a sparse file killed the engine); else check the free space."""
+    why = f"--kv-offload: cannot reserve {size} bytes in {directory}"
+    try:
+        return os.posix_fallocate(fd, 0, size)
+    except AttributeError:  # no posix_fallocate on this OS
+        pass
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise OSError(exc.errno, f"{why}: {exc.strerror}") from None
+    stat = os.statvfs(directory)
+    if stat.f_bavail * stat.f_frsize < size:
+        raise OSError(errno.ENOSPC, f"{why}: {stat.f_bavail * stat.f_frsize} bytes free")
+
+
 class DiskSlots:
     kind = "disk"
 
@@ -96,11 +113,13 @@ class DiskSlots:
         self.path = Path(name)
         size = num_slots * slot_bytes
         try:
-            with contextlib.suppress(AttributeError, OSError):  # not every filesystem has it
-                os.posix_fallocate(fd, 0, size)
+            _preallocate(fd, size, directory)
             os.ftruncate(fd, size)
-        finally:
+        except OSError:
             os.close(fd)
+            _unlink(self.path)
+            raise
+        os.close(fd)
         self.num_slots = num_slots
         self.slots = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(num_slots, slot_bytes))
         # the file goes at close, at garbage collection or at interpreter exit, unless kept
