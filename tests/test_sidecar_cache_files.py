@@ -158,3 +158,34 @@ def test_evict_including_pinned_frees_prefixes_nobody_can_unpin(
         assert httpx.get(f"{second.url}/cache/stats").json()["blocks"]["pinned"] == 0
     finally:
         second.stop()
+
+
+@pytest.mark.parametrize(("errno_", "status"), [(28, 507), (30, 500)])  # ENOSPC, EROFS
+def test_a_save_that_cannot_write_names_the_cause(
+    server_loop: ServerLoop,
+    demo_loaded: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    errno_: int,
+    status: int,
+) -> None:
+    """A read-only or full --cache-dir was a bare 500 internal_error with two tracebacks."""
+    import os
+
+    server = start(server_loop, demo_loaded, tmp_path)
+    try:
+        engine = server.app.state.sidecar.engine
+
+        async def cannot_write(path: Path, key: bytes) -> Any:
+            raise OSError(errno_, os.strerror(errno_), str(path))
+
+        monkeypatch.setattr(engine, "save_pinned", cannot_write)
+        warm = {"messages": [{"role": "system", "content": SYSTEM}], "pin": True}
+        assert httpx.post(f"{server.url}/cache/warm", json=warm, timeout=60).status_code == 200
+        saved = httpx.post(f"{server.url}/cache/save", json={"name": "railway"}, timeout=60)
+        assert saved.status_code == status, saved.text
+        error = saved.json()["error"]
+        assert error["code"] == "cache_file_unwritable" and os.strerror(errno_) in error["message"]
+        assert httpx.get(f"{server.root}/health").status_code == 200
+    finally:
+        server.stop()

@@ -399,3 +399,18 @@ def test_without_the_server_extras_the_command_says_what_to_install(entry: str) 
     assert done.returncode == 1, done.stderr
     assert "pip install 'prefixcache[serve]'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_load_cache_with_keys_and_a_random_secret_is_refused_at_start(tmp_path: Path) -> None:
+    """With keys and no --secret-file the secret is random per start, and cache files are
+    signed with a key derived from it: such a --load-cache can never succeed (it failed later,
+    as "checksum mismatch: the file is damaged"). One line, exit 1, no model loaded."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"key": "sk-a-0123456789abcdef", "tenant": "a"}]}))
+    cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", "serve", "--model", "/nonexistent"]
+    cmd += ["--api-keys-file", str(keys), "--cache-dir", str(tmp_path), "--load-cache", "x"]
+    env = {k: v for k, v in os.environ.items() if k != "PREFIXCACHE_SECRET"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "--load-cache with --api-keys-file needs --secret-file" in done.stderr
+    assert "not found" not in done.stderr  # the model was never looked for

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,13 @@ if TYPE_CHECKING:
 # Without keys there is one tenant: nothing to keep apart, and a fixed key keeps its namespace
 # (so pinned prefixes loaded from --cache-dir) the same across restarts.
 SINGLE_TENANT_SECRET = b"prefixcache: one tenant, no keys"
+
+
+UNSIGNABLE = (
+    "{} with --api-keys-file needs --secret-file (or $PREFIXCACHE_SECRET): cache files are "
+    "signed with a key derived from the secret, and without one it is random per start, so a "
+    "file saved now cannot be loaded after a restart"
+)
 
 
 def read_secret(
@@ -102,6 +110,11 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
         )
         if args.load_cache and args.cache_dir is None:
             raise ValueError("--load-cache needs --cache-dir")
+        random_secret = keys.enabled and args.secret_file is None and environment.secret is None
+        if random_secret and args.load_cache:
+            raise ValueError(UNSIGNABLE.format("--load-cache"))
+        if random_secret and args.cache_dir is not None:
+            logging.getLogger("prefixcache.sidecar").warning(UNSIGNABLE.format("--cache-dir"))
         set_kv_events(config, args, secret)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"prefixcache serve: {exc}") from None

@@ -4,6 +4,7 @@ prefixes; and the start-up load of --load-cache files. Every route needs an admi
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,7 +89,17 @@ class CacheRoutes:
                 param="name",
                 code="nothing_pinned",
             )
-        result = await self.engine.save_pinned(path, self.file_key)
+        try:
+            result = await self.engine.save_pinned(path, self.file_key)
+        except OSError as exc:  # a read-only or full --cache-dir: the operator's to fix
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            log.error("cache file %r not saved: %s", req.name, exc.strerror or exc)
+            raise APIError(
+                507 if full else 500,
+                f"cannot write {req.name!r} in --cache-dir: {exc.strerror or exc}",
+                type="server_error",
+                code="cache_file_unwritable",
+            ) from None
         return json_response(
             rt.CacheSaveResponse(req.name, result.prefixes, result.blocks, result.bytes)
         )
