@@ -414,3 +414,25 @@ def test_load_cache_with_keys_and_a_random_secret_is_refused_at_start(tmp_path: 
     assert done.returncode == 1, done.stderr[-2000:]
     assert "--load-cache with --api-keys-file needs --secret-file" in done.stderr
     assert "not found" not in done.stderr  # the model was never looked for
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--port", "99999"],
+        ["serve", "--port", "-1"],
+        ["route", "--upstream", "http://u/v1", "--port", "65536"],
+        ["serve", "--num-blocks", "0"],
+        ["serve", "--max-model-len", "0"],
+    ],
+)
+def test_out_of_range_numbers_are_usage_errors(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--port 99999 started ("running on :99999"); --num-blocks 0 and --max-model-len 0 took
+    the defaults silently."""
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(argv)
+    assert stopped.value.code == 2
+    assert "out of range" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "--port", "0"]).port == 0  # any free port

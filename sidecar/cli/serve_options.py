@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .shared_options import int_in
+
 
 def add_serve_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -38,7 +40,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--num-blocks",
-        type=int,
+        type=int_in(1),
         default=None,
         help="KV pool size in blocks (wins over --kv-memory-mib)",
     )
@@ -102,7 +104,7 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-model-len",
-        type=int,
+        type=int_in(1),
         default=None,
         help="context length limit (default: the model's own)",
     )

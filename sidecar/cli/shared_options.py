@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from ..http.redaction import redact_root_handlers
@@ -12,10 +13,25 @@ from ..http.redaction import redact_root_handlers
 MIB = 1024**2
 
 
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (no upper bound without ``high``); a value
+    outside is a usage error, not a silent default (``--num-blocks 0`` took the default)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low or (high is not None and value > high):
+            bound = f"from {low} to {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: {bound}")
+        return value
+
+    parse.__name__ = "integer"  # argparse's "invalid integer value" for what int() refuses
+    return parse
+
+
 def add_shared_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server", "listening, client keys and limits")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    group.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    group.add_argument("--port", type=int_in(0, 65535), default=8000, help="TCP port to listen on")
     group.add_argument(
         "--api-keys-file",
         type=Path,
