@@ -331,3 +331,16 @@ def test_openai_client_sends_segments_through_extra_body(client: openai.OpenAI) 
     rules = reports[1]["segments"][0]
     assert rules["cached_tokens"] == rules["tokens"] > 0
     assert response.usage.prompt_tokens_details.cached_tokens == reports[1]["cached_tokens"]
+
+
+def test_metrics_have_no_created_series(sidecar_server: Server) -> None:
+    """prometheus_client's *_created gauge per counter and histogram (17 series): off, as vLLM
+    has them."""
+    httpx.post(
+        f"{sidecar_server.url}/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=60,
+    )
+    text = httpx.get(f"{sidecar_server.root}/metrics", timeout=30).text
+    assert "_total" in text  # counters are there
+    assert [line for line in text.splitlines() if "_created" in line] == []

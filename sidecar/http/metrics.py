@@ -10,9 +10,13 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
 from .streaming import Receive, Send
+
+# No *_created series (one per counter and histogram, and labelled child): scrapers do not
+# need them and vLLM turns them off too.
+disable_created_metrics()
 
 ASGIApp = Any
 

@@ -3,10 +3,14 @@ decisions with predicted and reported cached tokens, KV event lag and subscriber
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from .cache_aware import REASONS, CacheAwareRouter
 from .pool import ROUTES, UpstreamPool
+
+# No *_created series (one per counter and histogram, and labelled child): scrapers do not
+# need them and vLLM turns them off too.
+disable_created_metrics()
 
 
 class UpstreamMetrics:
