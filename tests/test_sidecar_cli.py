@@ -436,3 +436,20 @@ def test_out_of_range_numbers_are_usage_errors(
     assert stopped.value.code == 2
     assert "out of range" in capsys.readouterr().err
     assert build_parser().parse_args(["serve", "--port", "0"]).port == 0  # any free port
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads() -> None:
+    """uvicorn binds after the app's start-up: the model loaded, then the process exited 3
+    with the bind error in the middle of its log."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "prefixcache.sidecar.cli", "serve", "--port", str(port)]
+        cmd += ["--model", "/nonexistent/model"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"prefixcache serve: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    assert "not found" not in done.stderr  # the model was never looked for

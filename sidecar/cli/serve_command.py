@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -132,6 +133,7 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
         use_generation_config=args.generation_config == "auto",
         tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
     )
+    listener = listen(args.host, args.port)  # before the model loads: a port in use fails now
     engine = create_engine(config, args.engine)
     app = create_app(engine, settings)
     server = uvicorn.Server(
@@ -148,12 +150,29 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
     sidecar = app.state.sidecar
     sidecar.on_start_failure = lambda: setattr(server, "should_exit", True)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises SIGINT once it stopped
-        server.run()
+        server.run(sockets=[listener])
     if sidecar.start_error is not None:  # as vLLM: a model that cannot load ends the process
         print(
             f"prefixcache serve: the engine failed to start: {sidecar.start_error}", file=sys.stderr
         )
         raise SystemExit(1)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything loads: uvicorn binds after the
+    app's start-up, so a port in use loaded the model first and then exited 3 mid-log."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets a TCP-proto listener accepts
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(
+            f"prefixcache serve: cannot listen on {host}:{port}: {exc.strerror}"
+        ) from None
+    return sock
 
 
 def build_kernels(config: EngineConfig) -> None:
