@@ -213,6 +213,11 @@ class EngineAPI(Protocol):
         """Free everything the request holds; unknown ids are ignored."""
         ...
 
+    def abort_all(self, message: str) -> int:
+        """End every request in flight now, each stream with a last output (finish reason
+        "abort", ``message`` its error), and free what they hold; how many there were."""
+        ...
+
     # -- cache admin (ValueError: the engine refused the input) ---------------------------
 
     async def warm(

@@ -152,6 +152,9 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         pass
 
+    def abort_all(self, message: str) -> int:
+        return 0
+
     async def warm(
         self,
         token_ids: list[int],

@@ -83,6 +83,7 @@ def test_engine_api_lists_what_the_sidecar_uses() -> None:
         "num_waiting",
         "generate",
         "abort",
+        "abort_all",
         "warm",
         "unpin",
         "evict_all",

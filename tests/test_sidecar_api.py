@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import threading
+from typing import Any
 
 import httpx
 import openai
 import pytest
-from conftest import Server, wait_for_idle_blocks
+from conftest import Server, ServerLoop, demo_engine, serve, wait_for_idle_blocks
+
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 SYSTEM = (
     "You are the support assistant of a small bakery. Answer in one short sentence. "
@@ -344,3 +348,39 @@ def test_metrics_have_no_created_series(sidecar_server: Server) -> None:
     text = httpx.get(f"{sidecar_server.root}/metrics", timeout=30).text
     assert "_total" in text  # counters are there
     assert [line for line in text.splitlines() if "_created" in line] == []
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_abort_all_ends_requests_in_flight_cleanly(
+    server_loop: ServerLoop, demo_loaded: Any, stream: bool
+) -> None:
+    """What a stop does after its drain (serve_command.drain_on_exit): a stream ends with an
+    error event and [DONE], a whole answer is a 503; the engine is left idle."""
+    server = serve(server_loop, create_app(demo_engine(demo_loaded), SidecarSettings()))
+    engine = server.app.state.sidecar.engine
+    try:
+        body = {"prompt": "once upon a time", "max_tokens": 1000, "ignore_eos": True}
+        if stream:
+            lines: list[str] = []
+            with httpx.stream(
+                "POST", f"{server.url}/completions", json={**body, "stream": True}, timeout=120
+            ) as reply:
+                for line in reply.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 10:
+                        server_loop.loop.call_soon_threadsafe(engine.abort_all, "shutting down")
+            data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+            assert data[-1] == "[DONE]", lines[-4:]
+            assert "shutting down" in json.loads(data[-2])["error"]["message"]
+        else:
+            pending = threading.Timer(
+                0.5,
+                lambda: server_loop.loop.call_soon_threadsafe(engine.abort_all, "shutting down"),
+            )
+            pending.start()
+            reply = httpx.post(f"{server.url}/completions", json=body, timeout=120)
+            assert reply.status_code == 503 and "shutting down" in reply.text
+        wait_for_idle_blocks(server.root)
+        assert engine.num_running == 0
+    finally:
+        server.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -453,3 +454,38 @@ def test_a_port_in_use_is_one_line_before_the_model_loads() -> None:
         f"prefixcache serve: cannot listen on 127.0.0.1:{port}: Address already in use"
     )
     assert "not found" not in done.stderr  # the model was never looked for
+
+
+def test_a_stop_drains_then_aborts_what_is_left() -> None:
+    """At a stop the requests in flight get uvicorn's graceful wait less a second; then
+    ``abort_all`` ends them (an error event and [DONE], not a connection cut mid-chunk when
+    uvicorn cancels them); a second signal schedules nothing more."""
+    from prefixcache.sidecar.cli.serve_command import SHUTTING_DOWN, drain_on_exit
+
+    class Server:
+        should_exit = False
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            self.should_exit = True
+
+    class Engine:
+        def __init__(self) -> None:
+            self.calls: list[tuple[float, str]] = []
+
+        def abort_all(self, message: str) -> int:
+            self.calls.append((time.monotonic(), message))
+            return 1
+
+    async def stop() -> tuple[float, Engine, Server]:
+        server, engine = Server(), Engine()
+        drain_on_exit(server, engine, graceful_s=1.3)
+        began = time.monotonic()
+        server.handle_exit(signal.SIGTERM, None)  # as the signal lands on the loop's thread
+        server.handle_exit(signal.SIGTERM, None)
+        await asyncio.sleep(1.0)
+        return began, engine, server
+
+    began, engine, server = asyncio.run(stop())
+    assert server.should_exit
+    assert [message for _, message in engine.calls] == [SHUTTING_DOWN]
+    assert engine.calls[0][0] - began >= 0.3

@@ -175,6 +175,15 @@ class EngineClient:
         if self._ready is not None and self._exited is None and not self._stopping:
             self._send(wire.Abort(request_id))
 
+    def abort_all(self, message: str) -> int:
+        """End every stream now (its last output says ``message``) and abort its request; on
+        the event loop (a server's drain before its shutdown cancels what is left)."""
+        streams = list(self._streams.items())
+        for request_id, stream in streams:
+            stream.put_nowait(aborted_output(request_id, message))
+            self.abort(request_id)
+        return len(streams)
+
     # -- cache admin -------------------------------------------------------------------------
 
     async def warm(

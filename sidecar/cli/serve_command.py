@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..environment import SidecarEnvironment
 from ..http.redaction import redacted_log_config
@@ -142,13 +143,14 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=GRACEFUL_S,
             http=HalfCloseHTTPProtocol,
             log_config=redacted_log_config(),  # the access log never shows a key
         )
     )
     sidecar = app.state.sidecar
     sidecar.on_start_failure = lambda: setattr(server, "should_exit", True)
+    drain_on_exit(server, engine, GRACEFUL_S)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises SIGINT once it stopped
         server.run(sockets=[listener])
     if sidecar.start_error is not None:  # as vLLM: a model that cannot load ends the process
@@ -156,6 +158,34 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
             f"prefixcache serve: the engine failed to start: {sidecar.start_error}", file=sys.stderr
         )
         raise SystemExit(1)
+
+
+GRACEFUL_S = 5  # uvicorn's wait for requests in flight at a stop, then it cancels them
+
+
+def drain_on_exit(server: Any, engine: Any, graceful_s: float) -> None:
+    """At a stop (SIGTERM, Ctrl-C), requests in flight get a second less than uvicorn's
+    graceful wait to finish; those left then end as aborted ("the server is shutting down": a
+    stream's error event and [DONE], a 503 otherwise) instead of a connection cut mid-chunk
+    when uvicorn cancels them."""
+    handle_exit = server.handle_exit
+
+    def on_exit(sig: int, frame: Any) -> None:
+        first = not server.should_exit
+        handle_exit(sig, frame)
+        try:
+            loop = asyncio.get_running_loop()  # the signal lands on the loop's thread
+        except RuntimeError:  # before the loop runs or after it stopped: nothing in flight
+            return
+        if first:
+            loop.call_soon_threadsafe(
+                loop.call_later, max(0.0, graceful_s - 1.0), engine.abort_all, SHUTTING_DOWN
+            )
+
+    server.handle_exit = on_exit
+
+
+SHUTTING_DOWN = "the server is shutting down"
 
 
 def listen(host: str, port: int) -> socket.socket:
