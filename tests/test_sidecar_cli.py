@@ -489,3 +489,28 @@ def test_a_stop_drains_then_aborts_what_is_left() -> None:
     assert server.should_exit
     assert [message for _, message in engine.calls] == [SHUTTING_DOWN]
     assert engine.calls[0][0] - began >= 0.3
+
+
+def test_access_lines_end_with_the_request_id(tmp_path: Path) -> None:
+    """The id a response carries (x-request-id: the caller's own, or one made here) ends its
+    access line, so a client's error report meets the server's log."""
+    log_path = tmp_path / "server.log"
+    options = ("--model", "demo", "--engine", "thread", "--num-blocks", "64")
+    with log_path.open("wb") as log:
+        proc, root = launch(*options, "--log-level", "info", log=log)
+        try:
+            body = {"prompt": "once upon a time", "max_tokens": 2}
+            given = httpx.post(
+                f"{root}/v1/completions", json=body, headers={"x-request-id": "trace-abc-123"}
+            )
+            made = httpx.post(f"{root}/v1/completions", json=body)
+            assert given.headers["x-request-id"] == "trace-abc-123"
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log_path.read_text(encoding="utf-8", errors="replace")
+    assert '"POST /v1/completions HTTP/1.1" 200 OK trace-abc-123' in text, text[-2000:]
+    assert f'"POST /v1/completions HTTP/1.1" 200 OK {made.headers["x-request-id"]}' in text

@@ -54,13 +54,19 @@ def _redacted(arg: object) -> object:
 
 
 def redacted_log_config() -> dict[str, Any]:
-    """uvicorn's logging configuration with ``RedactSecrets`` on each of its handlers."""
+    """uvicorn's logging configuration with ``RedactSecrets`` on each of its handlers, and
+    each access line ending with the request's id (its response's ``x-request-id``)."""
     from uvicorn.config import LOGGING_CONFIG
 
+    from .request_ids import RequestIdFilter
+
     config = copy.deepcopy(LOGGING_CONFIG)
-    config.setdefault("filters", {})["redact_secrets"] = {"()": RedactSecrets}
+    filters = config.setdefault("filters", {})
+    filters["redact_secrets"] = {"()": RedactSecrets}
+    filters["request_id"] = {"()": RequestIdFilter}
     for handler in config.get("handlers", {}).values():
-        handler["filters"] = [*handler.get("filters", []), "redact_secrets"]
+        handler["filters"] = [*handler.get("filters", []), "redact_secrets", "request_id"]
+    config["formatters"]["access"]["fmt"] += " %(request_id)s"
     return config
 
 

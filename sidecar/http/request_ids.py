@@ -3,13 +3,16 @@ as ``request_id``) and ``request-id`` (Anthropic's), one id, as a pure ASGI midd
 
 A client's or proxy's own ``x-request-id`` is echoed (if short and printable), so logs on both
 sides meet; else the id is ``req_`` and 32 hex digits. A response that already names one (a
-relayed upstream reply) keeps its own.
+relayed upstream reply) keeps its own. The id is also the request's ``CURRENT_ID`` while it is
+served, which ``RequestIdFilter`` puts on log records (uvicorn's access line ends with it).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
+from contextvars import ContextVar
 from typing import Any
 
 from .streaming import Receive, Send
@@ -17,6 +20,16 @@ from .streaming import Receive, Send
 ASGIApp = Any
 _GIVEN = re.compile(rb"[\x21-\x7e]{1,128}")
 _NAMES = (b"x-request-id", b"request-id")
+CURRENT_ID: ContextVar[str] = ContextVar("prefixcache_request_id", default="-")
+
+
+class RequestIdFilter(logging.Filter):
+    """``record.request_id``: the id of the request being served where the record was made
+    ("-" outside one), for a format's ``%(request_id)s``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = CURRENT_ID.get()
+        return True
 
 
 class RequestIds:
@@ -38,4 +51,8 @@ class RequestIds:
                 message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        token = CURRENT_ID.set(rid.decode("ascii"))
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            CURRENT_ID.reset(token)
