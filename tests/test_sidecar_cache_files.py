@@ -189,3 +189,22 @@ def test_a_save_that_cannot_write_names_the_cause(
         assert httpx.get(f"{server.root}/health").status_code == 200
     finally:
         server.stop()
+
+
+def test_a_failed_start_up_load_is_counted_on_metrics(
+    server_loop: ServerLoop, demo_loaded: Any, tmp_path: Path
+) -> None:
+    """A --load-cache that fails leaves the server serving (/health ok): only the log said so;
+    prefixcache:cache_file_loads_total{result} is what an operator alerts on."""
+    server = start(server_loop, demo_loaded, tmp_path, load=("missing",))
+    try:
+        assert httpx.get(f"{server.root}/health").status_code == 200
+        text = httpx.get(f"{server.root}/metrics").text
+        assert 'prefixcache:cache_file_loads_total{result="refused"} 1.0' in text
+        assert 'prefixcache:cache_file_loads_total{result="loaded"} 0.0' in text
+        refused = httpx.post(f"{server.url}/cache/load", json={"name": "missing"})
+        assert refused.status_code == 400
+        text = httpx.get(f"{server.root}/metrics").text
+        assert 'prefixcache:cache_file_loads_total{result="refused"} 2.0' in text
+    finally:
+        server.stop()

@@ -59,9 +59,11 @@ class Sidecar:
         self.anthropic = MessagesRoutes(self.generation)
         self.responses = ResponsesRoutes(self.generation)
         self.tokenize = TokenizeRoutes(self.generation)
-        self.cache = CacheRoutes(engine, self.gate, settings.cache_dir, settings.secret)
+        self.metrics_registry = CollectorRegistry()  # the HTTP series, the cache files'
+        self.cache = CacheRoutes(
+            engine, self.gate, settings.cache_dir, settings.secret, self.metrics_registry
+        )
         self.dashboard = DashboardRoutes(engine, self.gate)
-        self.metrics_registry = CollectorRegistry()  # the HTTP series
         self.created = int(time.time())
         self.start_error: str | None = None
         # Called once the engine failed to start: `prefixcache serve` stops the server and

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry, Counter
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -27,12 +28,27 @@ log = logging.getLogger("prefixcache.sidecar")
 
 class CacheRoutes:
     def __init__(
-        self, engine: EngineAPI, gate: RequestGate, cache_dir: Path | None, secret: bytes
+        self,
+        engine: EngineAPI,
+        gate: RequestGate,
+        cache_dir: Path | None,
+        secret: bytes,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self.engine = engine
         self.gate = gate
         self.cache_dir = cache_dir
         self.file_key = cache_file_key(secret)  # files signed and checked with it (HMAC)
+        # A --load-cache that fails at start leaves the server serving (and /health ok): this
+        # is what an operator alerts on.
+        self.loads = Counter(
+            "prefixcache:cache_file_loads",
+            "Pinned-prefix files loaded (--load-cache and /v1/cache/load), by result",
+            ["result"],
+            registry=registry if registry is not None else CollectorRegistry(),
+        )
+        for result in ("loaded", "refused"):
+            self.loads.labels(result)
 
     def routes(self) -> list[Route]:
         return [
@@ -111,7 +127,9 @@ class CacheRoutes:
         try:
             r = await self.engine.load_pinned(self.cache_file(req.name), self.file_key)
         except ValueError as exc:  # PrefixStoreError: missing, damaged, another model's
+            self.loads.labels("refused").inc()
             raise bad_request(str(exc), "name", "cache_file_refused") from None
+        self.loads.labels("loaded").inc()
         return json_response(
             rt.CacheLoadResponse(
                 req.name,
@@ -132,7 +150,9 @@ class CacheRoutes:
             except Exception as exc:  # PrefixStoreError, or worse
                 message = exc.message if isinstance(exc, APIError) else str(exc)
                 log.error("pinned prefixes %r not loaded: %s", name, message)
+                self.loads.labels("refused").inc()
             else:
+                self.loads.labels("loaded").inc()
                 log.info(
                     "pinned prefixes %r: %d prefixes, %d blocks restored, %d already cached, "
                     "%d skipped (no room)",
