@@ -380,10 +380,13 @@ def test_a_model_that_cannot_load_ends_the_process(
     ],
     ids=["console-script", "python-m"],
 )
-def test_without_the_server_extras_the_command_says_what_to_install(entry: str) -> None:
+@pytest.mark.parametrize("argv", [["serve"], ["--help"], ["serve", "--help"]])
+def test_without_the_server_extras_the_command_says_what_to_install(
+    entry: str, argv: list[str]
+) -> None:
     """`pip install prefixcache` (the SDK alone) installs the console script too: run without
     starlette it (or ``python -m prefixcache.sidecar.cli``) names the missing piece and the
-    extra, instead of a traceback."""
+    extra, instead of a traceback; its help shows as it is (it needs none of them)."""
     blocked = (
         "import sys\n"
         "class Block:\n"
@@ -392,14 +395,17 @@ def test_without_the_server_extras_the_command_says_what_to_install(entry: str) 
         "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import prefixcache.sidecar\n"  # the package itself imports none of them
-        "sys.argv = ['prefixcache', 'serve']\n" + entry
+        f"sys.argv = ['prefixcache', *{argv!r}]\n" + entry
     )
     done = subprocess.run(
         [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60
     )
+    assert "Traceback" not in done.stderr
+    if "--help" in argv:
+        assert done.returncode == 0 and done.stdout.startswith("usage: prefixcache"), done.stderr
+        return
     assert done.returncode == 1, done.stderr
     assert "pip install 'prefixcache[serve]'" in done.stderr
-    assert "Traceback" not in done.stderr
 
 
 def test_load_cache_with_keys_and_a_random_secret_is_refused_at_start(tmp_path: Path) -> None:

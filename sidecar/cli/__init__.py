@@ -17,6 +17,8 @@ __all__ = ["build_parser", "main"]
 def main() -> None:
     try:
         from .main import main as run
+
+        run()
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.startswith("prefixcache"):
             raise
@@ -24,7 +26,6 @@ def main() -> None:
             f"prefixcache: the command needs the server's dependencies ({exc.name} is not "
             "installed): pip install 'prefixcache[serve]'"
         )
-    run()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,9 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from ..environment import SidecarEnvironment
-from .route_command import route
 from .route_options import add_route_options
-from .serve_command import serve
 from .serve_options import add_serve_options
 from .shared_options import add_shared_options
 
@@ -85,16 +83,24 @@ def is_deprecated_upstream(argv: Sequence[str]) -> bool:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     environment = SidecarEnvironment.read()
+    # The commands (uvicorn, starlette) load only once the arguments parsed: --help needs
+    # none of them, so an SDK-only install shows it too.
     if is_deprecated_upstream(argv):
         print(DEPRECATED_UPSTREAM, file=sys.stderr)
         args = build_deprecated_upstream_parser().parse_args(argv[1:])
+        from .route_command import route
+
         route(args, environment, command="prefixcache serve")
         return
     args = build_parser().parse_args(argv)
     raise_open_file_limit()
     if args.command == "serve":
+        from .serve_command import serve
+
         serve(args, environment)
     elif args.command == "route":
+        from .route_command import route
+
         route(args, environment)
 
 
