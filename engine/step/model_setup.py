@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from .. import settings
 from ..attention import cpu_kernel_loads
 from ..config import EngineConfig
-from ..kernels import cpu_gemm, cpu_layer_ops, cpu_library, cpu_replay
+from ..kernels import cpu_gemm, cpu_head_int8, cpu_layer_ops, cpu_library, cpu_qgemm, cpu_replay
 from ..model.loader import LoadedModel, auto_dtype, load_model, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
@@ -55,7 +55,12 @@ def kernel_loads(config: EngineConfig) -> list[Callable[[], object]]:
         with contextlib.suppress(ValueError):  # a bad one: the loader says so, later
             dtype = resolve_dtype(config.dtype, device)
     loads = [*cpu_kernel_loads(config.attention_backend, config.batch_invariant, dtype)]
-    loads += [cpu_layer_ops.available, cpu_gemm.amx_available]  # the AVX-512 GEMM, then AMX's
+    # the AVX-512 GEMM, and AMX's where it runs (amx_available asks nothing elsewhere)
+    loads += [cpu_layer_ops.available, cpu_gemm.available, cpu_gemm.amx_available]
+    if config.gguf_weights != "dequantized":  # GGUF blocks read as they are (quantized, auto)
+        loads.append(cpu_qgemm.available)
+    if cpu_head_int8.wanted():  # $PREFIXCACHE_INT8_HEAD=1
+        loads.append(cpu_head_int8.available)
     if settings.step_replay_enabled():
         loads.append(cpu_replay.available)
     return loads
