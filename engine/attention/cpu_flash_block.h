@@ -325,41 +325,52 @@ void attend_packed(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64
       m[row] = m_new;
     }
     // Rows past nr go to a scratch row, so that every index below is a constant and the
-    // accumulators stay in registers.
+    // accumulators stay in registers: CH columns of 16 at a time (R x CH accumulators, CH
+    // V vectors), all keys per chunk; each output element takes the same FMAs in the same
+    // order whatever CH (D = 256 at R = 4 would otherwise hold 64 accumulators and spill).
+    constexpr int CH = ND < 16 / R ? ND : 16 / R;
+    static_assert(ND % CH == 0, "column chunks divide the head dim");
     alignas(64) float spare[D];
     float* orow[R];
-    __m512 o[R][ND];
+    float cv[R];
     for (int i = 0; i < R; ++i) {
       orow[i] = i < nr ? obuf + (r0 + i) * D : spare;
-      const __m512 cv = _mm512_set1_ps(i < nr ? corr[i] : 0.0f);
-      for (int c = 0; c < ND; ++c)
-        o[i][c] = i < nr ? _mm512_mul_ps(_mm512_loadu_ps(orow[i] + c * 16), cv)
-                         : _mm512_setzero_ps();
+      cv[i] = i < nr ? corr[i] : 0.0f;
     }
-    if constexpr (kF32<T>) {
-      const float* vf = reinterpret_cast<const float*>(vblk);
-      for (int64_t j = 0; j < tile_keys; ++j) {
-        __m512 vv[ND];
-        for (int c = 0; c < ND; ++c) vv[c] = _mm512_loadu_ps(vf + j * D + c * 16);
-        for (int i = 0; i < R; ++i) {
-          const __m512 pw = _mm512_set1_ps(pbuf[(i < nr ? i : 0) * kKeyBlock + j]);
-          for (int c = 0; c < ND; ++c) o[i][c] = _mm512_fmadd_ps(pw, vv[c], o[i][c]);
+    for (int c0 = 0; c0 < ND; c0 += CH) {
+      __m512 o[R][CH];
+      for (int i = 0; i < R; ++i)
+        for (int c = 0; c < CH; ++c)
+          o[i][c] = i < nr ? _mm512_mul_ps(_mm512_loadu_ps(orow[i] + (c0 + c) * 16),
+                                           _mm512_set1_ps(cv[i]))
+                           : _mm512_setzero_ps();
+      if constexpr (kF32<T>) {
+        const float* vf = reinterpret_cast<const float*>(vblk) + c0 * 16;
+        for (int64_t j = 0; j < tile_keys; ++j) {
+          __m512 vv[CH];
+          for (int c = 0; c < CH; ++c) vv[c] = _mm512_loadu_ps(vf + j * D + c * 16);
+          for (int i = 0; i < R; ++i) {
+            const __m512 pw = _mm512_set1_ps(pbuf[(i < nr ? i : 0) * kKeyBlock + j]);
+            for (int c = 0; c < CH; ++c) o[i][c] = _mm512_fmadd_ps(pw, vv[c], o[i][c]);
+          }
+        }
+      } else {
+        const int64_t pairs = (tile_keys + 1) / 2;
+        const uint32_t* vc = vblk + c0 * 16;
+        for (int64_t jp = 0; jp < pairs; ++jp) {
+          __m512bh vv[CH];
+          for (int c = 0; c < CH; ++c)
+            vv[c] = (__m512bh)_mm512_loadu_si512(vc + jp * D + c * 16);
+          for (int i = 0; i < R; ++i) {
+            const __m512bh pw = (__m512bh)_mm512_set1_epi32(static_cast<int>(
+                load_pair(pbuf16 + (i < nr ? i : 0) * 2 * kKeyBlock + 2 * jp)));
+            for (int c = 0; c < CH; ++c) o[i][c] = _mm512_dpbf16_ps(o[i][c], pw, vv[c]);
+          }
         }
       }
-    } else {
-      const int64_t pairs = (tile_keys + 1) / 2;
-      for (int64_t jp = 0; jp < pairs; ++jp) {
-        __m512bh vv[ND];
-        for (int c = 0; c < ND; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vblk + jp * D + c * 16);
-        for (int i = 0; i < R; ++i) {
-          const __m512bh pw = (__m512bh)_mm512_set1_epi32(
-              static_cast<int>(load_pair(pbuf16 + (i < nr ? i : 0) * 2 * kKeyBlock + 2 * jp)));
-          for (int c = 0; c < ND; ++c) o[i][c] = _mm512_dpbf16_ps(o[i][c], pw, vv[c]);
-        }
-      }
+      for (int i = 0; i < R; ++i)
+        for (int c = 0; c < CH; ++c) _mm512_storeu_ps(orow[i] + (c0 + c) * 16, o[i][c]);
     }
-    for (int i = 0; i < R; ++i)
-      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(orow[i] + c * 16, o[i][c]);
   }
 }
 
