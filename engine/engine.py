@@ -110,7 +110,10 @@ class LLMEngine:
         self.stats.model(self.loaded.name, dtype_name)
         log.info("model %s: dtype %s on %s", self.loaded.name, dtype_name, self.loaded.device)
         model_len = self.loaded.config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        asked = config.max_model_len or model_len
+        if asked > model_len:
+            log.warning("max_model_len %d capped to the model's %d positions", asked, model_len)
+        self.max_model_len = min(asked, model_len)
         # A sequence never outgrows the pool, so a lone request can always make progress.
         self.max_seq_len = min(self.max_model_len, num_blocks * config.block_size)
         self._sequences: dict[str, Sequence] = {}

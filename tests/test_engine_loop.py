@@ -207,6 +207,20 @@ def test_prompt_that_cannot_fit_is_refused_without_side_effects(loaded) -> None:
     assert_clean(engine)
 
 
+def test_a_max_model_len_past_the_model_is_capped_and_said(loaded, caplog) -> None:
+    """A context longer than the model's positions is capped, with a warning (it was capped
+    silently: an operator read their --max-model-len back nowhere)."""
+    positions = loaded.config.max_position_embeddings
+    with caplog.at_level("WARNING", logger="prefixcache.engine"):
+        engine = make_engine(loaded, max_model_len=positions * 4)
+    assert engine.max_model_len == positions
+    assert f"max_model_len {positions * 4} capped to the model's {positions}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="prefixcache.engine"):
+        assert make_engine(loaded, max_model_len=positions // 2).max_model_len == positions // 2
+    assert "capped" not in caplog.text
+
+
 def test_stop_conditions(loaded) -> None:
     engine = make_engine(loaded)
     prompt = random_tokens(random.Random(2), 30, loaded.config.vocab_size)
