@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import anthropic
 import httpx
@@ -338,3 +338,40 @@ def test_an_identical_repeat_writes_nothing_to_the_cache(
     assert repeat.usage.input_tokens == first.usage.input_tokens
     counted = client.messages.count_tokens(model="demo", system="sys", messages=messages)
     assert prefix + first.usage.input_tokens == counted.input_tokens
+
+
+def test_the_sdks_tool_runner_gets_a_thread_refusal_it_recovers_from(tools_sidecar: Server) -> None:
+    """Anthropic's tool runner sends ``thread`` (a conversation the server holds) and then only
+    the new messages. The server ignored ``thread``, so the second turn lost its history and
+    tools (a 400 about ``tool_choice``, or an answer without the conversation). Now a ``thread``
+    is refused with the code the SDK reads, and the runner sends the whole history itself."""
+    sdk = anthropic.Anthropic(base_url=tools_sidecar.root, api_key="unused", max_retries=0)
+
+    @anthropic.beta_tool
+    def weather(city: Literal["paris", "tokyo"], unit: Literal["celsius", "fahrenheit"]) -> str:
+        """The weather of a city.
+
+        Args:
+            city: the city
+            unit: celsius or fahrenheit
+        """
+        return f"21 degrees {unit} in {city}"
+
+    runner = sdk.beta.messages.tool_runner(
+        model="demo",
+        max_tokens=48,
+        tools=[weather],
+        tool_choice={"type": "tool", "name": "weather"},
+        messages=QUESTION,
+        max_iterations=2,
+    )
+    replies = list(runner)
+    assert [r.stop_reason for r in replies] == ["tool_use", "tool_use"]
+
+    response = post(tools_sidecar, max_tokens=2, messages=QUESTION, thread={"type": "create"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["details"] == {"error_code": "thread_unsupported_request"}
+    assert "'thread'" in error["message"]
+    for off in (None, False):
+        assert post(tools_sidecar, max_tokens=2, messages=QUESTION, thread=off).status_code == 200

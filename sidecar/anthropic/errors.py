@@ -27,8 +27,16 @@ def error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "api_error"
 
 
+# Codes Anthropic's clients read from ``error.details.error_code`` (its SDK picks the
+# exception class, and its tool runner falls back to sending the whole history on this one).
+DETAIL_CODES = frozenset({"thread_unsupported_request"})
+
+
 def error_body(exc: APIError) -> dict:
-    return {"type": "error", "error": {"type": error_type(exc.status), "message": exc.message}}
+    error = {"type": error_type(exc.status), "message": exc.message}
+    if exc.code in DETAIL_CODES:
+        error["details"] = {"error_code": exc.code}
+    return {"type": "error", "error": error}
 
 
 def error_response(exc: APIError) -> Response:

@@ -124,6 +124,13 @@ class MessagesRoutes:
     ) -> tuple[p.ChatCompletionRequest, convert.Conversation]:
         """The checked chat request of ``req``; a 400 for what cannot be served."""
         gate = self.gate
+        if req.thread not in (None, False):
+            raise APIError(
+                400,
+                "'thread' is not supported by this server: send the whole conversation",
+                param="thread",
+                code="thread_unsupported_request",
+            )
         try:
             chat = convert.conversation(req)
         except p.Error as exc:

@@ -154,3 +154,6 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
     container: Any = None  # refused unless null
+    # Threads (a conversation the server holds between turns): refused unless null or false,
+    # with the code that makes Anthropic's SDK send the whole conversation instead.
+    thread: Any = None
