@@ -136,3 +136,34 @@ def test_cache_control_marks_reach_the_engine_as_retention_hints(fake_server: Se
     bad = [{"role": "user", "content": "x", "tag": "t", "cache_control": {"type": "forever"}}]
     body = {"model": "fake", "segments": bad, "max_tokens": 2}
     assert httpx.post(f"{fake_server.root}/v1/chat/completions", json=body).status_code == 400
+
+
+def test_openais_prompt_cache_breakpoints_are_retention_hints(fake_server: Server) -> None:
+    """OpenAI's ``prompt_cache_breakpoint`` on a chat text part (its SDK sends it) was a 400
+    (an unknown field); now it is the same hint as ``cache_control``, with OpenAI's lifetimes,
+    and a conversation's older breakpoints are not refused: the latest four are written."""
+    engine: FakeEngine = fake_server.app.state.sidecar.engine
+
+    def part(text: str, ttl: str | None = None) -> dict[str, Any]:
+        mark = {"mode": "explicit"} | ({"ttl": ttl} if ttl else {})
+        return {"type": "text", "text": text, "prompt_cache_breakpoint": mark}
+
+    system = {"role": "system", "content": [part("rules " * 10), part("more rules", "12h")]}
+    chat(
+        fake_server.root, {"model": "fake", "messages": [system, {"role": "user", "content": "q"}]}
+    )
+    retain = engine.received[-1].retain
+    assert retain is not None and [h.ttl_s for h in retain] == [1800.0, 12 * 3600.0]
+    assert 0 < retain[0].end < retain[1].end
+    turns = [{"role": "user", "content": [part(f"turn {i} " * 3)]} for i in range(6)]
+    chat(fake_server.root, {"model": "fake", "messages": turns})
+    retain = engine.received[-1].retain
+    assert retain is not None and len(retain) == 4
+    ends = [h.end for h in retain]
+    assert ends == sorted(ends) and ends[0] > 0  # the four latest: the first two dropped
+    bad = {
+        "role": "user",
+        "content": [{"type": "text", "text": "x", "prompt_cache_breakpoint": {}}],
+    }
+    body = {"model": "fake", "messages": [bad], "max_tokens": 2}
+    assert httpx.post(f"{fake_server.root}/v1/chat/completions", json=body).status_code == 400

@@ -34,7 +34,7 @@ from prefixcache.engine.request import RetentionHint, SegmentSpan
 from prefixcache.engine.text.tokenizer import ChatTemplateError
 from prefixcache.sdk.canonical import canonical_json
 
-from ..wire.protocol import Message, Segment, order_segments
+from ..wire.protocol import MAX_OPENAI_BREAKPOINTS, Message, Segment, order_segments
 
 
 class ChatTokenizer(Protocol):
@@ -224,26 +224,31 @@ class PromptRenderer:
         template_kwargs: dict[str, Any] | None,
         namespace: str,
     ) -> list[RetentionHint]:
-        """A ``cache_control`` on message i's content part j keeps the prompt up to the end of
-        that part: the conversation cut there, rendered alone, and matched against the prompt
-        (the tokens the two share)."""
+        """A ``cache_control`` (Anthropic's) or ``prompt_cache_breakpoint`` (OpenAI's) on
+        message i's content part j keeps the prompt up to the end of that part: the
+        conversation cut there, rendered alone, and matched against the prompt (the tokens the
+        two share). OpenAI's breakpoints accumulate over a conversation and are not refused
+        past a count: the latest ``MAX_OPENAI_BREAKPOINTS`` of them are written."""
+        marked = [
+            (i, j, part)
+            for i, message in enumerate(messages)
+            if isinstance(message.content, list)
+            for j, part in enumerate(message.content)
+            if part.retention_s is not None
+        ]
+        openai_only = [(i, j) for i, j, part in marked if part.cache_control is None]
+        older = set(openai_only[:-MAX_OPENAI_BREAKPOINTS])
         hints: list[RetentionHint] = []
-        for i, message in enumerate(messages):
-            if not isinstance(message.content, list):
+        for i, j, part in marked:
+            if (i, j) in older:
                 continue
-            for j, part in enumerate(message.content):
-                if part.cache_control is None:
-                    continue
-                cut = [
-                    *messages[:i],
-                    Message(message.role, list(message.content[: j + 1])),
-                ]
-                head = self.render_messages(
-                    _dicts(cut), False, template_kwargs, namespace=namespace
-                ).token_ids
-                hints.append(
-                    RetentionHint(common_prefix(head, token_ids), part.cache_control.ttl_s)
-                )
+            content = messages[i].content
+            assert isinstance(content, list) and part.retention_s is not None
+            cut = [*messages[:i], Message(messages[i].role, list(content[: j + 1]))]
+            head = self.render_messages(
+                _dicts(cut), False, template_kwargs, namespace=namespace
+            ).token_ids
+            hints.append(RetentionHint(common_prefix(head, token_ids), part.retention_s))
         return hints
 
     def render_stable(

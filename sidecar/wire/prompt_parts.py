@@ -51,10 +51,30 @@ class CacheControl(msgspec.Struct):
         return CACHE_TTLS[self.ttl]
 
 
+# OpenAI's explicit breakpoint on a content part: the same hint, its lifetimes. Without a
+# ttl it takes the request's prompt_cache_options.ttl, whose only value is 30m.
+BREAKPOINT_TTLS = {"30m": 1800.0, "12h": 12 * 3600.0}
+MAX_OPENAI_BREAKPOINTS = 4  # written per request, the latest ones (older ones are not refused)
+
+
+class PromptCacheBreakpoint(msgspec.Struct):
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] = "30m"
+
+
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["text"]
     text: str
-    cache_control: CacheControl | None = None
+    cache_control: CacheControl | None = None  # Anthropic's
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None  # OpenAI's
+
+    @property
+    def retention_s(self) -> float | None:
+        """How long this part's end asks to stay cached (either mark; the longer of both)."""
+        ttls = [c.ttl_s for c in (self.cache_control,) if c is not None]
+        if self.prompt_cache_breakpoint is not None:
+            ttls.append(BREAKPOINT_TTLS[self.prompt_cache_breakpoint.ttl])
+        return max(ttls, default=None)
 
 
 class FunctionCall(msgspec.Struct):

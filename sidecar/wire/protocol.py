@@ -30,6 +30,7 @@ from .prompt_parts import (
     Segment,
     fill_defaults,
 )
+from .prompt_parts import MAX_OPENAI_BREAKPOINTS as MAX_OPENAI_BREAKPOINTS
 from .prompt_parts import order_segments as order_segments
 from .tool_requests import NamedToolChoice, ResponseFormat, ToolChoice, ToolDef
 from .tool_requests import check_response_format as check_response_format
