@@ -104,6 +104,8 @@ async def test_templates_using_generation_and_loop_controls_render() -> None:
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("reasoning_effort", "low"),
         ("prediction", {"type": "content", "content": "x"}),
+        ("web_search_options", {"search_context_size": "low"}),  # were accepted, unsearched
+        ("moderation", {"input": {"policy": "default"}}),
     ],
 )
 async def test_unsupported_options_are_refused_by_name(

@@ -146,6 +146,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     audio: Any = None
     reasoning_effort: Any = None
     prediction: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
 
     def __post_init__(self) -> None:
         SamplingFields.__post_init__(self)
@@ -257,7 +259,7 @@ def _unsupported(req: ChatCompletionRequest) -> str | None:
         return "function_call"
     if req.modalities not in (None, ["text"]):
         return "modalities"
-    for name in ("audio", "reasoning_effort", "prediction"):
+    for name in ("audio", "reasoning_effort", "prediction", "web_search_options", "moderation"):
         if getattr(req, name) is not None:
             return name
     return None
