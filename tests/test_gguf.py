@@ -774,5 +774,31 @@ def test_an_empty_prompt_is_the_start_token_where_the_tokenizer_adds_one(
         assert r.status_code == 200 and len(r.json()["choices"]) == 2
         r = httpx.post(url, json={**body, "prompt": []}, timeout=60)
         assert r.status_code == 400, r.text
+        # echo + logprobs of a text prompt: the start token the tokenizer added is not in the
+        # echoed text, so it is not listed (it was, as "<bos>"-like text, offsets shifted);
+        # token ids keep every token, their echo holding the start token's text
+        text = "the quick brown fox"
+        ids = [*bos, 5, 6, 7]
+        for prompt, streamed in ((text, False), (text, True), (ids, False)):
+            fields = {"prompt": prompt, "echo": True, "logprobs": 1, "stream": streamed}
+            r = httpx.post(url, json={**body, **fields}, timeout=60)
+            assert r.status_code == 200, r.text
+            echo = prompt if prompt == text else engine.tokenizer.decode(ids, False)
+            if streamed:
+                lines = [x[6:] for x in r.text.splitlines() if x.startswith("data: {")]
+                first = json.loads(lines[0])["choices"][0]
+                assert first["text"] == echo
+                lp = first["logprobs"]
+            else:
+                choice = r.json()["choices"][0]
+                assert choice["text"].startswith(echo)
+                n = len(choice["logprobs"]["tokens"]) - 3  # the completion's 3 tokens come last
+                lp = {k: v[:n] for k, v in choice["logprobs"].items()}
+            assert "".join(lp["tokens"]) == echo
+            offsets = zip(lp["tokens"], lp["text_offset"], strict=True)
+            assert all(echo[o : o + len(t)] == t for t, o in offsets)
+            assert len(lp["tokens"]) == (
+                len(ids) if prompt == ids else len(engine.tokenizer.encode(text, False))
+            )
     finally:
         server.stop()

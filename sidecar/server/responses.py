@@ -452,16 +452,18 @@ def _delta_choice(job: Job, text: str | None, finish: str | None, logprobs: Any)
 
 
 def _echoed(job: Job, tokenizer: TokenizerAPI, prompt: list[TokenLogprob | None] | None) -> dict:
-    """An echoed prompt's completions logprobs (its first token has none: null, as vLLM)."""
-    ids = job.stream.request.prompt_token_ids
+    """An echoed prompt's completions logprobs (its first token has none: null, as vLLM).
+    Tokens the tokenizer added before the text (a BOS) are not in the echo, so not listed."""
+    ids = list(job.stream.request.prompt_token_ids)
+    entries = prompt or [None] * len(ids)
     decode = _decoder(tokenizer)
-    out = completion_logprobs(prompt or [None] * len(ids), decode, TokenOffsets(decode), ids)
-    # The echo is the prompt's text; its ids may hold more (a BOS the tokenizer added): the
-    # offsets count within the echo, never past it (the completion's start there).
     echo = job.echo or ""
-    decoded = decode(list(ids))
-    extra = len(decoded) - len(echo) if decoded.endswith(echo) else 0
-    out["text_offset"] = [min(max(o - extra, 0), len(echo)) for o in out["text_offset"]]
+    added = next((k for k in (1, 2) if k < len(ids) and decode(ids[k:]) == echo), 0)
+    if decode(ids) == echo:
+        added = 0
+    out = completion_logprobs(entries[added:], decode, TokenOffsets(decode), ids[added:])
+    # Offsets count within the echo, never past it (the completion's start there).
+    out["text_offset"] = [min(max(o, 0), len(echo)) for o in out["text_offset"]]
     return out
 
 
