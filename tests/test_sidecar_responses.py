@@ -193,6 +193,8 @@ def test_history_as_input_items(client: openai.OpenAI) -> None:
         ({"input": [{"role": "robot", "content": "x"}]}, "input", "input[0]"),
         ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "not supported"),
         ({"input": "x", "background": True}, "background", "not supported"),
+        # answered with "logprobs": [] before: silently no data
+        ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "logprobs"),
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format", "schema"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ""),
         ({"input": []}, "input", "empty"),

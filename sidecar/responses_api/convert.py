@@ -38,6 +38,8 @@ def check_unsupported(req: w.ResponsesRequest) -> None:
         if name == "reasoning" and isinstance(value, dict) and not value.get("effort"):
             continue  # {} or {"effort": null}: no reasoning asked for
         raise p.Error(f"'{name}' is not supported by this server", name)
+    if "message.output_text.logprobs" in (req.include or ()):  # it answered [] for them
+        raise p.Error("include 'message.output_text.logprobs' is not supported", "include")
     for tool in req.tools or ():
         if tool.type != "function":
             shown = repr(tool.type)[:40]
