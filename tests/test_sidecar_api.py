@@ -84,6 +84,10 @@ def test_second_request_with_the_same_system_prompt_is_cached(
     assert warm_report["cached_tokens"] == warm.prompt_tokens_details.cached_tokens
     assert warm_report["computed_tokens"] == warm.prompt_tokens - warm_report["cached_tokens"]
     assert warm.total_tokens == warm.prompt_tokens + warm.completion_tokens
+    # OpenAI's cache_write_tokens (its SDK has the field; it was null): the KV computed now
+    for usage in (cold, warm):
+        details = usage.prompt_tokens_details
+        assert details.cache_write_tokens == usage.prompt_tokens - details.cached_tokens
 
 
 def test_non_streamed_responses_say_where_the_engine_spent_the_time(sidecar_url: str) -> None:

@@ -67,6 +67,9 @@ def test_create_reports_cached_tokens(client: openai.OpenAI) -> None:
     assert second.model_extra["prefixcache"]["cached_tokens"] == (
         second.usage.input_tokens_details.cached_tokens
     )
+    for usage in (first.usage, second.usage):  # the KV computed now, as chat's
+        details = usage.input_tokens_details
+        assert details.cache_write_tokens == usage.input_tokens - details.cached_tokens
 
 
 def test_cache_salt_narrows_the_namespace(client: openai.OpenAI) -> None:

@@ -38,7 +38,9 @@ def new_id(prefix: str) -> str:
 def response_usage(usage: Usage) -> w.ResponseUsage:
     return w.ResponseUsage(
         input_tokens=usage.prompt_tokens,
-        input_tokens_details=w.InputTokensDetails(usage.cached_tokens),
+        input_tokens_details=w.InputTokensDetails(
+            usage.cached_tokens, usage.computed_prompt_tokens
+        ),
         output_tokens=usage.completion_tokens,
         output_tokens_details=w.OutputTokensDetails(),
         total_tokens=usage.prompt_tokens + usage.completion_tokens,

@@ -145,6 +145,7 @@ OutputItem = OutputMessage | OutputFunctionCall
 
 class InputTokensDetails(msgspec.Struct):
     cached_tokens: int
+    cache_write_tokens: int = 0  # as chat's prompt_tokens_details
 
 
 class OutputTokensDetails(msgspec.Struct):

@@ -54,7 +54,9 @@ def usage_info(usage: Usage) -> rt.UsageInfo:
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
-        prompt_tokens_details=rt.PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        prompt_tokens_details=rt.PromptTokensDetails(
+            cached_tokens=usage.cached_tokens, cache_write_tokens=usage.computed_prompt_tokens
+        ),
     )
 
 

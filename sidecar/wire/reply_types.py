@@ -8,6 +8,8 @@ import msgspec
 
 class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int
+    # OpenAI's newer field: prompt tokens whose KV this request computed and wrote to the cache
+    cache_write_tokens: int = 0
 
 
 class UsageInfo(msgspec.Struct):
