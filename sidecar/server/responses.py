@@ -460,9 +460,9 @@ def _echoed(job: Job, tokenizer: TokenizerAPI, prompt: list[TokenLogprob | None]
     entries = prompt or [None] * len(ids)
     decode = _decoder(tokenizer)
     echo = job.echo or ""
-    added = next((k for k in (1, 2) if k < len(ids) and decode(ids[k:]) == echo), 0)
-    if decode(ids) == echo:
-        added = 0
+    added = 0  # decoded at most three times, and once where nothing was added
+    if decode(ids) != echo:
+        added = next((k for k in (1, 2) if k < len(ids) and decode(ids[k:]) == echo), 0)
     out = completion_logprobs(entries[added:], decode, TokenOffsets(decode), ids[added:])
     # Offsets count within the echo, never past it (the completion's start there).
     out["text_offset"] = [min(max(o, 0), len(echo)) for o in out["text_offset"]]
