@@ -161,6 +161,13 @@ def test_openais_prompt_cache_breakpoints_are_retention_hints(fake_server: Serve
     assert retain is not None and len(retain) == 4
     ends = [h.end for h in retain]
     assert ends == sorted(ends) and ends[0] > 0  # the four latest: the first two dropped
+    # the same on /v1/responses' input parts (accepted and ignored before)
+    item = part("rules " * 10, "12h") | {"type": "input_text"}
+    body = {"model": "fake", "input": [{"role": "user", "content": [item]}]}
+    response = httpx.post(f"{fake_server.root}/v1/responses", json=body | {"max_output_tokens": 2})
+    assert response.status_code == 200, response.text
+    retain = engine.received[-1].retain
+    assert retain is not None and [h.ttl_s for h in retain] == [12 * 3600.0]
     bad = {
         "role": "user",
         "content": [{"type": "text", "text": "x", "prompt_cache_breakpoint": {}}],

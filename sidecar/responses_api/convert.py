@@ -16,7 +16,7 @@ import msgspec
 
 from ..http.errors import APIError
 from ..wire import protocol as p
-from ..wire.prompt_parts import FunctionCall, ToolCallItem
+from ..wire.prompt_parts import FunctionCall, TextPart, ToolCallItem
 from ..wire.tool_requests import (
     ChosenFunction,
     FunctionDef,
@@ -102,19 +102,24 @@ def _check_call_outputs(messages: list[p.Message]) -> None:
             )
 
 
-def _text(content: str | list[w.ContentPart], index: int) -> str:
+def _text(content: str | list[w.ContentPart], index: int) -> str | list[TextPart]:
+    """The item's text; as text parts where one carries a ``prompt_cache_breakpoint`` (the
+    renderer turns it into a retention hint, as on chat; the prompt is the same)."""
     if isinstance(content, str):
         return content
-    texts = []
+    parts = []
     for part in content:
         if part.type in ("input_text", "output_text"):
-            texts.append(part.text or "")
+            text = part.text or ""
         elif part.type == "refusal":
-            texts.append(part.refusal or "")
+            text = part.refusal or ""
         else:
             shown = repr(part.type)[:40]
             raise p.Error(f"input[{index}]: {shown} content is not supported", "input")
-    return "".join(texts)
+        parts.append(TextPart("text", text, prompt_cache_breakpoint=part.prompt_cache_breakpoint))
+    if any(part.prompt_cache_breakpoint is not None for part in parts):
+        return parts
+    return "".join(part.text for part in parts)
 
 
 def _without_values(message: str) -> str:

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from ..wire.prompt_parts import CacheSalt, FunctionName
+from ..wire.prompt_parts import CacheSalt, FunctionName, PromptCacheBreakpoint
 from ..wire.protocol import PositiveInt, Temperature, TopP
 
 MAX_INPUT_ITEMS = 4096
@@ -89,6 +89,7 @@ class ContentPart(msgspec.Struct, kw_only=True):
     type: str  # input_text | output_text | refusal; anything else is refused
     text: str | None = None
     refusal: str | None = None
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None  # a retention hint, as chat's
 
 
 class MessageItem(msgspec.Struct, kw_only=True):
