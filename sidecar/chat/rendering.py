@@ -230,25 +230,25 @@ class PromptRenderer:
         two share). OpenAI's breakpoints accumulate over a conversation and are not refused
         past a count: the latest ``MAX_OPENAI_BREAKPOINTS`` of them are written."""
         marked = [
-            (i, j, part)
+            (i, j, part.cache_control is None, ttl_s)
             for i, message in enumerate(messages)
             if isinstance(message.content, list)
             for j, part in enumerate(message.content)
-            if part.retention_s is not None
+            if (ttl_s := part.retention_s) is not None
         ]
-        openai_only = [(i, j) for i, j, part in marked if part.cache_control is None]
+        openai_only = [(i, j) for i, j, openai, _ in marked if openai]
         older = set(openai_only[:-MAX_OPENAI_BREAKPOINTS])
         hints: list[RetentionHint] = []
-        for i, j, part in marked:
+        for i, j, _, ttl_s in marked:
             if (i, j) in older:
                 continue
             content = messages[i].content
-            assert isinstance(content, list) and part.retention_s is not None
+            assert isinstance(content, list)
             cut = [*messages[:i], Message(messages[i].role, list(content[: j + 1]))]
             head = self.render_messages(
                 _dicts(cut), False, template_kwargs, namespace=namespace
             ).token_ids
-            hints.append(RetentionHint(common_prefix(head, token_ids), part.retention_s))
+            hints.append(RetentionHint(common_prefix(head, token_ids), ttl_s))
         return hints
 
     def render_stable(

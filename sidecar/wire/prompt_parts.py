@@ -71,7 +71,9 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     @property
     def retention_s(self) -> float | None:
         """How long this part's end asks to stay cached (either mark; the longer of both)."""
-        ttls = [c.ttl_s for c in (self.cache_control,) if c is not None]
+        ttls = []
+        if self.cache_control is not None:
+            ttls.append(self.cache_control.ttl_s)
         if self.prompt_cache_breakpoint is not None:
             ttls.append(BREAKPOINT_TTLS[self.prompt_cache_breakpoint.ttl])
         return max(ttls, default=None)
