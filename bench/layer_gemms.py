@@ -6,7 +6,8 @@ down projections (the prepared model's own ``Gemm``s, the engine's default kerne
 TFLOP/s, and the ratio of that rate to the rate at ``--full-rows`` (2,048: a cold prefill
 chunk). At few rows each weight panel serves few row tiles, so the rate falls; a warm suffix
 (64 rows) is where the hybrid bench's efficiency is decided. Then the LM head at each row
-count up to 64, as loaded, against the bf16 packing of its weight (``head_ms``). Where the
+count up to 64, as loaded (a GGUF head's Q8_0 blocks for a few rows without AMX), against
+the bf16 packing of its weight (``head_ms``). Where the
 layers read their GGUF blocks (a dequantized bf16 GGUF model on AMX), the same pass on the
 blocks against the bf16 panels of the same weights, alternated, a 400 MB sweep before each
 (``blocks_vs_panels``: the same bits, fewer bytes).
@@ -112,7 +113,8 @@ def blocks_vs_panels(
 
 
 def head_ms(model: torch.nn.Module, rows: int, seconds: float) -> dict[str, float | str]:
-    """The prepared LM head (its kernel as loaded: ``q8_amx`` reads a GGUF head's Q8_0 blocks)
+    """The prepared LM head (its kernel as loaded: ``q8_amx`` reads a GGUF head's Q8_0 blocks,
+    as ``q8`` does up to ``cpu_gemm.FEW_ROWS`` rows without AMX)
     against the bf16 packing of the same weight, alternated, after a 400 MB sweep each call
     (as a step meets it: the layers' weights went through the caches in between)."""
     head = model.head.invariant
@@ -131,7 +133,10 @@ def head_ms(model: torch.nn.Module, rows: int, seconds: float) -> dict[str, floa
             fn(x)
             times[name].append(time.perf_counter() - start)
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    return {"kernel": head.kernel, "ms": round(ms["head"], 2), "bf16_ms": round(ms["bf16"], 2),
+    kernel = head.kernel  # blocks beside the panels (AVX-512): read up to FEW_ROWS rows
+    if getattr(head, "few_rows_kernel", None):
+        kernel = f"{head.few_rows_kernel} to {cpu_gemm.FEW_ROWS} rows, then {head.kernel}"
+    return {"kernel": kernel, "ms": round(ms["head"], 2), "bf16_ms": round(ms["bf16"], 2),
             "ratio": round(ms["head"] / ms["bf16"], 3)}  # fmt: skip
 
 
@@ -147,7 +152,7 @@ def main() -> None:
     loaded = load_model(args.model, dtype=args.dtype, device="cpu")
     model = loaded.model
     # packed before prepare(), which frees the layer weights the kernels packed
-    has_blocks = any(hasattr(m, "block_source") for m in model.modules())
+    has_blocks = any(hasattr(m, "block_source") for m in model.model.layers.modules())
     panels = _panels(model) if has_blocks else None
     model.prepare()
     full_ms, full_macs = pass_ms(model, args.full_rows, args.seconds)

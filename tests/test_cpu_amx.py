@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixcache.engine import settings as engine_settings
-from prefixcache.engine.kernels import cpu_gemm
+from prefixcache.engine.kernels import cpu_gemm, gemm_blocks
 from prefixcache.engine.kernels.linear import Gemm
 from prefixcache.engine.model.loader import load_model
 
@@ -154,7 +154,9 @@ def test_row_attention_on_amx_agrees_with_the_avx512_step(tmp_path: Path) -> Non
     assert (amx.float() - avx512.float()).abs().mean() < 1e-3
 
 
-def block_source(n: int, k: int, seed: int, form: str) -> tuple[cpu_gemm.BlockSource, torch.Tensor]:
+def block_source(
+    n: int, k: int, seed: int, form: str
+) -> tuple[gemm_blocks.BlockSource, torch.Tensor]:
     """GGUF-like block integers with fp16-valued scales (and minimums), and the dequantized
     bf16 weight: ``q8`` (Q8_0, Q5_0: int8, no minimum), ``q4_1`` (Q4_1: 0..15, + m), ``q4_k``
     (Q4_K: 0..15, - dmin m with 17-bit scales), ``q4_0`` (Q4_0: -8..7, no minimum), ``q6_k``
@@ -169,7 +171,7 @@ def block_source(n: int, k: int, seed: int, form: str) -> tuple[cpu_gemm.BlockSo
         q = rng.integers(-32, 32, size=(n, k), dtype=np.int8)
         d = (rng.random((n, k // 16)) * 0.001).astype(np.float16).astype(np.float32)
         scale = d * rng.integers(-128, 128, size=d.shape).astype(np.float32)
-        return (q, scale, None), cpu_gemm.block_weights(q, scale, None)
+        return (q, scale, None), gemm_blocks.block_weights(q, scale, None)
     if form == "q8":
         q = rng.integers(-128, 128, size=(n, k), dtype=np.int8)
     elif form == "q4_0":
@@ -182,7 +184,7 @@ def block_source(n: int, k: int, seed: int, form: str) -> tuple[cpu_gemm.BlockSo
         scale = scale * rng.integers(0, 64, size=scale.shape).astype(np.float32)
         minimum = minimum * rng.integers(0, 64, size=scale.shape).astype(np.float32)
     source = (q, scale, minimum)
-    return source, cpu_gemm.block_weights(*source)
+    return source, gemm_blocks.block_weights(*source)
 
 
 FORMS = {
@@ -255,11 +257,11 @@ def test_a_block_source_that_is_not_the_weight_is_refused() -> None:
     q, scale, minimum = source
     wide = (q.astype(np.int16) * 2).astype(np.int8)  # 0..30 with a minimum: no kernel's form
     assert cpu_gemm.PackedLinear.from_blocks(
-        cpu_gemm.block_weights(wide, scale, minimum), None, (wide, scale, minimum)
+        gemm_blocks.block_weights(wide, scale, minimum), None, (wide, scale, minimum)
     ) is None  # fmt: skip
     full = scale * np.float32(1.0 + 2**-20)  # 24 significant bits: q * scale not exact
     assert cpu_gemm.PackedLinear.from_blocks(
-        cpu_gemm.block_weights(q, full, minimum), None, (q, full, minimum)
+        gemm_blocks.block_weights(q, full, minimum), None, (q, full, minimum)
     ) is None  # fmt: skip
     assert cpu_gemm.PackedLinear.from_blocks(w, None, source) is not None
 
@@ -278,14 +280,14 @@ def test_int8_blocks_keep_fp16_scales_where_they_are_fp16_values() -> None:
             scale = (scale.view(np.uint32) & np.uint32(0xFFFFF000)).view(np.float32)
         q = rng.integers(-128, 128, size=(scale.shape[0], 32 * scale.shape[1])).astype(np.int8)
         q[:, :2] = (-128, 127)  # the int8 range: never the 4-bit form
-        w = cpu_gemm.block_weights(q, scale, None)
+        w = gemm_blocks.block_weights(q, scale, None)
         blocks = cpu_gemm.PackedLinear.from_blocks(w, None, (q, scale, None), float_out=True)
         assert blocks is not None
-        assert blocks.kernel == ("q8_amx" if cpu_gemm.fp16_exact(scale) else "q8h_amx")
+        assert blocks.kernel == ("q8_amx" if gemm_blocks.fp16_exact(scale) else "q8h_amx")
         x = torch.randn(70, q.shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
         assert torch.equal(blocks(x), cpu_gemm.PackedLinear(w, None, float_out=True)(x))
         assert torch.equal(blocks.weight_rows(torch.arange(q.shape[0])), w)
-    assert cpu_gemm.fp16_exact(every) and not cpu_gemm.fp16_exact(scale)
+    assert gemm_blocks.fp16_exact(every) and not gemm_blocks.fp16_exact(scale)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K"])

@@ -20,19 +20,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixcache.engine import settings as engine_settings
-from prefixcache.engine.kernels import cpu_gemm, cpu_head_int8
+from prefixcache.engine.kernels import cpu_gemm, cpu_head_int8, gemm_blocks
 
 pytestmark = pytest.mark.skipif(
     not cpu_head_int8.available(), reason="no AVX512_VNNI here (or the kernel cannot load)"
 )
 
 
-def q8_source(n: int, k: int, seed: int) -> tuple[cpu_gemm.BlockSource, torch.Tensor]:
+def q8_source(n: int, k: int, seed: int) -> tuple[gemm_blocks.BlockSource, torch.Tensor]:
     """Q8_0-like blocks (int8, an fp16-valued scale per 32 k) and their bf16 weight."""
     rng = np.random.default_rng(seed)
     q = rng.integers(-128, 128, size=(n, k), dtype=np.int8)
     scale = (rng.random((n, k // 32)) * 0.02).astype(np.float16).astype(np.float32)
-    return (q, scale, None), cpu_gemm.block_weights(q, scale, None)
+    return (q, scale, None), gemm_blocks.block_weights(q, scale, None)
 
 
 def activations(m: int, k: int, seed: int) -> torch.Tensor:
@@ -46,7 +46,7 @@ def activations(m: int, k: int, seed: int) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-def exact(x: torch.Tensor, source: cpu_gemm.BlockSource) -> torch.Tensor:
+def exact(x: torch.Tensor, source: gemm_blocks.BlockSource) -> torch.Tensor:
     q, scale, _ = source
     n, k = q.shape
     w = (
@@ -56,7 +56,7 @@ def exact(x: torch.Tensor, source: cpu_gemm.BlockSource) -> torch.Tensor:
     return x.double() @ w.view(n, k).T
 
 
-def head(source: cpu_gemm.BlockSource, w: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = True) -> cpu_gemm.PackedLinear:  # fmt: skip
+def head(source: gemm_blocks.BlockSource, w: torch.Tensor, bias: torch.Tensor | None = None, float_out: bool = True) -> cpu_gemm.PackedLinear:  # fmt: skip
     lin = cpu_head_int8.head_from_blocks(w, bias, source, float_out)
     assert lin is not None and lin.kernel == "q8_int"
     return lin
@@ -115,7 +115,7 @@ def test_nearer_the_exact_product_than_the_bf16_kernels() -> None:
     assert (ints <= rounding + accumulation).all()
 
 
-def exact_abs(source: cpu_gemm.BlockSource) -> torch.Tensor:
+def exact_abs(source: gemm_blocks.BlockSource) -> torch.Tensor:
     q, scale, _ = source
     n, k = q.shape
     w = torch.from_numpy(q).double().abs().view(n, k // 32, 32)
@@ -130,7 +130,7 @@ def test_tiny_and_huge_activations_keep_their_accuracy() -> None:
     rng = np.random.default_rng(0)
     q = rng.integers(-128, 128, size=(4, 32), dtype=np.int8)
     scale = np.full((4, 1), 0.004, dtype=np.float32)
-    lin = head((q, scale, None), cpu_gemm.block_weights(q, scale, None))
+    lin = head((q, scale, None), gemm_blocks.block_weights(q, scale, None))
     signs = torch.from_numpy(rng.choice([-1.0, 1.0], size=(1, 32)))
     for power in (-100, -115, -120, -126):
         x = (signs * 2.0**power).to(torch.bfloat16)
@@ -142,7 +142,7 @@ def test_tiny_and_huge_activations_keep_their_accuracy() -> None:
     x = torch.zeros(1, 64)
     x[0, 0], x[0, 32:] = 3.0e38, 1.0
     x = x.to(torch.bfloat16)
-    out = head((q2, scale2, None), cpu_gemm.block_weights(q2, scale2, None))(x)
+    out = head((q2, scale2, None), gemm_blocks.block_weights(q2, scale2, None))(x)
     torch.testing.assert_close(out.double(), exact(x, (q2, scale2, None)), rtol=1e-6, atol=0)
 
 

@@ -26,15 +26,18 @@ import numpy as np
 import torch
 
 from . import cpu_library, cpu_replay
+from .gemm_blocks import BlockSource, fp16_exact, q4_pack, q8_pack, rounds_to
 
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 AMX_SOURCE = Path(__file__).with_name("cpu_gemm_amx.cpp")
 AMX_K_STEP = 32  # the AMX kernel's k per tile step; other K keep the AVX-512 kernel
+# Rows up to which a weight with blocks beside its panels (AVX-512, the LM head) reads the
+# blocks: cpu_gemm.cpp's row tile. Gemma 3's 262K head: 5.1-7.0 against 10.2-11.2 ms at 1-6
+# rows, 17 against 11-12 at 8 (the conversion, about seven rows' work, no longer hidden).
+FEW_ROWS = 6
 # pc_gemm_weight_rows' layout code of each packing that gives W's rows back
-_ROW_LAYOUTS = {"amx": 0, "avx512": 0, "f32": 1, "q8_amx": 2, "q8h_amx": 3}
+_ROW_LAYOUTS = {"amx": 0, "avx512": 0, "f32": 1, "q8_amx": 2, "q8h_amx": 3, "q8": 2, "q8h": 3}
 DTYPES = (torch.bfloat16, torch.float32)
-# A weight's GGUF blocks: q int8 [N, K], scale and minimum (or None) fp32 [N, K / 32]
-BlockSource = tuple[np.ndarray, np.ndarray, np.ndarray | None]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -48,6 +51,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pc_gemm_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int, c_int]
     lib.pc_gemm_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int]
     lib.pc_gemm_bf16.restype = lib.pc_gemm_f32.restype = None
+    for fn in (lib.pc_gemm_q8, lib.pc_gemm_q8h):
+        fn.argtypes = lib.pc_gemm_bf16.argtypes
+        fn.restype = None
     lib.pc_gemm_weight_rows.argtypes = [ptr, c_int, i64, i64, ptr, i64, ptr, c_int]
     lib.pc_gemm_weight_rows.restype = None
 
@@ -116,87 +122,17 @@ def amx_available() -> bool:
     return _amx_lib() is not None
 
 
-def q8_pack(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
-    """``pc_gemm_q8_amx``'s layout of ``q`` int8 ``[N, K]`` and ``scale`` ``[N, K / 32]`` (each
-    an fp16 value: ``fp16_exact``): per group of 32 columns (N padded with zero columns) and
-    block of 32 k, the integers as ``[16 k-pairs][32 columns][2]``, then the block's 32 scales
-    as fp16. A ``scale`` per 16 k (``[N, K / 16]``, ``pc_gemm_q8h_amx``) puts the block's first
-    halves' 32 fp32 scales, then the second's."""
-    ints, groups, blocks = _tile_order(q)
-    ints = ints.view(np.uint8).reshape(groups, blocks, 1024)
-    if scale.shape[1] == blocks:
-        return with_column_values(groups, blocks, ints, scale, dtype=np.float16)
-    return with_column_values(groups, blocks, ints, scale[:, 0::2], scale[:, 1::2])
+def avx512_blocks_available() -> bool:
+    """Whether ``pc_gemm_q8`` runs here: the native AVX-512 build (not the AVX2 one's
+    emulation)."""
+    return available() and _library.target is cpu_library.AVX512_BF16
 
 
-def fp16_exact(values: np.ndarray) -> bool:
-    """Whether every value is an fp16 value (a Q8_0 or Q5_0 block's d always is)."""
-    return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
-
-
-def q4_pack(
-    q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, dtype: type[np.floating] = np.float32
-) -> torch.Tensor:
-    """``pc_gemm_q4_amx``'s layout of ``q`` in 0..15 ``[N, K]``, ``scale`` and ``minimum``
-    ``[N, K / 32]``: per group of 32 columns and block of 32 k, for each k-pair and tile of
-    16 columns 16 bytes (byte j: the tile row's value j, low nibble, and j + 16, high), then
-    the block's 32 scales and 32 minimums as ``dtype`` (fp16: ``pc_gemm_q4f16_amx``'s)."""
-    ints, groups, blocks = _tile_order(q)
-    rows = ints.astype(np.uint8).reshape(groups, blocks, 16, 2, 2, 16)
-    nibbles = rows[..., 0, :] | (rows[..., 1, :] << 4)
-    nibbles = nibbles.reshape(groups, blocks, 512)
-    return with_column_values(groups, blocks, nibbles, scale, minimum, dtype=dtype)
-
-
-def _tile_order(q: np.ndarray) -> tuple[np.ndarray, int, int]:
-    """``q`` ``[N, K]`` as ``[groups][blocks][16 k-pairs][32 columns][2]`` (zero columns pad N)."""
-    n, k = q.shape
-    groups, blocks = -(-n // 32), k // 32
-    qp = np.zeros((groups * 32, k), dtype=q.dtype)
-    qp[:n] = q
-    ints = qp.reshape(groups, 32, blocks, 16, 2).transpose(0, 2, 3, 1, 4)
-    return np.ascontiguousarray(ints), groups, blocks
-
-
-def with_column_values(
-    groups: int,
-    blocks: int,
-    ints: np.ndarray,
-    *per_column: np.ndarray,
-    dtype: type[np.floating] = np.float32,
-) -> torch.Tensor:
-    """Each block's integers, then its 32 columns' values (``dtype``) from each of
-    ``per_column``."""
-    parts = [ints]
-    for values in per_column:
-        vp = np.zeros((groups * 32, blocks), dtype=dtype)
-        vp[: values.shape[0]] = values
-        cols = np.ascontiguousarray(vp.reshape(groups, 32, blocks).transpose(0, 2, 1))
-        parts.append(cols.view(np.uint8).reshape(groups, blocks, 32 * vp.itemsize))
-    return torch.from_numpy(np.concatenate(parts, axis=2).reshape(-1))
-
-
-def block_weights(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None) -> torch.Tensor:
-    """The bf16 weights ``[N, K]`` that the block kernels form: ``q * scale (+ minimum)`` per
-    32 (or, with a scale per 16, 16) k in fp32 (the product exact, one rounding for the sum),
-    rounded to bf16."""
-    n, k = q.shape
-    g = k // scale.shape[1]
-    w = torch.from_numpy(q).float().view(n, k // g, g) * torch.from_numpy(scale)[..., None]
-    if minimum is not None:
-        w += torch.from_numpy(minimum)[..., None]
-    return w.view(n, k).to(torch.bfloat16)
-
-
-def rounds_to(weight: torch.Tensor, source: BlockSource) -> bool:
-    """Whether ``weight`` is ``source``'s blocks as the block kernels form them, exactly."""
-    q, scale, minimum = source
-    for start in range(0, q.shape[0], 8192):
-        rows = slice(start, start + 8192)
-        part = None if minimum is None else minimum[rows]
-        if not torch.equal(block_weights(q[rows], scale[rows], part), weight[rows]):
-            return False
-    return True
+def reads_blocks(with_minimum: bool, head: bool) -> bool:
+    """Whether a bf16 weight here may read its GGUF blocks (``PackedLinear.from_blocks``): any
+    form on AMX; without it the LM head's (``head``) blocks without a minimum (Q8_0, Q5_0,
+    Q4_0, Q6_K), for calls of few rows."""
+    return amx_available() or (head and not with_minimum and avx512_blocks_available())
 
 
 def _lib() -> ctypes.CDLL:
@@ -210,13 +146,14 @@ class PackedLinear:
     """``x @ weight.T + bias`` for a weight fixed at load, packed once into the kernel's
     panels (the packed copy replaces oneDNN's; a layer's original weight is then freed,
     ``linear.Gemm.release_weight``). ``kernel`` names the one it runs for life: ``amx``,
-    ``avx512``, ``f32``, or from GGUF blocks ``q8_amx``, ``q8h_amx``, ``q4_amx`` or
-    ``q4f16_amx``.
+    ``avx512``, ``f32``, or from GGUF blocks ``q8_amx``, ``q8h_amx``, ``q4_amx``,
+    ``q4f16_amx`` (AMX), ``q8`` or ``q8h`` (AVX-512).
     ``float_out``: a bf16 weight's outputs are the fp32 sums, not rounded to bf16 (the LM
     head: logits a bf16 rounding would tie at the argmax)."""
 
-    __slots__ = ("_bias_ptr", "_f32_out", "_fn", "_packed_ptr", "_what", "bias", "dtype")
-    __slots__ += ("in_features", "kernel", "out_dtype", "out_features", "packed")
+    __slots__ = ("_bias_ptr", "_f32_out", "_few", "_fn", "_packed_ptr", "_what", "bias")
+    __slots__ += ("blocks", "dtype", "few_rows_kernel", "in_features", "kernel", "out_dtype")
+    __slots__ += ("out_features", "packed")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False
@@ -250,6 +187,9 @@ class PackedLinear:
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
         self._what = f"PackedLinear({self.in_features} -> {self.out_features}, {self.dtype})"
+        self.blocks: torch.Tensor | None = None
+        self.few_rows_kernel: str | None = None
+        self._few: tuple[ctypes._CFuncPtr, int] | None = None
 
     @classmethod
     def from_blocks(
@@ -259,19 +199,28 @@ class PackedLinear:
         source: BlockSource,
         float_out: bool = False,
     ) -> PackedLinear | None:
-        """``PackedLinear(weight, bias, float_out)`` on AMX from ``weight``'s GGUF blocks
+        """``PackedLinear(weight, bias, float_out)`` from ``weight``'s GGUF blocks
         (``source``: ``q`` int8 ``[N, K]``, ``scale`` and ``minimum`` or None ``[N, K / 32]``,
         ``weight`` = bf16(q * scale (+ minimum)), ``gguf_blocks.split_blocks``'s form, or a
         scale per 16 k ``[N, K / 16]`` and no minimum, ``split_q6_k``'s): the same outputs to
         the bit, the weights read at 0.625 or 0.75 (4-bit integers), 1.06 or 1.25 bytes (wider)
-        instead of 2 (a one-row step reads every weight). Long calls convert the blocks once
-        per chunk of rows, overlapped with the tile work: as fast as the panels from 2,048
-        rows, faster below (``cpu_gemm_amx.cpp``'s ``X_CHUNK_BYTES``). None where AMX does not
-        run here, or where ``weight`` is not that rounding."""
+        instead of 2 (a one-row step reads every weight). On AMX every form; long calls
+        convert the blocks once per chunk of rows, overlapped with the tile work: as fast as
+        the panels from 2,048 rows, faster below (``cpu_gemm_amx.cpp``'s ``X_CHUNK_BYTES``).
+        Without AMX, the LM head's (``float_out``) forms without a minimum keep their panels and
+        add int8 blocks (``blocks``: ``cpu_gemm.cpp``'s ``gemm_q8``, the panels' bits) that
+        calls of up to ``FEW_ROWS`` rows read: a warm request's or a small decode batch's head
+        at the memory's rate from 1.06 bytes a weight. None where neither runs, or where
+        ``weight`` is not that rounding."""
         amx = _amx_lib()
         q, scale, minimum = source
         n, k = q.shape
-        if amx is None or weight.dtype != torch.bfloat16 or k % AMX_K_STEP:
+        head = float_out  # the LM head's logits are its fp32 sums
+        if (
+            weight.dtype != torch.bfloat16
+            or k % AMX_K_STEP
+            or not reads_blocks(minimum is not None, head)
+        ):
             return None
         halves = scale.shape == (n, k // 16)  # Q6_K: a scale per 16 k, no minimum
         if tuple(weight.shape) != (n, k) or not (scale.shape == (n, k // 32) or halves):
@@ -280,6 +229,16 @@ class PackedLinear:
             return None
         if not rounds_to(weight, source):
             return None
+        if amx is None:  # AVX-512: the panels, and int8 blocks for calls of few rows
+            self = cls(weight, bias, float_out)
+            lib = _lib()
+            if not halves and fp16_exact(scale):
+                self.blocks, fn, self.few_rows_kernel = q8_pack(q, scale), lib.pc_gemm_q8, "q8"
+            else:
+                halved = scale if halves else np.repeat(scale, 2, axis=1)
+                self.blocks, fn, self.few_rows_kernel = q8_pack(q, halved), lib.pc_gemm_q8h, "q8h"
+            self._few = (fn, self.blocks.data_ptr())
+            return self
         low, high = int(q.min(initial=0)), int(q.max(initial=0))
         if minimum is None and low >= -8 and high <= 7 and not halves:  # Q4_0: q + 8, -8 scale
             q, minimum, low, high = q + np.int8(8), scale * np.float32(-8), low + 8, high + 8
@@ -325,6 +284,7 @@ class PackedLinear:
         self._packed_ptr = self.packed.data_ptr()
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
         self._what = f"PackedLinear({shape[1]} -> {shape[0]}, GGUF blocks, {kernel})"
+        self.blocks, self.few_rows_kernel, self._few = None, None, None
         return self
 
     def call(self, x2: torch.Tensor, out: torch.Tensor) -> cpu_replay.KernelCall:
@@ -341,6 +301,8 @@ class PackedLinear:
         )
         kind = cpu_replay.GEMM_BF16 if self._f32_out else cpu_replay.GEMM_F32
         fn, packed = self._fn, self._packed_ptr
+        if self._few is not None and m <= FEW_ROWS:
+            fn, packed = self._few
         return cpu_replay.KernelCall(
             kind, fn,
             (x2.data_ptr(), x2.stride(0), m, packed, n, self.in_features,

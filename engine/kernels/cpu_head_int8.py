@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .. import settings
-from . import cpu_gemm, cpu_library
+from . import cpu_gemm, cpu_library, gemm_blocks
 
 SOURCE = Path(__file__).with_name("cpu_head_int8.cpp")
 KERNEL = "q8_int"  # the PackedLinear's kernel name
@@ -76,13 +76,13 @@ def pack(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
     biased = qp.view(np.uint8) ^ np.uint8(0x80)  # q + 128, two's complement
     ints = biased.reshape(groups, 32, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
     ints = np.ascontiguousarray(ints).reshape(groups, blocks, 1024)
-    return cpu_gemm.with_column_values(groups, blocks, ints, scale)
+    return gemm_blocks.with_column_values(groups, blocks, ints, scale)
 
 
 def head_from_blocks(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    source: cpu_gemm.BlockSource,
+    source: gemm_blocks.BlockSource,
     float_out: bool = True,
 ) -> cpu_gemm.PackedLinear | None:
     """The LM head (``float_out``: fp32 logits) from ``weight``'s Q8_0-style blocks (``q``
@@ -95,7 +95,7 @@ def head_from_blocks(
         return None
     if scale.shape != (n, k // 32) or tuple(weight.shape) != (n, k):
         return None
-    if not cpu_gemm.rounds_to(weight, source):
+    if not gemm_blocks.rounds_to(weight, source):
         return None
     packed = pack(q, scale)
     cpu_library.require(packed.numel() == lib.pc_head_i8_packed_bytes(n, k), "the layout's size")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemm, cpu_head_int8, torch_private
+from . import cpu_gemm, cpu_head_int8, gemm_blocks, torch_private
 
 
 class Gemm:
@@ -31,7 +31,7 @@ class Gemm:
         bias: torch.Tensor | None,
         batch_invariant: bool = True,
         float_out: bool = False,
-        source: cpu_gemm.BlockSource | None = None,
+        source: gemm_blocks.BlockSource | None = None,
     ) -> None:
         self.weight, self.bias = weight, bias
         self.invariant: cpu_gemm.PackedLinear | None = None

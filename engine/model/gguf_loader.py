@@ -27,7 +27,7 @@ import msgspec
 import numpy as np
 import torch
 
-from ..kernels.cpu_gemm import BlockSource
+from ..kernels.gemm_blocks import BlockSource
 from ..text import gguf_index
 from ..text.tokenizer import Tokenizer, TokenizerListener
 from . import gguf_weights

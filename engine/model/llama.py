@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..kernels import cpu_layer_ops
-from ..kernels.cpu_gemm import BlockSource
+from ..kernels.gemm_blocks import BlockSource
 from ..kernels.linear import Gemm
 from .layer_ops import TORCH_OPS, TorchLayerOps, require_fused_ops
 from .model_config import ModelConfig
