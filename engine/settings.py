@@ -16,7 +16,7 @@ standard library only, no torch.
 - ``PREFIXCACHE_STEP_REPLAY``: ``0`` runs every step's kernels one Python call at a time, never
   as a recorded program (``step/step_replay.py``); how the two are compared.
 - ``PREFIXCACHE_GGUF_BLOCKS``: ``0`` packs a dequantized bf16 GGUF model's weights as bf16
-  panels only, never read from their GGUF blocks (on AMX, or the LM head's for a few rows on
+  panels only, never read from their GGUF blocks (on AMX, or for calls of a few rows on
   AVX-512: ``cpu_gemm.PackedLinear.from_blocks``, the same bits); how the two are compared.
 - ``PREFIXCACHE_INT8_HEAD``: ``1`` runs a GGUF Q8_0 LM head (a dequantized bf16 model's) in
   integer arithmetic (``kernels/cpu_head_int8.cpp``): 1.1-1.2x faster for one to four rows (a

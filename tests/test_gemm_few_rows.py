@@ -1,7 +1,7 @@
-"""The LM head's GGUF blocks beside its panels on AVX-512 without AMX (``cpu_gemm.cpp``'s
-``gemm_q8``, ``PackedLinear.from_blocks``): calls of up to ``FEW_ROWS`` rows read the int8
-blocks, more rows the bf16 panels, and every row's logits are the panels' bits whatever its
-batch. AMX is switched off for this module, so AMX boxes run the AVX-512 path too."""
+"""A GGUF weight's blocks beside its bf16 panels on AVX-512 without AMX (``cpu_gemm.cpp``'s
+``gemm_blocks``, ``PackedLinear.from_blocks``): calls of up to ``FEW_ROWS`` rows read the
+blocks (int8 or 4-bit), more rows the panels, and every row's outputs are the panels' bits
+whatever its batch. AMX is switched off for this module, so AMX boxes run this path too."""
 
 from __future__ import annotations
 
@@ -35,42 +35,68 @@ def amx_off() -> Iterator[None]:
 
 
 def source(n: int, k: int, seed: int, form: str) -> tuple[gemm_blocks.BlockSource, torch.Tensor]:
-    """Blocks without a minimum: ``q8`` (Q8_0), ``q5`` (Q5_0: -16..15), ``q6_k`` (a scale
-    per 16 k, fp32 d * sc), ``q8_f32`` (per-32 scales that are not fp16 values)."""
+    """Blocks in each form a kernel takes: ``q8`` (Q8_0), ``q5`` (Q5_0: -16..15), ``q6_k`` (a
+    scale per 16 k, fp32 d * sc), ``q8_f32`` (per-32 scales that are not fp16 values),
+    ``q4_0`` (-8..7), ``q4_1`` (0..15 + an fp16 minimum), ``q4_k`` (fp32 d * sc, dmin * m)."""
     rng = np.random.default_rng(seed)
-    low = {"q5": -16, "q6_k": -32}.get(form, -128)
-    q = rng.integers(low, -low, size=(n, k), dtype=np.int8)
+
+    def half(size: float) -> np.ndarray:
+        return (rng.random((n, k // 32)) * size).astype(np.float16).astype(np.float32)
+
+    minimum = None
     if form == "q6_k":
+        q = rng.integers(-32, 32, size=(n, k), dtype=np.int8)
         d = (rng.random((n, k // 16)) * 0.001).astype(np.float16).astype(np.float32)
         scale = d * rng.integers(-128, 128, size=d.shape).astype(np.float32)
-    else:
-        scale = (rng.random((n, k // 32)) * 0.02).astype(np.float16).astype(np.float32)
-        if form == "q8_f32":  # 12 significant bits: q * scale exact, not an fp16 value
-            scale = (scale * np.float32(1.0 + 2**-11)).astype(np.float32)
-    return (q, scale, None), gemm_blocks.block_weights(q, scale, None)
+        return (q, scale, None), gemm_blocks.block_weights(q, scale, None)
+    low, high = {"q5": (-16, 16), "q4_0": (-8, 8), "q4_1": (0, 16), "q4_k": (0, 16)}.get(
+        form, (-128, 128)
+    )
+    q = rng.integers(low, high, size=(n, k), dtype=np.int8)
+    scale = half(0.02)
+    if form == "q8_f32":  # 12 significant bits: q * scale exact, not an fp16 value
+        scale = (scale * np.float32(1.0 + 2**-11)).astype(np.float32)
+    if form in ("q4_1", "q4_k"):
+        minimum = -half(0.1)
+    if form == "q4_k":  # an fp16 times a 6-bit integer
+        scale = scale * rng.integers(0, 64, size=scale.shape).astype(np.float32)
+        minimum = minimum * rng.integers(0, 64, size=scale.shape).astype(np.float32)
+    return (q, scale, minimum), gemm_blocks.block_weights(q, scale, minimum)
+
+
+KERNELS = {"q8": "q8", "q5": "q8", "q6_k": "q8h", "q8_f32": "q8h", "q4_0": "q4f16"}
+KERNELS |= {"q4_1": "q4f16", "q4_k": "q4"}
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    form=st.sampled_from(["q8", "q5", "q6_k", "q8_f32"]),
+    form=st.sampled_from(list(KERNELS)),
     n=st.integers(1, 300),
     k_blocks=st.integers(1, 24),
     m=st.integers(1, 14),
     with_bias=st.booleans(),
     threads=st.sampled_from([1, 2, 3]),
     seed=st.integers(0, 2**16),
+    float_out=st.booleans(),
 )
-def test_a_head_with_blocks_gives_the_panels_bits_at_every_batch(
-    form: str, n: int, k_blocks: int, m: int, with_bias: bool, threads: int, seed: int
+def test_a_weight_with_blocks_gives_the_panels_bits_at_every_batch(
+    form: str,
+    n: int,
+    k_blocks: int,
+    m: int,
+    with_bias: bool,
+    threads: int,
+    seed: int,
+    float_out: bool,
 ) -> None:
     k = 32 * k_blocks
     src, w = source(n, k, seed, form)
     gen = torch.Generator().manual_seed(seed)
     bias = torch.randn(n, generator=gen) if with_bias else None
-    head = cpu_gemm.PackedLinear.from_blocks(w, bias, src, float_out=True)
-    panels = cpu_gemm.PackedLinear(w, bias, float_out=True)
+    head = cpu_gemm.PackedLinear.from_blocks(w, bias, src, float_out)
+    panels = cpu_gemm.PackedLinear(w, bias, float_out)
     assert head is not None and head.kernel == panels.kernel == "avx512"
-    assert head.few_rows_kernel == ("q8h" if form in ("q6_k", "q8_f32") else "q8")
+    assert head.few_rows_kernel == KERNELS[form]
     x = torch.randn(m, k + 3, generator=gen).bfloat16()[:, :k]  # rows at a wider stride
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -98,24 +124,24 @@ def test_few_rows_read_the_blocks_and_more_the_panels() -> None:
     assert head.blocks.dtype == torch.uint8 and head.blocks.numel() == 4 * 2 * (1024 + 64)
 
 
-def test_layers_and_blocks_with_a_minimum_keep_their_panels_only() -> None:
-    src, w = source(64, 64, 2, "q8")
-    assert cpu_gemm.PackedLinear.from_blocks(w, None, src, float_out=False) is None
-    q, scale, _ = src
-    q4 = np.abs(q) % 16
-    minimum = -scale
-    w4 = gemm_blocks.block_weights(q4, scale, minimum)
-    assert cpu_gemm.PackedLinear.from_blocks(w4, None, (q4, scale, minimum), True) is None
+def test_blocks_no_kernel_takes_or_not_the_weight_are_refused() -> None:
+    src, w = source(64, 64, 2, "q4_1")
+    q, scale, minimum = src
+    wide = (q.astype(np.int16) * 2).astype(np.int8)  # 0..30 with a minimum: no kernel's form
+    w_wide = gemm_blocks.block_weights(wide, scale, minimum)
+    assert cpu_gemm.PackedLinear.from_blocks(w_wide, None, (wide, scale, minimum)) is None
     other = w.clone()
     other[0, 0] = other[0, 0] * 2 + 1  # not the blocks' rounding
-    assert cpu_gemm.PackedLinear.from_blocks(other, None, src, True) is None
+    assert cpu_gemm.PackedLinear.from_blocks(other, None, src) is None
+    assert cpu_gemm.PackedLinear.from_blocks(w.float(), None, src) is None  # bf16 only
+    assert cpu_gemm.PackedLinear.from_blocks(w, None, src) is not None
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_1"])
-def test_a_gguf_models_head_reads_its_blocks_for_few_rows(tmp_path: Path, qtype: str) -> None:
-    """A dequantized bf16 GGUF model with a tied ``qtype`` embedding: the head keeps its
-    panels and (no minimum) adds the blocks; the layers keep panels; the logits at one row
-    and over a prompt are those of the same model without blocks, bit for bit."""
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K"])
+def test_a_gguf_models_linears_read_their_blocks_for_few_rows(tmp_path: Path, qtype: str) -> None:
+    """A dequantized bf16 GGUF model, every weight ``qtype``, the embedding tied: each
+    projection and the head keep their panels and add their blocks; the logits at one row, a
+    few and over a prompt are those of the same model without blocks, bit for bit."""
     test_gguf = pytest.importorskip("test_gguf")
     model = test_gguf.random_checkpoint(tmp_path, len(test_gguf.demo_vocab()[0]), tied=True)
     path = tmp_path / "tiny.gguf"
@@ -126,11 +152,14 @@ def test_a_gguf_models_head_reads_its_blocks_for_few_rows(tmp_path: Path, qtype:
         module.__dict__.pop("block_source", None)
     loaded.model.prepare()
     panels.model.prepare()
-    head = loaded.model.head.invariant
-    assert head.kernel == "avx512"
-    assert head.few_rows_kernel == (None if qtype == "Q4_1" else "q8")
+    # Q4_0's and Q4_1's scales and minimums are fp16 values; Q4_K's (d * sc) mostly not
+    form = {"Q8_0": "q8", "Q5_0": "q8", "Q4_K": "q4"}.get(qtype, "q4f16")
     for layer in loaded.model.model.layers:
-        assert layer.mlp.down.invariant.few_rows_kernel is None
+        for proj in (layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down):
+            assert proj.invariant.kernel == "avx512" and proj.invariant.few_rows_kernel == form
+    head = loaded.model.head.invariant
+    assert head.kernel == "avx512" and head.few_rows_kernel == form
+    assert panels.model.head.invariant.few_rows_kernel is None
     assert not any(hasattr(m, "block_source") for m in loaded.model.modules())
     ids = list(range(3, 40))
     for rows in (ids, ids[:1], ids[:5]):

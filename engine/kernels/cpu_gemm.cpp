@@ -238,77 +238,109 @@ void run(const T* x, int64_t ldx, int64_t m, const P* packed, int64_t n, int64_t
   }
 }
 
-// From a weight's GGUF Q8 blocks (cpu_gemm.py's q8_pack), on AVX-512 without AMX: per group of
-// 32 columns and block of 32 k, int8 [16 k-pairs][32 columns][2], then the columns' scales:
-// 32 fp16 (Q8_0) or, with a scale per 16 k (HALVES: Q6_K), 32 fp32 for k 0-15 and 32 for k
-// 16-31. Each weight becomes bf16(q * scale), the value its bf16 panel holds (cpu_gemm.py checks
-// that it is), and meets the same VDPBF16PS per k-pair as tile_bf16: pc_gemm_bf16's bits from
-// 1.06 (1.25) bytes a weight instead of 2. The conversion costs about seven rows' dot products,
-// so it pays where the bytes bound the call: a few rows (the LM head's step) stream the blocks
-// at the memory's rate, the conversion hidden under it.
-template <bool HALVES>
-struct Q8Layout {
-  static constexpr int64_t BYTES = HALVES ? 1024 + 256 : 1024 + 64;  // one block of one group
-};
-// Blocks on from the one being read, prefetched into L1 / L2 a line per k-pair.
-constexpr int64_t Q8_AHEAD = 4, Q8_FAR = 32;
+// From a weight's GGUF blocks (gemm_blocks.py's q8_pack, q4_pack), on AVX-512 without AMX: per
+// group of 32 columns and block of 32 k, Q8: int8 [16 k-pairs][32 columns][2], then the
+// columns' scales, 32 fp16 (Q8_0, Q5_0) or, with a scale per 16 k (Q8Halves: Q6_K), 32 fp32
+// for k 0-15 and 32 for k 16-31; Q4: per k-pair and 16-column tile 16 bytes (byte j: the tile
+// row's value j in its low nibble, j + 16 in its high), then 32 scales and 32 minimums, fp16
+// (Q4_0, Q4_1) or fp32 (Q4_K's d * sc, dmin * m). Each weight becomes bf16(q * scale (+
+// minimum)), the value its bf16 panel holds (cpu_gemm.py checks that it is), and meets the
+// same VDPBF16PS per k-pair as tile_bf16: pc_gemm_bf16's bits from 0.625-1.25 bytes a weight
+// instead of 2. The conversion costs about seven rows' dot products, so it pays where the
+// bytes bound the call: a few rows (a decode step, the LM head's row) stream the blocks at the
+// memory's rate, the conversion hidden under it.
 
-// Half `half`'s scales of block blk, each column's twice (a k-pair's two weights), per
-// vector c of 16 columns: [c][columns 0-7 | 8-15].
-template <bool HALVES>
-inline void q8_scales(const uint8_t* blk, int half, __m512 s[2][2]) {
+// A block's columns' values (fp16 or fp32, 32 of them at `at`), each twice (a k-pair's two
+// weights), per vector c of 16 columns: [c][columns 0-7 | 8-15].
+template <bool HALF>
+inline void pair_values(const uint8_t* at, __m512 out[2][2]) {
   alignas(64) float cols[32];
-  if constexpr (HALVES) {
-    std::memcpy(cols, blk + 1024 + half * 128, sizeof(cols));
+  if constexpr (HALF) {
+    _mm512_store_ps(cols, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)at)));
+    _mm512_store_ps(cols + 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(at + 32))));
   } else {
-    _mm512_store_ps(cols, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 1024))));
-    _mm512_store_ps(cols + 16, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 1056))));
+    std::memcpy(cols, at, sizeof(cols));
   }
   const __m512i lo_cols = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i hi_cols = _mm512_add_epi32(lo_cols, _mm512_set1_epi32(8));
   for (int c = 0; c < 2; ++c) {
     const __m512 v = _mm512_load_ps(cols + 16 * c);
-    s[c][0] = _mm512_permutexvar_ps(lo_cols, v);
-    s[c][1] = _mm512_permutexvar_ps(hi_cols, v);
+    out[c][0] = _mm512_permutexvar_ps(lo_cols, v);
+    out[c][1] = _mm512_permutexvar_ps(hi_cols, v);
   }
 }
 
-// 16 columns' k-pair from their 32 integers at src: the panel word's two bf16 weights each.
-inline __m512bh q8_pair_vector(const uint8_t* src, const __m512 s[2]) {
-  const __m512 lo = _mm512_mul_ps(
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)src))), s[0]);
-  const __m512 hi = _mm512_mul_ps(
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 16)))),
-      s[1]);
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
+// Int8 blocks: fp16 scales per 32 k, or (HALVES) fp32 ones per 16 k.
+template <bool HALVES>
+struct Q8Form {
+  static constexpr int64_t BYTES = HALVES ? 1024 + 256 : 1024 + 64;  // one block of one group
+  __m512 s[2][2];
+  void start(const uint8_t* blk) { pair_values<!HALVES>(blk + 1024, s); }
+  void at_pair(const uint8_t* blk, int p) {
+    if (HALVES && p == 8) pair_values<false>(blk + 1024 + 128, s);
+  }
+  // Vector c's 16 columns at k-pair p: the panel word's two bf16 weights each.
+  __m512bh vector(const uint8_t* blk, int p, int c) const {
+    const uint8_t* src = blk + p * 64 + c * 32;
+    const __m512 lo = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)src))),
+        s[c][0]);
+    const __m512 hi = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 16)))),
+        s[c][1]);
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+};
+
+// 4-bit blocks: 0..15, a scale and a minimum per 32 k, fp16 (HALF) or fp32.
+template <bool HALF>
+struct Q4Form {
+  static constexpr int64_t VALUES = 32 * (HALF ? 2 : 4);
+  static constexpr int64_t BYTES = 512 + 2 * VALUES;
+  __m512 s[2][2], mn[2][2];
+  void start(const uint8_t* blk) {
+    pair_values<HALF>(blk + 512, s);
+    pair_values<HALF>(blk + 512 + VALUES, mn);
+  }
+  void at_pair(const uint8_t*, int) {}
+  __m512bh vector(const uint8_t* blk, int p, int c) const {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + p * 32 + c * 16)));
+    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))),
+                                      s[c][0], mn[c][0]);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s[c][1],
+                                      mn[c][1]);
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+};
+
+// Blocks on from the one being read, prefetched into L1 / L2 a line per k-pair.
+constexpr int64_t BLOCKS_AHEAD = 4, BLOCKS_FAR = 32;
 
 template <int64_t BYTES>
-inline void q8_prefetch(const uint8_t* blk, int p) {
+inline void prefetch_blocks(const uint8_t* blk, int p) {
   for (int64_t line = p * 64; line < BYTES; line += 16 * 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(blk + Q8_AHEAD * BYTES + line), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(blk + Q8_FAR * BYTES + line), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + BLOCKS_AHEAD * BYTES + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + BLOCKS_FAR * BYTES + line), _MM_HINT_T1);
   }
 }
 
 // Rows [r0, r0 + R) x group g's 32 columns, each block converted in registers (few rows).
-template <int R, bool HALVES>
-void tile_q8(const uint16_t* x, int64_t ldx, int64_t r0, const uint8_t* group, int64_t k,
-             int64_t n, int64_t g, const float* bias, uint16_t* out, int64_t ldo, bool f32_out) {
-  constexpr int64_t BYTES = Q8Layout<HALVES>::BYTES;
+template <int R, typename Form>
+void tile_blocks(const uint16_t* x, int64_t ldx, int64_t r0, const uint8_t* group, int64_t k,
+                 int64_t n, int64_t g, const float* bias, uint16_t* out, int64_t ldo,
+                 bool f32_out) {
   __m512 acc[R][2];
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   const uint16_t* rows[R];
   for (int i = 0; i < R; ++i) rows[i] = x + (r0 + i) * ldx;
+  Form form;
   for (int64_t b = 0; b < k / 32; ++b) {
-    const uint8_t* blk = group + b * BYTES;
-    __m512 s[2][2];
-    q8_scales<HALVES>(blk, 0, s);
+    const uint8_t* blk = group + b * Form::BYTES;
+    form.start(blk);
     for (int p = 0; p < 16; ++p) {
-      if (HALVES && p == 8) q8_scales<HALVES>(blk, 1, s);
-      q8_prefetch<BYTES>(blk, p);
-      const __m512bh b0 = q8_pair_vector(blk + p * 64, s[0]);
-      const __m512bh b1 = q8_pair_vector(blk + p * 64 + 32, s[1]);
+      form.at_pair(blk, p);
+      prefetch_blocks<Form::BYTES>(blk, p);
+      const __m512bh b0 = form.vector(blk, p, 0), b1 = form.vector(blk, p, 1);
       for (int i = 0; i < R; ++i) {
         uint32_t w;
         std::memcpy(&w, rows[i] + b * 32 + 2 * p, sizeof(w));
@@ -328,19 +360,19 @@ void tile_q8(const uint16_t* x, int64_t ldx, int64_t r0, const uint8_t* group, i
   }
 }
 
-template <bool HALVES>
-void gemm_q8(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n,
-             int64_t k, const float* bias, uint16_t* out, int64_t ldo, bool f32_out,
-             int nthreads) {
-  const int64_t groups = (n + 31) / 32, group_bytes = k / 32 * Q8Layout<HALVES>::BYTES;
-  // Each group's blocks converted once per row tile: few rows (cpu_gemm.py calls it for at
-  // most MR); past that the conversion outweighs the bytes saved and the panels run.
+// Each group's blocks converted once per row tile: for few rows (cpu_gemm.py calls it for at
+// most FEW_ROWS); past that the conversion outweighs the bytes saved and the panels run.
+template <typename Form>
+void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n,
+                 int64_t k, const float* bias, uint16_t* out, int64_t ldo, bool f32_out,
+                 int nthreads) {
+  const int64_t groups = (n + 31) / 32, group_bytes = k / 32 * Form::BYTES;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t r0 = 0; r0 < m; r0 += MR)
       with_rows(static_cast<int>(std::min<int64_t>(MR, m - r0)), [&](auto rows) {
-        tile_q8<rows(), HALVES>(x, ldx, r0, packed + g * group_bytes, k, n, g, bias, out, ldo,
-                                f32_out);
+        tile_blocks<rows(), Form>(x, ldx, r0, packed + g * group_bytes, k, n, g, bias, out, ldo,
+                                  f32_out);
       });
 }
 
@@ -438,19 +470,20 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// out = x W^T + bias as pc_gemm_bf16 (the same bits), W from q8_pack's blocks with fp16
-// scales (pc_gemm_q8) or fp32 scales per 16 k (pc_gemm_q8h); K a multiple of 32.
-void pc_gemm_q8(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n,
-                int64_t k, const float* bias, uint16_t* out, int64_t ldo, int f32_out,
-                int nthreads) {
-  gemm_q8<false>(x, ldx, m, packed, n, k, bias, out, ldo, f32_out, nthreads);
-}
-
-void pc_gemm_q8h(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n,
-                 int64_t k, const float* bias, uint16_t* out, int64_t ldo, int f32_out,
-                 int nthreads) {
-  gemm_q8<true>(x, ldx, m, packed, n, k, bias, out, ldo, f32_out, nthreads);
-}
+// out = x W^T + bias as pc_gemm_bf16 (the same bits), W from its GGUF blocks (K a multiple of
+// 32): q8_pack's with fp16 scales (pc_gemm_q8) or fp32 ones per 16 k (pc_gemm_q8h); q4_pack's
+// with fp32 (pc_gemm_q4) or fp16 (pc_gemm_q4f16) scales and minimums.
+#define PC_GEMM_BLOCKS(name, Form)                                                              \
+  void name(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n,      \
+            int64_t k, const float* bias, uint16_t* out, int64_t ldo, int f32_out,             \
+            int nthreads) {                                                                    \
+    gemm_blocks<Form>(x, ldx, m, packed, n, k, bias, out, ldo, f32_out, nthreads);           \
+  }
+PC_GEMM_BLOCKS(pc_gemm_q8, Q8Form<false>)
+PC_GEMM_BLOCKS(pc_gemm_q8h, Q8Form<true>)
+PC_GEMM_BLOCKS(pc_gemm_q4, Q4Form<false>)
+PC_GEMM_BLOCKS(pc_gemm_q4f16, Q4Form<true>)
+#undef PC_GEMM_BLOCKS
 
 // Rows ids[0..count) of a packed W [n, k] read back into out [count, k]: layout 0, bf16
 // panels (out bf16); 1, fp32 panels (out fp32); 2 and 3, pc_gemm_q8_amx's and pc_gemm_q8h_amx's

@@ -22,16 +22,15 @@ import ctypes
 import functools
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import cpu_library, cpu_replay
-from .gemm_blocks import BlockSource, fp16_exact, q4_pack, q8_pack, rounds_to
+from .gemm_blocks import BlockSource, pack_blocks, rounds_to
 
 SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 AMX_SOURCE = Path(__file__).with_name("cpu_gemm_amx.cpp")
 AMX_K_STEP = 32  # the AMX kernel's k per tile step; other K keep the AVX-512 kernel
-# Rows up to which a weight with blocks beside its panels (AVX-512, the LM head) reads the
+# Rows up to which a weight with blocks beside its panels (AVX-512 without AMX) reads the
 # blocks: cpu_gemm.cpp's row tile. Gemma 3's 262K head: 5.1-7.0 against 10.2-11.2 ms at 1-6
 # rows, 17 against 11-12 at 8 (the conversion, about seven rows' work, no longer hidden).
 FEW_ROWS = 6
@@ -51,7 +50,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pc_gemm_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int, c_int]
     lib.pc_gemm_f32.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, c_int]
     lib.pc_gemm_bf16.restype = lib.pc_gemm_f32.restype = None
-    for fn in (lib.pc_gemm_q8, lib.pc_gemm_q8h):
+    for fn in (lib.pc_gemm_q8, lib.pc_gemm_q8h, lib.pc_gemm_q4, lib.pc_gemm_q4f16):
         fn.argtypes = lib.pc_gemm_bf16.argtypes
         fn.restype = None
     lib.pc_gemm_weight_rows.argtypes = [ptr, c_int, i64, i64, ptr, i64, ptr, c_int]
@@ -128,11 +127,10 @@ def avx512_blocks_available() -> bool:
     return available() and _library.target is cpu_library.AVX512_BF16
 
 
-def reads_blocks(with_minimum: bool, head: bool) -> bool:
-    """Whether a bf16 weight here may read its GGUF blocks (``PackedLinear.from_blocks``): any
-    form on AMX; without it the LM head's (``head``) blocks without a minimum (Q8_0, Q5_0,
-    Q4_0, Q6_K), for calls of few rows."""
-    return amx_available() or (head and not with_minimum and avx512_blocks_available())
+def reads_blocks() -> bool:
+    """Whether bf16 weights here may read their GGUF blocks (``PackedLinear.from_blocks``): on
+    AMX at every row count, on AVX-512 without it for calls of few rows."""
+    return amx_available() or avx512_blocks_available()
 
 
 def _lib() -> ctypes.CDLL:
@@ -207,20 +205,16 @@ class PackedLinear:
         instead of 2 (a one-row step reads every weight). On AMX every form; long calls
         convert the blocks once per chunk of rows, overlapped with the tile work: as fast as
         the panels from 2,048 rows, faster below (``cpu_gemm_amx.cpp``'s ``X_CHUNK_BYTES``).
-        Without AMX, the LM head's (``float_out``) forms without a minimum keep their panels and
-        add int8 blocks (``blocks``: ``cpu_gemm.cpp``'s ``gemm_q8``, the panels' bits) that
-        calls of up to ``FEW_ROWS`` rows read: a warm request's or a small decode batch's head
-        at the memory's rate from 1.06 bytes a weight. None where neither runs, or where
-        ``weight`` is not that rounding."""
+        Without AMX the weight keeps its panels and adds the blocks (``blocks``,
+        ``few_rows_kernel``: ``cpu_gemm.cpp``'s ``gemm_blocks``, the panels' bits), which
+        calls of up to ``FEW_ROWS`` rows read: a decode step, a prefill's last row through the
+        LM head, at the memory's rate from fewer bytes; more rows run the panels. None where
+        neither runs, or where ``weight`` is not that rounding (``gemm_blocks.pack_blocks``:
+        the forms)."""
         amx = _amx_lib()
         q, scale, minimum = source
         n, k = q.shape
-        head = float_out  # the LM head's logits are its fp32 sums
-        if (
-            weight.dtype != torch.bfloat16
-            or k % AMX_K_STEP
-            or not reads_blocks(minimum is not None, head)
-        ):
+        if weight.dtype != torch.bfloat16 or k % AMX_K_STEP or not reads_blocks():
             return None
         halves = scale.shape == (n, k // 16)  # Q6_K: a scale per 16 k, no minimum
         if tuple(weight.shape) != (n, k) or not (scale.shape == (n, k // 32) or halves):
@@ -229,39 +223,17 @@ class PackedLinear:
             return None
         if not rounds_to(weight, source):
             return None
-        if amx is None:  # AVX-512: the panels, and int8 blocks for calls of few rows
-            self = cls(weight, bias, float_out)
-            lib = _lib()
-            if not halves and fp16_exact(scale):
-                self.blocks, fn, self.few_rows_kernel = q8_pack(q, scale), lib.pc_gemm_q8, "q8"
-            else:
-                halved = scale if halves else np.repeat(scale, 2, axis=1)
-                self.blocks, fn, self.few_rows_kernel = q8_pack(q, halved), lib.pc_gemm_q8h, "q8h"
-            self._few = (fn, self.blocks.data_ptr())
-            return self
-        low, high = int(q.min(initial=0)), int(q.max(initial=0))
-        if minimum is None and low >= -8 and high <= 7 and not halves:  # Q4_0: q + 8, -8 scale
-            q, minimum, low, high = q + np.int8(8), scale * np.float32(-8), low + 8, high + 8
-        # 0..15 times a scale of at most 20 significant bits is exact in fp32, so the
-        # kernel's one fma rounds as torch's product and sum (which the check above compared
-        # only after the bf16 rounding)
-        exact = not (scale.view(np.uint32) & np.uint32(0xF)).any()
-        if halves:
-            packed, fn, kernel = q8_pack(q, scale), amx.pc_gemm_q8h_amx, "q8h_amx"
-        elif minimum is not None and low >= 0 and high <= 15 and exact:
-            if fp16_exact(scale) and fp16_exact(minimum):  # Q4_0, Q4_1: 0.625 bytes a weight
-                packed = q4_pack(q, scale, minimum, np.float16)
-                fn, kernel = amx.pc_gemm_q4f16_amx, "q4f16_amx"
-            else:  # Q4_K: d * sc, dmin * m
-                packed, fn, kernel = q4_pack(q, scale, minimum), amx.pc_gemm_q4_amx, "q4_amx"
-        elif minimum is None and fp16_exact(scale):
-            packed, fn, kernel = q8_pack(q, scale), amx.pc_gemm_q8_amx, "q8_amx"
-        elif minimum is None:  # fp32 scales: each one for both halves of its block
-            halved = np.repeat(scale, 2, axis=1)
-            packed, fn, kernel = q8_pack(q, halved), amx.pc_gemm_q8h_amx, "q8h_amx"
-        else:
+        packing = pack_blocks(q, scale, minimum)
+        if packing is None:
             return None
-        return cls.on_blocks(packed, fn, kernel, (n, k), bias, float_out)
+        packed, form = packing
+        if amx is not None:
+            fn = getattr(amx, f"pc_gemm_{form}_amx")
+            return cls.on_blocks(packed, fn, f"{form}_amx", (n, k), bias, float_out)
+        self = cls(weight, bias, float_out)  # AVX-512: the panels, the blocks for few rows
+        self.blocks, self.few_rows_kernel = packed, form
+        self._few = (getattr(_lib(), f"pc_gemm_{form}"), packed.data_ptr())
+        return self
 
     @classmethod
     def on_blocks(

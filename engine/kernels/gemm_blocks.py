@@ -92,3 +92,33 @@ def rounds_to(weight: torch.Tensor, source: BlockSource) -> bool:
         if not torch.equal(block_weights(q[rows], scale[rows], part), weight[rows]):
             return False
     return True
+
+
+def pack_blocks(
+    q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None
+) -> tuple[torch.Tensor, str] | None:
+    """A source's packing for the block kernels and its form: ``q8`` (int8, fp16 scales per
+    32 k: Q8_0, Q5_0), ``q8h`` (int8, fp32 scales per 16 k: Q6_K, or per-32 scales that are
+    not fp16 values, each twice), ``q4f16`` (0..15 with fp16 scales and minimums: Q4_0 as
+    q + 8 with -8 scale, Q4_1) or ``q4`` (fp32 ones: Q4_K's d * sc, dmin * m). None for a
+    form no kernel takes (wider integers with a minimum)."""
+    n, k = q.shape
+    halves = scale.shape == (n, k // 16)
+    low, high = int(q.min(initial=0)), int(q.max(initial=0))
+    if minimum is None and low >= -8 and high <= 7 and not halves:  # Q4_0: q + 8, -8 scale
+        q, minimum, low, high = q + np.int8(8), scale * np.float32(-8), low + 8, high + 8
+    # 0..15 times a scale of at most 20 significant bits is exact in fp32, so the kernel's
+    # one fma rounds as torch's product and sum (which rounds_to compared only after the
+    # bf16 rounding)
+    exact = not (scale.view(np.uint32) & np.uint32(0xF)).any()
+    if halves:
+        return q8_pack(q, scale), "q8h"
+    if minimum is not None and low >= 0 and high <= 15 and exact:
+        if fp16_exact(scale) and fp16_exact(minimum):  # Q4_0, Q4_1: 0.625 bytes a weight
+            return q4_pack(q, scale, minimum, np.float16), "q4f16"
+        return q4_pack(q, scale, minimum), "q4"  # Q4_K
+    if minimum is None and fp16_exact(scale):
+        return q8_pack(q, scale), "q8"
+    if minimum is None:  # fp32 scales: each one for both halves of its block
+        return q8_pack(q, np.repeat(scale, 2, axis=1)), "q8h"
+    return None

@@ -62,17 +62,15 @@ def block_sources(
     """A dequantized model's linear weight as its GGUF blocks (``ints``, the tensor's
     ``block_ints`` split: ``q`` int8 ``[n, k]``, ``scale`` and ``minimum`` or None float32),
     one per row order in ``orders`` (a fused tensor's parts, llama's q/k permutation undone): its bf16 GEMM runs
-    from them (``cpu_gemm.PackedLinear.from_blocks``: on AMX; without it the LM head's
-    (``head``) forms with no minimum, for few rows), the same bits from under half the bytes;
-    the LM head also where only the integer head runs (``$PREFIXCACHE_INT8_HEAD=1``). None where neither can run
+    from them (``cpu_gemm.PackedLinear.from_blocks``: on AMX; without it for calls of few
+    rows), the same bits from under half the bytes; the LM head (``head``) also where only the
+    integer head runs (``$PREFIXCACHE_INT8_HEAD=1``). None where neither can run
     (another dtype or device, a type ``gguf_blocks`` does not split)."""
     if ints is None or dtype != torch.bfloat16 or device.type != "cpu":
         return None
     if not settings.gguf_blocks_enabled():
         return None
-    if not (
-        cpu_gemm.reads_blocks(ints.minimum is not None, head) or (head and cpu_head_int8.wanted())
-    ):
+    if not (cpu_gemm.reads_blocks() or (head and cpu_head_int8.wanted())):
         return None
     out: list[BlockSource] = []
     for order in orders:
