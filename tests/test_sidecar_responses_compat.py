@@ -193,3 +193,14 @@ def _parses(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def test_the_response_reports_the_sampling_it_ran_with(client: openai.OpenAI) -> None:
+    """OpenAI reports the temperature and top_p it used, not null where the request left
+    them out: here the demo model's (no generation_config.json: OpenAI's 1.0 and 1.0)."""
+    unset = client.responses.create(model="demo", input="Hi", max_output_tokens=2)
+    assert (unset.temperature, unset.top_p) == (1.0, 1.0)
+    given = client.responses.create(
+        model="demo", input="Hi", max_output_tokens=2, temperature=0.25, top_p=0.5
+    )
+    assert (given.temperature, given.top_p) == (0.25, 0.5)

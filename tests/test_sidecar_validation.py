@@ -342,3 +342,38 @@ def test_chunked_body_over_the_limit_is_refused_while_reading(fake_server: Serve
 
     response = httpx.post(f"{fake_server.url}/chat/completions", content=chunks(), timeout=10)
     check_error_shape(response, 413)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": MARK}}]}]},
+            "messages[0].content[0].type",
+            "image content parts are not supported",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+            "messages[0].content[0].type",
+            "audio content parts",
+        ),
+        (
+            {"messages": [USER, {"role": "assistant", "content": [{"type": "refusal", "refusal": MARK}]}]},
+            "messages[1].content[0].type",
+            "refusal content parts",
+        ),
+        ({"messages": [{"role": "function", "name": "f", "content": MARK}]}, "messages[0].role", "'function' role"),
+        ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type", "custom tools"),
+        ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {}}}, "tool_choice.type", "allowed_tools"),
+    ],
+)  # fmt: skip
+def test_openai_names_not_served_are_said_plainly(
+    fake_server: Server, fields: dict, param: str, words: str
+) -> None:
+    """What OpenAI accepts and this server does not serve is named in the 400 (not a bare
+    "Invalid value"), from the server's own words: nothing of the body comes back."""
+    response = httpx.post(f"{fake_server.url}/chat/completions", content=chat(**fields), timeout=10)
+    check_error_shape(response, 400)
+    error = response.json()["error"]
+    assert words in error["message"] and error["param"] == param
+    assert MARK not in response.text

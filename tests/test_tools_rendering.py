@@ -179,7 +179,45 @@ async def test_a_template_without_tools_support_is_a_400() -> None:
     assert response.status_code == 400
     error = response.json()["error"]
     assert "does not support tools" in error["message"] and error["param"] == "tools"
+    assert "--chat-template" in error["message"]
     assert engine.received == []
+
+
+async def test_tool_choice_none_on_a_template_without_tools_is_the_plain_prompt() -> None:
+    """No call wanted: the prompt the template renders without the tools is served (what
+    LangChain and llama-index send when tools are bound but not to be called)."""
+    hi = {"messages": [{"role": "user", "content": "hi"}]}
+    plain, engine = await post(None, hi)
+    none, engine2 = await post(None, {**hi, "tools": [WEATHER], "tool_choice": "none"})
+    assert plain.status_code == none.status_code == 200, none.text
+    assert engine2.received[-1].prompt_token_ids == engine.received[-1].prompt_token_ids
+    assert none.json()["choices"][0]["message"].get("tool_calls") is None
+
+
+@pytest.mark.parametrize("kind", ["qwen25", "llama31"])
+async def test_empty_arguments_sent_back_are_the_empty_object(
+    folders: dict[str, Path], kind: str
+) -> None:
+    """Some clients send a call without arguments back as ``"arguments": ""``: the template
+    sees ``{}``, the prompt of ``"{}"``."""
+
+    def history(arguments: str) -> dict:
+        call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": arguments}}
+        return {
+            "messages": [
+                {"role": "user", "content": "time?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "now", "parameters": {}}}],
+        }
+
+    empty, engine = await post(folders[kind], history(""))
+    braces, engine2 = await post(folders[kind], history("{}"))
+    assert empty.status_code == braces.status_code == 200, empty.text
+    assert engine.received[-1].prompt_token_ids == engine2.received[-1].prompt_token_ids
+    bad, _ = await post(folders[kind], history('{"a": '))
+    assert bad.status_code == 400 and "JSON text of an object" in bad.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

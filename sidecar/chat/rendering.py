@@ -34,7 +34,13 @@ from prefixcache.engine.request import RetentionHint, SegmentSpan
 from prefixcache.engine.text.tokenizer import ChatTemplateError
 from prefixcache.sdk.canonical import canonical_json
 
-from ..wire.protocol import MAX_OPENAI_BREAKPOINTS, Message, Segment, order_segments
+from ..wire.protocol import (
+    MAX_OPENAI_BREAKPOINTS,
+    Message,
+    Segment,
+    arguments_object,
+    order_segments,
+)
 
 
 class ChatTokenizer(Protocol):
@@ -283,7 +289,9 @@ def _dict(m: Message | Segment) -> dict[str, Any]:
                 "type": call.type,
                 "function": {
                     "name": call.function.name,
-                    "arguments": json.loads(canonical_json(json.loads(call.function.arguments))),
+                    "arguments": json.loads(
+                        canonical_json(arguments_object(call.function.arguments))
+                    ),
                 },
             }
             for call in m.tool_calls

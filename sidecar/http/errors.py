@@ -57,8 +57,31 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+# OpenAI's names this server parses but does not serve, by the field they fill: a refusal
+# that names them (they are this list's words, not the body's, so naming them echoes nothing).
+_UNSERVED = {
+    "type": {
+        "image_url": "image content parts are not supported: the model takes text only",
+        "input_audio": "audio content parts are not supported: the model takes text only",
+        "file": "file content parts are not supported: send the file's text as a text part",
+        "refusal": "refusal content parts are not supported: send the refusal as text",
+        "custom": "custom tools are not supported, only function tools",
+        "allowed_tools": "tool_choice 'allowed_tools' is not supported: send only those tools",
+    },
+    "role": {"function": "the legacy 'function' role is not supported: use 'tool' messages"},
+}
+_ENUM_AT = re.compile(r"Invalid enum value '([a-z_]+)' - at `\$\.(.*)`$")
+
+
 def from_validation(exc: msgspec.ValidationError) -> APIError:
-    """msgspec names the JSON path; drop any echoed value (enum values come from the body)."""
+    """msgspec names the JSON path; drop any echoed value (enum values come from the body),
+    except an OpenAI name this server does not serve, which is said plainly."""
+    known = _ENUM_AT.match(str(exc))
+    if known is not None:
+        value, path = known.groups()
+        what = _UNSERVED.get(path.rsplit(".", 1)[-1], {}).get(value)
+        if what is not None:
+            return APIError(400, what, param=path, code="invalid_value")
     message = _ENUM_VALUE.sub("Invalid value - at", str(exc))
     param = None
     if " - at `$." in message:

@@ -71,7 +71,10 @@ class ResponsesRoutes:
             job = await self.generation.chat_job(tenant, chat_req, response_id, retention)
         except APIError as exc:
             raise convert.renamed(exc) from None
-        response = self._response(req, response_id, job.model)
+        used = {
+            k: self.generation.sampling_value(getattr(req, k), k) for k in ("temperature", "top_p")
+        }
+        response = self._response(req, response_id, job.model, used)
         conversation = chat_req.messages[1:] if req.instructions else chat_req.messages
 
         def keep(done: w.Response) -> None:
@@ -93,8 +96,11 @@ class ResponsesRoutes:
         return reply
 
     @staticmethod
-    def _response(req: w.ResponsesRequest, response_id: str, model: str) -> w.Response:
-        """The response object as it starts (``in_progress``), echoing the request."""
+    def _response(
+        req: w.ResponsesRequest, response_id: str, model: str, used: dict[str, float]
+    ) -> w.Response:
+        """The response object as it starts (``in_progress``), echoing the request; ``used``:
+        the temperature and top_p it runs with (the request's, else the model's defaults)."""
         tools = [
             {
                 "type": "function",
@@ -116,8 +122,8 @@ class ResponsesRoutes:
             max_output_tokens=req.max_output_tokens,
             parallel_tool_calls=req.parallel_tool_calls is not False,
             previous_response_id=req.previous_response_id,
-            temperature=req.temperature,
-            top_p=req.top_p,
+            temperature=used["temperature"],
+            top_p=used["top_p"],
             tool_choice=choice if choice is not None else "auto",
             tools=tools,
             text={"format": fmt if fmt is not None else {"type": "text"}},

@@ -131,9 +131,13 @@ class GenerationRoutes:
         template_kwargs = req.template_kwargs
         if req.tools:
             if not self.tool_template.supports_tools:
+                if req.tool_mode == "none":  # no call wanted: the prompt without them is it
+                    return template_kwargs
                 raise bad_request(
                     f"the chat template of {self.engine.model_name!r} does not support tools "
-                    "(it renders the same prompt with and without them)",
+                    "(it renders the same prompt with and without them); serve the model with "
+                    "--chat-template set to a template that renders them, or send "
+                    "tool_choice 'none'",
                     "tools",
                     "tools_not_supported",
                 )
@@ -240,10 +244,10 @@ class GenerationRoutes:
             try:
                 sampling = SamplingParams(
                     max_tokens=max_tokens,
-                    temperature=self._sampling(req.temperature, "temperature"),
-                    top_k=int(self._sampling(req.top_k, "top_k")),
-                    top_p=self._sampling(req.top_p, "top_p"),
-                    min_p=self._sampling(req.min_p, "min_p"),
+                    temperature=self.sampling_value(req.temperature, "temperature"),
+                    top_k=int(self.sampling_value(req.top_k, "top_k")),
+                    top_p=self.sampling_value(req.top_p, "top_p"),
+                    min_p=self.sampling_value(req.min_p, "min_p"),
                     min_tokens=req.min_tokens or 0,
                     seed=None if req.seed is None else req.seed % 2**63,  # -1: 2**63 - 1
                     stop=req.stop_list,
@@ -256,7 +260,9 @@ class GenerationRoutes:
                     prompt_logprob_ranks=asked is not None,
                     presence_penalty=req.presence_penalty,
                     frequency_penalty=req.frequency_penalty,
-                    repetition_penalty=self._sampling(req.repetition_penalty, "repetition_penalty"),
+                    repetition_penalty=self.sampling_value(
+                        req.repetition_penalty, "repetition_penalty"
+                    ),
                     logit_bias=self.gate.logit_bias(p.logit_bias_of(req)),
                     grammar=grammar,
                     skip_special_tokens=skip_special_tokens,
@@ -301,7 +307,7 @@ class GenerationRoutes:
             self.gate.forget(prompt)
             raise
 
-    def _sampling(self, value: float | None, name: str) -> float:
+    def sampling_value(self, value: float | None, name: str) -> float:
         """A request's value, else the model's generation_config.json one, else OpenAI's."""
         if value is not None:
             return value

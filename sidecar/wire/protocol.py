@@ -344,7 +344,10 @@ def check_tool_messages(messages: list[Message] | None) -> None:
 
 def arguments_object(text: str) -> dict[str, Any] | None:
     """A tool call's arguments as the object their JSON text holds; None if they hold none
-    (or NaN / Infinity, which Python's json reads but JSON has not)."""
+    (or NaN / Infinity, which Python's json reads but JSON has not). Empty text (how some
+    clients send back a call without arguments) is the empty object."""
+    if not text.strip():
+        return {}
 
     def refuse(constant: str) -> None:
         raise ValueError(f"{constant} is not JSON")
