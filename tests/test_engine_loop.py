@@ -272,6 +272,31 @@ def test_metrics_count_hits_and_tokens(loaded) -> None:
     assert registry.get_sample_value(steps, {"kind": "prefill"}) == 2  # the 48, then the 1
     assert registry.get_sample_value(steps, {"kind": "decode"}) == 4
     assert registry.get_sample_value("prefixcache:kv_blocks", {"state": "in_use"}) == 0
+    assert registry.get_sample_value("prefixcache:kv_cache_usage_perc") == 0.0
+
+
+def test_kv_cache_usage_is_the_held_fraction_of_the_pool(loaded) -> None:
+    """vLLM's ``kv_cache_usage_perc`` (what load-aware routers read): blocks held by running
+    requests over the pool's, cached idle ones counted free."""
+    engine = make_engine(loaded)
+    registry = engine.metrics.registry
+    engine.add_request(
+        EngineRequest(
+            "held", random_tokens(random.Random(3), 64, loaded.config.vocab_size), greedy(8)
+        )
+    )
+    engine.step()
+    blocks = {
+        s: registry.get_sample_value("prefixcache:kv_blocks", {"state": s})
+        for s in ("in_use", "cached_idle", "free")
+    }
+    assert blocks["in_use"] > 0
+    usage = registry.get_sample_value("prefixcache:kv_cache_usage_perc")
+    assert usage == blocks["in_use"] / sum(blocks.values())
+    while engine.has_unfinished:
+        engine.step()
+    assert registry.get_sample_value("prefixcache:kv_cache_usage_perc") == 0.0
+    assert registry.get_sample_value("prefixcache:kv_blocks", {"state": "cached_idle"}) > 0
 
 
 def test_last_output_carries_the_request_timeline(loaded) -> None:

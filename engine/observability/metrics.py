@@ -116,6 +116,12 @@ class EngineMetrics:
             ["state"],
             registry=r,
         )
+        self.kv_cache_usage = Gauge(
+            "prefixcache:kv_cache_usage_perc",
+            "Fraction (0-1) of the KV pool's blocks held by requests: vLLM's kv_cache_usage_perc, "
+            "what load-aware routers read (cached idle blocks count as free: evictable).",
+            registry=r,
+        )
         self.model_info = Gauge(
             "prefixcache:model_info",
             "The served model and the dtype its weights and KV cache use (value 1).",
@@ -181,5 +187,11 @@ class EngineMetrics:
         self.kv_blocks.labels("in_use").set_function(lambda: values().in_use)
         self.kv_blocks.labels("cached_idle").set_function(lambda: values().cached_idle)
         self.kv_blocks.labels("free").set_function(lambda: values().free)
+        self.kv_cache_usage.set_function(lambda: _usage(values()))
         self.kv_tier_bytes.labels("used").set_function(lambda: values().tier_used)
         self.kv_tier_bytes.labels("free").set_function(lambda: values().tier_free)
+
+
+def _usage(v: GaugeValues) -> float:
+    total = v.in_use + v.cached_idle + v.free
+    return v.in_use / total if total else 0.0
