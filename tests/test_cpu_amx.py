@@ -297,15 +297,7 @@ def test_a_gguf_models_linears_run_from_their_blocks(tmp_path: Path, qtype: str)
     gate/up fused), and the logits are the bf16 panels' on the loaded weights, bit for
     bit, at one row and over a prompt."""
     test_gguf = pytest.importorskip("test_gguf")
-    model = test_gguf.random_checkpoint(tmp_path, len(test_gguf.demo_vocab()[0]), tied=True)
-    path = tmp_path / "tiny.gguf"
-    test_gguf.write_gguf(path, model, getattr(test_gguf.Q, qtype))
-    loaded = load_model(str(path), dtype="bfloat16", device="cpu")
-    panels = load_model(str(path), dtype="bfloat16", device="cpu")
-    for module in panels.model.modules():  # the same weights without their blocks
-        module.__dict__.pop("block_source", None)
-    loaded.model.prepare()
-    panels.model.prepare()
+    loaded, panels = test_gguf.with_and_without_blocks(tmp_path, qtype)
     # Q4_0's and Q4_1's scales and minimums are fp16 values; Q4_K's (d * sc) mostly not
     kernel = {"Q8_0": "q8_amx", "Q5_0": "q8_amx", "Q4_K": "q4_amx"}.get(qtype, "q4f16_amx")
     for layer in loaded.model.model.layers:

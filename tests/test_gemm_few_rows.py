@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from prefixcache.engine import settings as engine_settings
 from prefixcache.engine.kernels import cpu_gemm, gemm_blocks
-from prefixcache.engine.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.avx512_blocks_available(), reason="no native AVX-512 BF16 GEMM here"
@@ -143,15 +142,7 @@ def test_a_gguf_models_linears_read_their_blocks_for_few_rows(tmp_path: Path, qt
     projection and the head keep their panels and add their blocks; the logits at one row, a
     few and over a prompt are those of the same model without blocks, bit for bit."""
     test_gguf = pytest.importorskip("test_gguf")
-    model = test_gguf.random_checkpoint(tmp_path, len(test_gguf.demo_vocab()[0]), tied=True)
-    path = tmp_path / "tiny.gguf"
-    test_gguf.write_gguf(path, model, getattr(test_gguf.Q, qtype))
-    loaded = load_model(str(path), dtype="bfloat16", device="cpu")
-    panels = load_model(str(path), dtype="bfloat16", device="cpu")
-    for module in panels.model.modules():
-        module.__dict__.pop("block_source", None)
-    loaded.model.prepare()
-    panels.model.prepare()
+    loaded, panels = test_gguf.with_and_without_blocks(tmp_path, qtype)
     # Q4_0's and Q4_1's scales and minimums are fp16 values; Q4_K's (d * sc) mostly not
     form = {"Q8_0": "q8", "Q5_0": "q8", "Q4_K": "q4"}.get(qtype, "q4f16")
     for layer in loaded.model.model.layers:

@@ -231,6 +231,22 @@ def write_gguf(
     w.close()
 
 
+def with_and_without_blocks(tmp_path: Path, qtype: str):  # type: ignore[no-untyped-def]
+    """A tiny tied GGUF model, every weight ``qtype``, loaded dequantized at bf16 twice and
+    prepared: as served (its GGUF blocks read where a block kernel runs) and with the same
+    weights packed as bf16 panels only."""
+    model = random_checkpoint(tmp_path, len(demo_vocab()[0]), tied=True)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, model, getattr(Q, qtype))
+    loaded = load_model(str(path), dtype="bfloat16", device="cpu")
+    panels = load_model(str(path), dtype="bfloat16", device="cpu")
+    for module in panels.model.modules():  # the same weights without their blocks
+        module.__dict__.pop("block_source", None)
+    loaded.model.prepare()
+    panels.model.prepare()
+    return loaded, panels
+
+
 def run_logits(loaded, token_ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """Our model over one sequence with plain causal attention (no paged cache)."""
     groups = loaded.config.num_queries_per_kv
