@@ -3,6 +3,7 @@ lookup, run against ``prefixcache serve``. Every step resends the same tools blo
 growing transcript; the sidecar renders tools canonically, so from step 2 on the tools block
 and all earlier turns come from the prefix cache (printed per step).
 
+    pip install openai                         # not a prefixcache dependency
     prefixcache serve --model PATH_OR_NAME     # a model whose chat template renders tools
     python examples/agent_loop.py [--base-url URL] [--model NAME] [--steps 6] [--force-tools 2]
 

@@ -291,7 +291,7 @@ _MISS_ADVICE: dict[str, tuple[str, str]] = {
     "diverged": (
         "the server's cached prefix goes on with other tokens from here: this segment's bytes "
         "differ from an earlier request's{after}.",
-        "Keep it byte-identical across requests (lint with previous= shows the drift); move "
+        "Keep it byte-identical across requests (diff(previous, prompt) shows where it changed); move "
         "what changes into a dynamic segment at the end.",
     ),
     "evicted": (

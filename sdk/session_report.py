@@ -121,10 +121,20 @@ class SessionReport:
         return None if not values or None in values else sum(v for v in values if v is not None)
 
     def family(self, label_or_digest: str) -> FamilyReport:
-        for f in self.families:
-            if label_or_digest in (f.label, f.family):
-                return f
-        raise KeyError(label_or_digest)
+        """The family with this label (its static tags joined by "+"), digest, or the digest's
+        first characters as ``table()`` shows them (at least 4). KeyError, naming what there is,
+        when none matches or a label names several families (then pass the digest)."""
+        key = label_or_digest
+        found = [f for f in self.families if key in (f.label, f.family)]
+        if not found and len(key) >= 4:
+            found = [f for f in self.families if f.family.startswith(key)]
+        if len(found) == 1:
+            return found[0]
+        if found:
+            digests = ", ".join(f.family[:6] for f in found)
+            raise KeyError(f"{key!r} names {len(found)} families ({digests}): pass a digest")
+        known = ", ".join(f"{f.label} {f.family[:6]}" for f in self.families) or "none"
+        raise KeyError(f"no family {key!r}; there are: {known}")
 
     def table(self) -> str:
         """A short fixed-width table: one line per family, then the total. A "reused" column
@@ -137,7 +147,8 @@ class SessionReport:
         for f in self.families:
             last = str(f.misses[-1]) if f.misses else "-"
             rows.append(_row(f"{f.label} {f.family[:6]}", f, last, reused))
-        misses = f"{sum(len(f.misses) for f in self.families)} misses"
+        count = sum(len(f.misses) for f in self.families)
+        misses = f"{count} miss" + "es" * (count != 1)
         rows.append(_row("total", self, misses, reused))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         left: tuple[int, ...] = (0, len(head) - 1)  # text columns; numbers align right

@@ -122,6 +122,15 @@ def test_scripted_hits_and_misses(loop: str) -> None:
         assert lines[0].split()[:2] == ["family", "requests"] and len(lines) == 4
         assert "#5 same stable part (evicted)" in lines[1]
         assert lines[3].startswith("total") and "33.3%" in lines[3] and "2 misses" in lines[3]
+        # a family by its label, its digest or the digest's start the table shows
+        assert report.family(first.family) is first
+        assert report.family(lines[1].split()[1]) is first
+        assert report.family(lines[2].split()[1]) is second
+        assert second.label == "rules"  # two families, one label: the label alone is ambiguous
+        with pytest.raises(KeyError, match="names 2 families"):
+            report.family("rules")
+        with pytest.raises(KeyError, match="there are: rules"):
+            report.family("tools")
 
     anyio.run(main, backend=loop)
 
