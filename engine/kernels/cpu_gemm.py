@@ -35,7 +35,7 @@ AMX_K_STEP = 32  # the AMX kernel's k per tile step; other K keep the AVX-512 ke
 # rows, 17 against 11-12 at 8 (the conversion, about seven rows' work, no longer hidden).
 FEW_ROWS = 6
 # pc_gemm_weight_rows' layout code of each packing that gives W's rows back
-_ROW_LAYOUTS = {"amx": 0, "avx512": 0, "f32": 1, "q8_amx": 2, "q8h_amx": 3, "q8": 2, "q8h": 3}
+_ROW_LAYOUTS = {"amx": 0, "avx512": 0, "f32": 1, "q8_amx": 2, "q8h_amx": 3}
 DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -144,8 +144,9 @@ class PackedLinear:
     """``x @ weight.T + bias`` for a weight fixed at load, packed once into the kernel's
     panels (the packed copy replaces oneDNN's; a layer's original weight is then freed,
     ``linear.Gemm.release_weight``). ``kernel`` names the one it runs for life: ``amx``,
-    ``avx512``, ``f32``, or from GGUF blocks ``q8_amx``, ``q8h_amx``, ``q4_amx``,
-    ``q4f16_amx`` (AMX), ``q8`` or ``q8h`` (AVX-512).
+    ``avx512``, ``f32``, or from GGUF blocks on AMX ``q8_amx``, ``q8h_amx``, ``q4_amx`` or
+    ``q4f16_amx``; without AMX a weight from blocks keeps ``avx512`` for many rows and names
+    its blocks' kernel for few in ``few_rows_kernel`` (``q8``, ``q8h``, ``q4``, ``q4f16``).
     ``float_out``: a bf16 weight's outputs are the fp32 sums, not rounded to bf16 (the LM
     head: logits a bf16 rounding would tie at the argmax)."""
 
