@@ -34,7 +34,7 @@ class TokenizerPieceStats(msgspec.Struct):
     chars: int = 0
 
 
-class TierBlockStats(msgspec.Struct):
+class TierBlockStats(msgspec.Struct, repr_omit_defaults=True):
     """The KV tier below the pool (``--kv-offload``): evicted blocks whose KV it keeps, so a
     later hit copies them back instead of computing them."""
 
@@ -59,7 +59,7 @@ class LocalPageStats(msgspec.Struct):
     free: int = 0
 
 
-class CacheStats(msgspec.Struct):
+class CacheStats(msgspec.Struct, repr_omit_defaults=True):
     block_size: int = 0
     # What the KV pages hold: the model's dtype ("bfloat16", "float32") or "fp8_e4m3" /
     # "fp8_e5m2" (--kv-cache-dtype); "" from a server that does not say.
