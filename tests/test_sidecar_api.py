@@ -282,6 +282,90 @@ def test_cache_admin_warm_pin_unpin_evict(sidecar_server: Server) -> None:
     assert pieces["hits"] > 0 and pieces["entries"] > 0 and pieces["chars"] > 0
 
 
+def test_reset_prefix_cache_evicts_as_evict_does_in_vllms_shape(sidecar_server: Server) -> None:
+    """vLLM's POST /reset_prefix_cache: 200 {"success": true}, and the next request is cold;
+    pinned prefixes are kept, as /v1/cache/evict keeps them."""
+    root = sidecar_server.root
+    messages = [
+        {"role": "system", "content": system_prompt("reset")},
+        {"role": "user", "content": "Rye or spelt?"},
+    ]
+
+    def cached() -> int:
+        body = {"messages": messages, "max_tokens": 2}
+        reply = httpx.post(f"{root}/v1/chat/completions", json=body, timeout=60).json()
+        return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() >= 64
+    refused = {
+        "?reset_running_requests=true": "reset_running_requests",  # vLLM preempts them
+        "?reset_external=maybe": "reset_external",
+        "?device=gpu": "device",  # an older vLLM's; the current one ignores it
+    }
+    for query, param in refused.items():
+        reply = httpx.post(f"{root}/reset_prefix_cache{query}", timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    assert httpx.post(f"{root}/reset_prefix_cache", json={"x": 1}).status_code == 400
+    assert cached() >= 64  # a refused reset dropped nothing
+    reply = httpx.post(f"{root}/reset_prefix_cache", timeout=60)
+    assert reply.status_code == 200, reply.text
+    out = reply.json()
+    assert out["success"] is True and out["in_use_blocks"] == 0
+    assert out["evicted_blocks"] >= 4
+    assert cached() == 0  # cold, as after /v1/cache/evict
+
+    segments = [
+        {
+            "role": "system",
+            "content": system_prompt("reset-pin"),
+            "tag": "rules",
+            "stability": "static",
+        },
+        {"role": "user", "content": "Rye?", "tag": "q", "stability": "dynamic"},
+    ]
+    warm = httpx.post(f"{root}/v1/cache/warm", json={"segments": segments, "pin": True}).json()
+    assert warm["pinned_blocks"] > 0
+    out = httpx.post(f"{root}/reset_prefix_cache?reset_external=true", timeout=60).json()
+    assert out["success"] is True and out["pinned_blocks"] >= warm["pinned_blocks"]
+    body = {"segments": segments, "max_tokens": 2}
+    report = httpx.post(f"{root}/v1/chat/completions", json=body, timeout=60).json()["prefixcache"]
+    assert report["segments"][0]["cached_tokens"] == warm["pinned_blocks"] * 16  # kept
+    httpx.post(f"{root}/v1/cache/unpin", json={"segments": segments})
+    httpx.post(f"{root}/v1/cache/evict", json={})
+
+
+def test_reset_prefix_cache_leaves_running_requests_running(sidecar_server: Server) -> None:
+    """A request running through the reset finishes as it would have; its blocks were held,
+    so ``success`` is false (vLLM's answer while blocks are held) and they stay cached."""
+    root = sidecar_server.root
+    messages = [
+        {"role": "system", "content": system_prompt("reset-running")},
+        {"role": "user", "content": "Tell me everything."},
+    ]
+    body = {"messages": messages, "max_tokens": 300, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", f"{root}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # it is running
+        reset = httpx.post(f"{root}/reset_prefix_cache", timeout=60)
+        rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert reset.status_code == 200, reset.text
+    out = reset.json()
+    assert out["in_use_blocks"] > 0 and out["success"] is False
+    assert [e["choices"][0]["finish_reason"] for e in rest if e["choices"]][-1] == "length"
+    assert rest[-1]["usage"]["completion_tokens"] == 300  # every token came
+    wait_for_idle_blocks(root)
+    again = {"messages": messages, "max_tokens": 1}
+    hit = httpx.post(f"{root}/v1/chat/completions", json=again, timeout=60).json()
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64  # held, so kept
+    out = httpx.post(f"{root}/reset_prefix_cache", timeout=60).json()
+    assert out == {**out, "success": True, "in_use_blocks": 0}  # idle now: a retry succeeds
+    cold = httpx.post(f"{root}/v1/chat/completions", json=again, timeout=60).json()
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_metrics_expose_http_and_engine_series(sidecar_server: Server) -> None:
     httpx.get(f"{sidecar_server.url}/models")
     httpx.get(f"{sidecar_server.root}/no/such/path")

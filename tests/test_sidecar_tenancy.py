@@ -68,6 +68,22 @@ def test_keys_are_required_and_admin_is_separate(tenant_server: Server) -> None:
     assert httpx.get(f"{root}/metrics").status_code == 200
 
 
+def test_only_an_admin_key_resets_the_prefix_cache(tenant_server: Server) -> None:
+    """vLLM's /reset_prefix_cache needs no key there; here it drops every tenant's blocks,
+    so it is a cache admin route: a tenant's key cannot wipe another tenant's cache."""
+    url = f"{tenant_server.root}/reset_prefix_cache"
+    cached(tenant_server, "a", salt="reset")
+    assert cached(tenant_server, "a", salt="reset") >= 100
+    assert httpx.post(url).status_code == 401
+    for who in ("a", "b"):
+        refused = httpx.post(url, headers=auth(who))
+        assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
+    assert cached(tenant_server, "a", salt="reset") >= 100  # nothing was dropped
+    reset = httpx.post(url, headers=auth("admin"), timeout=60)
+    assert reset.status_code == 200 and reset.json()["success"] is True, reset.text
+    assert cached(tenant_server, "a", salt="reset") == 0
+
+
 def test_namespace_is_an_hmac_chain() -> None:
     secret = b"s" * 32
     tenant_key = hmac.new(secret, b"acme", hashlib.sha256).digest()

@@ -65,6 +65,28 @@ def test_a_request_over_spilled_blocks_reloads_them(tier_server: Any) -> None:
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_reset_prefix_cache_empties_the_tier_unless_reset_external_is_false(
+    tier_server: Any,
+) -> None:
+    """vLLM's reset: by default (and with reset_external=true) the tier is emptied too, as
+    /v1/cache/evict empties it; reset_external=false keeps the tier, as vLLM keeps its
+    connector's, so the pool's blocks spill into it and the next request reloads them."""
+    root = tier_server[0].root
+    messages = [{"role": "system", "content": "[reset] " + DOC}, {"role": "user", "content": "Hi"}]
+    chat(root, {"messages": messages})
+    out = httpx.post(f"{root}/reset_prefix_cache?reset_external=false", timeout=60).json()
+    assert out["success"] is True and out["evicted_blocks"] > 0
+    tiers = chat(root, {"messages": messages})["prefixcache"]["cached_tokens_by_tier"]
+    assert tiers["host"] >= 16 * 8 and tiers["pool"] == 0
+    for query in ("", "?reset_external=true"):
+        httpx.post(f"{root}/v1/cache/evict", json={"keep_tier": True})  # all of it in the tier
+        out = httpx.post(f"{root}/reset_prefix_cache{query}", timeout=60).json()
+        assert out["success"] is True
+        assert httpx.get(f"{root}/v1/cache/stats").json()["tier"]["used"] == 0
+        again = chat(root, {"messages": messages})
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_warm_with_a_ttl_pins_until_the_deadline(tier_server: Any) -> None:
     server, engine, loop = tier_server
     root = server.root

@@ -10,7 +10,10 @@ import pytest
 from conftest import KEYS, Server
 from sidecar_fake_engine import FakeEngine
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
 
+from prefixcache.engine.model.demo_model import BOS_TOKEN, CHAT_TEMPLATE, EOT_TOKEN
+from prefixcache.engine.text.tokenizer import Tokenizer
 from prefixcache.sidecar.server.app import create_app
 from prefixcache.sidecar.server.settings import SidecarSettings
 
@@ -82,6 +85,64 @@ async def test_a_conversation_tokenizes_to_the_ids_chat_sends_the_engine() -> No
             assert out.json()["count"] == len(sent)
 
 
+def bos_tokenizer() -> tuple[Tokenizer, HFTokenizer]:
+    """The demo tokenizer and chat template, with a post-processor that adds a BOS (as
+    Llama 3's does; the demo's adds none), and that pipeline alone as the reference."""
+    reference = HFTokenizer.from_file(str(ASSETS / "tokenizer.json"))
+    bos = reference.token_to_id(BOS_TOKEN)
+    reference.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN}:0 $A:0", special_tokens=[(BOS_TOKEN, bos)]
+    )
+    tokenizer = Tokenizer(
+        HFTokenizer.from_str(reference.to_str()),
+        chat_template=CHAT_TEMPLATE,  # it writes {{ bos_token }} first
+        bos_token=BOS_TOKEN,
+        eos_tokens=[EOT_TOKEN],
+    )
+    return tokenizer, reference
+
+
+async def test_add_special_tokens_on_a_conversation_adds_the_tokenizers_on_top() -> None:
+    """vLLM's: for a conversation the default is false (the template writes the special
+    tokens) and true encodes the rendered text with the tokenizer's special tokens as well:
+    here a second BOS after the template's own."""
+    tokenizer, reference = bos_tokenizer()
+    bos = tokenizer.bos_token_id
+    engine = FakeEngine(max_model_len=512)
+    engine.tokenizer = tokenizer  # type: ignore[assignment]
+    await engine.start()
+    app = create_app(engine, SidecarSettings(manage_engine=False))
+    transport = httpx.ASGITransport(app=app)
+    continued = {
+        "messages": [*MESSAGES, {"role": "assistant", "content": "A trie that"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as client:
+        for extra in ({}, {"add_generation_prompt": False}, {"tools": [WEATHER]}, continued):
+            body = {"messages": MESSAGES, "tool_choice": "none", **extra}
+            chat = await client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+            assert chat.status_code == 200, chat.text
+            sent = engine.received[-1].prompt_token_ids
+            assert sent[0] == bos and sent[1] != bos  # the template's BOS, once
+            for unset in ({}, {"add_special_tokens": False}, {"add_special_tokens": None}):
+                out = await client.post("/tokenize", json={**body, **unset})
+                assert out.json()["tokens"] == sent, out.text  # false is the default
+            out = await client.post(
+                "/tokenize", json={**body, "add_special_tokens": True, "return_token_strs": True}
+            )
+            assert out.status_code == 200, out.text
+            text = tokenizer.decode(sent, skip_special_tokens=False)  # what the template wrote
+            assert out.json()["tokens"] == reference.encode(text, add_special_tokens=True).ids
+            assert out.json()["tokens"] == [bos, *sent]
+            assert out.json()["count"] == len(sent) + 1
+            assert out.json()["token_strs"][:2] == [BOS_TOKEN, BOS_TOKEN]
+        nulls = {"chat_template": None, "media_io_kwargs": None, "mm_processor_kwargs": {}}
+        same = await client.post("/tokenize", json={"messages": MESSAGES, **nulls})
+        plain = await client.post("/tokenize", json={"messages": MESSAGES})
+        assert same.status_code == 200 and same.json() == plain.json(), same.text
+
+
 def test_tools_are_rendered_into_the_tokenized_conversation(tools_sidecar: Server) -> None:
     body = {"messages": MESSAGES, "tools": [WEATHER]}
     with_tools = post(tools_sidecar, "/tokenize", body).json()
@@ -99,9 +160,30 @@ def test_tools_are_rendered_into_the_tokenized_conversation(tools_sidecar: Serve
         ("/tokenize", {"prompt": "x", "messages": MESSAGES}, 400, "prompt"),
         ("/tokenize", {}, 400, "prompt"),
         ("/tokenize", {"prompt": ""}, 400, "prompt"),
+        # vLLM's chat fields this server cannot honour: refused by name, never ignored
+        ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ 'x' }}"}, 400, "chat_template"),
         (
             "/tokenize",
-            {"messages": MESSAGES, "add_special_tokens": True},
+            {"messages": MESSAGES, "media_io_kwargs": {"image": {}}},
+            400,
+            "media_io_kwargs",
+        ),
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "mm_processor_kwargs": {"a": 1}},
+            400,
+            "mm_processor_kwargs",
+        ),
+        (
+            "/tokenize",
+            {"messages": MESSAGES, "add_generation_prompt": True, "continue_final_message": True},
+            400,
+            "continue_final_message",
+        ),
+        (
+            "/tokenize",  # segments are tokenized one by one: no one text to add them to
+            {"messages": [], "segments": [{"role": "user", "content": "x", "tag": "q"}]}
+            | {"add_special_tokens": True},
             400,
             "add_special_tokens",
         ),

@@ -250,6 +250,19 @@ CORPUS: list[tuple[str, str, str, bytes | None, int]] = [
         )
     ),
     ("evict: a misspelt field", "POST", "/v1/cache/evict", b'{"include_pined": true}', 400),
+    # vLLM's reset takes its two booleans as query parameters, and no body
+    ("reset: no boolean", "POST", f"/reset_prefix_cache?reset_external={MARK}", None, 400),
+    ("reset: an unknown query parameter", "POST", f"/reset_prefix_cache?{MARK}=1", None, 400),
+    ("reset: vLLM's old device", "POST", "/reset_prefix_cache?device=gpu", None, 400),
+    (
+        "reset: preempting running requests",
+        "POST",
+        "/reset_prefix_cache?reset_running_requests=true",
+        None,
+        400,
+    ),
+    ("reset: a body", "POST", "/reset_prefix_cache", b'{"include_pinned": true}', 400),
+    ("reset: a body that is no object", "POST", "/reset_prefix_cache", b"[1]", 400),
     (
         "warm: a misspelt field",
         "POST",

@@ -1,5 +1,6 @@
 """The ``/v1/cache/*`` admin routes: stats, warm, unpin, evict, save and load of pinned
-prefixes; and the start-up load of --load-cache files. Every route needs an admin key."""
+prefixes; vLLM's ``/reset_prefix_cache`` (evict's default, in vLLM's shape); and the start-up
+load of --load-cache files. Every route needs an admin key."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from starlette.routing import Route
 from prefixcache.engine.api import EngineAPI
 
 from ..http.errors import APIError, bad_request
+from ..http.io import decode_json, read_body
 from ..http.tenancy import cache_file_key
 from ..wire import protocol as p
 from ..wire import reply_types as rt
@@ -58,6 +60,7 @@ class CacheRoutes:
             Route("/v1/cache/evict", self.evict, methods=["POST"]),
             Route("/v1/cache/save", self.save, methods=["POST"]),
             Route("/v1/cache/load", self.load, methods=["POST"]),
+            Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
         ]
 
     async def stats(self, request: Request) -> Response:
@@ -91,6 +94,45 @@ class CacheRoutes:
                 include_pinned=bool(req.include_pinned), keep_tier=req.keep_tier
             )
         return json_response(rt.EvictResponse(evicted))
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's reset, for benchmark scripts: what /v1/cache/evict does with no body (idle
+        blocks evicted, the KV tier emptied, pins kept). Running requests keep their blocks
+        and run on; ``success`` is false when some held blocks (they stay cached), as vLLM
+        answers while blocks are held."""
+        self.gate.admin(request)
+        try:
+            query = p.reset_query(request.query_params.multi_items())
+        except p.Error as exc:
+            raise bad_request(str(exc), exc.param) from None
+        if query["reset_running_requests"]:
+            raise bad_request(
+                "reset_running_requests=true is not supported: this server does not preempt "
+                "running requests to drop their blocks; reset without it (running requests "
+                'keep their blocks and finish, and "success" says whether any held some)',
+                "reset_running_requests",
+            )
+        body = await read_body(request, self.gate.settings.max_body_bytes)
+        if body.strip() and decode_json(body, dict):  # vLLM reads no body; {} is harmless
+            raise bad_request(
+                "/reset_prefix_cache takes no body: its options are query parameters "
+                "(reset_external); /v1/cache/evict takes evict's options"
+            )
+        # reset_external=false keeps the tier as vLLM keeps its connector's: the pool's blocks
+        # spill into it; by default (and with true) it is emptied, as evict empties it
+        keep_tier = query["reset_external"] is False
+        with _engine_refusals():
+            evicted = await self.engine.evict_all(keep_tier=keep_tier)
+        blocks = self.engine.cache_stats().blocks  # as of the eviction (its reply carries it)
+        log.info(
+            "prefix cache reset: %d blocks evicted, %d pinned kept, %d held by running requests",
+            evicted,
+            blocks.pinned,
+            blocks.in_use,
+        )
+        return json_response(
+            rt.ResetPrefixCacheResponse(blocks.in_use == 0, evicted, blocks.pinned, blocks.in_use)
+        )
 
     async def save(self, request: Request) -> Response:
         """Write every pinned prefix and its KV to a file in --cache-dir."""

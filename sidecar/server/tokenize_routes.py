@@ -1,10 +1,13 @@
 """vLLM's ``POST /tokenize`` and ``POST /detokenize``: a prompt's token ids exactly as the
 generation routes would compute them (a completion prompt, or a conversation through the chat
-template, tools and ``chat_template_kwargs`` included), and ids back to text. Serving routes:
-the caller's key, the caller's tokenization namespace, and nothing kept of the text."""
+template, tools and ``chat_template_kwargs`` included; ``add_special_tokens`` on a conversation
+adds the tokenizer's special tokens on top, as vLLM), and ids back to text. vLLM's chat fields
+this server cannot honour are refused by name. Serving routes: the caller's key, the caller's
+tokenization namespace, and nothing kept of the text."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -13,11 +16,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ..chat.rendering import RenderedPrompt
 from ..http.errors import bad_request
 from ..http.io import decode_json, read_body
 from ..wire import protocol as p
 from ..wire import reply_types as rt
-from ..wire.tokenize_requests import DetokenizeRequest, TokenizeRequest
+from ..wire.tokenize_requests import DetokenizeRequest, TokenizeRequest, check_chat_fields
+from .gate import OFF_LOOP_CHARS
 from .generation import GenerationRoutes
 from .responses import json_response
 
@@ -41,24 +46,28 @@ class TokenizeRoutes:
         gate.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' or 'messages'", "prompt")
-        if req.messages is not None and req.add_special_tokens:
-            raise bad_request(
-                "add_special_tokens with messages: the chat template writes the special tokens",
-                "add_special_tokens",
-            )
         namespace = gate.namespace(tenant.name, req.cache_salt)
+        tokenizer = self.generation.engine.tokenizer
         if req.prompt is not None:
             if isinstance(req.prompt, list) and not req.prompt:  # "" is a prompt, as for
                 raise bad_request("'prompt' must not be empty", "prompt")  # /v1/completions
             special = req.add_special_tokens is None or req.add_special_tokens
             prompt = await gate.completion_prompt(req.prompt, namespace, special)
+            ids = prompt.token_ids
         else:
+            gate.check(check_chat_fields, req)
             chat = decode_json(body, p.ChatCompletionRequest)  # the chat fields of the body
             gate.check(p.check_chat, chat)
+            if req.add_special_tokens and chat.segments is not None:
+                raise bad_request(
+                    "add_special_tokens needs 'messages': segments are tokenized one by one",
+                    "add_special_tokens",
+                )
             prompt = await self.generation.render_chat(chat, namespace)
+            ids = prompt.token_ids
+            if req.add_special_tokens:
+                ids = await self.with_special_tokens(prompt)
         gate.forget(prompt)  # tokenized, not served: keep nothing of it
-        ids = prompt.token_ids
-        tokenizer = self.generation.engine.tokenizer
         pieces = None
         if req.return_token_strs:
             pieces = await off_the_loop_if_long(
@@ -66,6 +75,15 @@ class TokenizeRoutes:
             )
         max_len = self.generation.engine.max_model_len
         return json_response(rt.TokenizeResponse(len(ids), max_len, ids, pieces))
+
+    async def with_special_tokens(self, prompt: RenderedPrompt) -> list[int]:
+        """vLLM's ``add_special_tokens`` for a conversation: the rendered text encoded with
+        the tokenizer's special tokens (its post-processor's, e.g. BOS), on top of those the
+        template wrote."""
+        (text,) = prompt.texts  # plain messages: the conversation rendered once
+        tokenizer = self.generation.engine.tokenizer
+        encode = functools.partial(tokenizer.encode, text, True, namespace=prompt.namespace)
+        return await anyio.to_thread.run_sync(encode) if len(text) >= OFF_LOOP_CHARS else encode()
 
     async def detokenize(self, request: Request) -> Response:
         gate = self.gate

@@ -1,10 +1,12 @@
 """Bodies of the cache admin routes: /v1/cache/{warm,unpin} (``CacheRequest``), evict, save
-and load. Unknown fields are refused (a 400), unlike the OpenAI routes': an admin's typo
-(``"nmae"``, ``"include_pined"``) must not run the default action (overwrite the default
-snapshot, keep the pins)."""
+and load; the query of vLLM's /reset_prefix_cache. Unknown fields are refused (a 400), unlike
+the OpenAI routes': an admin's typo (``"nmae"``, ``"include_pined"``) must not run the default
+action (overwrite the default snapshot, keep the pins)."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 import msgspec
@@ -54,3 +56,30 @@ class CacheSaveRequest(CacheFileRequest, kw_only=True, forbid_unknown_fields=Tru
     ``allow_empty`` (a scheduled save after a restart whose load failed must not wipe it)."""
 
     allow_empty: bool = False
+
+
+# vLLM's /reset_prefix_cache takes FastAPI ``bool`` query parameters: these spellings, any case
+_TRUE = frozenset({"1", "true", "t", "yes", "y", "on"})
+_FALSE = frozenset({"0", "false", "f", "no", "n", "off"})
+RESET_QUERY = ("reset_running_requests", "reset_external")
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # named back in an error as it is
+
+
+def reset_query(items: Iterable[tuple[str, str]]) -> dict[str, bool | None]:
+    """vLLM's /reset_prefix_cache query parameters, None where not given (the last of a
+    repeated one counts, as in FastAPI). A value that is no boolean is refused, as vLLM does;
+    so is a name vLLM does not take (vLLM ignores it: here a typo must not reset anyway)."""
+    given: dict[str, bool | None] = dict.fromkeys(RESET_QUERY)
+    for name, value in items:
+        if name not in given:
+            plain = _PLAIN_NAME.fullmatch(name) is not None
+            raise Error(
+                f"unknown query parameter{f' {name!r}' if plain else ''}: /reset_prefix_cache "
+                f"takes {' and '.join(RESET_QUERY)}",
+                name if plain else None,
+            )
+        word = value.lower()
+        if word not in _TRUE and word not in _FALSE:
+            raise Error(f"{name} must be a boolean: true or false", name)
+        given[name] = word in _TRUE
+    return given

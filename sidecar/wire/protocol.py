@@ -21,6 +21,7 @@ from .cache_requests import CacheFileRequest as CacheFileRequest
 from .cache_requests import CacheRequest as CacheRequest
 from .cache_requests import CacheSaveRequest as CacheSaveRequest
 from .cache_requests import EvictRequest as EvictRequest
+from .cache_requests import reset_query as reset_query
 from .prompt_parts import (
     MAX_CACHE_BREAKPOINTS,
     MAX_SEGMENTS,

@@ -189,6 +189,16 @@ class EvictResponse(msgspec.Struct):
     evicted_blocks: int
 
 
+class ResetPrefixCacheResponse(msgspec.Struct):
+    """vLLM's ``{"success": bool}`` (false: running requests held blocks, which stay cached;
+    retry once they finish), with what /v1/cache/evict would say and what was kept."""
+
+    success: bool
+    evicted_blocks: int
+    pinned_blocks: int  # kept, as /v1/cache/evict keeps them
+    in_use_blocks: int  # held by running requests at the reset
+
+
 class CacheSaveResponse(msgspec.Struct):
     name: str
     prefixes: int
