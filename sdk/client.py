@@ -28,6 +28,7 @@ from .types import (
     ChatCompletion,
     Completion,
     LoadResult,
+    ResetPrefixCacheResult,
     SaveResult,
     Usage,
     WarmResult,
@@ -198,6 +199,28 @@ class AsyncClient:
         body = {"include_pinned": True} if include_pinned else {}
         response = await self._admin("POST", "cache/evict", body)
         return int(_decode(response, dict).get("evicted_blocks", 0))
+
+    async def reset_prefix_cache(
+        self, reset_external: bool | None = None
+    ) -> ResetPrefixCacheResult:
+        """vLLM's ``POST /reset_prefix_cache`` at the server's root (beside ``/v1``): drop
+        every idle cached prefix (pins kept on a sidecar), e.g. between benchmark runs.
+        ``reset_external=False`` keeps the lower KV tier, as vLLM keeps its connector's
+        (left out: the server's default). Also for vLLM (``backend="openai"``), which serves
+        it in dev mode only. Check ``success``: false while running requests held blocks."""
+        if self.backend == "anthropic":
+            raise errors.UnsupportedError(
+                "reset_prefix_cache() is a vLLM and prefixcache operation; this client's "
+                "backend is 'anthropic'"
+            )
+        root = self.base_url.rstrip("/").removesuffix("/v1")
+        url = f"{root}/reset_prefix_cache"
+        if reset_external is not None:
+            url += f"?reset_external={str(reset_external).lower()}"
+        response = await self._admin("POST", url, None)
+        if not response.content.strip():  # an older vLLM answers 200 with no body
+            return ResetPrefixCacheResult(success=True)
+        return _decode(response, ResetPrefixCacheResult)
 
     async def cache_stats(self) -> CacheStats:
         self._require_sidecar("cache_stats")

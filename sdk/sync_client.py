@@ -13,7 +13,15 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from .client import AsyncClient, PromptLike
 from .session_report import Prices, SessionReport
 from .stream import CompletionStream
-from .types import CacheStats, Completion, Delta, LoadResult, SaveResult, WarmResult
+from .types import (
+    CacheStats,
+    Completion,
+    Delta,
+    LoadResult,
+    ResetPrefixCacheResult,
+    SaveResult,
+    WarmResult,
+)
 
 _END = object()
 _EVENT_LOOPS = ("asyncio", "trio")
@@ -89,6 +97,9 @@ class Client:
 
     def evict(self, include_pinned: bool = False) -> int:
         return self._portal.call(lambda: self._async.evict(include_pinned))
+
+    def reset_prefix_cache(self, reset_external: bool | None = None) -> ResetPrefixCacheResult:
+        return self._portal.call(lambda: self._async.reset_prefix_cache(reset_external))
 
     def cache_stats(self) -> CacheStats:
         return self._portal.call(self._async.cache_stats)

@@ -124,6 +124,27 @@ class LoadResult(msgspec.Struct):
     pinned_prefixes: int = 0
 
 
+class UpstreamReset(msgspec.Struct):
+    """One upstream's answer to a router's reset: ``status`` None where it was not reached."""
+
+    url: str = ""
+    status: int | None = None
+    success: bool = False
+
+
+class ResetPrefixCacheResult(msgspec.Struct):
+    """``POST /reset_prefix_cache``'s answer. ``success`` is vLLM's (false: running requests
+    held blocks, or an upstream did not reset; retry once idle). A ``prefixcache serve``
+    sidecar also says what it evicted and kept; a ``prefixcache route`` one each upstream's
+    answer in ``upstreams``; a vLLM server only ``success``. None: not sent by this server."""
+
+    success: bool
+    evicted_blocks: int | None = None
+    pinned_blocks: int | None = None  # kept, as evict keeps them
+    in_use_blocks: int | None = None  # held by running requests at the reset
+    upstreams: list[UpstreamReset] | None = None
+
+
 # --- raw wire shapes (OpenAI chat.completion and chat.completion.chunk) ----------------------
 
 

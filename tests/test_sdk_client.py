@@ -24,6 +24,7 @@ from prefixcache.sdk import (
     ServiceUnavailableError,
     StreamError,
     Timeouts,
+    UnsupportedError,
 )
 
 BACKENDS = pytest.mark.parametrize("backend", ["asyncio", "trio"])
@@ -453,6 +454,67 @@ def test_cache_admin_calls(backend: str) -> None:
         ("GET", "/v1/cache/stats"),
     ]
     assert seen[0][2] == {"model": "demo", "segments": PROMPT.to_segments(), "pin": True}
+
+
+@BACKENDS
+def test_reset_prefix_cache_posts_at_the_root_and_reads_every_servers_answer(
+    backend: str,
+) -> None:
+    seen: list[tuple[str, str, bytes]] = []
+    upstreams = [
+        {"url": "http://a/v1", "status": 200, "success": True},
+        {"url": "http://b/v1", "status": None, "success": False},
+    ]
+    replies = [
+        {"success": True, "evicted_blocks": 7, "pinned_blocks": 2, "in_use_blocks": 0},
+        {"success": False, "upstreams": upstreams},  # prefixcache route's
+        None,  # an older vLLM: 200, no body
+    ]
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, str(request.url), request.content))
+        reply = replies[len(seen) - 1]
+        return httpx.Response(200, json=reply) if reply is not None else httpx.Response(200)
+
+    async def main() -> None:
+        async with _client(handle) as client:
+            engine = await client.reset_prefix_cache()
+            assert (engine.success, engine.evicted_blocks, engine.pinned_blocks) == (True, 7, 2)
+            assert engine.in_use_blocks == 0 and engine.upstreams is None
+            router = await client.reset_prefix_cache(reset_external=False)
+            assert router.success is False and router.evicted_blocks is None
+            assert [(u.url, u.status, u.success) for u in router.upstreams or ()] == [
+                ("http://a/v1", 200, True),
+                ("http://b/v1", None, False),
+            ]
+            assert (await client.reset_prefix_cache(reset_external=True)).success is True
+        async with AsyncClient("http://h/v1", backend="anthropic") as hosted:
+            with pytest.raises(UnsupportedError):
+                await hosted.reset_prefix_cache()
+
+    _run(backend, main)
+    assert seen == [
+        ("POST", "http://sidecar.test/reset_prefix_cache", b""),  # vLLM's place: not under /v1
+        ("POST", "http://sidecar.test/reset_prefix_cache?reset_external=false", b""),
+        ("POST", "http://sidecar.test/reset_prefix_cache?reset_external=true", b""),
+    ]
+
+
+async def test_reset_prefix_cache_reads_the_sidecars_own_reply() -> None:
+    """The typed result against the engine-mode sidecar itself (in process, fake engine)."""
+    from sidecar_fake_engine import FakeEngine
+
+    from prefixcache.sidecar.server.app import SidecarSettings, create_app
+
+    engine = FakeEngine()
+    await engine.start()
+    app = create_app(engine, SidecarSettings(manage_engine=False))
+    transport = httpx.ASGITransport(app=app)
+    async with AsyncClient("http://sidecar/v1", transport=transport) as client:
+        await client.complete([{"role": "user", "content": "cache me " * 8}], max_tokens=1)
+        out = await client.reset_prefix_cache(reset_external=False)
+    assert out.success is True and out.evicted_blocks and out.evicted_blocks > 0
+    assert (out.pinned_blocks, out.in_use_blocks, out.upstreams) == (0, 0, None)
 
 
 def test_sync_client_shares_the_async_core() -> None:

@@ -74,7 +74,13 @@ async def test_a_conversation_tokenizes_to_the_ids_chat_sends_the_engine() -> No
     app = create_app(engine, SidecarSettings(manage_engine=False))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as client:
-        for extra in ({}, {"add_generation_prompt": False}, {"chat_template_kwargs": {"x": 1}}):
+        for extra in (
+            {},
+            {"add_generation_prompt": False},
+            {"chat_template_kwargs": {"x": 1}},
+            {"add_special_tokens": True},  # vLLM's, on both routes: the tokenizer's on top
+            {"documents": [{"title": "t", "text": "a trie"}]},
+        ):
             body = {"messages": MESSAGES, **extra}
             chat = await client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
             assert chat.status_code == 200, chat.text
@@ -137,6 +143,11 @@ async def test_add_special_tokens_on_a_conversation_adds_the_tokenizers_on_top()
             assert out.json()["tokens"] == [bos, *sent]
             assert out.json()["count"] == len(sent) + 1
             assert out.json()["token_strs"][:2] == [BOS_TOKEN, BOS_TOKEN]
+            # and chat, given the same body, sends the engine those ids
+            body = {**body, "add_special_tokens": True, "max_tokens": 1}
+            chat = await client.post("/v1/chat/completions", json=body)
+            assert chat.status_code == 200, chat.text
+            assert engine.received[-1].prompt_token_ids == out.json()["tokens"]
         nulls = {"chat_template": None, "media_io_kwargs": None, "mm_processor_kwargs": {}}
         same = await client.post("/tokenize", json={"messages": MESSAGES, **nulls})
         plain = await client.post("/tokenize", json={"messages": MESSAGES})

@@ -73,12 +73,16 @@ class FakeUpstream:
     headers: list[dict[str, str]] = field(default_factory=list)
     stream_cut: threading.Event = field(default_factory=threading.Event)
     health_status: int = 200
+    reset_reply: tuple[int, bytes] = (200, b'{"success": true}')  # its /reset_prefix_cache's
+    resets: list[tuple[str, bytes, str | None]] = field(default_factory=list)  # query, body, key
 
     def reset(self) -> None:
         self.health_status = 200
         self.bodies.clear()
         self.headers.clear()
         self.stream_cut.clear()
+        self.reset_reply = (200, b'{"success": true}')
+        self.resets.clear()
 
     def app(self) -> Starlette:
         return Starlette(
@@ -88,8 +92,15 @@ class FakeUpstream:
                 Route("/v1/chat/completions", self.generate, methods=["POST"]),
                 Route("/v1/completions", self.generate, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
             ]
         )
+
+    async def reset_prefix_cache(self, request: Request) -> Response:  # vLLM's, at the root
+        key = request.headers.get("authorization")
+        self.resets.append((request.url.query, await request.body(), key))
+        status, content = self.reset_reply
+        return Response(content, status, media_type="application/json")
 
     async def tokenize(self, request: Request) -> Response:  # vLLM's, at the root
         body = await request.json()
@@ -764,3 +775,70 @@ async def test_the_openai_client_works_through_the_sidecar(sidecar: Server) -> N
             model="m", messages=messages, extra_body={"x_fake": {"status": 400}}
         )
     await client.close()
+
+
+# --- /reset_prefix_cache ----------------------------------------------------------------------
+
+
+async def test_a_reset_goes_to_every_healthy_upstream_and_says_how_each_did(
+    start_sidecar: Callable[..., Server], fakes: list[FakeUpstream]
+) -> None:
+    down = closed_url()
+    sidecar = start_sidecar([*(fake.url for fake in fakes), down], routing="cache_aware")
+    router = sidecar.app.state.upstream.router
+    async with httpx.AsyncClient(base_url=sidecar.url, timeout=10) as client:
+        for i in range(12):  # distinct prompts: the tree marks most upstreams
+            assert (await client.post("/chat/completions", json=chat(f"{i} " * 50, "x"))).is_success
+    marked = {url: chars for url, chars in router.tree.chars.items() if chars}
+    fakes[1].reset_reply = (200, b'{"success": false}')  # vLLM's while blocks are held
+    fakes[2].reset_reply = (404, b'{"detail": "Not Found"}')  # vLLM without dev mode
+    reply = httpx.post(f"{sidecar.root}/reset_prefix_cache?reset_external=false", content=b"")
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == {
+        "success": False,
+        "upstreams": [
+            {"url": fakes[0].url, "status": 200, "success": True},
+            {"url": fakes[1].url, "status": 200, "success": False},
+            {"url": fakes[2].url, "status": 404, "success": False},
+            {"url": down, "status": None, "success": False},
+        ],
+    }
+    assert [fake.resets for fake in fakes] == [[("reset_external=false", b"", None)]] * 3
+    # the upstream that reset lost its marks; the others keep theirs
+    assert router.tree.chars.get(fakes[0].url, 0) == 0
+    for fake in fakes[1:]:
+        assert router.tree.chars.get(fake.url, 0) == marked.get(fake.url, 0)
+    assert fakes[0].url in marked  # (so the first check could fail)
+    for fake in fakes:
+        fake.reset_reply = (200, b"")  # an older vLLM: 200, no body
+    every = httpx.post(f"{sidecar.root}/reset_prefix_cache", json={})
+    assert every.status_code == 200, every.text
+    assert [u["success"] for u in every.json()["upstreams"]] == [True, True, True, False]
+    assert [fake.resets[-1][:2] for fake in fakes] == [("", b"{}")] * 3  # the body as sent
+
+
+async def test_a_reset_reports_success_when_every_upstream_reset(
+    start_sidecar: Callable[..., Server], fakes: list[FakeUpstream]
+) -> None:
+    sidecar = start_sidecar([fake.url for fake in fakes])
+    reply = httpx.post(f"{sidecar.root}/reset_prefix_cache")
+    assert reply.status_code == 200 and reply.json()["success"] is True, reply.text
+    nobody = start_sidecar([closed_url()])
+    refused = httpx.post(f"{nobody.root}/reset_prefix_cache")
+    assert refused.status_code == 502, refused.text
+    assert refused.json()["error"]["code"] == "upstream_unreachable"
+
+
+async def test_a_reset_needs_an_admin_key_where_keys_are_set(
+    start_sidecar: Callable[..., Server], fakes: list[FakeUpstream]
+) -> None:
+    keys = KeyStore([("sk-client-key-001", "acme", False), ("sk-admin-key-0001", "ops", True)])
+    sidecar = start_sidecar([fakes[0].url], keys=keys, upstream_api_key="sk-upstream")
+    url = f"{sidecar.root}/reset_prefix_cache"
+    assert httpx.post(url).status_code == 401
+    tenant = httpx.post(url, headers={"authorization": "Bearer sk-client-key-001"})
+    assert tenant.status_code == 403, tenant.text
+    assert fakes[0].resets == []
+    admin = httpx.post(url, headers={"authorization": "Bearer sk-admin-key-0001"})
+    assert admin.status_code == 200 and admin.json()["success"] is True, admin.text
+    assert fakes[0].resets == [("", b"", "Bearer sk-upstream")]  # the upstream's key, not ours

@@ -223,6 +223,19 @@ class PromptRenderer:
         out.retain = self._message_hints(messages, out.token_ids, template_kwargs, namespace)
         return out
 
+    def with_special_tokens(self, out: RenderedPrompt) -> RenderedPrompt:
+        """vLLM's ``add_special_tokens`` on a conversation: its rendered text encoded with the
+        tokenizer's special tokens (its post-processor's, e.g. a BOS) on top of those the
+        template wrote. The retention hints move with the rendered ids (dropped should the
+        encoding not hold them whole)."""
+        (text,) = out.texts  # plain messages: rendered once
+        ids = self.tokenizer.encode(text, add_special_tokens=True, namespace=out.namespace)
+        shift = _position_of(out.token_ids, ids)
+        retain = (
+            [] if shift is None else [RetentionHint(h.end + shift, h.ttl_s) for h in out.retain]
+        )
+        return RenderedPrompt(ids, out.spans, out.namespace, out.texts, retain)
+
     def _message_hints(
         self,
         messages: list[Message],
@@ -271,6 +284,14 @@ class PromptRenderer:
             return self.render_pieces(_dicts(ordered), tags, False, template_kwargs, namespace)
         assert messages is not None
         return self.render_messages(_dicts(messages), False, template_kwargs, namespace=namespace)
+
+
+def _position_of(inner: list[int], outer: list[int]) -> int | None:
+    """Where ``inner`` lies whole in ``outer`` (a few special tokens around it), or None."""
+    for at in range(len(outer) - len(inner) + 1):
+        if outer[at : at + len(inner)] == inner:
+            return at
+    return None
 
 
 def _dicts(messages: list[Message] | list[Segment]) -> list[dict[str, Any]]:

@@ -8,12 +8,14 @@ they came, except that a chat body with ``segments`` becomes plain ``messages`` 
 not know segments). Statuses, bodies and content types come back unchanged; SSE streams are
 relayed as their bytes arrive. A connection that fails before any response byte marks its
 upstream down and the request moves to the next choice; nothing is retried once the
-upstream has answered. Its metrics: metrics.py; one request's routing bookkeeping:
-routed.py.
+upstream has answered. vLLM's /tokenize and /detokenize go to the first healthy upstream;
+its /reset_prefix_cache (admin key) to every healthy one. Its metrics: metrics.py; one
+request's routing bookkeeping: routed.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -34,6 +36,7 @@ from ..http.errors import APIError
 from ..http.io import read_body
 from ..http.streaming import SSEResponse, run_until_disconnect
 from ..http.tenancy import KeyStore
+from ..wire import reply_types as rt
 from .bodies import decode_object, segments_to_messages
 from .cache_aware import CacheAwareRouter, Replica, RoutingSettings
 from .health_probe import HealthProbe
@@ -94,6 +97,7 @@ def create_upstream_app(settings: UpstreamSettings) -> Starlette:
     routes += [
         Route("/tokenize", proxy.tokenization, methods=["POST"]),
         Route("/detokenize", proxy.tokenization, methods=["POST"]),
+        Route("/reset_prefix_cache", proxy.reset_prefix_cache, methods=["POST"]),
     ]
     app = build_app(routes, proxy.metrics.registry, proxy.lifespan)
     app.state.upstream = proxy
@@ -215,6 +219,52 @@ class UpstreamProxy:
             if exchange is not None:
                 return await self._buffered(exchange, request)
         raise self._no_upstream()
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's reset, sent to every healthy upstream's root at once with the query (and any
+        body) as given: each upstream checks its own parameters. 200 with each upstream's
+        answer and ``success`` when all succeeded; 502 when none could be reached. An upstream
+        that reset loses its marks in the approximate tree (its event index follows its own
+        events: vLLM's AllBlocksCleared, or what this project's engine evicted)."""
+        self.settings.keys.authenticate_admin(request.headers.get("authorization"))
+        payload = await read_body(request, self.settings.max_body_bytes)
+        path = "/reset_prefix_cache" + (f"?{request.url.query}" if request.url.query else "")
+        healthy = self.pool.healthy()
+        sent = await asyncio.gather(
+            *(self._reset_one(upstream, path, payload or None) for upstream in healthy)
+        )
+        if not any(answer.status is not None for answer in sent):
+            raise self._no_upstream()
+        by_url = {answer.url: answer for answer in sent}
+        answers = [  # in configuration order; a down one did not reset: its cache may be there
+            by_url.get(u.url) or rt.UpstreamReset(u.url, None, False) for u in self.pool.upstreams
+        ]
+        for answer in answers:
+            if answer.success and self.router is not None:
+                self.router.forget(answer.url)
+        success = all(answer.success for answer in answers)
+        log.info("prefix cache reset sent to %d upstreams: success %s", len(healthy), success)
+        return Response(
+            msgspec.json.encode(rt.RouterResetResponse(success, answers)),
+            media_type="application/json",
+        )
+
+    async def _reset_one(
+        self, upstream: Upstream, path: str, payload: bytes | None
+    ) -> rt.UpstreamReset:
+        try:
+            response = await self._send(upstream, "POST", path, payload, root=True)
+            try:
+                content = await response.aread()
+            finally:
+                await response.aclose()
+        except CONNECT_FAILURES as exc:
+            self._mark_down(upstream, type(exc).__name__)
+            return rt.UpstreamReset(upstream.url, None, False)
+        except httpx.TransportError as exc:  # a timeout, or the answer cut
+            log.warning("upstream %s: no answer to the reset (%r)", upstream.url, exc)
+            return rt.UpstreamReset(upstream.url, None, False)
+        return rt.UpstreamReset(upstream.url, response.status_code, _reset_done(response, content))
 
     # --- generation -----------------------------------------------------------------------
 
@@ -371,3 +421,15 @@ class UpstreamProxy:
             type="server_error",
             code="upstream_timeout",
         )
+
+
+def _reset_done(response: httpx.Response, content: bytes) -> bool:
+    """A 200 whose body does not say ``"success": false`` (vLLM's answer while blocks are
+    held; an older vLLM answers 200 with no body)."""
+    if response.status_code != 200:
+        return False
+    try:
+        body = msgspec.json.decode(content) if content.strip() else {}
+    except msgspec.DecodeError:
+        return True
+    return not (isinstance(body, dict) and body.get("success") is False)

@@ -195,7 +195,8 @@ class CacheAwareRouter:
         return decision
 
     def forget(self, url: str) -> None:
-        """The replica lost its cache (restart): the tree's guesses about it are wrong."""
+        """The replica lost its cache (a restart, a reset): the tree's guesses about it are
+        wrong."""
         self.tree.forget(url)
 
     # ---- the two rules

@@ -95,12 +95,16 @@ class GenerationRoutes:
             max_tokens,
             top,
             grammar=grammar,
-            skip_special_tokens=parser is None or not parser.needs_special_tokens,
+            # a parser that reads special tokens keeps them in the text whatever was asked
+            skip_special_tokens=bool(req.skip_special_tokens)
+            and (parser is None or not parser.needs_special_tokens),
             choices=choices,
         )
+        echo = echoed_message(req)
         for job in jobs:
             job.tool_parser = parser
             job.retain = prompt.retain
+            job.message_echo = echo
         return jobs
 
     async def render_chat(
@@ -122,13 +126,18 @@ class GenerationRoutes:
             )
             if retention is not None:
                 out.retain = retention(renderer, out, template_kwargs)
+            if req.add_special_tokens:  # vLLM's: the tokenizer's special tokens on top
+                out = renderer.with_special_tokens(out)
             return out
 
         return await self.gate.render(render, content_size(req.messages, req.segments))
 
     def chat_template_kwargs(self, req: p.ChatCompletionRequest) -> dict[str, Any]:
-        """What the chat template sees besides the messages: the request's kwargs and tools."""
+        """What the chat template sees besides the messages: the request's kwargs, vLLM's
+        ``documents``, and tools."""
         template_kwargs = req.template_kwargs
+        if req.documents is not None:
+            template_kwargs = {**template_kwargs, "documents": req.documents}
         if req.tools:
             if not self.tool_template.supports_tools:
                 if req.tool_mode == "none":  # no call wanted: the prompt without them is it
@@ -163,8 +172,9 @@ class GenerationRoutes:
         rendered: list[RenderedPrompt] = []
         jobs: list[Job] = []
         try:
+            special = bool(req.add_special_tokens)  # vLLM's, for a text prompt
             for prompt in prompts:
-                rendered.append(await gate.completion_prompt(prompt, namespace))
+                rendered.append(await gate.completion_prompt(prompt, namespace, special))
             # max_tokens 0 with echo (vLLM's echo without generation): the prompt alone, from
             # a request of one token whose token is not shown
             max_tokens = req.max_tokens or (None if req.max_tokens is None else 1)
@@ -173,6 +183,7 @@ class GenerationRoutes:
                     "completion", request_id, req, tenant, prompt, max_tokens, req.logprobs,
                     first_index=i * n, batch=len(rendered) > 1,
                     echo=echo_text(prompt, prompts[i], self.engine.tokenizer) if req.echo else None,
+                    skip_special_tokens=bool(req.skip_special_tokens),
                 )  # fmt: skip
             for job in jobs:
                 job.prompt_only = req.max_tokens == 0
@@ -225,6 +236,14 @@ class GenerationRoutes:
         try:
             num_prompt = len(prompt.token_ids)
             context = self.engine.max_model_len
+            if (k := req.truncate_prompt_tokens) is not None and num_prompt > (
+                context if k == -1 else k
+            ):  # vLLM would cut the prompt: this server never does (it is the cache key)
+                raise bad_request(
+                    f"truncate_prompt_tokens={k}: the prompt is {num_prompt} tokens, and this "
+                    "server does not truncate prompts; send a shorter prompt",
+                    "truncate_prompt_tokens",
+                )
             if num_prompt >= context:
                 raise bad_request(
                     f"The prompt is {num_prompt} tokens; the model's context length is {context} "
@@ -329,6 +348,18 @@ def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     if index == 0 or sampling.seed is None:
         return sampling
     return dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**63)
+
+
+def echoed_message(req: p.ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the last message's text, put before each choice's content where
+    that message has the reply's role (vLLM's: the assistant's after a generation prompt,
+    else the last message's own), e.g. a prefilled assistant turn being continued."""
+    if not req.echo or not req.messages:
+        return ""
+    last = req.messages[-1]
+    if req.add_generation_prompt and last.role != "assistant":
+        return ""
+    return last.text
 
 
 def echo_text(prompt: RenderedPrompt, given: str | list[int], tokenizer: TokenizerAPI) -> str:

@@ -137,6 +137,7 @@ class Job:
     index: int = 0  # which of the request's choices (prompt i's choice j: i * choices + j)
     choices: int = 1  # n: choices per prompt
     echo: str | None = None  # completions' echo: the prompt text put before the completion
+    message_echo: str = ""  # chat's echo (vLLM's): the last message's text before the content
     prompt_only: bool = False  # echo with max_tokens 0: its one generated token is not shown
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs=k: shown as vLLM shows them
 
@@ -200,6 +201,8 @@ def reply_body(jobs: list[Job], results: list[Collected], tokenizer: TokenizerAP
                     j, tokenizer, result.logprobs, TokenOffsets(_decoder(tokenizer))
                 )
             message, finish = _chat_message(j, result)
+            if j.message_echo:
+                message.content = j.message_echo + (message.content or "")
             chat_choices.append(rt.ChatChoice(j.index, message, finish, logprobs))
         body = rt.ChatCompletion(*head, chat_choices, usage_info(usage), report, job.fingerprint)
         body.prompt_logprobs = _vllm_prompt_logprobs(job, tokenizer, results[0])
@@ -340,6 +343,9 @@ async def stream_events(jobs: list[Job], tokenizer: TokenizerAPI) -> AsyncIterat
         for j in jobs:  # a forced call has no content: none, not "" (as OpenAI's)
             content = None if isinstance(j.tool_parser, ForcedParser) else ""
             yield frame([rt.ChatChunkChoice(j.index, rt.ChatDelta("assistant", content))])
+        for j in jobs:  # then the echo, as vLLM streams it
+            if j.message_echo:
+                yield frame([rt.ChatChunkChoice(j.index, rt.ChatDelta(content=j.message_echo))])
     usages: dict[int, Usage] = {}
     try:
         async for index, (choices, usage) in interleave(

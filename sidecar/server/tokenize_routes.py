@@ -7,7 +7,6 @@ tokenization namespace, and nothing kept of the text."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -16,13 +15,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..chat.rendering import RenderedPrompt
 from ..http.errors import bad_request
 from ..http.io import decode_json, read_body
 from ..wire import protocol as p
 from ..wire import reply_types as rt
-from ..wire.tokenize_requests import DetokenizeRequest, TokenizeRequest, check_chat_fields
-from .gate import OFF_LOOP_CHARS
+from ..wire.tokenize_requests import DetokenizeRequest, TokenizeRequest
 from .generation import GenerationRoutes
 from .responses import json_response
 
@@ -55,18 +52,12 @@ class TokenizeRoutes:
             prompt = await gate.completion_prompt(req.prompt, namespace, special)
             ids = prompt.token_ids
         else:
-            gate.check(check_chat_fields, req)
-            chat = decode_json(body, p.ChatCompletionRequest)  # the chat fields of the body
+            # the chat fields of the body, add_special_tokens among them (false by default),
+            # checked and rendered as /v1/chat/completions does
+            chat = decode_json(body, p.ChatCompletionRequest)
             gate.check(p.check_chat, chat)
-            if req.add_special_tokens and chat.segments is not None:
-                raise bad_request(
-                    "add_special_tokens needs 'messages': segments are tokenized one by one",
-                    "add_special_tokens",
-                )
             prompt = await self.generation.render_chat(chat, namespace)
             ids = prompt.token_ids
-            if req.add_special_tokens:
-                ids = await self.with_special_tokens(prompt)
         gate.forget(prompt)  # tokenized, not served: keep nothing of it
         pieces = None
         if req.return_token_strs:
@@ -75,15 +66,6 @@ class TokenizeRoutes:
             )
         max_len = self.generation.engine.max_model_len
         return json_response(rt.TokenizeResponse(len(ids), max_len, ids, pieces))
-
-    async def with_special_tokens(self, prompt: RenderedPrompt) -> list[int]:
-        """vLLM's ``add_special_tokens`` for a conversation: the rendered text encoded with
-        the tokenizer's special tokens (its post-processor's, e.g. BOS), on top of those the
-        template wrote."""
-        (text,) = prompt.texts  # plain messages: the conversation rendered once
-        tokenizer = self.generation.engine.tokenizer
-        encode = functools.partial(tokenizer.encode, text, True, namespace=prompt.namespace)
-        return await anyio.to_thread.run_sync(encode) if len(text) >= OFF_LOOP_CHARS else encode()
 
     async def detokenize(self, request: Request) -> Response:
         gate = self.gate

@@ -13,7 +13,7 @@ tool_requests.py's, the cache admin bodies cache_requests.py's; the names the si
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -81,13 +81,34 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ) = None  # vLLM's field
     # vLLM's: each prompt token's logprob and rank, and the top k at its position (not streamed)
     prompt_logprobs: int | None = None
+    # vLLM's: false keeps special tokens in the text (a tool parser that reads them keeps them)
+    skip_special_tokens: bool | None = True
+    # vLLM's: false (with special tokens kept) drops a decoder's space between two of them;
+    # this server's text is the decoder's own, so that pair is refused (alone it does nothing)
+    spaces_between_special_tokens: bool | None = True
+    # vLLM's: a prompt longer than this is truncated there; here such a prompt is a 400 (never
+    # truncated), so the field is honoured wherever it truncates nothing. -1: the context.
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # vLLM's options that change the output and are not implemented here: decoded so that
-    # check_sampling refuses them by name (null, or beam search false, is accepted)
+    # check_sampling refuses them by name (see UNSERVED_SAMPLING; inert values pass)
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    structured_outputs: Any = None
     use_beam_search: Any = None
+    include_stop_str_in_output: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    logprob_token_ids: Any = None
+    return_token_ids: Any = None
+    return_tokens_as_token_ids: Any = None  # refused with logprobs only (it renames theirs)
+    watermarking: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
 
     def __post_init__(self) -> None:
         fill_defaults(self, _SAMPLING_DEFAULTS)
@@ -112,6 +133,7 @@ _SAMPLING_DEFAULTS: dict[str, Any] = {
     "frequency_penalty": 0.0,
     "ignore_eos": False,
     "priority": 0,
+    "skip_special_tokens": True,
 }
 
 
@@ -139,6 +161,16 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = None  # false: tool_choice required forces one call
     response_format: ResponseFormat | None = None
+    # vLLM's: the rendered conversation encoded with the tokenizer's special tokens too (a BOS
+    # on top of the template's), as /tokenize encodes it; messages only
+    add_special_tokens: bool | None = False
+    documents: list[dict[str, str]] | None = None  # vLLM's: the template's `documents` (RAG)
+    echo: bool | None = False  # vLLM's: the last message's text before each choice's content
+    # vLLM's chat fields this server cannot honour: refused by name (see UNSERVED_CHAT)
+    chat_template: Any = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    return_prompt_text: Any = None
     # OpenAI options this server does not implement: accepted by the decoder so that
     # check_chat can refuse them by name instead of silently ignoring them.
     functions: Any = None
@@ -154,7 +186,13 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
         SamplingFields.__post_init__(self)
         fill_defaults(
             self,
-            {"logprobs": False, "add_generation_prompt": True, "continue_final_message": False},
+            {
+                "logprobs": False,
+                "add_generation_prompt": True,
+                "continue_final_message": False,
+                "add_special_tokens": False,
+                "echo": False,
+            },
         )
 
     @property
@@ -181,10 +219,14 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool | None = False
     suffix: str | None = None
     best_of: PositiveInt | None = None
+    add_special_tokens: bool | None = True  # vLLM's: false encodes a text prompt without them
+    # vLLM's completion fields this server does not honour: refused by name
+    response_format: Any = None  # structured output is chat's (response_format there)
+    prompt_embeds: Any = None
 
     def __post_init__(self) -> None:
         SamplingFields.__post_init__(self)
-        fill_defaults(self, {"max_tokens": 16, "echo": False})
+        fill_defaults(self, {"max_tokens": 16, "echo": False, "add_special_tokens": True})
 
 
 def logit_bias_of(req: SamplingFields) -> dict[int, float] | None:
@@ -205,14 +247,75 @@ def logit_bias_of(req: SamplingFields) -> dict[int, float] | None:
     return bias
 
 
+# vLLM's request fields whose effect this server does not implement and whose silent
+# ignoring would change the tokens or the reply's shape: each a 400 naming it (with why, or
+# what to use instead) unless its value asks for nothing (null, false, "", [] or {}).
+UNSERVED_SAMPLING = {
+    "guided_json": "use response_format",
+    "guided_regex": "",
+    "guided_choice": "",
+    "guided_grammar": "",
+    "structured_outputs": "use response_format (json_schema or json_object)",
+    "use_beam_search": "",
+    "include_stop_str_in_output": "a matched stop string is always left out of the text",
+    "bad_words": "",
+    "allowed_token_ids": "",
+    "logprob_token_ids": "use logprobs with top_logprobs",
+    "return_token_ids": "",
+    "watermarking": "",
+    "repetition_detection": "",
+    "thinking_token_budget": "",
+    "kv_transfer_params": "this server does no disaggregated prefill",
+    "ec_transfer_params": "this server does no disaggregated prefill",
+}
+UNSERVED_CHAT = {
+    "chat_template": "a chat template in the request is not accepted (vLLM refuses it too "
+    "unless started with --trust-request-chat-template): serve the model with --chat-template",
+    "media_io_kwargs": "the model takes text only",
+    "mm_processor_kwargs": "the model takes text only",
+    "return_prompt_text": "/tokenize and /detokenize give the prompt's ids and text",
+}
+UNSERVED_COMPLETION = {
+    "response_format": "structured output is /v1/chat/completions' (its response_format)",
+    "prompt_embeds": "send the prompt as text or token ids",
+}
+
+
+def _asks_nothing(name: str, value: Any) -> bool:
+    if name == "thinking_token_budget" and value == -1:  # vLLM's "unlimited", its default
+        return True
+    if name == "response_format" and value == {"type": "text"}:
+        return True
+    return value is None or value is False or (isinstance(value, (list, dict, str)) and not value)
+
+
+def check_unserved(req: msgspec.Struct, table: dict[str, str]) -> None:
+    """A 400 for the first field of ``table`` the request sets to a value that asks for
+    something (the reply would silently lack it)."""
+    for name, why in table.items():
+        if not _asks_nothing(name, getattr(req, name)):
+            raise Error(
+                f"'{name}' is not supported by this server{f': {why}' if why else ''}", name
+            )
+
+
 def check_sampling(req: SamplingFields) -> None:
     logit_bias_of(req)
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(req, name) is not None:
-            hint = " (use response_format)" if name == "guided_json" else ""
-            raise Error(f"'{name}' is not supported by this server{hint}", name)
-    if req.use_beam_search not in (None, False):
-        raise Error("'use_beam_search' is not supported by this server", "use_beam_search")
+    check_unserved(req, UNSERVED_SAMPLING)
+    logprobs = getattr(req, "logprobs", None)  # chat's true, or completions' count (0 too)
+    asked = (logprobs is not None and logprobs is not False) or req.prompt_logprobs is not None
+    if req.return_tokens_as_token_ids and asked:
+        raise Error(
+            "'return_tokens_as_token_ids' is not supported by this server: logprobs name "
+            "each token by its text (and bytes)",
+            "return_tokens_as_token_ids",
+        )
+    if req.spaces_between_special_tokens is False and req.skip_special_tokens is False:
+        raise Error(
+            "'spaces_between_special_tokens' false with skip_special_tokens false is not "
+            "supported by this server: the text keeps the tokenizer decoder's spacing",
+            "spaces_between_special_tokens",
+        )
     if req.stream_options is not None and not req.stream:
         raise Error("stream_options is only allowed with stream=true", "stream_options")
     if (k := req.prompt_logprobs) is not None:
@@ -270,9 +373,13 @@ def check_chat(req: ChatCompletionRequest) -> None:
     if (field := _unsupported(req)) is not None:
         raise Error(f"'{field}' is not supported by this server", field)
     check_sampling(req)
+    check_unserved(req, UNSERVED_CHAT)
     if req.segments is not None and req.messages == []:
         req.messages = None  # the openai client requires `messages`: segment users send []
     check_prompt_source(req.messages, req.segments)
+    for name in ("add_special_tokens", "echo"):  # one rendered text; the last message
+        if getattr(req, name) and req.segments is not None:
+            raise Error(f"{name} needs 'messages', not segments", name)
     if req.top_logprobs is not None and not req.logprobs:
         raise Error("top_logprobs requires logprobs=true", "top_logprobs")
     check_template_kwargs(req.chat_template_kwargs)
@@ -397,6 +504,7 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 def check_completion(req: CompletionRequest) -> None:
     check_sampling(req)
+    check_unserved(req, UNSERVED_COMPLETION)
     completion_prompts(req)
     if req.max_tokens == 0 and not req.echo:
         raise Error(

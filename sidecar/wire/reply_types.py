@@ -1,5 +1,6 @@
 """Reply wire types: the JSON bodies the engine-mode sidecar sends (OpenAI-compatible
-completions, stream chunks, model cards, and the cache admin replies)."""
+completions, stream chunks, model cards, and the cache admin replies), and the router's own
+reply to /reset_prefix_cache."""
 
 from __future__ import annotations
 
@@ -197,6 +198,22 @@ class ResetPrefixCacheResponse(msgspec.Struct):
     evicted_blocks: int
     pinned_blocks: int  # kept, as /v1/cache/evict keeps them
     in_use_blocks: int  # held by running requests at the reset
+
+
+class UpstreamReset(msgspec.Struct):
+    """One upstream's answer to a forwarded /reset_prefix_cache (``prefixcache route``)."""
+
+    url: str
+    status: int | None  # None: not reached (down, unreachable, or silent past the timeout)
+    success: bool  # a 200 whose body does not say "success": false
+
+
+class RouterResetResponse(msgspec.Struct):
+    """``prefixcache route``'s /reset_prefix_cache: vLLM's ``success`` (every upstream's),
+    and each upstream's answer."""
+
+    success: bool
+    upstreams: list[UpstreamReset]
 
 
 class CacheSaveResponse(msgspec.Struct):
