@@ -339,13 +339,6 @@ async def stream_events(jobs: list[Job], tokenizer: TokenizerAPI) -> AsyncIterat
         )
         return sse_event(chunk)
 
-    if job.kind == "chat":
-        for j in jobs:  # a forced call has no content: none, not "" (as OpenAI's)
-            content = None if isinstance(j.tool_parser, ForcedParser) else ""
-            yield frame([rt.ChatChunkChoice(j.index, rt.ChatDelta("assistant", content))])
-        for j in jobs:  # then the echo, as vLLM streams it
-            if j.message_echo:
-                yield frame([rt.ChatChunkChoice(j.index, rt.ChatDelta(content=j.message_echo))])
     usages: dict[int, Usage] = {}
     try:
         async for index, (choices, usage) in interleave(
@@ -372,8 +365,18 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
     num_tokens = 0
     offsets = None  # the completion's token offsets, carried from one output to the next
     calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
+    first = True
     async for out in job.stream:
         raise_engine_error(out.error, out.finish_reason)
+        if first and job.kind == "chat":
+            # The role when the first token is out, as vLLM sends it: a client times its
+            # first token by the first chunk, so this one must not come before the prompt's
+            # computation. A forced call has no content: none, not "" (as OpenAI's).
+            content = None if isinstance(job.tool_parser, ForcedParser) else ""
+            yield [rt.ChatChunkChoice(job.index, rt.ChatDelta("assistant", content))], None
+            if job.message_echo:  # then the echo, as vLLM streams it
+                yield [rt.ChatChunkChoice(job.index, rt.ChatDelta(content=job.message_echo))], None
+        first = False
         if job.echo is not None and num_tokens == 0:  # the prompt first, as vLLM streams it
             echoed = None
             if job.want_logprobs:
@@ -392,7 +395,14 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
                 offsets = TokenOffsets(_decoder(tokenizer), len(job.echo or ""))
             logprobs = _logprobs(job, tokenizer, out.logprobs, offsets)
         text = out.text_delta if calls is None else calls.push(out.text_delta)
-        if text or logprobs is not None:
+        if out.finished and calls is None:  # the finish on the last token's own chunk
+            usage = out.usage or fallback_usage(job, num_tokens)
+            yield [_delta_choice(job, text, out.finish_reason or "stop", logprobs)], usage
+            return
+        # A chunk per token, as vLLM streams them (one whose characters are not complete yet,
+        # or held back as a possible stop string, has empty text): clients count tokens and
+        # time their gaps by chunks. A tool call's text is held back whole: no empty chunks.
+        if text or logprobs is not None or (calls is None and out.new_token_ids):
             yield [_delta_choice(job, text, None, logprobs)], None
         if out.finished:
             usage = out.usage or fallback_usage(job, num_tokens)
