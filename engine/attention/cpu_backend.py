@@ -69,22 +69,27 @@ class CpuKernelBackend(AttentionBackend):
             return
         bs = meta.block_size
         self._write_rows = write_rows(meta)
-        pages = (meta.kv_indptr[1:] - meta.kv_indptr[:-1]).tolist()
-        tables = torch.zeros(meta.num_seqs, max(pages, default=1), dtype=torch.int32)
-        start = 0
-        for i, n in enumerate(pages):  # the step's pages, one padded row per sequence
-            tables[i, :n] = meta.kv_indices[start : start + n]
-            start += n
+        # Built from the sequences' lists, one tensor each: a decode step's few ints cost
+        # more as tensor ops (about 15 of them) than the kernels' own setup.
+        seqs = meta.seqs
+        pages = [-(-s.kv_len // bs) for s in seqs]  # meta.kv_indices' pages of each
+        width = max(pages, default=1)
+        flat: list[int] = []
+        for s, n in zip(seqs, pages, strict=True):  # one padded row per sequence
+            flat += s.block_table[:n]
+            flat += [0] * (width - n)
         groups = sorted(
             [*meta.prefill_groups, *meta.cascade_groups], key=lambda g: g.begin
         )  # disjoint: prefill groups hold prefills, cascade groups decodes
         self._rows = row_kernels.plan_rows(
-            tables,
+            torch.tensor(flat, dtype=torch.int32).view(len(seqs), width),
             meta.qo_indptr.long(),
-            torch.tensor([s.kv_len for s in meta.seqs], dtype=torch.int64),
+            torch.tensor([s.kv_len for s in seqs], dtype=torch.int64),
             torch.tensor(
                 [[g.begin, g.end, g.num_shared_blocks * bs] for g in groups], dtype=torch.int64
-            ).view(-1, 3),
+            ).view(-1, 3)
+            if groups
+            else cpu_kernels.NO_GROUPS,
             meta.window,  # no groups then (AttentionMetadata.build)
         )
 
