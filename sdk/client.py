@@ -179,17 +179,55 @@ class AsyncClient:
         pin: bool = False,
         cache_salt: str | None = None,
         ttl_s: float | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        documents: Sequence[Mapping[str, str]] | None = None,
+        add_special_tokens: bool | None = None,
+        continue_final_message: bool | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> WarmResult:
-        """Compute and cache the prompt's stable part (dynamic segments are left out); with
-        ``pin`` keep it cached, for ``ttl_s`` seconds (renewed by hits) or until unpinned."""
+        """Compute and cache the prompt's stable part (dynamic segments are left out), as the
+        server's chat renders it with the same ``tools``, ``tool_choice``, ``documents``,
+        ``add_special_tokens``, ``continue_final_message`` and ``chat_template_kwargs``: pass
+        those the requests that will reuse it send. With ``pin`` keep it cached, for
+        ``ttl_s`` seconds (renewed by hits) or until unpinned."""
         self._require_sidecar("warm")
-        body = self._cache_body(prompt, pin=pin, cache_salt=cache_salt, ttl_s=ttl_s)
+        fields = _prompt_fields(
+            tools=tools,
+            tool_choice=tool_choice,
+            documents=documents,
+            add_special_tokens=add_special_tokens,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        body = self._cache_body(prompt, pin=pin, cache_salt=cache_salt, ttl_s=ttl_s, **fields)
         response = await self._admin("POST", "cache/warm", body)
         return _decode(response, WarmResult)
 
-    async def unpin(self, prompt: PromptLike, cache_salt: str | None = None) -> int:
+    async def unpin(
+        self,
+        prompt: PromptLike,
+        cache_salt: str | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        documents: Sequence[Mapping[str, str]] | None = None,
+        add_special_tokens: bool | None = None,
+        continue_final_message: bool | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Unpin what ``warm`` pinned for the same prompt and fields."""
         self._require_sidecar("unpin")
-        body = self._cache_body(prompt, cache_salt=cache_salt)
+        fields = _prompt_fields(
+            tools=tools,
+            tool_choice=tool_choice,
+            documents=documents,
+            add_special_tokens=add_special_tokens,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        body = self._cache_body(prompt, cache_salt=cache_salt, **fields)
         response = await self._admin("POST", "cache/unpin", body)
         return int(_decode(response, dict).get("unpinned_blocks", 0))
 
@@ -407,3 +445,27 @@ def _decode(response: httpx.Response, type_: type[T]) -> T:
             status_code=response.status_code,
             response=response,
         ) from exc
+
+
+def _prompt_fields(
+    *,
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: str | Mapping[str, Any] | None,
+    documents: Sequence[Mapping[str, str]] | None,
+    add_special_tokens: bool | None,
+    continue_final_message: bool | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """Chat's prompt fields for a warm / unpin body, mappings as dicts (what JSON encodes);
+    None values are left out of the body."""
+    if tool_choice is not None and not isinstance(tool_choice, str):
+        tool_choice = dict(tool_choice)
+    kwargs = None if chat_template_kwargs is None else dict(chat_template_kwargs)
+    return {
+        "tools": None if tools is None else [dict(t) for t in tools],
+        "tool_choice": tool_choice,
+        "documents": None if documents is None else [dict(d) for d in documents],
+        "add_special_tokens": add_special_tokens,
+        "continue_final_message": continue_final_message,
+        "chat_template_kwargs": kwargs,
+    }

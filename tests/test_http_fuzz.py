@@ -129,6 +129,14 @@ completion_body = st.fixed_dictionaries(
     },
     optional={**SAMPLING, "logprobs": numbers, "echo": junk, "suffix": junk},
 )
+tool = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "g", "no name"])}, optional={"parameters": any_value}
+        ),
+    }
+)
 cache_body = st.fixed_dictionaries(
     {},
     optional={
@@ -139,6 +147,15 @@ cache_body = st.fixed_dictionaries(
         "include_pinned": st.one_of(st.booleans(), junk),
         "name": st.one_of(st.sampled_from(["pinned", "../x", ".h", "a\n"]), junk),
         "chat_template_kwargs": any_value,
+        # chat's prompt fields, rendered as chat renders them
+        "tools": st.one_of(st.lists(tool, max_size=2), any_value),
+        "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), any_value),
+        "documents": st.one_of(
+            st.lists(st.dictionaries(st.text(max_size=5), st.text(max_size=8)), max_size=2), junk
+        ),
+        "add_special_tokens": st.one_of(st.booleans(), junk),
+        "continue_final_message": st.one_of(st.booleans(), junk),
+        "add_generation_prompt": st.one_of(st.booleans(), junk),
     },
 )
 # The Messages API (Anthropic's shapes) and the Responses API (OpenAI's).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from types import MappingProxyType
 from typing import Any
 
 import anyio
@@ -454,6 +455,79 @@ def test_cache_admin_calls(backend: str) -> None:
         ("GET", "/v1/cache/stats"),
     ]
     assert seen[0][2] == {"model": "demo", "segments": PROMPT.to_segments(), "pin": True}
+
+
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+PROMPT_FIELDS: dict[str, Any] = {
+    "tools": [TOOL],
+    "tool_choice": {"type": "function", "function": {"name": "lookup"}},
+    "documents": [{"title": "t", "text": "the sky is blue"}],
+    "add_special_tokens": True,
+    "continue_final_message": False,
+    "chat_template_kwargs": {"enable_thinking": False},
+}
+
+
+@BACKENDS
+def test_warm_and_unpin_send_chats_prompt_fields(backend: str) -> None:
+    """The fields that change the prompt chat renders go in warm's and unpin's bodies (any
+    mappings, as JSON objects); those left out are not sent."""
+    seen: list[tuple[str, Any]] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, json.loads(request.content)))
+        if request.url.path == "/v1/cache/warm":
+            return httpx.Response(200, json={"tokens": 8, "cached_tokens": 0, "pinned_blocks": 2})
+        return httpx.Response(200, json={"unpinned_blocks": 2})
+
+    frozen = {
+        k: MappingProxyType(v) if isinstance(v, dict) else v for k, v in PROMPT_FIELDS.items()
+    }
+    frozen["tools"] = (MappingProxyType(TOOL),)
+    messages = [{"role": "system", "content": "rules"}]
+
+    async def main() -> None:
+        async with _client(handle) as client:
+            assert (await client.warm(messages, pin=True, **frozen)).pinned_blocks == 2
+            assert await client.unpin(messages, **frozen) == 2
+            await client.warm(messages, documents=PROMPT_FIELDS["documents"])
+
+    _run(backend, main)
+    with Client("http://sidecar.test/v1", transport=httpx.MockTransport(handle)) as client:
+        assert client.warm(messages, pin=True, **frozen).tokens == 8
+        assert client.unpin(messages, **frozen) == 2
+    body = {"messages": messages, **PROMPT_FIELDS}
+    warm, unpin = {**body, "pin": True}, body
+    only = {"messages": messages, "pin": False, "documents": PROMPT_FIELDS["documents"]}
+    assert seen == [
+        ("/v1/cache/warm", warm),
+        ("/v1/cache/unpin", unpin),
+        ("/v1/cache/warm", only),
+        ("/v1/cache/warm", warm),
+        ("/v1/cache/unpin", unpin),
+    ]
+
+
+async def test_a_warm_with_chats_fields_is_what_complete_then_finds_cached() -> None:
+    """Against the engine-mode sidecar itself (in process, fake engine, whose tokenizer adds
+    a BOS with add_special_tokens): the warmed prefix is the one the chat request hits."""
+    from sidecar_fake_engine import FakeEngine
+
+    from prefixcache.sidecar.server.app import SidecarSettings, create_app
+
+    engine = FakeEngine()
+    await engine.start()
+    app = create_app(engine, SidecarSettings(manage_engine=False))
+    transport = httpx.ASGITransport(app=app)
+    system = [{"role": "system", "content": "You answer from the documents. " * 4}]
+    fields: dict[str, Any] = {"add_special_tokens": True, "documents": [{"text": "blue"}]}
+    async with AsyncClient("http://sidecar/v1", transport=transport) as client:
+        warm = await client.warm(system, pin=True, **fields)
+        question = [*system, {"role": "user", "content": "Colour of the sky?"}]
+        out = await client.complete(question, max_tokens=1, **fields)
+        assert out.usage.cached_tokens == warm.tokens // engine.block_size * engine.block_size
+        assert await client.unpin(system, documents=fields["documents"]) == 0  # not that one
+        assert await client.unpin(system, **fields) == warm.pinned_blocks > 0
 
 
 @BACKENDS

@@ -282,6 +282,52 @@ def test_cache_admin_warm_pin_unpin_evict(sidecar_server: Server) -> None:
     assert pieces["hits"] > 0 and pieces["entries"] > 0 and pieces["chars"] > 0
 
 
+def test_a_warm_with_tools_is_the_prefix_the_tool_using_chat_hits(tools_sidecar: Server) -> None:
+    """On a template that renders tools (Llama 3.1's way: in the first user turn), a pinned
+    warm of an agent's first turn with its tools is what the next turn finds cached after an
+    evict, to the last whole block; unpin of the same body lets the next evict drop it."""
+    root = tools_sidecar.root
+    lookup = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look a product up in the bakery's catalogue.",
+            "parameters": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "day": {"enum": ["today", "tomorrow"]}},
+                "required": ["name"],
+            },
+        },
+    }
+    first = [
+        {"role": "system", "content": system_prompt("warm-tools")},
+        {"role": "user", "content": "Which loaves are baked every morning?"},
+    ]
+    body = {"messages": first, "tools": [lookup]}
+    warm = httpx.post(f"{root}/v1/cache/warm", json={**body, "pin": True}, timeout=120).json()
+    block = httpx.get(f"{root}/v1/cache/stats").json()["block_size"]
+    assert warm["pinned_blocks"] == warm["tokens"] // block > 0
+    httpx.post(f"{root}/v1/cache/evict", json={})
+    later = [
+        *first,
+        {"role": "assistant", "content": "Sourdough, rye and brioche."},
+        {"role": "user", "content": "And cakes?"},
+    ]
+
+    def cached() -> int:
+        # the client's tools in another key order: the same canonical tools, the same prefix
+        tools = [json.loads(json.dumps(lookup, sort_keys=True))]
+        chat = {"messages": later, "tools": tools, "max_tokens": 2}
+        reply = httpx.post(f"{root}/v1/chat/completions", json=chat, timeout=120).json()
+        return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached() == warm["pinned_blocks"] * block  # the pinned blocks outlived the evict
+    unpinned = httpx.post(f"{root}/v1/cache/unpin", json=body, timeout=60).json()
+    assert unpinned["unpinned_blocks"] == warm["pinned_blocks"]
+    httpx.post(f"{root}/v1/cache/evict", json={})
+    assert cached() == 0
+
+
 def test_reset_prefix_cache_evicts_as_evict_does_in_vllms_shape(sidecar_server: Server) -> None:
     """vLLM's POST /reset_prefix_cache: 200 {"success": true}, and the next request is cold;
     pinned prefixes are kept, as /v1/cache/evict keeps them."""

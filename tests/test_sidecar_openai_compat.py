@@ -1,5 +1,7 @@
 """OpenAI compatibility details: template errors, unsupported options, nulls, logprob bytes,
-context-length edges and the response shape. In-process over the fake engine (fast)."""
+context-length edges and the response shape; warm and unpin of a chat body's stable part
+rendered as chat renders it (tools, documents, add_special_tokens). In-process over the fake
+engine (fast)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sidecar_fake_engine import FakeEngine
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, normalizers
+from tokenizers import decoders, models, normalizers, processors
 
 from prefixcache.engine.request import TokenLogprob
 from prefixcache.engine.text.tokenizer import Tokenizer
@@ -292,6 +294,183 @@ async def test_engine_value_errors_are_400_on_every_route(
     for route in ("/v1/cache/warm", "/v1/cache/unpin"):
         error = error_of(await client.post(route, json={"messages": USER}), 400)
         assert "prompt does not fit" in error["message"]
+
+
+# Tools and documents ahead of the conversation, where tool and RAG templates put them.
+TOOLS_AND_DOCUMENTS = (
+    "{{ bos_token }}"
+    "{% if tools %}{{ '<tools>' }}{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "{{ '</tools>' }}{% endif %}"
+    "{% for d in documents or [] %}{{ '<doc>' + d['title'] + ': ' + d['text'] + '</doc>' }}"
+    "{% endfor %}"
+    "{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] + '</' + m['role'] + '>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
+SYSTEM = {"role": "system", "content": "You answer from the documents and the tools. " * 4}
+QUESTION = {"role": "user", "content": "Weather in Paris?"}
+SEGMENTS = [
+    {**SYSTEM, "tag": "rules", "stability": "static"},
+    {**QUESTION, "tag": "q", "stability": "dynamic"},
+]
+DOCUMENTS = [{"title": "Paris", "text": "It rains in Paris in November."}]
+
+
+def reversed_keys(value: object) -> object:
+    """The same data with every object's keys in reverse order."""
+    if isinstance(value, dict):
+        return {k: reversed_keys(value[k]) for k in reversed(list(value))}
+    if isinstance(value, list):
+        return [reversed_keys(v) for v in value]
+    return value
+
+
+def bos_tokenizer(template: str) -> Tokenizer:
+    """The demo tokenizer with a post-processor that adds a BOS (as Llama 3's), on a
+    template that writes one too."""
+    tok = HFTokenizer.from_file(str(ASSETS / "tokenizer.json"))
+    bos = "<|begin_of_text|>"
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
+    return Tokenizer(tok, chat_template=template, bos_token=bos, eos_tokens=["<|eot_id|>"])
+
+
+@pytest.fixture
+async def rag() -> AsyncIterator[tuple[FakeEngine, httpx.AsyncClient]]:
+    """The fake engine on a template that renders tools and documents."""
+    engine = FakeEngine(max_model_len=4096)
+    engine.tokenizer = bos_tokenizer(TOOLS_AND_DOCUMENTS)  # type: ignore[assignment]
+    await engine.start()
+    transport = httpx.ASGITransport(app=create_app(engine, SidecarSettings(manage_engine=False)))
+    async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as client:
+        yield engine, client
+
+
+async def unpinned(client: httpx.AsyncClient, body: dict) -> int:
+    response = await client.post("/v1/cache/unpin", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()["unpinned_blocks"]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "fields"),
+    [
+        ({"messages": [SYSTEM]}, {"tools": [WEATHER]}),
+        ({"segments": SEGMENTS}, {"tools": [WEATHER]}),
+        ({"messages": [SYSTEM]}, {"documents": DOCUMENTS}),
+        ({"segments": SEGMENTS}, {"documents": DOCUMENTS}),
+        ({"messages": [SYSTEM]}, {"add_special_tokens": True}),
+        (
+            {"messages": [SYSTEM]},
+            {"tools": [WEATHER], "documents": DOCUMENTS, "add_special_tokens": True},
+        ),
+    ],
+    ids=["tools", "tools-segments", "documents", "documents-segments", "special-tokens", "all"],
+)
+async def test_warm_caches_the_prefix_chat_renders_with_the_same_fields(
+    rag: tuple[FakeEngine, httpx.AsyncClient], prompt: dict, fields: dict
+) -> None:
+    """A warm (and pin) of a conversation's stable part with its tools, documents or
+    add_special_tokens is the prefix the chat request then finds cached, to the last whole
+    block; unpin of the same body unpins what warm pinned. Warmed without the field, the
+    chat request finds nothing (the check can fail)."""
+    engine, client = rag
+    if "segments" in prompt:
+        chat: dict = {"segments": SEGMENTS}  # warm drops the dynamic question
+    else:
+        chat = {"messages": [*prompt["messages"], QUESTION]}
+    chat |= {**reversed_keys(fields), "max_tokens": 1}  # the tools' keys in another order
+
+    async def warm_then_chat(warm_fields: dict, salt: str) -> tuple[dict, int]:
+        body = {**prompt, **warm_fields, "pin": True, "cache_salt": salt}
+        warm = await client.post("/v1/cache/warm", json=body)
+        assert warm.status_code == 200, warm.text
+        reply = await client.post(CHAT, json={**chat, "cache_salt": salt})
+        assert reply.status_code == 200, reply.text
+        return warm.json(), reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    warm, cached = await warm_then_chat(fields, "with")
+    block = engine.block_size
+    assert cached == warm["tokens"] // block * block > 0
+    assert warm["pinned_blocks"] == warm["tokens"] // block
+    _, cached_without = await warm_then_chat({}, "without")
+    assert cached_without == 0  # the field changes the prompt from its first block on
+    assert await unpinned(client, {**prompt, "cache_salt": "with"}) == 0  # not that prefix
+    assert (
+        await unpinned(client, {**prompt, **fields, "cache_salt": "with"})
+        == (warm["pinned_blocks"])
+    )
+    assert await unpinned(client, {**prompt, "cache_salt": "without"}) > 0
+    assert engine.pinned == set()
+
+
+async def test_warm_with_continue_final_message_caches_chats_whole_prompt(
+    rag: tuple[FakeEngine, httpx.AsyncClient],
+) -> None:
+    """A prefilled assistant turn being continued: the chat prompt ends inside it (no
+    generation prompt), and warm of the same body caches exactly that prompt."""
+    engine, client = rag
+    body = {
+        "messages": [SYSTEM, QUESTION, {"role": "assistant", "content": "In Paris it"}],
+        "continue_final_message": True,
+        "tools": [WEATHER],
+    }
+    warm = (await client.post("/v1/cache/warm", json=body)).json()
+    reply = await client.post(CHAT, json={**body, "add_generation_prompt": False})
+    usage = reply.json()["usage"]
+    assert usage["prompt_tokens"] == warm["tokens"]
+    expected = (warm["tokens"] - 1) // engine.block_size * engine.block_size  # the last is fed
+    assert usage["prompt_tokens_details"]["cached_tokens"] == expected
+
+
+async def test_warm_refuses_the_prompt_fields_as_chat_does(
+    engine: FakeEngine, client: httpx.AsyncClient
+) -> None:
+    """The fake engine's template renders no tools: warm with tools is chat's 400, and with
+    tool_choice "none" the prompt without them, as chat serves it. What cannot be part of a
+    stable prefix is refused by name; chat's other fields stay unknown fields (400)."""
+    system = {"messages": [SYSTEM]}
+    errors = []
+    for path in (CHAT, "/v1/cache/warm", "/v1/cache/unpin"):
+        errors.append(error_of(await client.post(path, json={**system, "tools": [WEATHER]}), 400))
+    assert errors[0]["code"] == "tools_not_supported" and errors[1] == errors[0] == errors[2]
+    plain = (await client.post("/v1/cache/warm", json=system)).json()
+    none = {**system, "tools": [WEATHER], "tool_choice": "none"}
+    assert (await client.post("/v1/cache/warm", json=none)).json()["tokens"] == plain["tokens"]
+    refused = [
+        ({"segments": SEGMENTS, "add_special_tokens": True}, "add_special_tokens"),
+        ({"segments": SEGMENTS, "continue_final_message": True}, "segments"),
+        ({**system, "tool_choice": "required"}, "tool_choice"),
+        ({**system, "tools": [WEATHER, WEATHER], "tool_choice": "none"}, "tools"),
+        ({**system, "chat_template_kwargs": {"documents": DOCUMENTS}}, "chat_template_kwargs"),
+        ({**system, "add_generation_prompt": True}, "add_generation_prompt"),
+    ]
+    for body, param in refused:
+        for path in ("/v1/cache/warm", "/v1/cache/unpin"):
+            assert error_of(await client.post(path, json=body), 400)["param"] == param, body
+    for name, value in (
+        ("parallel_tool_calls", False),
+        ("response_format", {"type": "json_object"}),
+        ("max_tokens", 1),
+        ("echo", True),
+    ):
+        error = error_of(await client.post("/v1/cache/warm", json={**system, name: value}), 400)
+        assert f"unknown field `{name}`" in error["message"]
+    explicit = {**system, "add_generation_prompt": False, "add_special_tokens": None}
+    assert (await client.post("/v1/cache/warm", json=explicit)).json()["tokens"] == plain["tokens"]
+    assert engine.received == []  # chat refused its tools too
 
 
 async def test_response_shape(engine: FakeEngine, client: httpx.AsyncClient) -> None:

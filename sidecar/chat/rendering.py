@@ -270,21 +270,6 @@ class PromptRenderer:
             hints.append(RetentionHint(common_prefix(head, token_ids), ttl_s))
         return hints
 
-    def render_stable(
-        self,
-        messages: list[Message] | None,
-        segments: list[Segment] | None,
-        template_kwargs: dict[str, Any] | None = None,
-        namespace: str = "",
-    ) -> RenderedPrompt:
-        """What /v1/cache/warm caches: no dynamic segments and no generation prompt."""
-        if segments is not None:
-            ordered = [s for s in order_segments(segments) if s.stability != "dynamic"]
-            tags = [s.tag for s in ordered]
-            return self.render_pieces(_dicts(ordered), tags, False, template_kwargs, namespace)
-        assert messages is not None
-        return self.render_messages(_dicts(messages), False, template_kwargs, namespace=namespace)
-
 
 def _position_of(inner: list[int], outer: list[int]) -> int | None:
     """Where ``inner`` lies whole in ``outer`` (a few special tokens around it), or None."""

@@ -61,7 +61,7 @@ class Sidecar:
         self.tokenize = TokenizeRoutes(self.generation)
         self.metrics_registry = CollectorRegistry()  # the HTTP series, the cache files'
         self.cache = CacheRoutes(
-            engine, self.gate, settings.cache_dir, settings.secret, self.metrics_registry
+            self.generation, settings.cache_dir, settings.secret, self.metrics_registry
         )
         self.dashboard = DashboardRoutes(engine, self.gate)
         self.created = int(time.time())

@@ -15,14 +15,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from prefixcache.engine.api import EngineAPI
-
 from ..http.errors import APIError, bad_request
 from ..http.io import decode_json, read_body
 from ..http.tenancy import cache_file_key
 from ..wire import protocol as p
 from ..wire import reply_types as rt
-from .gate import RequestGate, content_size
+from .generation import GenerationRoutes
 from .responses import json_response
 
 log = logging.getLogger("prefixcache.sidecar")
@@ -31,14 +29,14 @@ log = logging.getLogger("prefixcache.sidecar")
 class CacheRoutes:
     def __init__(
         self,
-        engine: EngineAPI,
-        gate: RequestGate,
+        generation: GenerationRoutes,
         cache_dir: Path | None,
         secret: bytes,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        self.engine = engine
-        self.gate = gate
+        self.generation = generation  # warm and unpin render as chat renders
+        self.engine = generation.engine
+        self.gate = generation.gate
         self.cache_dir = cache_dir
         self.file_key = cache_file_key(secret)  # files signed and checked with it (HMAC)
         # A --load-cache that fails at start leaves the server serving (and /health ok): this
@@ -214,21 +212,20 @@ class CacheRoutes:
         return self.cache_dir / f"{name}.safetensors"
 
     async def _target(self, request: Request) -> tuple[list[int], str, p.CacheRequest]:
-        """Token ids and namespace of a warm/unpin body: the stable part, as chat renders it."""
+        """Token ids and namespace of a warm/unpin body: the stable part, as chat renders it
+        (the chat route's own rendering: tools, documents, add_special_tokens and all)."""
         gate = self.gate
         tenant = gate.admin(request)
         req = await gate.read(request, p.CacheRequest)
-        gate.check(p.check_prompt_source, req.messages, req.segments)
-        gate.check(p.check_tool_messages, req.messages)
-        gate.check(p.check_template_kwargs, req.chat_template_kwargs)
+        chat = gate.check(p.stable_chat, req)
         gate.check_model(req.model)
         namespace = gate.namespace(tenant.name, req.cache_salt)
-        prompt = await gate.render(
-            lambda r: r.render_stable(req.messages, req.segments, req.template_kwargs, namespace),
-            content_size(req.messages, req.segments),
-        )
-        if not prompt.token_ids:
-            raise bad_request("nothing to cache: every segment is dynamic", "segments")
+        prompt = await self.generation.render_chat(chat, namespace)
+        if not prompt.token_ids:  # a template that renders none of the stable part
+            raise bad_request(
+                "nothing to cache: the stable part renders to no tokens",
+                "messages" if req.messages is not None else "segments",
+            )
         context = self.engine.max_model_len
         if len(prompt.token_ids) >= context:
             gate.forget(prompt)

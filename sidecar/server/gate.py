@@ -109,10 +109,11 @@ class RequestGate:
         return tenant, req
 
     @staticmethod
-    def check(check: Callable[..., None], *args: Any) -> None:
-        """Run a protocol.py cross-field check; its error is a 400 naming the field."""
+    def check(check: Callable[..., S], *args: Any) -> S:
+        """Run a protocol.py cross-field check (its result back); its error is a 400 naming
+        the field."""
         try:
-            check(*args)
+            return check(*args)
         except p.Error as exc:
             raise bad_request(str(exc), exc.param) from None
 

@@ -12,13 +12,16 @@ from typing import Annotated, Any
 import msgspec
 
 from .prompt_parts import MAX_SEGMENTS, CacheSalt, Error, Message, Segment, fill_defaults
+from .tool_requests import MAX_TOOLS, ToolChoice, ToolDef
 
 # A file name inside --cache-dir: no separators, no leading dot, so never a path elsewhere.
 CacheFileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")]
 
 
 class CacheRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Body of /v1/cache/warm and /v1/cache/unpin."""
+    """Body of /v1/cache/warm and /v1/cache/unpin: a chat prompt's fields, as the requests
+    that will reuse it send them (protocol.stable_chat() makes it the chat request of its
+    stable part), and what to do with it."""
 
     model: str | None = None
     messages: list[Message] | None = None
@@ -26,16 +29,27 @@ class CacheRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pin: bool | None = False
     ttl_s: Annotated[float, msgspec.Meta(gt=0, le=30 * 86400)] | None = None  # pin's lifetime
     cache_salt: CacheSalt | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # as the requests that will reuse it
+    # chat's fields that change the rendered prompt
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[ToolDef], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None  # "none": a template without tools renders none
+    documents: list[dict[str, str]] | None = None
+    add_special_tokens: bool | None = False
+    continue_final_message: bool | None = False
+    add_generation_prompt: bool | None = False  # true refused: never part of the stable part
 
     def __post_init__(self) -> None:
-        fill_defaults(self, {"pin": False})
+        fill_defaults(
+            self,
+            {
+                "pin": False,
+                "add_special_tokens": False,
+                "continue_final_message": False,
+                "add_generation_prompt": False,
+            },
+        )
         if self.ttl_s is not None and not self.pin:
             raise Error('ttl_s is the lifetime of a pin: it needs "pin": true', "ttl_s")
-
-    @property
-    def template_kwargs(self) -> dict[str, Any]:
-        return self.chat_template_kwargs or {}
 
 
 class EvictRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

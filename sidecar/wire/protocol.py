@@ -6,8 +6,9 @@ rejected by msgspec with the JSON path of the offending field. Every optional Op
 also accepts an explicit ``null`` (= its default). Checks that span several fields (exactly
 one of messages/segments, unique tags, unsupported options, ...) live in ``check_*`` functions
 below. The parts of a prompt are prompt_parts.py's, tools and response_format are
-tool_requests.py's, the cache admin bodies cache_requests.py's; the names the sidecar uses as
-``protocol.X`` are re-exported here.
+tool_requests.py's, the cache admin bodies cache_requests.py's (``stable_chat``: a warm body
+as the chat request of its stable part); the names the sidecar uses as ``protocol.X`` are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .prompt_parts import (
 )
 from .prompt_parts import MAX_OPENAI_BREAKPOINTS as MAX_OPENAI_BREAKPOINTS
 from .prompt_parts import order_segments as order_segments
-from .tool_requests import NamedToolChoice, ResponseFormat, ToolChoice, ToolDef
+from .tool_requests import MAX_TOOLS, NamedToolChoice, ResponseFormat, ToolChoice, ToolDef
 from .tool_requests import check_response_format as check_response_format
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -157,7 +158,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
-    tools: Annotated[list[ToolDef], msgspec.Meta(max_length=128)] | None = None
+    tools: Annotated[list[ToolDef], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = None  # false: tool_choice required forces one call
     response_format: ResponseFormat | None = None
@@ -481,6 +482,39 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
             "use the request fields",
             "chat_template_kwargs",
         )
+
+
+def stable_chat(req: CacheRequest) -> ChatCompletionRequest:
+    """The chat request whose prompt is a warm / unpin body's stable part, checked as chat
+    checks it: the messages, or the segments less the dynamic ones, with the body's prompt
+    fields (tools, documents, add_special_tokens, ...) and no generation prompt."""
+    check_prompt_source(req.messages, req.segments)  # tags unique over every segment
+    if req.add_generation_prompt:
+        raise Error(
+            "a cached prefix is the stable part of a prompt, which never holds the generation "
+            "prompt (the chat requests add theirs after it): leave add_generation_prompt out",
+            "add_generation_prompt",
+        )
+    segments = None
+    if req.segments is not None:
+        segments = [s for s in req.segments if s.stability != "dynamic"]
+        if not segments:
+            raise Error("nothing to cache: every segment is dynamic", "segments")
+    chat = ChatCompletionRequest(
+        model=req.model,
+        messages=req.messages,
+        segments=segments,
+        cache_salt=req.cache_salt,
+        chat_template_kwargs=req.chat_template_kwargs,
+        tools=req.tools,
+        tool_choice=req.tool_choice,
+        documents=req.documents,
+        add_special_tokens=req.add_special_tokens,
+        continue_final_message=req.continue_final_message,
+        add_generation_prompt=False,
+    )
+    check_chat(chat)
+    return chat
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

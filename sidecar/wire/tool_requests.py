@@ -9,6 +9,8 @@ import msgspec
 
 from .prompt_parts import Error, FunctionName
 
+MAX_TOOLS = 128  # a request's tools (chat's, and warm / unpin's)
+
 
 class FunctionDef(msgspec.Struct, omit_defaults=True):
     name: FunctionName
