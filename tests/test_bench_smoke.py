@@ -134,6 +134,7 @@ CASES = {
         + ["--gib", "0.05", "--gemm", "128"],
         {"dram_gb_per_s", "gemm_gflop_per_s", "decode_over_floor", "prefill_over_floor"},
     ),
+    "sampler.py": (["--vocab", "4096", "--rounds", "3"], {"cpu", "rows"}),
     "step_overhead.py": (
         ["--model", "demo", "--tokens", "4", "--rounds", "1", "--gib", "0.02"],
         {
