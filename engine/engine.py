@@ -297,8 +297,8 @@ class LLMEngine:
             out = self._finish(seq, reason)
             out.new_token_ids = [token]
             out.logprobs = [logprob] if logprob is not None else None
-        if seq.num_output_tokens == 1:  # the first output carries the prompt's logprobs
-            out.prompt_logprobs = seq.prompt_logprobs
+        if seq.num_output_tokens == 1:  # the first output: the prompt's logprobs and usage
+            out.prompt_logprobs, out.usage = seq.prompt_logprobs, out.usage or output.usage_of(seq)
         return out
 
     def _finish(self, seq: Sequence, reason: str, failure: str | None = None) -> RequestOutput:

@@ -201,7 +201,8 @@ class RequestTiming:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """One delta of a request's stream. The last one has ``finished`` set and carries usage."""
+    """One delta of a request's stream. The last one has ``finished`` set and carries usage;
+    the first carries the prompt's (cached and computed tokens are known once it is out)."""
 
     request_id: str
     new_token_ids: list[int]

@@ -521,3 +521,57 @@ def test_a_breakpoint_becomes_a_ttl_pin(tools_sidecar: Server, api_tenant_server
     assert pinned_blocks(root) <= before  # no breakpoint, no pin (an old one may lapse)
     client.messages.create(model="demo", max_tokens=1, system=unique_system(), messages=QUESTION)
     assert wait_for_more_pinned(root, before) > before
+
+
+def sdk_final_usage(root: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """message_start's usage, and the usage the SDK's stream accumulator builds from it: the
+    start's whole usage, then message_delta's flat counters over it (never its cache_creation:
+    anthropic/lib/streaming/_messages.py)."""
+    events = []
+    with httpx.stream("POST", f"{root}/v1/messages", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    assert events[0]["type"] == "message_start"  # nothing before it (it leaves with a token)
+    start = events[0]["message"]["usage"]
+    final = json.loads(json.dumps(start))
+    (delta,) = [e for e in events if e["type"] == "message_delta"]
+    for name in ("input_tokens", "output_tokens", "cache_creation_input_tokens"):
+        final[name] = delta["usage"].get(name, final[name])
+    final["cache_read_input_tokens"] = delta["usage"].get(
+        "cache_read_input_tokens", final["cache_read_input_tokens"]
+    )
+    return start, final
+
+
+@pytest.mark.parametrize(("ttl", "max_tokens"), [(None, 1), ("1h", 1), (None, 4), ("1h", 4)])
+def test_streamed_usage_is_the_whole_messages_from_message_start(
+    client: anthropic.Anthropic, tools_sidecar: Server, ttl: str | None, max_tokens: int
+) -> None:
+    """message_start carries the prompt's real split (cache_creation's TTL split too, which the
+    SDK takes from message_start alone): a miss streamed reads as the same miss whole, a hit as
+    the same hit. The engine's first output carries the prompt's usage, whether or not it is
+    also the last."""
+    root = tools_sidecar.root
+    fresh = [unique_system(ttl=ttl)]
+    counted = client.messages.count_tokens(model="demo", system=fresh[0], messages=QUESTION)
+    body = {"model": "demo", "max_tokens": max_tokens, "messages": QUESTION}
+    raw = dict(body, stream=True, **GREEDY)
+
+    def create(system: list[dict[str, Any]]) -> dict[str, Any]:
+        return client.messages.create(**body, system=system, extra_body=GREEDY).usage.model_dump()
+
+    start, streamed = sdk_final_usage(root, dict(raw, system=fresh[0]))  # a miss
+    assert prompt_of(anthropic.types.Usage(**start)) == counted.input_tokens
+    assert {k: start[k] for k in start if k != "output_tokens"} == {
+        k: streamed[k] for k in start if k != "output_tokens"
+    }  # message_delta's counts agree with message_start's
+    assert streamed["cache_creation_input_tokens"] > 100
+    bucket = "ephemeral_1h_input_tokens" if ttl else "ephemeral_5m_input_tokens"
+    assert streamed["cache_creation"][bucket] == streamed["cache_creation_input_tokens"]
+    # Now both hit: the streamed and whole replies of the same request agree.
+    _, streamed_hit = sdk_final_usage(root, dict(raw, system=fresh[0]))
+    whole_hit = create(fresh[0])
+    assert {k: whole_hit[k] for k in start} == {k: streamed_hit[k] for k in start}
+    written = streamed["cache_read_input_tokens"] + streamed["cache_creation_input_tokens"]
+    assert streamed_hit["cache_read_input_tokens"] == written

@@ -20,7 +20,7 @@ import pytest
 from conftest import Server
 
 from prefixcache.sidecar.cli import build_parser
-from prefixcache.sidecar.cli.serve_command import read_secret, serve
+from prefixcache.sidecar.cli.serve_command import listen, listen_url, read_secret, serve
 from prefixcache.sidecar.environment import SidecarEnvironment
 
 SHARED_OPTIONS = ["--host", "--port", "--api-keys-file", "--max-body-mib"]
@@ -465,6 +465,19 @@ def test_a_port_in_use_is_one_line_before_the_model_loads() -> None:
     assert "not found" not in done.stderr  # the model was never looked for
 
 
+def test_the_listen_url_names_the_bound_port() -> None:
+    """The "listening on" line (uvicorn's own does not come for a socket it was given) names
+    the port bound, the free one where --port 0 asked for any, and an IPv6 host bracketed."""
+    with contextlib.closing(listen("127.0.0.1", 0)) as sock:
+        assert listen_url(sock) == f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        v6 = listen("::1", 0)
+    except SystemExit:
+        pytest.skip("no IPv6 loopback here")
+    with contextlib.closing(v6):
+        assert listen_url(v6) == f"http://[::1]:{v6.getsockname()[1]}"
+
+
 def test_a_stop_drains_then_aborts_what_is_left() -> None:
     """At a stop the requests in flight get uvicorn's graceful wait less a second; then
     ``abort_all`` ends them (an error event and [DONE], not a connection cut mid-chunk when
@@ -521,5 +534,6 @@ def test_access_lines_end_with_the_request_id(tmp_path: Path) -> None:
                 proc.kill()
                 proc.wait()
     text = log_path.read_text(encoding="utf-8", errors="replace")
+    assert f"INFO prefixcache.sidecar: listening on {root}\n" in text, text[:2000]
     assert '"POST /v1/completions HTTP/1.1" 200 OK trace-abc-123' in text, text[-2000:]
     assert f'"POST /v1/completions HTTP/1.1" 200 OK {made.headers["x-request-id"]}' in text

@@ -14,9 +14,9 @@ token (a partial last block is never stored, the last token always computed), so
 identical repeat reads all of ``B`` and writes nothing. So the three add up to the prompt,
 and a request without a breakpoint reports no cache traffic, as the hosted API would; the
 ``prefixcache`` extension field keeps the engine's own report (cached tokens, per segment,
-by tier). The engine reports usage when a request ends, so in a stream ``message_start``
-carries ``input_tokens`` and ``message_delta`` the whole usage (Anthropic's
-``message_delta`` usage is cumulative).
+by tier). In a stream ``message_start`` leaves with the first token and carries the prompt's
+split (see ``start_usage``: exact where the engine's usage has come); ``message_delta`` the
+whole usage (Anthropic's ``message_delta`` usage is cumulative).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 from prefixcache.engine.api import TokenizerAPI
-from prefixcache.engine.request import RetentionHint, Usage
+from prefixcache.engine.request import RequestOutput, RetentionHint, Usage
 
 from ..chat.tool_calls import (
     ForcedParser,
@@ -198,28 +198,32 @@ def event(kind: str, **fields: Any) -> bytes:
 
 
 async def stream_events(job: Job, tokenizer: TokenizerAPI, block_size: int) -> AsyncIterator[bytes]:
-    """The SSE events of one streamed message."""
-    prompt_tokens = len(job.stream.request.prompt_token_ids)
-    stored = stored_end(prompt_tokens, block_size)
-    marks = [min(h.end, stored) for h in job.retain]
-    start = Message(
-        id=job.id,
-        model=job.model,
-        content=[],
-        stop_reason=None,
-        stop_sequence=None,
-        usage=MessageUsage(input_tokens=prompt_tokens - max(marks, default=0), output_tokens=0),
-    )
-    yield event("message_start", message=start)
-    yield event("ping")
-    parser = job.tool_parser
-    forced = parser.function if isinstance(parser, ForcedParser) else None
-    body = (
-        _forced_call_events(job, forced, tokenizer, block_size)
-        if forced
-        else _content_events(job, tokenizer, block_size)
-    )
+    """The SSE events of one streamed message. Nothing leaves before the first token (a client
+    times its first token by the first event, as the chat stream's first chunk): then
+    ``message_start``, with the prompt's usage as the whole message will report it."""
     try:
+        outputs = aiter(job.stream)
+        first = await anext(outputs, None)
+        if first is None:
+            return
+        raise_engine_error(first.error, first.finish_reason)
+        start = Message(
+            id=job.id,
+            model=job.model,
+            content=[],
+            stop_reason=None,
+            stop_sequence=None,
+            usage=start_usage(job, first, block_size),
+        )
+        yield event("message_start", message=start) + event("ping")
+        parser = job.tool_parser
+        forced = parser.function if isinstance(parser, ForcedParser) else None
+        rest = _chain(first, outputs)
+        body = (
+            _forced_call_events(job, rest, forced, tokenizer, block_size)
+            if forced
+            else _content_events(job, rest, tokenizer, block_size)
+        )
         async with contextlib.aclosing(body) as frames:
             async for frame in frames:
                 yield frame
@@ -231,8 +235,30 @@ async def stream_events(job: Job, tokenizer: TokenizerAPI, block_size: int) -> A
         yield event("error", error={"type": "api_error", "message": message})
 
 
+def start_usage(job: Job, first: RequestOutput, block_size: int) -> MessageUsage:
+    """``message_start``'s usage: the prompt's split as the whole message reports it (the
+    engine's first output carries the prompt's usage), and the output so far. An engine that
+    does not report it early (a test's stand-in): what the sidecar knows at submit time,
+    ``input_tokens`` past the last stored breakpoint and the breakpointed prefix as written."""
+    output = len(first.new_token_ids)
+    if first.usage is not None:
+        if first.finished:
+            output = first.usage.completion_tokens
+        return message_usage(first.usage, job.retain, output, block_size)
+    prompt = len(job.stream.request.prompt_token_ids)
+    return message_usage(Usage(prompt_tokens=prompt), job.retain, output, block_size)
+
+
+async def _chain(
+    first: RequestOutput, rest: AsyncIterator[RequestOutput]
+) -> AsyncIterator[RequestOutput]:
+    yield first
+    async for out in rest:
+        yield out
+
+
 async def _content_events(
-    job: Job, tokenizer: TokenizerAPI, block_size: int
+    job: Job, outputs: AsyncIterator[RequestOutput], tokenizer: TokenizerAPI, block_size: int
 ) -> AsyncIterator[bytes]:
     """Text as it comes (less what could start a tool call), then any parsed tool calls."""
     calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
@@ -240,7 +266,7 @@ async def _content_events(
     text_open = False
     released: list[str] = []
     token_ids: list[int] = []
-    async for out in job.stream:
+    async for out in outputs:
         raise_engine_error(out.error, out.finish_reason)
         token_ids.extend(out.new_token_ids)
         text = out.text_delta if calls is None else calls.push(out.text_delta)
@@ -283,7 +309,11 @@ async def _content_events(
 
 
 async def _forced_call_events(
-    job: Job, name: str, tokenizer: TokenizerAPI, block_size: int
+    job: Job,
+    outputs: AsyncIterator[RequestOutput],
+    name: str,
+    tokenizer: TokenizerAPI,
+    block_size: int,
 ) -> AsyncIterator[bytes]:
     """``tool_choice`` naming a tool: the grammar makes the whole output the call's input
     JSON, so it streams as ``input_json_delta``s while it is generated."""
@@ -291,7 +321,7 @@ async def _forced_call_events(
     yield _block_start(0, head)
     parts: list[str] = []
     token_ids: list[int] = []
-    async for out in job.stream:
+    async for out in outputs:
         raise_engine_error(out.error, out.finish_reason)
         token_ids += out.new_token_ids
         if out.text_delta:

@@ -135,6 +135,8 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
         tool_call_parser=None if args.tool_call_parser == "auto" else args.tool_call_parser,
     )
     listener = listen(args.host, args.port)  # before the model loads: a port in use fails now
+    # uvicorn says where it runs only for a socket it binds itself: this one is bound here
+    logging.getLogger("prefixcache.sidecar").info("listening on %s", listen_url(listener))
     engine = create_engine(config, args.engine)
     app = create_app(engine, settings)
     server = uvicorn.Server(
@@ -203,6 +205,12 @@ def listen(host: str, port: int) -> socket.socket:
             f"prefixcache serve: cannot listen on {host}:{port}: {exc.strerror}"
         ) from None
     return sock
+
+
+def listen_url(sock: socket.socket) -> str:
+    """The URL a bound socket serves at (its real port where 0 asked for any)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def build_kernels(config: EngineConfig) -> None:

@@ -313,6 +313,8 @@ class GenerationRoutes:
                     want_logprobs=logprobs is not None,
                     include_usage=req.include_usage,
                     fingerprint=self.system_fingerprint,
+                    continuous_usage=bool(req.stream) and req.continuous_usage,
+                    prompt_tokens=len(prompt.token_ids),
                     index=index,
                     choices=n,
                     echo=echo,

@@ -132,6 +132,8 @@ class Job:
     want_logprobs: bool
     include_usage: bool
     fingerprint: str  # system_fingerprint
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
+    prompt_tokens: int | None = None  # the prompt's length (None: the engine request's)
     tool_parser: ToolCallParser | None = None  # chat with tools: output → tool_calls
     retain: list[RetentionHint] = field(default_factory=list)  # the prompt's cache_control marks
     index: int = 0  # which of the request's choices (prompt i's choice j: i * choices + j)
@@ -322,8 +324,9 @@ async def collect_all(jobs: list[Job]) -> list[Collected]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-# A choice's frame: its choices list, and its usage on its last frame (else None).
-ChoiceFrame = tuple[list[Any], Usage | None]
+# A choice's frame: its choices list, its usage on its last frame (else None), and the
+# tokens it has generated so far (vLLM's continuous_usage_stats shows them on every chunk).
+ChoiceFrame = tuple[list[Any], Usage | None, int]
 
 
 async def stream_events(jobs: list[Job], tokenizer: TokenizerAPI) -> AsyncIterator[bytes]:
@@ -341,14 +344,17 @@ async def stream_events(jobs: list[Job], tokenizer: TokenizerAPI) -> AsyncIterat
 
     usages: dict[int, Usage] = {}
     try:
-        async for index, (choices, usage) in interleave(
+        async for index, (choices, usage, tokens) in interleave(
             [choice_frames(j, tokenizer) for j in jobs]
         ):
+            extra: dict[str, Any] = {}
+            if job.continuous_usage:
+                extra["usage"] = running_usage(jobs[index], usage, tokens)
             if usage is None:
-                yield frame(choices)
+                yield frame(choices, **extra)
                 continue
             usages[index] = usage
-            yield frame(choices, prefixcache=cache_report(usage, job.spans))
+            yield frame(choices, prefixcache=cache_report(usage, job.spans), **extra)
         if job.include_usage:
             usage = merged_usage(jobs, [usages[i] for i in range(len(jobs))])
             yield frame([], usage=usage_info(usage))
@@ -358,6 +364,22 @@ async def stream_events(jobs: list[Job], tokenizer: TokenizerAPI) -> AsyncIterat
         log.exception("stream %s failed", job.id)
         yield sse_event(server_error(f"generation failed: {type(exc).__name__}").body())
     yield DONE
+
+
+def running_usage(job: Job, usage: Usage | None, tokens: int) -> rt.UsageInfo:
+    """A choice's usage so far, as vLLM's continuous_usage_stats shows it on each chunk: its
+    prompt and the tokens it has generated (its final usage's on its last chunk)."""
+    if usage is not None:
+        prompt, tokens = usage.prompt_tokens, usage.completion_tokens
+    else:
+        prompt = prompt_count(job)
+    return rt.UsageInfo(prompt, tokens, prompt + tokens)
+
+
+def prompt_count(job: Job) -> int:
+    if job.prompt_tokens is not None:
+        return job.prompt_tokens
+    return len(job.stream.request.prompt_token_ids)
 
 
 async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[ChoiceFrame]:
@@ -373,20 +395,28 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
             # first token by the first chunk, so this one must not come before the prompt's
             # computation. A forced call has no content: none, not "" (as OpenAI's).
             content = None if isinstance(job.tool_parser, ForcedParser) else ""
-            yield [rt.ChatChunkChoice(job.index, rt.ChatDelta("assistant", content))], None
+            yield (
+                [rt.ChatChunkChoice(job.index, rt.ChatDelta("assistant", content))],
+                None,
+                num_tokens,
+            )
             if job.message_echo:  # then the echo, as vLLM streams it
-                yield [rt.ChatChunkChoice(job.index, rt.ChatDelta(content=job.message_echo))], None
+                yield (
+                    [rt.ChatChunkChoice(job.index, rt.ChatDelta(content=job.message_echo))],
+                    None,
+                    num_tokens,
+                )
         first = False
         if job.echo is not None and num_tokens == 0:  # the prompt first, as vLLM streams it
             echoed = None
             if job.want_logprobs:
                 echoed = _echoed(job, tokenizer, out.prompt_logprobs)
-            yield [_delta_choice(job, job.echo, None, echoed)], None
+            yield [_delta_choice(job, job.echo, None, echoed)], None, num_tokens
             if job.prompt_only:  # one token was asked for: this output is the last
                 usage = dataclasses.replace(
                     out.usage or fallback_usage(job, 0), completion_tokens=0
                 )
-                yield [_delta_choice(job, None, "length", None)], usage
+                yield [_delta_choice(job, None, "length", None)], usage, num_tokens
                 return
         num_tokens += len(out.new_token_ids)
         logprobs = None
@@ -397,25 +427,29 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
         text = out.text_delta if calls is None else calls.push(out.text_delta)
         if out.finished and calls is None:  # the finish on the last token's own chunk
             usage = out.usage or fallback_usage(job, num_tokens)
-            yield [_delta_choice(job, text, out.finish_reason or "stop", logprobs)], usage
+            yield (
+                [_delta_choice(job, text, out.finish_reason or "stop", logprobs)],
+                usage,
+                num_tokens,
+            )
             return
         # A chunk per token, as vLLM streams them (one whose characters are not complete yet,
         # or held back as a possible stop string, has empty text): clients count tokens and
         # time their gaps by chunks. A tool call's text is held back whole: no empty chunks.
         if text or logprobs is not None or (calls is None and out.new_token_ids):
-            yield [_delta_choice(job, text, None, logprobs)], None
+            yield [_delta_choice(job, text, None, logprobs)], None, num_tokens
         if out.finished:
             usage = out.usage or fallback_usage(job, num_tokens)
             reason = out.finish_reason or "stop"
             if calls is not None:
                 rest = calls.finish()
                 if rest.content:
-                    yield [_delta_choice(job, rest.content, None, None)], None
+                    yield [_delta_choice(job, rest.content, None, None)], None, num_tokens
                 for choice in _tool_call_deltas(rest.tool_calls, job.index):
-                    yield [choice], None
+                    yield [choice], None, num_tokens
                 cut = reason == "length" or forced_call_cut(calls.parser, calls.text)
                 reason = "tool_calls" if rest.tool_calls and not cut else reason
-            yield [_delta_choice(job, None, reason, None)], usage
+            yield [_delta_choice(job, None, reason, None)], usage, num_tokens
             return
 
 
@@ -494,5 +528,5 @@ def _vllm_prompt_logprobs(job: Job, tokenizer: TokenizerAPI, result: Collected) 
 
 
 def fallback_usage(job: Job, num_tokens: int) -> Usage:
-    num_prompt = len(job.stream.request.prompt_token_ids)
+    num_prompt = prompt_count(job)
     return Usage(num_prompt, 0, num_prompt, num_tokens)

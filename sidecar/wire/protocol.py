@@ -49,6 +49,8 @@ MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI documents 300; vLLM sets no 
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (its choice's tokens)
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -125,6 +127,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats``: usage on every chunk, only with include_usage
+        (alone it does nothing, as on vLLM)."""
+        options = self.stream_options
+        return self.include_usage and bool(options and options.continuous_usage_stats)
 
 
 _SAMPLING_DEFAULTS: dict[str, Any] = {

@@ -17,7 +17,8 @@ class UsageInfo(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
+    # left out of a stream's running usage (vLLM's continuous_usage_stats): known at the end
+    prompt_tokens_details: PromptTokensDetails | msgspec.UnsetType = msgspec.UNSET
 
 
 class SegmentMiss(msgspec.Struct, omit_defaults=True):
