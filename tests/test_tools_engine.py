@@ -117,10 +117,20 @@ def test_forced_tool_calls_are_valid_and_step_two_is_cached(client: openai.OpenA
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
     named = second.choices[0]
-    assert named.finish_reason == "tool_calls"
+    assert named.finish_reason == "stop"  # a named choice's call, as OpenAI (required's: above)
     (call,) = named.message.tool_calls
     assert call.function.name == "count"
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["count"])
+    streamed = client.chat.completions.create(
+        model="demo",
+        messages=messages,
+        tools=[LOOKUP, COUNT],
+        tool_choice={"type": "function", "function": {"name": "count"}},
+        max_tokens=48,
+        stream=True,
+    )
+    finishes = [c.choices[0].finish_reason for c in streamed if c.choices]
+    assert [f for f in finishes if f] == ["stop"]  # streamed alike, once
 
 
 @pytest.mark.parametrize("stream", [False, True])

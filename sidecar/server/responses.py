@@ -271,8 +271,14 @@ def _chat_message(job: Job, result: Collected) -> tuple[rt.ChatMessage, str]:
     # calls max_tokens or a stop string cut (a forced one's arguments as far as they came)
     # say what cut them
     cut = result.finish_reason == "length" or forced_call_cut(job.tool_parser, result.text)
-    reason = result.finish_reason if cut else "tool_calls"
+    reason = result.finish_reason if cut or _named(job) else "tool_calls"
     return rt.ChatMessage("assistant", parsed.content, tool_calls=calls), reason
+
+
+def _named(job: Job) -> bool:
+    """A call ``tool_choice`` named: it finishes "stop", as OpenAI's and vLLM's do (theirs
+    "tool_calls" for auto and required)."""
+    return isinstance(job.tool_parser, ForcedParser) and job.tool_parser.function is not None
 
 
 def _tool_call_reply(call: ToolCall) -> rt.ToolCallReply:
@@ -448,7 +454,7 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
                 for choice in _tool_call_deltas(rest.tool_calls, job.index):
                     yield [choice], None, num_tokens
                 cut = reason == "length" or forced_call_cut(calls.parser, calls.text)
-                reason = "tool_calls" if rest.tool_calls and not cut else reason
+                reason = "tool_calls" if rest.tool_calls and not cut and not _named(job) else reason
             yield [_delta_choice(job, None, reason, None)], usage, num_tokens
             return
 
