@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, TypedDict, TypeVar, Unpack, get_args
 
 import anyio
 import httpx
@@ -44,6 +44,18 @@ _BACKEND_DEFAULTS: dict[str, tuple[str, str, str]] = {  # base URL env, base URL
     "anthropic": ("ANTHROPIC_BASE_URL", "https://api.anthropic.com/v1", "ANTHROPIC_API_KEY"),
 }
 PromptLike = Prompt | Sequence[Mapping[str, Any]]
+
+
+class PromptFields(TypedDict, total=False):
+    """Chat's prompt fields a warm or unpin renders the prefix with: pass those the requests
+    that will reuse it send (keyword arguments of ``warm`` / ``unpin``)."""
+
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: str | Mapping[str, Any] | None
+    documents: Sequence[Mapping[str, str]] | None
+    add_special_tokens: bool | None
+    continue_final_message: bool | None
+    chat_template_kwargs: Mapping[str, Any] | None
 
 
 class AsyncClient:
@@ -179,13 +191,7 @@ class AsyncClient:
         pin: bool = False,
         cache_salt: str | None = None,
         ttl_s: float | None = None,
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        documents: Sequence[Mapping[str, str]] | None = None,
-        add_special_tokens: bool | None = None,
-        continue_final_message: bool | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **fields: Unpack[PromptFields],
     ) -> WarmResult:
         """Compute and cache the prompt's stable part (dynamic segments are left out), as the
         server's chat renders it with the same ``tools``, ``tool_choice``, ``documents``,
@@ -193,15 +199,9 @@ class AsyncClient:
         those the requests that will reuse it send. With ``pin`` keep it cached, for
         ``ttl_s`` seconds (renewed by hits) or until unpinned."""
         self._require_sidecar("warm")
-        fields = _prompt_fields(
-            tools=tools,
-            tool_choice=tool_choice,
-            documents=documents,
-            add_special_tokens=add_special_tokens,
-            continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs,
+        body = self._cache_body(
+            prompt, pin=pin, cache_salt=cache_salt, ttl_s=ttl_s, **_prompt_fields(fields)
         )
-        body = self._cache_body(prompt, pin=pin, cache_salt=cache_salt, ttl_s=ttl_s, **fields)
         response = await self._admin("POST", "cache/warm", body)
         return _decode(response, WarmResult)
 
@@ -209,25 +209,11 @@ class AsyncClient:
         self,
         prompt: PromptLike,
         cache_salt: str | None = None,
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        documents: Sequence[Mapping[str, str]] | None = None,
-        add_special_tokens: bool | None = None,
-        continue_final_message: bool | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **fields: Unpack[PromptFields],
     ) -> int:
         """Unpin what ``warm`` pinned for the same prompt and fields."""
         self._require_sidecar("unpin")
-        fields = _prompt_fields(
-            tools=tools,
-            tool_choice=tool_choice,
-            documents=documents,
-            add_special_tokens=add_special_tokens,
-            continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs,
-        )
-        body = self._cache_body(prompt, cache_salt=cache_salt, **fields)
+        body = self._cache_body(prompt, cache_salt=cache_salt, **_prompt_fields(fields))
         response = await self._admin("POST", "cache/unpin", body)
         return int(_decode(response, dict).get("unpinned_blocks", 0))
 
@@ -447,25 +433,22 @@ def _decode(response: httpx.Response, type_: type[T]) -> T:
         ) from exc
 
 
-def _prompt_fields(
-    *,
-    tools: Sequence[Mapping[str, Any]] | None,
-    tool_choice: str | Mapping[str, Any] | None,
-    documents: Sequence[Mapping[str, str]] | None,
-    add_special_tokens: bool | None,
-    continue_final_message: bool | None,
-    chat_template_kwargs: Mapping[str, Any] | None,
-) -> dict[str, Any]:
+def _prompt_fields(fields: PromptFields) -> dict[str, Any]:
     """Chat's prompt fields for a warm / unpin body, mappings as dicts (what JSON encodes);
-    None values are left out of the body."""
+    None values are left out of the body. A name it does not know is a TypeError, as a
+    misspelt keyword argument is (the TypedDict checks it for type checkers only)."""
+    unknown = sorted(set(fields) - set(PromptFields.__annotations__))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(unknown)}")
+    tools, documents = fields.get("tools"), fields.get("documents")
+    tool_choice, kwargs = fields.get("tool_choice"), fields.get("chat_template_kwargs")
     if tool_choice is not None and not isinstance(tool_choice, str):
         tool_choice = dict(tool_choice)
-    kwargs = None if chat_template_kwargs is None else dict(chat_template_kwargs)
     return {
         "tools": None if tools is None else [dict(t) for t in tools],
         "tool_choice": tool_choice,
         "documents": None if documents is None else [dict(d) for d in documents],
-        "add_special_tokens": add_special_tokens,
-        "continue_final_message": continue_final_message,
-        "chat_template_kwargs": kwargs,
+        "add_special_tokens": fields.get("add_special_tokens"),
+        "continue_final_message": fields.get("continue_final_message"),
+        "chat_template_kwargs": None if kwargs is None else dict(kwargs),
     }

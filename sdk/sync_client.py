@@ -4,13 +4,13 @@ background thread (an anyio blocking portal), so both share one implementation."
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Unpack
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from .client import AsyncClient, PromptLike
+from .client import AsyncClient, PromptFields, PromptLike
 from .session_report import Prices, SessionReport
 from .stream import CompletionStream
 from .types import (
@@ -89,53 +89,17 @@ class Client:
         pin: bool = False,
         cache_salt: str | None = None,
         ttl_s: float | None = None,
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        documents: Sequence[Mapping[str, str]] | None = None,
-        add_special_tokens: bool | None = None,
-        continue_final_message: bool | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **fields: Unpack[PromptFields],
     ) -> WarmResult:
-        return self._portal.call(
-            lambda: self._async.warm(
-                prompt,
-                pin,
-                cache_salt,
-                ttl_s,
-                tools=tools,
-                tool_choice=tool_choice,
-                documents=documents,
-                add_special_tokens=add_special_tokens,
-                continue_final_message=continue_final_message,
-                chat_template_kwargs=chat_template_kwargs,
-            )
-        )
+        return self._portal.call(lambda: self._async.warm(prompt, pin, cache_salt, ttl_s, **fields))
 
     def unpin(
         self,
         prompt: PromptLike,
         cache_salt: str | None = None,
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: str | Mapping[str, Any] | None = None,
-        documents: Sequence[Mapping[str, str]] | None = None,
-        add_special_tokens: bool | None = None,
-        continue_final_message: bool | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **fields: Unpack[PromptFields],
     ) -> int:
-        return self._portal.call(
-            lambda: self._async.unpin(
-                prompt,
-                cache_salt,
-                tools=tools,
-                tool_choice=tool_choice,
-                documents=documents,
-                add_special_tokens=add_special_tokens,
-                continue_final_message=continue_final_message,
-                chat_template_kwargs=chat_template_kwargs,
-            )
-        )
+        return self._portal.call(lambda: self._async.unpin(prompt, cache_salt, **fields))
 
     def evict(self, include_pinned: bool = False) -> int:
         return self._portal.call(lambda: self._async.evict(include_pinned))

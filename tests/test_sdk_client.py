@@ -496,6 +496,9 @@ def test_warm_and_unpin_send_chats_prompt_fields(backend: str) -> None:
     with Client("http://sidecar.test/v1", transport=httpx.MockTransport(handle)) as client:
         assert client.warm(messages, pin=True, **frozen).tokens == 8
         assert client.unpin(messages, **frozen) == 2
+        for call in (client.warm, client.unpin):  # a misspelt field: nothing sent
+            with pytest.raises(TypeError, match="tool_choise"):
+                call(messages, tool_choise="none")  # type: ignore[call-arg]
     body = {"messages": messages, **PROMPT_FIELDS}
     warm, unpin = {**body, "pin": True}, body
     only = {"messages": messages, "pin": False, "documents": PROMPT_FIELDS["documents"]}
