@@ -268,6 +268,31 @@ def test_echo_with_logprobs_scores_prompts_as_lm_eval_reads_them(sidecar_server:
     wait_for_idle_blocks(sidecar_server.root)
 
 
+def test_an_echo_whose_next_token_ends_the_turn_still_lists_it(sidecar_server: Server) -> None:
+    """lm-evaluation-harness takes an echo's entries after the context up to the last one as
+    the continuation's: the generated token must be last even where it ends the turn (it was
+    left out, so the continuation's last token was dropped and scored 0.0, greedy)."""
+    client = openai.OpenAI(base_url=sidecar_server.url, api_key="x")
+    (eot,) = httpx.post(
+        f"{sidecar_server.root}/tokenize", json={"prompt": "<|eot_id|>"}, timeout=30
+    ).json()["tokens"]
+    ids = httpx.post(
+        f"{sidecar_server.root}/tokenize", json={"prompt": PROMPT + "the end"}, timeout=30
+    ).json()["tokens"]
+    done = client.completions.create(
+        model="demo", prompt=[ids], max_tokens=1, temperature=0, logprobs=1, echo=True,
+        logit_bias={str(eot): 100},
+    )  # fmt: skip
+    (choice,) = done.choices
+    lp = choice.logprobs
+    assert choice.finish_reason == "stop" and done.usage.completion_tokens == 1
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) + 1
+    assert lp.tokens[-1] == "<|eot_id|>" and lp.text_offset[-1] == len(choice.text)
+    # the continuation's scores as lm-eval slices them: [ctxlen:-1] is the prompt's tail
+    assert all(x is not None for x in lp.token_logprobs[len(ids) - 2 : -1])
+    wait_for_idle_blocks(sidecar_server.root)
+
+
 def test_a_streamed_echo_sends_the_prompt_and_its_logprobs_first(sidecar_server: Server) -> None:
     client = openai.OpenAI(base_url=sidecar_server.url, api_key="x")
     fields = {"model": "demo", "prompt": PROMPT + "stream echo", "max_tokens": 3,
@@ -357,9 +382,10 @@ def test_echo_without_generation_returns_the_prompt_alone(sidecar_server: Server
     wait_for_idle_blocks(sidecar_server.root)
 
 
-def test_logprobs_list_only_the_tokens_of_the_text(sidecar_server: Server) -> None:
-    """An end-of-turn token ends the reply but is not in its text: no logprob entry names it,
-    so the entries' bytes (chat) and tokens (completions) join into the text exactly."""
+def test_logprobs_name_the_end_of_turn_in_completions_only(sidecar_server: Server) -> None:
+    """An end-of-turn token ends the reply but is not in its text. Chat's entries leave it
+    out (OpenAI's), so their bytes join into the text exactly; completions list it last by
+    name at the text's end (vLLM's, OpenAI's end of text), one entry per completion token."""
     client = openai.OpenAI(base_url=sidecar_server.url, api_key="x")
     (eot,) = httpx.post(
         f"{sidecar_server.root}/tokenize", json={"prompt": "<|eot_id|>"}, timeout=30
@@ -386,8 +412,15 @@ def test_logprobs_list_only_the_tokens_of_the_text(sidecar_server: Server) -> No
     done = client.completions.create(**common, prompt=PROMPT, logprobs=0)
     choice = done.choices[0]
     assert choice.finish_reason == "stop" and choice.text
-    assert "".join(choice.logprobs.tokens) == choice.text
+    assert choice.logprobs.tokens[-1] == "<|eot_id|>"
+    assert "".join(choice.logprobs.tokens[:-1]) == choice.text
+    assert len(choice.logprobs.tokens) == done.usage.completion_tokens
     assert len(choice.logprobs.top_logprobs) == len(choice.logprobs.tokens)
+    assert choice.logprobs.text_offset[-1] == len(choice.text)
+    streamed = list(client.completions.create(**common, prompt=PROMPT, logprobs=0, stream=True))
+    lp = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for part in lp for t in part.tokens] == choice.logprobs.tokens
+    assert [o for part in lp for o in part.text_offset] == choice.logprobs.text_offset
     for token, lp, top in zip(
         choice.logprobs.tokens,
         choice.logprobs.token_logprobs,
@@ -397,6 +430,6 @@ def test_logprobs_list_only_the_tokens_of_the_text(sidecar_server: Server) -> No
         assert top == {token: lp}  # logprobs=0: the sampled token's own, as OpenAI's
     offsets = choice.logprobs.text_offset
     assert offsets[0] == 0 and offsets == sorted(offsets)
-    for token, at in zip(choice.logprobs.tokens, offsets, strict=True):
+    for token, at in zip(choice.logprobs.tokens[:-1], offsets[:-1], strict=True):
         if "\ufffd" not in token:  # where a whole token starts, its text is
             assert choice.text[at : at + len(token)] == token

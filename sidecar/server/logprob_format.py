@@ -39,9 +39,13 @@ class TokenOffsets:
         self.ids: list[int] = []
         self.prefix = self.read = 0  # ids[prefix:read] decoded last: the next token's context
 
+    def here(self) -> int:
+        """Where the next token would start: the offset of one the text leaves out."""
+        return self.released + self.pending
+
     def take(self, token_id: int) -> int:
         """``token_id``'s offset; it becomes the text's next token."""
-        at = self.released + self.pending
+        at = self.here()
         self.ids.append(token_id)
         before = self.decode(self.ids[self.prefix : self.read])
         after = self.decode(self.ids[self.prefix :])
@@ -95,7 +99,10 @@ def completion_logprobs(
     from one call to the next). A None entry (an
     echoed prompt's first token) is null in ``token_logprobs`` and ``top_logprobs``: its
     token comes from ``ids``. Each ``top_logprobs`` holds the sampled token too (up to k + 1
-    entries, as OpenAI's); tokens the text leaves out (``shown`` false) are not listed."""
+    entries, as OpenAI's). Every token is listed, as vLLM and OpenAI's completions list an end
+    of text: lm-evaluation-harness reads an echo's last entry as the generated token. One the
+    text leaves out (``shown`` false: an end of turn) has its special-token name and the
+    offset where it sits, and moves no later token's offset."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
@@ -103,9 +110,10 @@ def completion_logprobs(
     text = token_texts(decode)
     for i, entry in enumerate(entries):
         token_id = entry.token_id if entry is not None else (ids or ())[i]
-        if shown is not None and not shown(token_id):
-            continue
-        text_offset.append(offsets.take(token_id))
+        if shown is None or shown(token_id):
+            text_offset.append(offsets.take(token_id))
+        else:
+            text_offset.append(offsets.here())
         tokens.append(text(token_id))
         token_logprobs.append(None if entry is None else entry.logprob)
         if entry is None:
