@@ -270,6 +270,25 @@ def sentencepiece_tokenizer() -> Tokenizer:
     return Tokenizer(tok)
 
 
+async def test_context_length_errors_say_it_in_the_words_clients_match(
+    client: httpx.AsyncClient,
+) -> None:
+    """OpenAI's and vLLM's first sentence (LiteLLM raises ContextWindowExceededError on it, and
+    its routers fall back to a longer-context model); Anthropic's "prompt is too long"."""
+    long = [{"role": "user", "content": "x" * 400}]  # one token per byte: past 256
+    error = error_of(await client.post(CHAT, json={"messages": long}), 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert error["message"].startswith("This model's maximum context length is 256 tokens.")
+    body = {"prompt": "hello", "max_tokens": 1000}
+    error = error_of(await client.post(COMPLETIONS, json=body), 400)
+    assert error["param"] == "max_tokens"
+    assert error["message"].startswith("This model's maximum context length is 256 tokens.")
+    assert "in the prompt, 1000 in the completion" in error["message"]
+    r = await client.post("/v1/messages", json={"messages": long, "max_tokens": 8})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("prompt is too long: ")
+
+
 async def test_a_warm_prefix_must_be_shorter_than_the_context(
     engine: FakeEngine, client: httpx.AsyncClient
 ) -> None:

@@ -318,6 +318,34 @@ def test_openai_stream_accumulates_tool_calls(
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call_under_auto(
+    scripted: tuple[ScriptedEngine, openai.OpenAI],
+) -> None:
+    """OpenAI promises at most one call with parallel_tool_calls false (vLLM keeps the first):
+    under auto the model's output may hold two; the reply has the first, streamed or not, on
+    chat and on the Responses API."""
+    engine, client = scripted
+    engine.script = TWO_CALLS
+    fields = {"model": "fake", "messages": QUESTION, "tools": [TOOL], "parallel_tool_calls": False}
+    choice = client.chat.completions.create(**fields).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "One moment. "
+    assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == [
+        {"city": "Paris"}
+    ]
+    chunks = list(client.chat.completions.create(**fields, stream=True))
+    deltas = [d for c in chunks for ch in c.choices for d in ch.delta.tool_calls or ()]
+    assert {d.index for d in deltas} == {0}
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Paris"}
+    tool = {"type": "function", **TOOL["function"]}
+    reply = client.responses.create(
+        model="fake", input="Weather in Paris?", tools=[tool], parallel_tool_calls=False
+    )
+    calls = [item for item in reply.output if item.type == "function_call"]
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris"}]
+    both = client.chat.completions.create(**{**fields, "parallel_tool_calls": True})
+    assert len(both.choices[0].message.tool_calls) == 2
+
+
 def test_malformed_calls_reach_the_client_as_content(
     scripted: tuple[ScriptedEngine, openai.OpenAI],
 ) -> None:

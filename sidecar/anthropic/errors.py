@@ -33,7 +33,10 @@ DETAIL_CODES = frozenset({"thread_unsupported_request"})
 
 
 def error_body(exc: APIError) -> dict:
-    error = {"type": error_type(exc.status), "message": exc.message}
+    message = exc.message
+    if exc.code == "context_length_exceeded":  # Anthropic's words, which its clients match
+        message = f"prompt is too long: {message}"
+    error = {"type": error_type(exc.status), "message": message}
     if exc.code in DETAIL_CODES:
         error["details"] = {"error_code": exc.code}
     return {"type": "error", "error": error}

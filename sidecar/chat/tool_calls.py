@@ -224,6 +224,30 @@ class ForcedParser(ToolCallParser):
         return ParsedOutput(None, _cut_calls(text))
 
 
+class FirstCallOnly(ToolCallParser):
+    """``parallel_tool_calls: false`` under ``tool_choice`` auto: the model's format, its first
+    call kept (OpenAI promises at most one; vLLM keeps the first too). Required is held to one
+    by its grammar, a named call is one."""
+
+    def __init__(self, inner: ToolCallParser) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.needs_special_tokens = inner.needs_special_tokens
+
+    def section_start(self, text: str) -> int | None:
+        return self.inner.section_start(text)
+
+    def held_back(self, text: str) -> int:
+        return self.inner.held_back(text)
+
+    def parse_calls(self, section: str) -> list[ToolCall]:
+        return self.inner.parse_calls(section)[:1]
+
+    def parse(self, text: str) -> ParsedOutput:
+        parsed = self.inner.parse(text)
+        return ParsedOutput(parsed.content, parsed.tool_calls[:1])
+
+
 def forced_call_cut(parser: ToolCallParser | None, text: str) -> bool:
     """Whether ``text`` is forced calls cut before their JSON ended (by max_tokens or a stop
     string): the reply says what cut it (length, stop), not that the calls were made."""

@@ -22,6 +22,7 @@ from ..wire import protocol as p
 from .tool_calls import (
     PROBE_CALL_MESSAGES,
     PROBE_TOOL,
+    FirstCallOnly,
     ForcedParser,
     ToolCallParser,
     parser_for_rendering,
@@ -108,6 +109,8 @@ class ToolTemplate:
             return ForcedParser(req.tool_choice.function.name)
         if mode == "required":
             return ForcedParser(None)
+        if req.parallel_tool_calls is False:
+            return FirstCallOnly(self.model_parser)
         return self.model_parser
 
     @property

@@ -230,8 +230,8 @@ class CacheRoutes:
         if len(prompt.token_ids) >= context:
             gate.forget(prompt)
             raise bad_request(
-                f"the prefix is {len(prompt.token_ids)} tokens; a cached prefix must be shorter "
-                f"than the model's context length of {context}",
+                f"This model's maximum context length is {context} tokens. However, the prefix "
+                f"resulted in {len(prompt.token_ids)} tokens; a cached prefix must be shorter.",
                 "messages" if req.messages is not None else "segments",
                 code="context_length_exceeded",
             )

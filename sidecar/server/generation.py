@@ -244,19 +244,25 @@ class GenerationRoutes:
                     "server does not truncate prompts; send a shorter prompt",
                     "truncate_prompt_tokens",
                 )
+            # OpenAI's and vLLM's first sentence: clients (LiteLLM's context-window fallbacks)
+            # recognise the error by it
+            where = "messages" if kind == "chat" else "prompt"
             if num_prompt >= context:
                 raise bad_request(
-                    f"The prompt is {num_prompt} tokens; the model's context length is {context} "
-                    "tokens and at least one must be left to generate",
-                    "messages" if kind == "chat" else "prompt",
+                    f"This model's maximum context length is {context} tokens. However, your "
+                    f"{where} resulted in {num_prompt} tokens, and at least one must be left to "
+                    f"generate. Please reduce the length of the {where}.",
+                    where,
                     "context_length_exceeded",
                 )
             if max_tokens is None:
                 max_tokens = context - num_prompt
             elif num_prompt + max_tokens > context:
                 raise bad_request(
-                    f"max_tokens={max_tokens} plus the prompt's {num_prompt} tokens exceeds the "
-                    f"model's context length of {context} tokens (at most {context - num_prompt})",
+                    f"This model's maximum context length is {context} tokens. However, you "
+                    f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the {where}, "
+                    f"{max_tokens} in the completion). Please reduce the length of the {where} "
+                    f"or completion (max_tokens at most {context - num_prompt}).",
                     "max_tokens",
                     "context_length_exceeded",
                 )
