@@ -215,3 +215,6 @@ class RequestOutput:
     timing: RequestTiming | None = None  # on the last output
     # with prompt_logprobs, on the first output: one per prompt token (None for the first)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # on the last output, vLLM's: the stop string or the stop_token_ids id that ended it (None:
+    # an end of sequence, the length, ...)
+    stop_reason: int | str | None = None

@@ -132,7 +132,6 @@ def demo_engine(loaded: Any, **overrides: Any) -> Any:
         model="demo",
         dtype="float32",
         device="cpu",
-        attention_backend="torch",
         num_blocks=TEST_NUM_BLOCKS,
         max_model_len=TEST_MAX_MODEL_LEN,
         **overrides,

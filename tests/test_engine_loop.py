@@ -229,15 +229,17 @@ def test_stop_conditions(loaded) -> None:
     stopped = engine.generate(
         [prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[stop_id])
     )[0]
-    assert stopped.finish_reason == "stop"
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_id  # vLLM's
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop_id) + 1]
-    if len(free.text) >= 4:
-        needle = free.text[1:3]
-        cut = engine.generate(
-            [prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop=[needle])
-        )[0]
-        assert cut.finish_reason == "stop"
-        assert cut.text == free.text[: free.text.index(needle)]
+    assert free.stop_reason is None
+    assert len(free.text) >= 4  # the demo model's 8 tokens
+    needle = free.text[1:3]
+    later = free.text[2:4] + "\x00"  # never matched: the other one is first
+    cut = engine.generate(
+        [prompt], SamplingParams(max_tokens=8, ignore_eos=True, stop=[later, needle])
+    )[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == needle
+    assert cut.text == free.text[: free.text.index(needle)]
     assert_clean(engine)
 
 

@@ -117,6 +117,12 @@ def test_choices_equal_their_separate_requests_and_reuse_the_prompt(
     first_computed = greedy.usage.prompt_tokens - report["cached_tokens"]  # the first choice's
     assert first_computed > 3 * BLOCK
     assert report["computed_tokens"] <= first_computed + 3 * BLOCK  # all four choices'
+    # OpenAI's usage counts the prompt once: cached and written add up to it (the other
+    # choices' recomputed last tokens are in the report's computed_tokens, not here)
+    details = greedy.usage.prompt_tokens_details
+    written = greedy.model_dump()["usage"]["prompt_tokens_details"]["cache_write_tokens"]
+    assert details.cached_tokens + written == (greedy.usage.prompt_tokens)
+    assert report["computed_tokens"] > written
     wait_for_idle_blocks(sidecar_server.root)
 
 
@@ -290,6 +296,40 @@ def test_an_echo_whose_next_token_ends_the_turn_still_lists_it(sidecar_server: S
     assert lp.tokens[-1] == "<|eot_id|>" and lp.text_offset[-1] == len(choice.text)
     # the continuation's scores as lm-eval slices them: [ctxlen:-1] is the prompt's tail
     assert all(x is not None for x in lp.token_logprobs[len(ids) - 2 : -1])
+    wait_for_idle_blocks(sidecar_server.root)
+
+
+def test_choices_say_which_stop_ended_them(sidecar_server: Server) -> None:
+    """vLLM's ``stop_reason``: the stop string or stop token id matched, null otherwise; on a
+    whole choice and on a stream's finishing chunk, chat and completions."""
+    client = openai.OpenAI(base_url=sidecar_server.url, api_key="x")
+    common = {
+        "model": "demo",
+        "max_tokens": 8,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    free = client.completions.create(prompt=PROMPT + "stop", **common).choices[0]
+    assert free.finish_reason == "length" and free.stop_reason is None
+    assert len(free.text) >= 4
+    needle = free.text[1:3]
+    cut = client.completions.create(prompt=PROMPT + "stop", stop=[needle], **common).choices[0]
+    assert (cut.finish_reason, cut.stop_reason, cut.text) == ("stop", needle, free.text[:1])
+    chunks = list(
+        client.completions.create(prompt=PROMPT + "stop", stop=[needle], stream=True, **common)
+    )
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].stop_reason == needle
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = client.chat.completions.create(messages=messages, **common).choices[0]
+    token = httpx.post(  # the reply's first token (greedy: the same again)
+        f"{sidecar_server.root}/tokenize", json={"prompt": chat.message.content}, timeout=30
+    ).json()["tokens"][0]
+    body = {**common["extra_body"], "stop_token_ids": [token]}
+    fields = {k: v for k, v in common.items() if k != "extra_body"}
+    stopped = client.chat.completions.create(messages=messages, extra_body=body, **fields)
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].stop_reason == token
     wait_for_idle_blocks(sidecar_server.root)
 
 

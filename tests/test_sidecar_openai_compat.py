@@ -127,6 +127,7 @@ async def test_harmless_values_of_those_options_are_accepted(
         "logit_bias": {},
         "modalities": ["text"],
         "tools": None,
+        "reasoning_effort": "none",  # no reasoning: what is served (the Agents SDK sends it)
         "store": True,  # unknown fields stay ignored
         "metadata": {"k": "v"},
     }
@@ -538,6 +539,15 @@ async def test_model_aliases_are_accepted_and_others_are_not(engine: FakeEngine)
             assert response.json()["model"] == engine.model_name
         other = await c.post(CHAT, json={"messages": USER, "model": "/models/other"})
         assert other.status_code == 404
+        # listed too, the model's own name first, each card rooted at it (vLLM lists each of
+        # its served names); one retrieved by an alias is that alias's card
+        cards = (await c.get("/v1/models")).json()["data"]
+        assert [(m["id"], m["root"]) for m in cards] == [
+            (engine.model_name, engine.model_name),
+            ("/models/my-model", engine.model_name),
+        ]
+        card = (await c.get("/v1/models//models/my-model")).json()
+        assert card["id"] == "/models/my-model"
 
 
 def test_serve_accepts_the_model_argument_and_extra_names() -> None:

@@ -214,6 +214,15 @@ def test_bad_requests_get_openai_errors(
     assert words in error["message"]
 
 
+def test_no_reasoning_effort_is_served(tools_sidecar: Server) -> None:
+    """``reasoning: {"effort": "none"}`` asks for what is served (no reasoning); any other
+    effort stays a 400 (above)."""
+    for reasoning in ({"effort": "none"}, {"effort": None, "summary": None}, {}):
+        body = {"model": "demo", "input": "x", "max_output_tokens": 2, "reasoning": reasoning}
+        response = httpx.post(f"{tools_sidecar.url}/responses", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+
+
 def test_stored_responses_are_per_tenant(api_tenant_server: Server) -> None:
     def post(key: str, **body: object) -> httpx.Response:
         headers = {"authorization": f"Bearer {API_KEYS[key]['key']}"}

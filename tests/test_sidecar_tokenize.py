@@ -1,4 +1,4 @@
-"""vLLM's /tokenize and /detokenize: the ids are the ones the generation routes compute for the
+"""vLLM's /tokenize, /detokenize and /tokenizer_info: the ids are the ones the generation routes compute for the
 same prompt or conversation (tools and template kwargs included), in vLLM's response shape."""
 
 from __future__ import annotations
@@ -213,9 +213,26 @@ def test_bad_bodies_are_4xx(
         assert r.json()["error"]["param"] == param
 
 
+def test_tokenizer_info_serves_a_remote_tokenizer(sidecar_server: Server) -> None:
+    """vLLM's /tokenizer_info, read as lm-evaluation-harness's RemoteTokenizer reads it: the
+    special tokens' text, whose ids /tokenize gives (add_special_tokens false), and the chat
+    template it renders conversations with."""
+    r = httpx.get(f"{sidecar_server.root}/tokenizer_info", timeout=30)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert (info["bos_token"], info["eos_token"]) == (BOS_TOKEN, EOT_TOKEN)
+    assert info["chat_template"] == CHAT_TEMPLATE
+    models = httpx.get(f"{sidecar_server.url}/models", timeout=30).json()
+    assert info["model_max_length"] == models["data"][0]["max_model_len"]
+    reference = HFTokenizer.from_file(str(ASSETS / "tokenizer.json"))
+    eos = post(sidecar_server, "/tokenize", {"prompt": EOT_TOKEN, "add_special_tokens": False})
+    assert eos.json()["tokens"] == [reference.token_to_id(EOT_TOKEN)]
+
+
 def test_tokenize_needs_a_tenant_key_where_keys_are_set(tenant_server: Server) -> None:
     assert post(tenant_server, "/tokenize", {"prompt": TEXT}).status_code == 401
     assert post(tenant_server, "/detokenize", {"tokens": [5]}).status_code == 401
+    assert httpx.get(f"{tenant_server.root}/tokenizer_info", timeout=30).status_code == 401
     ok = post(tenant_server, "/tokenize", {"prompt": TEXT}, KEYS["a"]["key"])
     assert ok.status_code == 200, ok.text
 

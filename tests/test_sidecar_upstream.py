@@ -92,6 +92,7 @@ class FakeUpstream:
                 Route("/v1/chat/completions", self.generate, methods=["POST"]),
                 Route("/v1/completions", self.generate, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/tokenizer_info", self.tokenizer_info),
                 Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
             ]
         )
@@ -106,6 +107,9 @@ class FakeUpstream:
         body = await request.json()
         self.bodies.append(body)
         return JSONResponse({"count": 1, "max_model_len": 8, "tokens": [len(body["prompt"])]})
+
+    async def tokenizer_info(self, request: Request) -> Response:  # vLLM's, at the root
+        return JSONResponse({"eos_token": "</s>", "method": request.method})
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"}, self.health_status)
@@ -716,6 +720,8 @@ async def test_tokenize_goes_to_the_first_healthy_upstreams_root(
     assert fakes[1].bodies == [{"prompt": "four"}]
     missing = httpx.post(f"{sidecar.root}/detokenize", json={"tokens": [1]})
     assert missing.status_code == 404  # the fake has no /detokenize: its answer, relayed
+    info = httpx.get(f"{sidecar.root}/tokenizer_info")  # a GET, relayed as one
+    assert info.json() == {"eos_token": "</s>", "method": "GET"}
 
 
 async def test_a_silent_upstream_is_a_504_and_stays_healthy(

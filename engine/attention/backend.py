@@ -34,6 +34,9 @@ class AttentionShape:
 
 class AttentionBackend(ABC):
     name: str = ""
+    # whether a row's output is the same bits whatever shares its step (CPU kernels, FlashInfer
+    # with fixed splits); the torch reference's padded and cascaded batches are not
+    batch_invariant: bool = False
     supports_window: bool = (
         False  # honours AttentionMetadata.window (a hybrid model's sliding layers)
     )

@@ -21,6 +21,7 @@ class GenerationResult:
     usage: Usage
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
 def run_to_completion(engine: LLMEngine, requests: list[EngineRequest]) -> list[GenerationResult]:
@@ -47,6 +48,7 @@ def run_to_completion(engine: LLMEngine, requests: list[EngineRequest]) -> list[
                 result.prompt_logprobs = out.prompt_logprobs
             if out.finished:
                 result.finish_reason = out.finish_reason or ""
+                result.stop_reason = out.stop_reason
                 result.usage = out.usage or Usage()
                 pending.discard(out.request_id)
     return [results[r.request_id] for r in requests]

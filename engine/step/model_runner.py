@@ -9,6 +9,7 @@ cascade or prefill groups, slid-out pages mapped to the null page) and their own
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,6 +29,8 @@ from .step_replay import StepReplay
 if TYPE_CHECKING:
     from ..memory.block_types import BlockTable
     from .scheduler import SchedulerOutput
+
+log = logging.getLogger("prefixcache.engine")
 
 
 @dataclass(slots=True)
@@ -128,6 +131,17 @@ class ModelRunner:
             local_backend.prepare(self.shape, torch.device(self.device))
             for i in kv_cache.local_layers:
                 self._layer_backends[i] = local_backend
+        self.invariance_gaps = (
+            invariance_gaps(self.model, self.shape, [backend, *self._layer_backends])
+            if batch_invariant
+            else []
+        )
+        if self.invariance_gaps:
+            log.warning(
+                "batch invariance is off for %s: cached, chunked and batched runs may differ in "
+                "their last bits (a greedy token can flip)",
+                "; ".join(self.invariance_gaps),
+            )
         self.replay: StepReplay | None = None
         local = local_backend if kv_cache.local_layers else None
         self.replay_off_reason = step_replay.unsupported_reason(
@@ -256,3 +270,22 @@ class ModelRunner:
                     raise ValueError("a hybrid model's batch entry needs its local table")
                 if min(local) < 0 or max(local) >= self.kv_cache.num_local_pages:
                     raise ValueError("local table references a page outside the local pool")
+
+
+def invariance_gaps(
+    model: torch.nn.Module, shape: AttentionShape, backends: list[AttentionBackend]
+) -> list[str]:
+    """What keeps a batch-invariant engine from being so here: an attention backend that is not
+    (the torch reference, chosen, or fallen back to for a shape the kernels lack), projections
+    on oneDNN's or MKL's GEMM (a dtype the invariant kernel does not take)."""
+    gaps = [
+        f"attention (backend {b.name!r}: the torch reference at {shape.dtype}, head dim "
+        f"{shape.head_dim})"
+        for b in dict.fromkeys(backends)
+        if not b.batch_invariant
+    ]
+    layers = getattr(getattr(model, "model", None), "layers", None) or [None]
+    qkv = getattr(getattr(layers[0], "self_attn", None), "qkv", None)
+    if qkv is not None and hasattr(qkv, "invariant") and qkv.invariant is None:
+        gaps.append(f"the projections ({qkv.weight.dtype}: not the invariant GEMM's)")
+    return gaps

@@ -21,7 +21,9 @@ def finish_reason(
     params, detokenizer = seq.request.sampling, seq.detokenizer
     assert detokenizer is not None
     stoppable = seq.num_output_tokens >= params.min_tokens  # the sampler masked the stop ids
-    if token in params.stop_token_ids or (token in eos_token_ids and not params.ignore_eos):
+    if token in params.stop_token_ids:
+        reason, seq.stop_reason = "stop", token
+    elif token in eos_token_ids and not params.ignore_eos:
         reason = "stop"
     else:
         seq.pending_text += detokenizer.push(token)
@@ -59,6 +61,7 @@ def final_output(seq: Sequence, reason: str, now: float) -> RequestOutput:
         text_delta=delta,
         finished=True,
         finish_reason=reason,
+        stop_reason=seq.stop_reason,
         usage=usage_of(seq),
         timing=RequestTiming(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, now),
     )
@@ -101,12 +104,14 @@ def usage_of(seq: Sequence) -> Usage:
 
 
 def _cut_at_stop(seq: Sequence) -> bool:
-    """If a stop string appears in the held-back text, cut the text before it."""
+    """If a stop string appears in the held-back text, cut the text before the first one (it
+    becomes the sequence's ``stop_reason``)."""
     stops = seq.request.sampling.stop
-    hits = [i for i in (seq.pending_text.find(s) for s in stops if s) if i >= 0]
+    hits = [(at, s) for s in stops if s and (at := seq.pending_text.find(s)) >= 0]
     if not hits:
         return False
-    seq.pending_text = seq.pending_text[: min(hits)]
+    at, seq.stop_reason = min(hits, key=lambda hit: hit[0])
+    seq.pending_text = seq.pending_text[:at]
     return True
 
 

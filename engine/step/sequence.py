@@ -41,6 +41,7 @@ class Sequence:
     hit_estimate_step: int = -1  # the step it was last measured (-1: never)
     miss: SegmentMiss | None = None  # why the first admission's match stopped where it did
     pending_text: str = ""  # generated text held back while it may start a stop string
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     # reuse="anywhere" segments' stored KV placed into the table at this admission (sorted,
     # disjoint); those positions count as computed without being computed
     placements: list[Placement] = field(default_factory=list)

@@ -27,6 +27,7 @@ from ..wire.tool_requests import (
 )
 from . import wire as w
 
+NO_EFFORT = (None, "", "none")
 _REFUSED = ("reasoning", "background", "conversation", "prompt", "top_logprobs", "max_tool_calls")
 
 
@@ -35,8 +36,8 @@ def check_unsupported(req: w.ResponsesRequest) -> None:
         value = getattr(req, name)
         if value is None or value is False or value == 0:
             continue
-        if name == "reasoning" and isinstance(value, dict) and not value.get("effort"):
-            continue  # {} or {"effort": null}: no reasoning asked for
+        if name == "reasoning" and isinstance(value, dict) and value.get("effort") in NO_EFFORT:
+            continue  # {}, {"effort": null} or "none": no reasoning asked for
         raise p.Error(f"'{name}' is not supported by this server", name)
     if "message.output_text.logprobs" in (req.include or ()):  # it answered [] for them
         raise p.Error("include 'message.output_text.logprobs' is not supported", "include")
@@ -182,4 +183,7 @@ def renamed(exc: APIError) -> APIError:
     if field is not None:
         exc.message = exc.message.replace(f"{exc.param}=", f"{field}=")
         exc.param = field
+    if exc.code == "context_length_exceeded":  # its sentences name the prompt's parts too
+        for chat, responses in (("max_tokens", "max_output_tokens"), ("messages", "input")):
+            exc.message = exc.message.replace(chat, responses)
     return exc

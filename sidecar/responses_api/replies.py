@@ -25,7 +25,13 @@ from prefixcache.engine.request import Usage
 
 from ..chat.tool_calls import ForcedParser, ToolCall, ToolCallStream, new_call_id
 from ..http.errors import APIError
-from ..server.responses import Job, cache_report, fallback_usage, raise_engine_error
+from ..server.responses import (
+    Job,
+    cache_report,
+    cache_write_tokens,
+    fallback_usage,
+    raise_engine_error,
+)
 from . import wire as w
 
 log = logging.getLogger("prefixcache.sidecar")
@@ -38,9 +44,7 @@ def new_id(prefix: str) -> str:
 def response_usage(usage: Usage) -> w.ResponseUsage:
     return w.ResponseUsage(
         input_tokens=usage.prompt_tokens,
-        input_tokens_details=w.InputTokensDetails(
-            usage.cached_tokens, usage.computed_prompt_tokens
-        ),
+        input_tokens_details=w.InputTokensDetails(usage.cached_tokens, cache_write_tokens(usage)),
         output_tokens=usage.completion_tokens,
         output_tokens_details=w.OutputTokensDetails(),
         total_tokens=usage.prompt_tokens + usage.completion_tokens,

@@ -97,6 +97,7 @@ def create_upstream_app(settings: UpstreamSettings) -> Starlette:
     routes += [
         Route("/tokenize", proxy.tokenization, methods=["POST"]),
         Route("/detokenize", proxy.tokenization, methods=["POST"]),
+        Route("/tokenizer_info", proxy.tokenization, methods=["GET"]),
         Route("/reset_prefix_cache", proxy.reset_prefix_cache, methods=["POST"]),
     ]
     app = build_app(routes, proxy.metrics.registry, proxy.lifespan)
@@ -210,12 +211,15 @@ class UpstreamProxy:
         raise self._no_upstream()
 
     async def tokenization(self, request: Request) -> Response:
-        """vLLM's /tokenize and /detokenize (at an upstream's root, beside its /v1), proxied to
-        the first healthy upstream: every replica serves the same model and tokenizer."""
+        """vLLM's /tokenize, /detokenize and /tokenizer_info (at an upstream's root, beside its
+        /v1), proxied to the first healthy upstream: every replica serves the same model and
+        tokenizer."""
         self.settings.keys.authenticate(request.headers.get("authorization"))
         payload = await read_body(request, self.settings.max_body_bytes)
         for upstream in self.pool.healthy():
-            exchange = await self._connect(upstream, "POST", request.url.path, payload, root=True)
+            exchange = await self._connect(
+                upstream, request.method, request.url.path, payload or None, root=True
+            )
             if exchange is not None:
                 return await self._buffered(exchange, request)
         raise self._no_upstream()

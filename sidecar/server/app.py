@@ -152,18 +152,25 @@ class Sidecar:
         return metrics_reply(self.engine.registry, self.metrics_registry)
 
     async def models(self, request: Request) -> Response:
+        """A card per name requests may use, the model's own first (as vLLM lists each of its
+        served names): clients that discover models here see the aliases too."""
         self.gate.caller(request)
-        return json_response(rt.ModelList(data=[self._model_card()]))
+        names = dict.fromkeys((self.engine.model_name, *self.settings.model_aliases))
+        return json_response(rt.ModelList(data=[self._model_card(n) for n in names]))
 
     async def model(self, request: Request) -> Response:
         """OpenAI's retrieve: the card of a name this server answers to, else 404."""
         self.gate.caller(request)
-        self.gate.check_model(request.path_params["model"] or "?")
-        return json_response(self._model_card())
+        name = request.path_params["model"] or "?"
+        self.gate.check_model(name)
+        return json_response(self._model_card(name))
 
-    def _model_card(self) -> rt.ModelCard:
+    def _model_card(self, name: str) -> rt.ModelCard:
         engine = self.engine
-        name = engine.model_name
         return rt.ModelCard(
-            name, self.created, root=name, max_model_len=engine.max_model_len, dtype=engine.dtype
+            name,
+            self.created,
+            root=engine.model_name,
+            max_model_len=engine.max_model_len,
+            dtype=engine.dtype,
         )

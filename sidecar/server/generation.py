@@ -262,7 +262,7 @@ class GenerationRoutes:
                     f"This model's maximum context length is {context} tokens. However, you "
                     f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the {where}, "
                     f"{max_tokens} in the completion). Please reduce the length of the {where} "
-                    f"or completion (max_tokens at most {context - num_prompt}).",
+                    f"or completion (max_tokens={max_tokens}; at most {context - num_prompt}).",
                     "max_tokens",
                     "context_length_exceeded",
                 )

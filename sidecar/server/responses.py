@@ -49,13 +49,20 @@ from .logprob_format import (
 log = logging.getLogger("prefixcache.sidecar")
 
 
+def cache_write_tokens(usage: Usage) -> int:
+    """The prompt's tokens written to the cache, its uncached part at most: with the cached
+    ones they add up to the prompt (counted once), not to every choice's or a preempted
+    request's recomputed tokens, which the ``prefixcache`` report's ``computed_tokens`` sums."""
+    return max(0, min(usage.computed_prompt_tokens, usage.prompt_tokens - usage.cached_tokens))
+
+
 def usage_info(usage: Usage) -> rt.UsageInfo:
     return rt.UsageInfo(
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
         prompt_tokens_details=rt.PromptTokensDetails(
-            cached_tokens=usage.cached_tokens, cache_write_tokens=usage.computed_prompt_tokens
+            cached_tokens=usage.cached_tokens, cache_write_tokens=cache_write_tokens(usage)
         ),
     )
 
@@ -153,6 +160,7 @@ class Collected:
     timing: RequestTiming | None
     token_ids: list[int] = field(default_factory=list)  # the generated tokens
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
+    stop_reason: int | str | None = None  # the engine's: the stop string or token id matched
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -205,7 +213,9 @@ def reply_body(jobs: list[Job], results: list[Collected], tokenizer: TokenizerAP
             message, finish = _chat_message(j, result)
             if j.message_echo:
                 message.content = j.message_echo + (message.content or "")
-            chat_choices.append(rt.ChatChoice(j.index, message, finish, logprobs))
+            chat_choices.append(
+                rt.ChatChoice(j.index, message, finish, logprobs, result.stop_reason)
+            )
         body = rt.ChatCompletion(*head, chat_choices, usage_info(usage), report, job.fingerprint)
         body.prompt_logprobs = _vllm_prompt_logprobs(job, tokenizer, results[0])
     else:
@@ -218,7 +228,7 @@ def reply_body(jobs: list[Job], results: list[Collected], tokenizer: TokenizerAP
                 if j.echo is not None:
                     logprobs = joined(_echoed(j, tokenizer, result.prompt_logprobs), logprobs)
             choice = rt.CompletionChoice(
-                j.index, echo + result.text, result.finish_reason, logprobs
+                j.index, echo + result.text, result.finish_reason, logprobs, result.stop_reason
             )
             choice.prompt_logprobs = _vllm_prompt_logprobs(j, tokenizer, result)
             text_choices.append(choice)
@@ -312,7 +322,10 @@ async def collect(job: Job) -> Collected:
             usage = out.usage or fallback_usage(job, len(token_ids))
             reason = out.finish_reason or "stop"
             text = "".join(parts)
-            return Collected(text, reason, usage, logprobs, out.timing, token_ids, prompt_logprobs)
+            return Collected(
+                text, reason, usage, logprobs, out.timing, token_ids, prompt_logprobs,
+                out.stop_reason,
+            )  # fmt: skip
     raise server_error("the engine ended the request without a final output")
 
 
@@ -433,11 +446,8 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
         text = out.text_delta if calls is None else calls.push(out.text_delta)
         if out.finished and calls is None:  # the finish on the last token's own chunk
             usage = out.usage or fallback_usage(job, num_tokens)
-            yield (
-                [_delta_choice(job, text, out.finish_reason or "stop", logprobs)],
-                usage,
-                num_tokens,
-            )
+            last = _delta_choice(job, text, out.finish_reason or "stop", logprobs, out.stop_reason)
+            yield [last], usage, num_tokens
             return
         # A chunk per token, as vLLM streams them (one whose characters are not complete yet,
         # or held back as a possible stop string, has empty text): clients count tokens and
@@ -455,7 +465,7 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
                     yield [choice], None, num_tokens
                 cut = reason == "length" or forced_call_cut(calls.parser, calls.text)
                 reason = "tool_calls" if rest.tool_calls and not cut and not _named(job) else reason
-            yield [_delta_choice(job, None, reason, None)], usage, num_tokens
+            yield [_delta_choice(job, None, reason, None, out.stop_reason)], usage, num_tokens
             return
 
 
@@ -503,10 +513,12 @@ def _shown(job: Job, tokenizer: TokenizerAPI) -> Callable[[int], bool] | None:
     return shown
 
 
-def _delta_choice(job: Job, text: str | None, finish: str | None, logprobs: Any) -> Any:
+def _delta_choice(
+    job: Job, text: str | None, finish: str | None, logprobs: Any, stop: int | str | None = None
+) -> Any:
     if job.kind == "chat":
-        return rt.ChatChunkChoice(job.index, rt.ChatDelta(content=text), finish, logprobs)
-    return rt.CompletionChoice(job.index, text or "", finish, logprobs)
+        return rt.ChatChunkChoice(job.index, rt.ChatDelta(content=text), finish, logprobs, stop)
+    return rt.CompletionChoice(job.index, text or "", finish, logprobs, stop)
 
 
 def _echoed(job: Job, tokenizer: TokenizerAPI, prompt: list[TokenLogprob | None] | None) -> dict:

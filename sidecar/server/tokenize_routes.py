@@ -1,4 +1,4 @@
-"""vLLM's ``POST /tokenize`` and ``POST /detokenize``: a prompt's token ids exactly as the
+"""vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``: a prompt's token ids exactly as the
 generation routes would compute them (a completion prompt, or a conversation through the chat
 template, tools and ``chat_template_kwargs`` included; ``add_special_tokens`` on a conversation
 adds the tokenizer's special tokens on top, as vLLM), and ids back to text. vLLM's chat fields
@@ -33,6 +33,7 @@ class TokenizeRoutes:
         return [
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
         ]
 
     async def tokenize(self, request: Request) -> Response:
@@ -82,6 +83,21 @@ class TokenizeRoutes:
             len(tokens), lambda: tokenizer.decode(tokens, skip_special_tokens=False)
         )
         return json_response(rt.DetokenizeResponse(text))
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's ``GET /tokenizer_info`` (its ``--enable-tokenizer-info-endpoint``): the special
+        tokens and the chat template, what lm-evaluation-harness's remote tokenizer reads (with
+        /tokenize and /detokenize it then needs no local copy of the tokenizer)."""
+        self.gate.caller(request)
+        tokenizer = self.generation.engine.tokenizer
+        info = rt.TokenizerInfo(
+            bos_token=getattr(tokenizer, "bos_token", None),
+            eos_token=getattr(tokenizer, "eos_token", None),
+            chat_template=getattr(tokenizer, "chat_template", None),
+            model_max_length=self.generation.engine.max_model_len,
+            vocab_size=tokenizer.vocab_size,
+        )
+        return json_response(info)
 
 
 T = TypeVar("T")

@@ -373,9 +373,11 @@ def _unsupported(req: ChatCompletionRequest) -> str | None:
         return "function_call"
     if req.modalities not in (None, ["text"]):
         return "modalities"
-    for name in ("audio", "reasoning_effort", "prediction", "web_search_options", "moderation"):
+    for name in ("audio", "prediction", "web_search_options", "moderation"):
         if getattr(req, name) is not None:
             return name
+    if req.reasoning_effort not in (None, "none"):  # "none": no reasoning, what is served
+        return "reasoning_effort"
     return None
 
 

@@ -74,6 +74,7 @@ class ChatChoice(msgspec.Struct):
     message: ChatMessage
     finish_reason: str | None
     logprobs: dict | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id matched
 
 
 class ChatCompletion(msgspec.Struct):
@@ -114,6 +115,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: ChatDelta
     finish_reason: str | None = None
     logprobs: dict | None = None
+    stop_reason: int | str | None = None
 
 
 class CompletionChoice(msgspec.Struct):
@@ -121,6 +123,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     finish_reason: str | None
     logprobs: dict | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id matched
     prompt_logprobs: list[dict | None] | msgspec.UnsetType = msgspec.UNSET  # vLLM's
 
 
@@ -174,6 +177,16 @@ class TokenizeResponse(msgspec.Struct):  # vLLM's
 
 class DetokenizeResponse(msgspec.Struct):  # vLLM's
     prompt: str
+
+
+class TokenizerInfo(msgspec.Struct):  # vLLM's /tokenizer_info: the tokenizer's config
+    bos_token: str | None
+    eos_token: str | None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
+    pad_token: str | None = None
+    tokenizer_class: str = "PreTrainedTokenizerFast"
 
 
 class WarmResponse(msgspec.Struct):
