@@ -114,7 +114,7 @@ def blocks_vs_panels(
 
 def head_ms(model: torch.nn.Module, rows: int, seconds: float) -> dict[str, float | str]:
     """The prepared LM head (its kernel as loaded: ``q8_amx`` reads a GGUF head's Q8_0 blocks,
-    as ``q8`` does up to ``cpu_gemm.FEW_ROWS`` rows without AMX)
+    as ``q8`` does up to ``cpu_gemm.HEAD_FEW_ROWS`` rows without AMX)
     against the bf16 packing of the same weight, alternated, after a 400 MB sweep each call
     (as a step meets it: the layers' weights went through the caches in between)."""
     head = model.head.invariant
@@ -135,7 +135,7 @@ def head_ms(model: torch.nn.Module, rows: int, seconds: float) -> dict[str, floa
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     kernel = head.kernel  # blocks beside the panels (AVX-512): read up to FEW_ROWS rows
     if getattr(head, "few_rows_kernel", None):
-        kernel = f"{head.few_rows_kernel} to {cpu_gemm.FEW_ROWS} rows, then {head.kernel}"
+        kernel = f"{head.few_rows_kernel} to {head.few_rows} rows, then {head.kernel}"
     return {"kernel": kernel, "ms": round(ms["head"], 2), "bf16_ms": round(ms["bf16"], 2),
             "ratio": round(ms["head"] / ms["bf16"], 3)}  # fmt: skip
 

@@ -1,6 +1,6 @@
 """A GGUF weight's blocks beside its bf16 panels on AVX-512 without AMX (``cpu_gemm.cpp``'s
-``gemm_blocks``, ``PackedLinear.from_blocks``): calls of up to ``FEW_ROWS`` rows read the
-blocks (int8 or 4-bit), more rows the panels, and every row's outputs are the panels' bits
+``gemm_blocks``, ``PackedLinear.from_blocks``): calls of up to ``few_rows`` rows (8, the LM
+head 12) read the blocks (int8 or 4-bit), more rows the panels, and every row's outputs are the panels' bits
 whatever its batch. AMX is switched off for this module, so AMX boxes run this path too."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ KERNELS |= {"q4_1": "q4f16", "q4_k": "q4"}
     form=st.sampled_from(list(KERNELS)),
     n=st.integers(1, 300),
     k_blocks=st.integers(1, 24),
-    m=st.integers(1, 14),
+    m=st.integers(1, 30),
     with_bias=st.booleans(),
     threads=st.sampled_from([1, 2, 3]),
     seed=st.integers(0, 2**16),
@@ -104,6 +104,9 @@ def test_a_weight_with_blocks_gives_the_panels_bits_at_every_batch(
         assert torch.equal(whole, panels(x))
         alone = torch.cat([head(x[i : i + 1]) for i in range(m)])
         assert torch.equal(whole, alone)
+        assert head._few is not None  # the blocks at every row count: tiles of 12 and a rest
+        head._few = (*head._few[:2], 64)
+        assert torch.equal(head(x), whole)
     finally:
         torch.set_num_threads(before)
 
@@ -113,10 +116,13 @@ def test_few_rows_read_the_blocks_and_more_the_panels() -> None:
     head = cpu_gemm.PackedLinear.from_blocks(w, None, src, float_out=True)
     assert head is not None and head.blocks is not None
     lib = cpu_gemm._lib()
-    for m in (1, cpu_gemm.FEW_ROWS, cpu_gemm.FEW_ROWS + 1, 40):
+    assert head.few_rows == cpu_gemm.HEAD_FEW_ROWS  # the LM head's (float_out)
+    layer = cpu_gemm.PackedLinear.from_blocks(w, None, src)
+    assert layer is not None and layer.few_rows == cpu_gemm.FEW_ROWS
+    for m in (1, cpu_gemm.FEW_ROWS, head.few_rows, head.few_rows + 1, 40):
         x = torch.zeros(m, 64, dtype=torch.bfloat16)
         call = head.call(x, torch.empty(m, 100))
-        few = m <= cpu_gemm.FEW_ROWS
+        few = m <= head.few_rows
         assert call.fn is (lib.pc_gemm_q8 if few else lib.pc_gemm_bf16)
         assert call.args[3] == (head.blocks.data_ptr() if few else head.packed.data_ptr())
     # 4 groups of 32 columns (the last one padded) x 2 blocks of 32 k, 34 bytes a group row

@@ -360,8 +360,32 @@ void tile_blocks(const uint16_t* x, int64_t ldx, int64_t r0, const uint8_t* grou
   }
 }
 
-// Each group's blocks converted once per row tile: for few rows (cpu_gemm.py calls it for at
-// most FEW_ROWS); past that the conversion outweighs the bytes saved and the panels run.
+// Rows per block tile: 2 x BMR accumulators, the two converted vectors and the broadcast row
+// word (Q4's scales and minimums may spill: read once per k-pair).
+constexpr int BMR = 12;
+
+// Calls fn.template operator()<R>() for the row count R in 1..BMR.
+template <typename Fn>
+void with_block_rows(int r, Fn&& fn) {
+  switch (r) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    case 8: fn(std::integral_constant<int, 8>{}); break;
+    case 9: fn(std::integral_constant<int, 9>{}); break;
+    case 10: fn(std::integral_constant<int, 10>{}); break;
+    case 11: fn(std::integral_constant<int, 11>{}); break;
+    default: fn(std::integral_constant<int, 12>{}); break;
+  }
+}
+
+// Each group's blocks converted once per row tile of up to BMR rows: for few rows
+// (cpu_gemm.py calls it for at most FEW_ROWS); past that the conversion outweighs the bytes
+// saved and the panels run.
 template <typename Form>
 void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packed, int64_t n,
                  int64_t k, const float* bias, uint16_t* out, int64_t ldo, bool f32_out,
@@ -369,8 +393,8 @@ void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packe
   const int64_t groups = (n + 31) / 32, group_bytes = k / 32 * Form::BYTES;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t g = 0; g < groups; ++g)
-    for (int64_t r0 = 0; r0 < m; r0 += MR)
-      with_rows(static_cast<int>(std::min<int64_t>(MR, m - r0)), [&](auto rows) {
+    for (int64_t r0 = 0; r0 < m; r0 += BMR)
+      with_block_rows(static_cast<int>(std::min<int64_t>(BMR, m - r0)), [&](auto rows) {
         tile_blocks<rows(), Form>(x, ldx, r0, packed + g * group_bytes, k, n, g, bias, out, ldo,
                                   f32_out);
       });

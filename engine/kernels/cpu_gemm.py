@@ -31,9 +31,12 @@ SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 AMX_SOURCE = Path(__file__).with_name("cpu_gemm_amx.cpp")
 AMX_K_STEP = 32  # the AMX kernel's k per tile step; other K keep the AVX-512 kernel
 # Rows up to which a weight with blocks beside its panels (AVX-512 without AMX) reads the
-# blocks: cpu_gemm.cpp's row tile. Gemma 3's 262K head: 5.1-7.0 against 10.2-11.2 ms at 1-6
-# rows, 17 against 11-12 at 8 (the conversion, about seven rows' work, no longer hidden).
-FEW_ROWS = 6
+# blocks (cpu_gemm.cpp's block tile holds 12 rows: each block converted once). Every layer
+# pass over SmolLM2 and Gemma 3 was faster so at 7-8 rows (1.01-1.18x) and Gemma 3's was
+# slower at 10-12 (0.86-0.93x); the LM heads (Q8_0, wide) were faster up to 12 (1.08-1.52x)
+# and slower at 16 (docs/benchmarks.md, "Block tiles of 12 rows").
+FEW_ROWS = 8
+HEAD_FEW_ROWS = 12
 # pc_gemm_weight_rows' layout code of each packing that gives W's rows back
 _ROW_LAYOUTS = {"amx": 0, "avx512": 0, "f32": 1, "q8_amx": 2, "q8h_amx": 3}
 DTYPES = (torch.bfloat16, torch.float32)
@@ -188,7 +191,7 @@ class PackedLinear:
         self._what = f"PackedLinear({self.in_features} -> {self.out_features}, {self.dtype})"
         self.blocks: torch.Tensor | None = None
         self.few_rows_kernel: str | None = None
-        self._few: tuple[ctypes._CFuncPtr, int] | None = None
+        self._few: tuple[ctypes._CFuncPtr, int, int] | None = None  # kernel, blocks, rows
 
     @classmethod
     def from_blocks(
@@ -208,8 +211,8 @@ class PackedLinear:
         the panels from 2,048 rows, faster below (``cpu_gemm_amx.cpp``'s ``X_CHUNK_BYTES``).
         Without AMX the weight keeps its panels and adds the blocks (``blocks``,
         ``few_rows_kernel``: ``cpu_gemm.cpp``'s ``gemm_blocks``, the panels' bits), which
-        calls of up to ``FEW_ROWS`` rows read: a decode step, a prefill's last row through the
-        LM head, at the memory's rate from fewer bytes; more rows run the panels. None where
+        calls of up to ``few_rows`` rows read (``FEW_ROWS``, the LM head ``HEAD_FEW_ROWS``): a
+        decode step, a prefill's last row through the LM head, at the memory's rate from fewer bytes; more rows run the panels. None where
         neither runs, or where ``weight`` is not that rounding (``gemm_blocks.pack_blocks``:
         the forms)."""
         amx = _amx_lib()
@@ -233,7 +236,8 @@ class PackedLinear:
             return cls.on_blocks(packed, fn, f"{form}_amx", (n, k), bias, float_out)
         self = cls(weight, bias, float_out)  # AVX-512: the panels, the blocks for few rows
         self.blocks, self.few_rows_kernel = packed, form
-        self._few = (getattr(_lib(), f"pc_gemm_{form}"), packed.data_ptr())
+        rows = HEAD_FEW_ROWS if float_out else FEW_ROWS
+        self._few = (getattr(_lib(), f"pc_gemm_{form}"), packed.data_ptr(), rows)
         return self
 
     @classmethod
@@ -274,14 +278,20 @@ class PackedLinear:
         )
         kind = cpu_replay.GEMM_BF16 if self._f32_out else cpu_replay.GEMM_F32
         fn, packed = self._fn, self._packed_ptr
-        if self._few is not None and m <= FEW_ROWS:
-            fn, packed = self._few
+        if self._few is not None and m <= self._few[2]:
+            fn, packed, _ = self._few
         return cpu_replay.KernelCall(
             kind, fn,
             (x2.data_ptr(), x2.stride(0), m, packed, n, self.in_features,
              self._bias_ptr, out.data_ptr(), out.stride(0), *self._f32_out,
              torch.get_num_threads()),
         )  # fmt: skip
+
+    @property
+    def few_rows(self) -> int:
+        """Calls of up to this many rows read the blocks (0: none, or no panels beside them):
+        ``FEW_ROWS``, or ``HEAD_FEW_ROWS`` for the LM head (``float_out``)."""
+        return 0 if self._few is None else self._few[2]
 
     @property
     def gives_rows(self) -> bool:
