@@ -114,7 +114,7 @@ def blocks_vs_panels(
 
 def head_ms(model: torch.nn.Module, rows: int, seconds: float) -> dict[str, float | str]:
     """The prepared LM head (its kernel as loaded: ``q8_amx`` reads a GGUF head's Q8_0 blocks,
-    as ``q8`` does up to ``cpu_gemm.HEAD_FEW_ROWS`` rows without AMX)
+    as ``q8`` does up to ``cpu_gemm.FEW_ROWS`` rows without AMX)
     against the bf16 packing of the same weight, alternated, after a 400 MB sweep each call
     (as a step meets it: the layers' weights went through the caches in between)."""
     head = model.head.invariant

@@ -1,6 +1,6 @@
 """A GGUF weight's blocks beside its bf16 panels on AVX-512 without AMX (``cpu_gemm.cpp``'s
-``gemm_blocks``, ``PackedLinear.from_blocks``): calls of up to ``few_rows`` rows (8, the LM
-head 12) read the blocks (int8 or 4-bit), more rows the panels, and every row's outputs are the panels' bits
+``gemm_blocks``, ``PackedLinear.from_blocks``): calls of up to ``few_rows`` rows (12; 6 for a
+scale per 16 k) read the blocks (int8 or 4-bit), more rows the panels, and every row's outputs are the panels' bits
 whatever its batch. AMX is switched off for this module, so AMX boxes run this path too."""
 
 from __future__ import annotations
@@ -116,9 +116,10 @@ def test_few_rows_read_the_blocks_and_more_the_panels() -> None:
     head = cpu_gemm.PackedLinear.from_blocks(w, None, src, float_out=True)
     assert head is not None and head.blocks is not None
     lib = cpu_gemm._lib()
-    assert head.few_rows == cpu_gemm.HEAD_FEW_ROWS  # the LM head's (float_out)
-    layer = cpu_gemm.PackedLinear.from_blocks(w, None, src)
-    assert layer is not None and layer.few_rows == cpu_gemm.FEW_ROWS
+    assert head.few_rows == cpu_gemm.FEW_ROWS
+    src_h, w_h = source(100, 64, 1, "q6_k")  # a scale per 16 k: fewer rows pay
+    halves = cpu_gemm.PackedLinear.from_blocks(w_h, None, src_h)
+    assert halves is not None and halves.few_rows == cpu_gemm.FEW_ROWS_OF_FORM["q8h"] == 6
     for m in (1, cpu_gemm.FEW_ROWS, head.few_rows, head.few_rows + 1, 40):
         x = torch.zeros(m, 64, dtype=torch.bfloat16)
         call = head.call(x, torch.empty(m, 100))

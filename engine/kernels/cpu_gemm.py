@@ -31,12 +31,12 @@ SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 AMX_SOURCE = Path(__file__).with_name("cpu_gemm_amx.cpp")
 AMX_K_STEP = 32  # the AMX kernel's k per tile step; other K keep the AVX-512 kernel
 # Rows up to which a weight with blocks beside its panels (AVX-512 without AMX) reads the
-# blocks (cpu_gemm.cpp's block tile holds 12 rows: each block converted once). Every layer
-# pass over SmolLM2 and Gemma 3 was faster so at 7-8 rows (1.01-1.18x) and Gemma 3's was
-# slower at 10-12 (0.86-0.93x); the LM heads (Q8_0, wide) were faster up to 12 (1.08-1.52x)
-# and slower at 16 (docs/benchmarks.md, "Block tiles of 12 rows").
-FEW_ROWS = 8
-HEAD_FEW_ROWS = 12
+# blocks: cpu_gemm.cpp's block tile (12 rows, each block converted once). Per form, Gemma 3's
+# and SmolLM2's GEMMs at 12 rows: q8 1.10x the panels' speed (the Q8_0 heads 1.08-1.21x),
+# q4 1.05x, q4f16 1.15x; at 16 (two tiles) slower. q8h (a scale per 16 k: Q6_K) is 1.71x at
+# 6 rows and 0.86x at 8 (docs/benchmarks.md, "Block tiles of 12 rows").
+FEW_ROWS = 12
+FEW_ROWS_OF_FORM = {"q8h": 6}
 # pc_gemm_weight_rows' layout code of each packing that gives W's rows back
 _ROW_LAYOUTS = {"amx": 0, "avx512": 0, "f32": 1, "q8_amx": 2, "q8h_amx": 3}
 DTYPES = (torch.bfloat16, torch.float32)
@@ -211,7 +211,7 @@ class PackedLinear:
         the panels from 2,048 rows, faster below (``cpu_gemm_amx.cpp``'s ``X_CHUNK_BYTES``).
         Without AMX the weight keeps its panels and adds the blocks (``blocks``,
         ``few_rows_kernel``: ``cpu_gemm.cpp``'s ``gemm_blocks``, the panels' bits), which
-        calls of up to ``few_rows`` rows read (``FEW_ROWS``, the LM head ``HEAD_FEW_ROWS``): a
+        calls of up to ``few_rows`` rows read (``FEW_ROWS``, or ``FEW_ROWS_OF_FORM``'s): a
         decode step, a prefill's last row through the LM head, at the memory's rate from fewer bytes; more rows run the panels. None where
         neither runs, or where ``weight`` is not that rounding (``gemm_blocks.pack_blocks``:
         the forms)."""
@@ -236,7 +236,7 @@ class PackedLinear:
             return cls.on_blocks(packed, fn, f"{form}_amx", (n, k), bias, float_out)
         self = cls(weight, bias, float_out)  # AVX-512: the panels, the blocks for few rows
         self.blocks, self.few_rows_kernel = packed, form
-        rows = HEAD_FEW_ROWS if float_out else FEW_ROWS
+        rows = FEW_ROWS_OF_FORM.get(form, FEW_ROWS)
         self._few = (getattr(_lib(), f"pc_gemm_{form}"), packed.data_ptr(), rows)
         return self
 
@@ -290,7 +290,7 @@ class PackedLinear:
     @property
     def few_rows(self) -> int:
         """Calls of up to this many rows read the blocks (0: none, or no panels beside them):
-        ``FEW_ROWS``, or ``HEAD_FEW_ROWS`` for the LM head (``float_out``)."""
+        ``FEW_ROWS``, or its form's ``FEW_ROWS_OF_FORM``."""
         return 0 if self._few is None else self._few[2]
 
     @property
