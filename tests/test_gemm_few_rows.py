@@ -1,7 +1,8 @@
 """A GGUF weight's blocks beside its bf16 panels on AVX-512 without AMX (``cpu_gemm.cpp``'s
-``gemm_blocks``, ``PackedLinear.from_blocks``): calls of up to ``few_rows`` rows (12; 6 for a
-scale per 16 k) read the blocks (int8 or 4-bit), more rows the panels, and every row's outputs are the panels' bits
-whatever its batch. AMX is switched off for this module, so AMX boxes run this path too."""
+``gemm_blocks``, ``PackedLinear.from_blocks``): calls of up to ``few_rows`` rows (12; 6 for
+a scale per 16 k) read the blocks (int8 or 4-bit), more rows the panels, and every row's
+outputs are the panels' bits whatever its batch. AMX is switched off for this module, so AMX
+boxes run this path too."""
 
 from __future__ import annotations
 

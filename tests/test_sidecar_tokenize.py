@@ -1,5 +1,6 @@
-"""vLLM's /tokenize, /detokenize and /tokenizer_info: the ids are the ones the generation routes compute for the
-same prompt or conversation (tools and template kwargs included), in vLLM's response shape."""
+"""vLLM's /tokenize, /detokenize and /tokenizer_info: the ids are the ones the generation
+routes compute for the same prompt or conversation (tools and template kwargs included), in
+vLLM's response shape."""
 
 from __future__ import annotations
 

@@ -212,7 +212,8 @@ class PackedLinear:
         Without AMX the weight keeps its panels and adds the blocks (``blocks``,
         ``few_rows_kernel``: ``cpu_gemm.cpp``'s ``gemm_blocks``, the panels' bits), which
         calls of up to ``few_rows`` rows read (``FEW_ROWS``, or ``FEW_ROWS_OF_FORM``'s): a
-        decode step, a prefill's last row through the LM head, at the memory's rate from fewer bytes; more rows run the panels. None where
+        decode step, a prefill's last row through the LM head, at the memory's rate from fewer
+        bytes; more rows run the panels. None where
         neither runs, or where ``weight`` is not that rounding (``gemm_blocks.pack_blocks``:
         the forms)."""
         amx = _amx_lib()

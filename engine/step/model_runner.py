@@ -278,9 +278,14 @@ def invariance_gaps(
     """What keeps a batch-invariant engine from being so here: an attention backend that is not
     (the torch reference, chosen, or fallen back to for a shape the kernels lack), projections
     on oneDNN's or MKL's GEMM (a dtype the invariant kernel does not take)."""
+    where = f"{shape.dtype}, head dim {shape.head_dim}"
     gaps = [
-        f"attention (backend {b.name!r}: the torch reference at {shape.dtype}, head dim "
-        f"{shape.head_dim})"
+        f"attention (backend {b.name!r} at {where}"
+        + (
+            ": the CPU kernels lack this shape, the torch reference runs it)"
+            if b.name == "cpu"
+            else ")"
+        )
         for b in dict.fromkeys(backends)
         if not b.batch_invariant
     ]

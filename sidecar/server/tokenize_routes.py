@@ -1,8 +1,9 @@
-"""vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``: a prompt's token ids exactly as the
-generation routes would compute them (a completion prompt, or a conversation through the chat
-template, tools and ``chat_template_kwargs`` included; ``add_special_tokens`` on a conversation
-adds the tokenizer's special tokens on top, as vLLM), and ids back to text. vLLM's chat fields
-this server cannot honour are refused by name. Serving routes: the caller's key, the caller's
+"""vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``: a prompt's
+token ids exactly as the generation routes would compute them (a completion prompt, or a
+conversation through the chat template, tools and ``chat_template_kwargs`` included;
+``add_special_tokens`` on a conversation adds the tokenizer's special tokens on top, as vLLM),
+ids back to text, and the tokenizer's special tokens and template. vLLM's chat fields this
+server cannot honour are refused by name. Serving routes: the caller's key, the caller's
 tokenization namespace, and nothing kept of the text."""
 
 from __future__ import annotations
