@@ -176,17 +176,23 @@ void tile_f32_ymm(const float* x, int64_t ldx, int64_t r0, const float* panel, i
 }
 #endif
 
-// Calls fn.template operator()<R>() for the row count R in 1..MR (a compile-time constant).
+// Calls fn.template operator()<R>() for the row count R = min(r, N), r >= 1 (a compile-time
+// constant).
+template <int N, typename Fn>
+void with_count(int r, Fn&& fn) {
+  if constexpr (N == 1) {
+    fn(std::integral_constant<int, 1>{});
+  } else if (r >= N) {
+    fn(std::integral_constant<int, N>{});
+  } else {
+    with_count<N - 1>(r, fn);
+  }
+}
+
+// The row count R in 1..MR of a panel tile.
 template <typename Fn>
 void with_rows(int r, Fn&& fn) {
-  switch (r) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    default: fn(std::integral_constant<int, 6>{}); break;
-  }
+  with_count<MR>(r, fn);
 }
 
 // The work split: a task is (a run of rows, one panel or a half panel). Few rows: half
@@ -364,25 +370,6 @@ void tile_blocks(const uint16_t* x, int64_t ldx, int64_t r0, const uint8_t* grou
 // word (Q4's scales and minimums may spill: read once per k-pair).
 constexpr int BMR = 12;
 
-// Calls fn.template operator()<R>() for the row count R in 1..BMR.
-template <typename Fn>
-void with_block_rows(int r, Fn&& fn) {
-  switch (r) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 7: fn(std::integral_constant<int, 7>{}); break;
-    case 8: fn(std::integral_constant<int, 8>{}); break;
-    case 9: fn(std::integral_constant<int, 9>{}); break;
-    case 10: fn(std::integral_constant<int, 10>{}); break;
-    case 11: fn(std::integral_constant<int, 11>{}); break;
-    default: fn(std::integral_constant<int, 12>{}); break;
-  }
-}
-
 // Each group's blocks converted once per row tile of up to BMR rows: for few rows
 // (cpu_gemm.py calls it for at most FEW_ROWS); past that the conversion outweighs the bytes
 // saved and the panels run.
@@ -394,7 +381,7 @@ void gemm_blocks(const uint16_t* x, int64_t ldx, int64_t m, const uint8_t* packe
 #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t r0 = 0; r0 < m; r0 += BMR)
-      with_block_rows(static_cast<int>(std::min<int64_t>(BMR, m - r0)), [&](auto rows) {
+      with_count<BMR>(static_cast<int>(std::min<int64_t>(BMR, m - r0)), [&](auto rows) {
         tile_blocks<rows(), Form>(x, ldx, r0, packed + g * group_bytes, k, n, g, bias, out, ldo,
                                   f32_out);
       });
