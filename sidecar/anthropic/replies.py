@@ -29,7 +29,6 @@ from typing import Any
 
 import msgspec
 
-from prefixcache.engine.api import TokenizerAPI
 from prefixcache.engine.request import RequestOutput, RetentionHint, Usage
 
 from ..chat.tool_calls import (
@@ -135,26 +134,16 @@ def tool_use(call: ToolCall) -> ToolUseContent:
     return ToolUseContent(tool_use_id(call), call.name, partial_object(call.arguments))
 
 
-def stop_reason(finish: str, tool_calls: bool, matched: str | None) -> tuple[str, str | None]:
-    """Anthropic's ``stop_reason`` and ``stop_sequence`` for an engine finish reason."""
+def stop_reason(
+    finish: str, tool_calls: bool, engine_stop: int | str | None
+) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for an engine finish reason and its
+    ``stop_reason`` (the stop string that ended the output, or a stop token's id)."""
     if tool_calls:
         return "tool_use", None
-    if matched is not None:
-        return "stop_sequence", matched
+    if isinstance(engine_stop, str):
+        return "stop_sequence", engine_stop
     return _STOP_REASONS.get(finish, "end_turn"), None
-
-
-def matched_stop(
-    tokenizer: TokenizerAPI, token_ids: list[int], text: str, stops: list[str], finish: str
-) -> str | None:
-    """Which stop sequence ended the output: the engine cuts the text before it, so it is in
-    the decoded tokens past the text."""
-    if finish != "stop" or not stops:
-        return None
-    decoded = tokenizer.decode(token_ids)
-    tail = decoded[len(text) :] if decoded.startswith(text) else decoded
-    found = [(tail.find(s), s) for s in stops if s in tail]
-    return min(found)[1] if found else None
 
 
 def whole_message(
@@ -163,13 +152,11 @@ def whole_message(
     finish: str,
     usage: Usage,
     token_ids: list[int],
-    tokenizer: TokenizerAPI,
+    engine_stop: int | str | None,
     block_size: int,
 ) -> Message:
     content: list[TextContent | ToolUseContent] = []
     calls: list[ToolCall] = []
-    stops = job.stream.request.sampling.stop
-    matched = matched_stop(tokenizer, token_ids, text, stops, finish)
     cut = forced_call_cut(job.tool_parser, text)
     if job.tool_parser is not None:
         parsed = job.tool_parser.parse(text)
@@ -179,7 +166,7 @@ def whole_message(
     if text:
         content.append(TextContent(text))
     content.extend(tool_use(call) for call in calls)
-    reason, sequence = stop_reason(finish, bool(calls) and not cut, matched)
+    reason, sequence = stop_reason(finish, bool(calls) and not cut, engine_stop)
     return Message(
         id=job.id,
         model=job.model,
@@ -197,7 +184,7 @@ def event(kind: str, **fields: Any) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
 
 
-async def stream_events(job: Job, tokenizer: TokenizerAPI, block_size: int) -> AsyncIterator[bytes]:
+async def stream_events(job: Job, block_size: int) -> AsyncIterator[bytes]:
     """The SSE events of one streamed message. Nothing leaves before the first token (a client
     times its first token by the first event, as the chat stream's first chunk): then
     ``message_start``, with the prompt's usage as the whole message will report it."""
@@ -220,9 +207,9 @@ async def stream_events(job: Job, tokenizer: TokenizerAPI, block_size: int) -> A
         forced = parser.function if isinstance(parser, ForcedParser) else None
         rest = _chain(first, outputs)
         body = (
-            _forced_call_events(job, rest, forced, tokenizer, block_size)
+            _forced_call_events(job, rest, forced, block_size)
             if forced
-            else _content_events(job, rest, tokenizer, block_size)
+            else _content_events(job, rest, block_size)
         )
         async with contextlib.aclosing(body) as frames:
             async for frame in frames:
@@ -258,7 +245,7 @@ async def _chain(
 
 
 async def _content_events(
-    job: Job, outputs: AsyncIterator[RequestOutput], tokenizer: TokenizerAPI, block_size: int
+    job: Job, outputs: AsyncIterator[RequestOutput], block_size: int
 ) -> AsyncIterator[bytes]:
     """Text as it comes (less what could start a tool call), then any parsed tool calls."""
     calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
@@ -299,10 +286,8 @@ async def _content_events(
             yield event("content_block_stop", index=index)
             index += 1
         finish = out.finish_reason or "stop"
-        stops = job.stream.request.sampling.stop
-        matched = matched_stop(tokenizer, token_ids, "".join(released), stops, finish)
         cut = calls is not None and forced_call_cut(job.tool_parser, calls.text)
-        reason, sequence = stop_reason(finish, bool(tool_calls) and not cut, matched)
+        reason, sequence = stop_reason(finish, bool(tool_calls) and not cut, out.stop_reason)
         usage = out.usage or fallback_usage(job, len(token_ids))
         yield _message_end(job, usage, reason, sequence, len(token_ids), block_size)
         return
@@ -312,7 +297,6 @@ async def _forced_call_events(
     job: Job,
     outputs: AsyncIterator[RequestOutput],
     name: str,
-    tokenizer: TokenizerAPI,
     block_size: int,
 ) -> AsyncIterator[bytes]:
     """``tool_choice`` naming a tool: the grammar makes the whole output the call's input
@@ -334,9 +318,7 @@ async def _forced_call_events(
             text, finish = "".join(parts), out.finish_reason or "stop"
             called = bool(job.tool_parser.parse(text).tool_calls)
             called = called and not forced_call_cut(job.tool_parser, text)
-            stops = job.stream.request.sampling.stop
-            matched = matched_stop(tokenizer, token_ids, text, stops, finish)
-            reason, sequence = stop_reason(finish, called, matched)
+            reason, sequence = stop_reason(finish, called, out.stop_reason)
             usage = out.usage or fallback_usage(job, len(token_ids))
             yield _message_end(job, usage, reason, sequence, len(token_ids), block_size)
             return

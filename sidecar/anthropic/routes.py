@@ -84,9 +84,8 @@ class MessagesRoutes:
         job = await self.generation.chat_job(
             tenant, chat[0], new_message_id(), convert.retention(chat[1])
         )
-        tokenizer = self.generation.engine.tokenizer
         if req.stream:
-            events = stream_events(job, tokenizer, self.block_size)
+            events = stream_events(job, self.block_size)
             return SSEResponse(events, on_close=job.stream.aclose)
         try:
             result = await run_until_disconnect(collect(job), request.receive)
@@ -98,7 +97,7 @@ class MessagesRoutes:
             result.finish_reason,
             result.usage,
             result.token_ids,
-            tokenizer,
+            result.stop_reason,
             self.block_size,
         )
         response = json_response(message)
