@@ -4,16 +4,16 @@ growing transcript; the sidecar renders tools canonically, so from step 2 on the
 and all earlier turns come from the prefix cache (printed per step).
 
     pip install openai                         # not a prefixcache dependency
-    prefixcache serve --model PATH_OR_NAME     # a model whose chat template renders tools
+    prefixcache serve --model PATH_OR_NAME     # e.g. smollm2
     python examples/agent_loop.py [--base-url URL] [--model NAME] [--steps 6] [--force-tools 2]
 
 ``--force-tools N`` sends ``tool_choice="required"`` (one call per step) for the first N steps, so the loop calls
 tools even on a model that would not (the grammar engine then forces a valid call); after
 that the model decides (``auto``) and the loop ends when it answers in text.
 
-The demo model's template ignores tools, so the sidecar refuses them (400
-``tools_not_supported``); ``--chat-template FILE`` gives it one that renders them (a ChatML
-template with a ``<tools>`` block, as Qwen2.5's, will do; the text stays meaningless).
+A template that ignores tools (the demo model's, SmolLM2's) gets them in the sidecar's generic
+JSON format (docs/sidecar.md), its replies held to it by a grammar; ``--chat-template FILE``
+gives the model a template that renders them in a format of its own instead.
 """
 
 from __future__ import annotations

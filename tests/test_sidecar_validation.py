@@ -84,7 +84,13 @@ CORPUS: list[tuple[str, str, str, bytes | None, int]] = [
     ("negative top_p", "POST", CHAT, chat(top_p=-0.1), 400),
     ("top_p above one", "POST", CHAT, chat(top_p=1.5), 400),
     ("negative top_k", "POST", CHAT, chat(top_k=-3), 400),
-    ("tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": MARK}}]), 400),
+    (
+        "tools",
+        "POST",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": MARK}}] * 2),
+        400,
+    ),
     (
         "json_schema without a schema",
         "POST",

@@ -172,15 +172,16 @@ def test_the_parser_comes_from_the_template(
     )  # type: ignore[arg-type]
 
 
-async def test_a_template_without_tools_support_is_a_400() -> None:
+async def test_a_template_without_tools_support_gets_them_as_text() -> None:
+    """A template that renders no tools: they reach the model in the generic JSON format
+    (test_generic_tools.py), its reply held to that format by a grammar."""
     response, engine = await post(
         None, {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
     )
-    assert response.status_code == 400
-    error = response.json()["error"]
-    assert "does not support tools" in error["message"] and error["param"] == "tools"
-    assert "--chat-template" in error["message"]
-    assert engine.received == []
+    assert response.status_code == 200, response.text
+    (request,) = engine.received
+    assert '"get_weather"' in engine.tokenizer.decode(request.prompt_token_ids)
+    assert '"tool_calls"' in request.sampling.grammar.schema
 
 
 async def test_tool_choice_none_on_a_template_without_tools_is_the_plain_prompt() -> None:

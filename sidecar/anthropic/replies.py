@@ -161,7 +161,7 @@ def whole_message(
     if job.tool_parser is not None:
         parsed = job.tool_parser.parse(text)
         calls = parsed.tool_calls
-        if calls or isinstance(job.tool_parser, ForcedParser):  # never the forcing JSON as text
+        if calls or job.tool_parser.rewrites_content:  # never a forcing JSON or envelope
             text = parsed.content or ""
     if text:
         content.append(TextContent(text))

@@ -41,6 +41,7 @@ from ..wire.protocol import (
     arguments_object,
     order_segments,
 )
+from .generic_tools import GenericTools
 
 
 class ChatTokenizer(Protocol):
@@ -194,14 +195,22 @@ class PromptRenderer:
         template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         namespace: str = "",
+        generic_tools: GenericTools | None = None,
     ) -> RenderedPrompt:
-        """A chat request's prompt, by default ending with the generation prompt."""
+        """A chat request's prompt, by default ending with the generation prompt;
+        ``generic_tools``: the tools of a template that does not render them, written into
+        the messages (generic_tools.py)."""
         if segments is not None:
             ordered = order_segments(segments)
             tags = [s.tag for s in ordered]
+            pieces = _dicts(ordered)
+            if generic_tools is not None:
+                pieces = generic_tools.messages(pieces, merge=False)
+            added = len(pieces) - len(ordered)  # the tools' system message, untagged
             out = self.render_pieces(
-                _dicts(ordered), tags, add_generation_prompt, template_kwargs, namespace
+                pieces, [""] * added + tags, add_generation_prompt, template_kwargs, namespace
             )
+            out.spans = out.spans[added:]
             out.retain = [
                 RetentionHint(span.end, s.cache_control.ttl_s)
                 for s, span in zip(ordered, out.spans, strict=True)
@@ -214,13 +223,15 @@ class PromptRenderer:
             return out
         assert messages is not None
         out = self.render_messages(
-            _dicts(messages),
+            _dicts(messages, generic_tools),
             add_generation_prompt,
             template_kwargs,
             continue_final_message,
             namespace,
         )
-        out.retain = self._message_hints(messages, out.token_ids, template_kwargs, namespace)
+        out.retain = self._message_hints(
+            messages, out.token_ids, template_kwargs, namespace, generic_tools
+        )
         return out
 
     def with_special_tokens(self, out: RenderedPrompt) -> RenderedPrompt:
@@ -242,6 +253,7 @@ class PromptRenderer:
         token_ids: list[int],
         template_kwargs: dict[str, Any] | None,
         namespace: str,
+        generic_tools: GenericTools | None = None,
     ) -> list[RetentionHint]:
         """A ``cache_control`` (Anthropic's) or ``prompt_cache_breakpoint`` (OpenAI's) on
         message i's content part j keeps the prompt up to the end of that part: the
@@ -265,7 +277,7 @@ class PromptRenderer:
             assert isinstance(content, list)
             cut = [*messages[:i], Message(messages[i].role, list(content[: j + 1]))]
             head = self.render_messages(
-                _dicts(cut), False, template_kwargs, namespace=namespace
+                _dicts(cut, generic_tools), False, template_kwargs, namespace=namespace
             ).token_ids
             hints.append(RetentionHint(common_prefix(head, token_ids), ttl_s))
         return hints
@@ -279,8 +291,11 @@ def _position_of(inner: list[int], outer: list[int]) -> int | None:
     return None
 
 
-def _dicts(messages: list[Message] | list[Segment]) -> list[dict[str, Any]]:
-    return [_dict(m) for m in messages]
+def _dicts(
+    messages: list[Message] | list[Segment], generic_tools: GenericTools | None = None
+) -> list[dict[str, Any]]:
+    dicts = [_dict(m) for m in messages]
+    return dicts if generic_tools is None else generic_tools.messages(dicts)
 
 
 def _dict(m: Message | Segment) -> dict[str, Any]:

@@ -41,7 +41,7 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call(name: Any, arguments: Any) -> ToolCall:
+def call_of(name: Any, arguments: Any) -> ToolCall:
     """One call from decoded JSON; ValueError unless a name and an object of arguments."""
     if not isinstance(name, str) or not name:
         raise ValueError("a tool call needs a name")
@@ -54,7 +54,7 @@ def _call(name: Any, arguments: Any) -> ToolCall:
     return ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
 
 
-def _content(text: str) -> str | None:
+def content_of(text: str) -> str | None:
     return text if text.strip() else None
 
 
@@ -63,6 +63,15 @@ class ToolCallParser:
 
     name = ""
     needs_special_tokens = False  # its markers are special tokens the detokenizer would drop
+    # A reply's content is parse()'s, never the raw output (a forced call's JSON, the generic
+    # format's envelope), even when it holds no call.
+    rewrites_content = False
+
+    def streamed_content(self, text: str, final: bool = False) -> str | None:
+        """Formats whose content lies inside the output (the generic envelope): the content
+        that ``text`` holds for sure; None: content is the output's own text, released as
+        ``section_start`` and ``held_back`` allow."""
+        return None
 
     def section_start(self, text: str) -> int | None:
         """Where the tool-call section begins in ``text`` (so far), or None."""
@@ -79,14 +88,14 @@ class ToolCallParser:
     def parse(self, text: str) -> ParsedOutput:
         at = self.section_start(text)
         if at is None:
-            return ParsedOutput(_content(text))
+            return ParsedOutput(content_of(text))
         try:
             calls = self.parse_calls(text[at:])
         except ValueError:  # json.JSONDecodeError is one
-            return ParsedOutput(_content(text))
+            return ParsedOutput(content_of(text))
         if not calls:
-            return ParsedOutput(_content(text))
-        return ParsedOutput(_content(text[:at]), calls)
+            return ParsedOutput(content_of(text))
+        return ParsedOutput(content_of(text[:at]), calls)
 
 
 class MarkerParser(ToolCallParser):
@@ -126,7 +135,7 @@ class HermesParser(MarkerParser):
             obj = json.loads(inner)
             if not isinstance(obj, dict):
                 raise ValueError("a tool call must be a JSON object")
-            calls.append(_call(obj.get("name"), obj.get("arguments")))
+            calls.append(call_of(obj.get("name"), obj.get("arguments")))
         return calls
 
 
@@ -147,10 +156,10 @@ class MistralParser(MarkerParser):
                 for item in items:
                     if not isinstance(item, dict):
                         raise ValueError("a tool call must be a JSON object")
-                    calls.append(_call(item.get("name"), item.get("arguments")))
+                    calls.append(call_of(item.get("name"), item.get("arguments")))
             elif self._ARGS in part:  # name[ARGS]{...}
                 name, _, arguments = part.partition(self._ARGS)
-                calls.append(_call(name.strip(), json.loads(arguments)))
+                calls.append(call_of(name.strip(), json.loads(arguments)))
             else:
                 raise ValueError("not a tool call")
         return calls
@@ -179,7 +188,7 @@ class Llama3JsonParser(ToolCallParser):
             if not isinstance(obj, dict):
                 raise ValueError("a tool call must be a JSON object")
             arguments = obj.get("parameters", obj.get("arguments"))
-            calls.append(_call(obj.get("name"), arguments))
+            calls.append(call_of(obj.get("name"), arguments))
             rest = rest[end:].strip()
             if rest.startswith(";"):
                 rest = rest[1:].strip()
@@ -194,6 +203,7 @@ class ForcedParser(ToolCallParser):
     ``{"name", "parameters"}`` (as vLLM forces them)."""
 
     name = "forced"
+    rewrites_content = True
 
     def __init__(self, function: str | None) -> None:
         self.function = function  # the named function, or None for "required"
@@ -207,10 +217,10 @@ class ForcedParser(ToolCallParser):
     def parse_calls(self, section: str) -> list[ToolCall]:
         value = json.loads(section)
         if self.function is not None:
-            return [_call(self.function, value)]
+            return [call_of(self.function, value)]
         if not isinstance(value, list):
             raise ValueError("expected a list of tool calls")
-        return [_call(item.get("name"), item.get("parameters")) for item in value]
+        return [call_of(item.get("name"), item.get("parameters")) for item in value]
 
     def parse(self, text: str) -> ParsedOutput:
         """The forced calls; output the grammar forced but max_tokens cut is still calls (as
@@ -221,7 +231,7 @@ class ForcedParser(ToolCallParser):
             return parsed
         if self.function is not None:
             return ParsedOutput(None, [ToolCall(new_call_id(), self.function, text.strip())])
-        return ParsedOutput(None, _cut_calls(text))
+        return ParsedOutput(None, cut_calls(text))
 
 
 class FirstCallOnly(ToolCallParser):
@@ -259,15 +269,18 @@ def forced_call_cut(parser: ToolCallParser | None, text: str) -> bool:
         return True
 
 
-# The forced list's last, cut call: its name whole, then its parameters' text as far as they
-# came (none if the cut fell before them).
+# A cut list's last call: its name whole, then its arguments' text as far as they came (none
+# if the cut fell before them); the key is "parameters" in a forced list, "arguments" in the
+# generic format's.
 _CUT_CALL = re.compile(
-    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)+)"\s*(?:,\s*"parameters"\s*:(.*))?', re.S
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)+)"\s*(?:,\s*"(?:parameters|arguments)"\s*:(.*))?',
+    re.S,
 )
 
 
-def _cut_calls(text: str) -> list[ToolCall]:
-    """The calls of a forced ``[{"name", "parameters"}, ...]`` list that max_tokens cut."""
+def cut_calls(text: str, key: str = "parameters") -> list[ToolCall]:
+    """The calls of a ``[{"name", key}, ...]`` list that max_tokens cut (a forced one's,
+    or the generic format's with "arguments")."""
     rest = text.strip().removeprefix("[")
     calls: list[ToolCall] = []
     while rest.strip():
@@ -283,7 +296,7 @@ def _cut_calls(text: str) -> list[ToolCall]:
         if not isinstance(item, dict):
             break
         try:
-            calls.append(_call(item.get("name"), item.get("parameters")))
+            calls.append(call_of(item.get("name"), item.get(key)))
         except ValueError:  # not a call: what came so far is all there is
             break
         rest = rest.lstrip()[end:].lstrip().removeprefix(",")
@@ -327,6 +340,11 @@ class ToolCallStream:
     def push(self, delta: str) -> str:
         """The content that can be released now."""
         self.text += delta
+        inner = self.parser.streamed_content(self.text)
+        if inner is not None:
+            out = inner[self.emitted :]
+            self.emitted = max(self.emitted, len(inner))
+            return out
         if self.in_section:
             return ""
         at = self.parser.section_start(self.text)
@@ -342,6 +360,8 @@ class ToolCallStream:
     def finish(self) -> ParsedOutput:
         """The rest: content not yet released, and the tool calls (as ``parse`` would)."""
         parsed = self.parser.parse(self.text)
+        if not parsed.tool_calls and self.parser.rewrites_content:
+            return ParsedOutput((parsed.content or "")[self.emitted :] or None)
         if not parsed.tool_calls:  # content, unless the whole reply has none (as parse says)
             rest = self.text[self.emitted :] if parsed.content is not None else ""
             return ParsedOutput(rest or None)

@@ -19,6 +19,7 @@ from prefixcache.engine.request import GrammarSpec
 from prefixcache.sdk.canonical import canonical_json
 
 from ..wire import protocol as p
+from .generic_tools import GenericParser, GenericTools, SchemaDefs, envelope_schema
 from .tool_calls import (
     PROBE_CALL_MESSAGES,
     PROBE_TOOL,
@@ -36,24 +37,41 @@ def canonical_tools(tools: list[p.ToolDef]) -> list[dict[str, Any]]:
     return [json.loads(canonical_json(msgspec.to_builtins(tool))) for tool in tools]
 
 
-def grammar_for(req: p.ChatCompletionRequest) -> GrammarSpec | None:
-    """What the output must be: a response_format, or a forced tool call's JSON."""
+def grammar_for(req: p.ChatCompletionRequest, generic: bool = False) -> GrammarSpec | None:
+    """What the output must be: a response_format, or a forced tool call's JSON; ``generic``
+    (tools on a template that does not render them): under tool_choice auto, the generic
+    format's envelope, its response a string or the response_format's JSON.
+    ValueError for tools whose schemas cannot share one grammar."""
     fmt = req.response_format
+    mode = req.tool_mode
+    if generic and req.tools and mode == "auto":
+        response: dict[str, Any] = {"type": "string"}
+        if fmt is not None and fmt.type == "json_object":
+            response = {"type": "object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            assert fmt.json_schema is not None and fmt.json_schema.schema is not None
+            response = fmt.json_schema.schema
+        tools = [(t.function.name, _parameters(t)) for t in req.tools]
+        schema = envelope_schema(tools, req.parallel_tool_calls is False, response)
+        return GrammarSpec("json_schema", schema_text(schema))
     if fmt is not None and fmt.type == "json_object":
         return GrammarSpec("json")
     if fmt is not None and fmt.type == "json_schema":
         assert fmt.json_schema is not None and fmt.json_schema.schema is not None
         return GrammarSpec("json_schema", schema_text(fmt.json_schema.schema))
-    mode = req.tool_mode
     if mode == "named":
         assert isinstance(req.tool_choice, p.NamedToolChoice)
         (tool,) = [t for t in req.tools or () if t.function.name == req.tool_choice.function.name]
         return GrammarSpec("json_schema", schema_text(_parameters(tool)))
     if mode == "required":  # a list of one or more calls of the given tools (vLLM's form)
+        defs = SchemaDefs()  # each tool's $defs at the root, where its references point
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+                "properties": {
+                    "name": {"const": t.function.name},
+                    "parameters": defs.lift(_parameters(t)),
+                },
                 "required": ["name", "parameters"],
             }
             for t in req.tools or ()
@@ -61,7 +79,7 @@ def grammar_for(req: p.ChatCompletionRequest) -> GrammarSpec | None:
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return GrammarSpec("json_schema", schema_text(schema))
+        return GrammarSpec("json_schema", schema_text(defs.into(schema)))
     return None
 
 
@@ -99,8 +117,16 @@ class ToolTemplate:
                 self._supports = False
         return self._supports
 
+    def generic_tools(self, req: p.ChatCompletionRequest) -> GenericTools | None:
+        """``req``'s tools in the generic format (generic_tools.py) where the template does not
+        render them; else None."""
+        if not req.tools or req.tool_mode == "none" or self.supports_tools:
+            return None
+        return GenericTools(canonical_tools(req.tools))
+
     def parser(self, req: p.ChatCompletionRequest) -> ToolCallParser | None:
-        """How this request's output becomes tool calls, or None (no tools, or "none")."""
+        """How this request's output becomes tool calls (or, in the generic format, content),
+        or None (no tools, or "none" on a template that renders them)."""
         mode = req.tool_mode
         if mode == "none" or not req.tools:
             return None
@@ -109,6 +135,9 @@ class ToolTemplate:
             return ForcedParser(req.tool_choice.function.name)
         if mode == "required":
             return ForcedParser(None)
+        if not self.supports_tools:
+            fmt = req.response_format
+            return GenericParser(structured=fmt is not None and fmt.type != "text")
         if req.parallel_tool_calls is False:
             return FirstCallOnly(self.model_parser)
         return self.model_parser

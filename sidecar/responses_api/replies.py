@@ -98,8 +98,9 @@ def output_items(job: Job, text: str, finish_reason: str) -> list[w.OutputItem]:
         calls, text = [ToolCall(new_call_id(), parser.function, text)], ""
     elif parser is not None:
         parsed = parser.parse(text)
-        # A forced output is never text (cut inside its first name, it is no call either).
-        if parsed.tool_calls or isinstance(parser, ForcedParser):
+        # A forced output is never text (cut inside its first name, it is no call either);
+        # the generic format's is its envelope's response.
+        if parsed.tool_calls or parser.rewrites_content:
             calls, text = parsed.tool_calls, parsed.content or ""
     items: list[w.OutputItem] = []
     if text:

@@ -81,7 +81,8 @@ class GenerationRoutes:
     ) -> list[Job]:
         """The request's ``n`` choices (or ``choices``), one job each over the one rendering."""
         namespace = self.gate.namespace(tenant.name, req.cache_salt)
-        grammar = await checked_grammar(req, self.grammars, namespace)  # before any rendering
+        generic = not self.tool_template.supports_tools
+        grammar = await checked_grammar(req, self.grammars, namespace, generic)  # before rendering
         prompt = await self.render_chat(req, namespace, retention)
         max_tokens = req.max_completion_tokens or req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
@@ -114,6 +115,7 @@ class GenerationRoutes:
         tokenizing, whose callers forget it); ``retention`` replaces the retention hints of
         the ``cache_control`` marks on text parts (it runs where the prompt renders)."""
         template_kwargs = self.chat_template_kwargs(req)
+        generic_tools = self.tool_template.generic_tools(req)
 
         def render(renderer: PromptRenderer) -> RenderedPrompt:
             out = renderer.render_chat(
@@ -123,6 +125,7 @@ class GenerationRoutes:
                 template_kwargs,
                 bool(req.continue_final_message),
                 namespace,
+                generic_tools,
             )
             if retention is not None:
                 out.retain = retention(renderer, out, template_kwargs)
@@ -139,17 +142,16 @@ class GenerationRoutes:
         if req.documents is not None:
             template_kwargs = {**template_kwargs, "documents": req.documents}
         if req.tools:
-            if not self.tool_template.supports_tools:
-                if req.tool_mode == "none":  # no call wanted: the prompt without them is it
-                    return template_kwargs
-                raise bad_request(
-                    f"the chat template of {self.engine.model_name!r} does not support tools "
-                    "(it renders the same prompt with and without them); serve the model with "
-                    "--chat-template set to a template that renders them, or send "
-                    "tool_choice 'none'",
-                    "tools",
-                    "tools_not_supported",
-                )
+            if not self.tool_template.supports_tools:  # written into the messages instead
+                if req.continue_final_message:
+                    raise bad_request(
+                        "continue_final_message cannot be used with tools here: the chat "
+                        f"template of {self.engine.model_name!r} does not render tools, so they "
+                        "are sent in a JSON format the reply must start; serve the model with "
+                        "--chat-template set to a template that renders tools",
+                        "continue_final_message",
+                    )
+                return template_kwargs
             template_kwargs = {**template_kwargs, "tools": canonical_tools(req.tools)}
         return template_kwargs
 
@@ -384,15 +386,15 @@ _COMPILES = anyio.CapacityLimiter(1)
 
 
 async def checked_grammar(
-    req: p.ChatCompletionRequest, cache: GrammarCache, namespace: str
+    req: p.ChatCompletionRequest, cache: GrammarCache, namespace: str, generic: bool = False
 ) -> GrammarSpec | None:
-    """``req``'s grammar, compiled once here (on a worker thread, cached per namespace) so
-    that a schema llguidance refuses is a 400 naming the field, not an error inside a stream
-    that has begun."""
-    grammar = grammar_for(req)
-    if grammar is None:
-        return None
+    """``req``'s grammar (``generic``: for a template that does not render tools), compiled
+    once here (on a worker thread, cached per namespace) so that a schema llguidance refuses
+    is a 400 naming the field, not an error inside a stream that has begun."""
     try:
+        grammar = grammar_for(req, generic)
+        if grammar is None:
+            return None
         if cache.lookup(grammar, namespace) is None:
             await anyio.to_thread.run_sync(
                 cache.get_or_compile, grammar, compiled_grammar, namespace, limiter=_COMPILES

@@ -275,7 +275,7 @@ def _chat_message(job: Job, result: Collected) -> tuple[rt.ChatMessage, str]:
         return rt.ChatMessage("assistant", result.text), result.finish_reason
     parsed = job.tool_parser.parse(result.text)
     if not parsed.tool_calls:  # a forced output cut in its first name: nothing to show
-        text = None if isinstance(job.tool_parser, ForcedParser) else result.text
+        text = parsed.content if job.tool_parser.rewrites_content else result.text
         return rt.ChatMessage("assistant", text), result.finish_reason
     calls = [_tool_call_reply(call) for call in parsed.tool_calls]
     # calls max_tokens or a stop string cut (a forced one's arguments as far as they came)

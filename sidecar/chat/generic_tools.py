@@ -1,0 +1,262 @@
+"""Tools for a chat template that does not render them: the generic JSON format.
+
+A template that ignores ``tools`` (SmolLM2's, Gemma's, many older chat models') can show the
+model neither its tools nor its own past calls. Instead of refusing, the prompt carries them
+as text, in the spirit of llama.cpp's "generic" format:
+
+- the tools and the reply format join the first system message (a new one if there is none);
+  the same tools always give the same text (canonical JSON), so that prefix is cached;
+- the history is rewritten into that format: an assistant's calls become
+  ``{"tool_calls": [...]}``, its answers ``{"response": ...}`` (what it generated, so a
+  conversation's next turn starts with the tokens of the last), a tool's result a user turn of
+  ``{"tool_response": ...}`` (tool roles the template may not know; a run of them one turn);
+- a grammar holds the reply to one of the two envelopes (``tool_choice`` auto); required and
+  named calls keep vLLM's forced JSON. ``none`` is the plain prompt, as before: no call is
+  wanted, and the answer is the model's own text (what LangChain sends with tools bound);
+- ``GenericParser`` reads the envelope back as tool calls or content, and a stream releases
+  the response's text as it decodes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .tool_calls import ParsedOutput, ToolCall, ToolCallParser, call_of, content_of, cut_calls
+
+_INSTRUCTIONS = (
+    "Reply with one JSON object and nothing else: "
+    '{"tool_calls": [{"name": <a tool\'s name>, "arguments": <its arguments object>}]} '
+    'to call tools, or {"response": <your reply>} to answer. A tool\'s result comes back as '
+    '{"tool_response": {"name": <the tool\'s name>, "content": <its result>}}.'
+)
+
+
+@dataclass(slots=True, frozen=True)
+class GenericTools:
+    """One request's tools (canonical dicts, as the template would have seen them)."""
+
+    tools: list[dict[str, Any]]
+
+    def system_text(self) -> str:
+        lines = ["You can call these tools (each one's arguments as a JSON Schema):"]
+        for tool in self.tools:
+            function = tool.get("function", {})
+            lines.append(json.dumps(function, ensure_ascii=False, separators=(", ", ": ")))
+        lines.append(_INSTRUCTIONS)
+        return "\n".join(lines)
+
+    def messages(self, messages: list[dict[str, Any]], merge: bool = True) -> list[dict[str, Any]]:
+        """``messages`` (the template's dicts) in the generic format. ``merge``: a run of
+        user turns that tool results joined becomes one (templates that need roles to
+        alternate); off for tagged segments, whose pieces stay one per segment."""
+        names = {
+            call["id"]: call["function"]["name"]
+            for m in messages
+            for call in m.get("tool_calls") or ()
+            if "id" in call
+        }
+        out: list[dict[str, Any]] = []
+        joined = False  # whether out[-1] is a user turn a tool result made or joined
+        for i, m in enumerate(messages):
+            role = m["role"]
+            if i == 0 and role == "system":
+                out.append({**m, "content": f"{m['content']}\n\n{self.system_text()}"})
+                continue
+            if i == 0:
+                out.append({"role": "system", "content": self.system_text()})
+            if role == "assistant":
+                out.append({"role": "assistant", "content": assistant_envelope(m)})
+                joined = False
+            elif role == "tool":
+                result = {"name": names.get(m.get("tool_call_id", ""), m.get("name")), "content": m["content"]}  # fmt: skip
+                text = json.dumps({"tool_response": result}, ensure_ascii=False)
+                if merge and joined:
+                    out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{text}"}
+                else:
+                    out.append({"role": "user", "content": text})
+                joined = True
+            elif role == "user" and merge and joined:
+                out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{m['content']}"}
+            else:
+                out.append(m)
+                joined = False
+        return out
+
+
+def assistant_envelope(message: dict[str, Any]) -> str:
+    """A past assistant turn as the generic format writes it."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return json.dumps({"response": message.get("content") or ""}, ensure_ascii=False)
+    envelope: dict[str, Any] = {}
+    if message.get("content"):
+        envelope["response"] = message["content"]
+    envelope["tool_calls"] = [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls
+    ]
+    return json.dumps(envelope, ensure_ascii=False)
+
+
+def envelope_schema(
+    tools: list[tuple[str, dict[str, Any]]], single: bool, response: dict[str, Any]
+) -> dict[str, Any]:
+    """The reply's JSON Schema: ``{"tool_calls": [...]}`` of ``tools`` (name, parameters;
+    at most one call with ``single``) or ``{"response": <response>}``. ValueError if two of
+    them define a ``$defs`` name differently."""
+    defs = SchemaDefs()
+    answer = _object("response", defs.lift(response))
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": defs.lift(parameters)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name, parameters in tools
+    ]
+    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if single:
+        array["maxItems"] = 1
+    return defs.into({"anyOf": [_object("tool_calls", array), answer]})
+
+
+class SchemaDefs:
+    """Definitions of schemas nested in a bigger one, lifted to its root, where their
+    ``#/$defs/...`` references point (pydantic writes them so); as vLLM, a name two schemas
+    define differently is refused."""
+
+    KEYWORDS = ("$defs", "definitions")
+
+    def __init__(self) -> None:
+        self.found: dict[str, dict[str, Any]] = {}
+
+    def lift(self, schema: dict[str, Any]) -> dict[str, Any]:
+        """``schema`` without its definitions, which join the root's."""
+        if not any(key in schema for key in self.KEYWORDS):
+            return schema
+        rest = dict(schema)
+        for key in self.KEYWORDS:
+            defined = rest.pop(key, None)
+            if not isinstance(defined, dict):
+                continue
+            have = self.found.setdefault(key, {})
+            for name, definition in defined.items():
+                if have.setdefault(name, definition) != definition:
+                    raise ValueError(
+                        f"two schemas define {key} {name!r} differently; one grammar holds "
+                        "them all, so each name must have one definition"
+                    )
+        return rest
+
+    def into(self, schema: dict[str, Any]) -> dict[str, Any]:
+        return {**schema, **self.found} if self.found else schema
+
+
+def _object(key: str, value: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {key: value},
+        "required": [key],
+        "additionalProperties": False,
+    }
+
+
+# Where the response's value begins: a string's first character (after its quote), or, for a
+# structured response (response_format), the value itself.
+_RESPONSE_STRING = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+_RESPONSE_VALUE = re.compile(r'\s*\{\s*"response"\s*:\s*')
+_CALLS = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*\[')
+_DECODER = json.JSONDecoder()
+
+
+class GenericParser(ToolCallParser):
+    """The generic format's reply: ``{"tool_calls": [...]}`` or ``{"response": ...}``.
+
+    ``structured``: the response is a JSON value (response_format), whose text is the
+    content; else a string, whose characters are. Output that is neither envelope (a cut
+    one) is the response as far as it came."""
+
+    name = "generic"
+    rewrites_content = True
+
+    def __init__(self, structured: bool = False) -> None:
+        self.structured = structured
+
+    def section_start(self, text: str) -> int | None:
+        return 0
+
+    def held_back(self, text: str) -> int:
+        return 0
+
+    def parse_calls(self, section: str) -> list[ToolCall]:
+        value = json.loads(section)
+        if not isinstance(value, dict) or not isinstance(value.get("tool_calls"), list):
+            raise ValueError("not a tool call envelope")
+        calls = []
+        for item in value["tool_calls"]:
+            if not isinstance(item, dict):
+                raise ValueError("a tool call must be a JSON object")
+            calls.append(call_of(item.get("name"), item.get("arguments")))
+        return calls
+
+    def parse(self, text: str) -> ParsedOutput:
+        try:
+            return ParsedOutput(None, self.parse_calls(text))
+        except ValueError:
+            pass
+        calls = _CALLS.match(text)
+        if calls is not None:  # cut inside its calls: the whole ones, the last as far as it came
+            return ParsedOutput(None, cut_calls(text[calls.end() - 1 :], "arguments"))
+        return ParsedOutput(content_of(self.streamed_content(text, final=True)))
+
+    def streamed_content(self, text: str, final: bool = False) -> str:
+        """The response's text that ``text`` holds for sure (more text only adds to it);
+        ``final``: the whole output, nothing to hold back."""
+        if self.structured:
+            start = _RESPONSE_VALUE.match(text)
+            if start is None:
+                return ""
+            value = text[start.end() :]
+            try:  # whole: exactly the value's text
+                _, end = _DECODER.raw_decode(value)
+                return value[:end]
+            except ValueError:  # the envelope's closing brace may be next: hold it back
+                return value if final else value.rstrip(" \t\r\n}")
+        start = _RESPONSE_STRING.match(text)
+        return "" if start is None else _string_so_far(text[start.end() :])
+
+
+def _string_so_far(body: str) -> str:
+    """The characters of a JSON string's body (from after its opening quote) up to its end or
+    the last one whose escape is whole (a surrogate pair waits for its second half)."""
+    i, safe, n = 0, 0, len(body)
+    while i < n:
+        c = body[i]
+        if c == '"':
+            break
+        if c == "\\":
+            if i + 1 >= n:
+                break
+            if body[i + 1] == "u":
+                try:
+                    code = int(body[i + 2 : i + 6], 16) if i + 6 <= n else None
+                except ValueError:
+                    break
+                if code is None:
+                    break
+                step = 12 if 0xD800 <= code < 0xDC00 else 6
+                if i + step > n:
+                    break
+                i += step
+            else:
+                i += 2
+        else:
+            i += 1
+        safe = i
+    try:
+        return json.loads(f'"{body[:safe]}"')
+    except ValueError:  # not JSON the grammar would write
+        return ""
