@@ -65,7 +65,7 @@ def test_create_answers_in_the_message_shape(client: anthropic.Anthropic) -> Non
         model="claude-test", max_tokens=6, messages=QUESTION, extra_body=GREEDY
     )
     assert message.type == "message" and message.role == "assistant"
-    assert message.id.startswith("msg_") and message.model == "demo"
+    assert message.id.startswith("msg_") and message.model == "claude-test"  # as asked
     assert message.stop_reason in ("end_turn", "max_tokens")
     (block,) = message.content
     assert block.type == "text" and block.text

@@ -520,7 +520,8 @@ async def test_response_shape(engine: FakeEngine, client: httpx.AsyncClient) -> 
 
 
 async def test_model_aliases_are_accepted_and_others_are_not(engine: FakeEngine) -> None:
-    """vLLM-style clients send the --model path; `prefixcache serve` accepts it as an alias."""
+    """vLLM-style clients send the --model path; `prefixcache serve` accepts it as an alias,
+    and the reply names the model as the request did."""
     settings = SidecarSettings(manage_engine=False, model_aliases=("/models/my-model",))
     app = create_app(engine, settings)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
@@ -528,7 +529,7 @@ async def test_model_aliases_are_accepted_and_others_are_not(engine: FakeEngine)
             body = {"messages": USER, "model": name, "max_tokens": 1}
             response = await c.post(CHAT, json=body)
             assert response.status_code == 200, name
-            assert response.json()["model"] == engine.model_name
+            assert response.json()["model"] == name  # the name used, as vLLM answers
         other = await c.post(CHAT, json={"messages": USER, "model": "/models/other"})
         assert other.status_code == 404
         # listed too, the model's own name first, each card rooted at it (vLLM lists each of

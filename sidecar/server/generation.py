@@ -314,7 +314,8 @@ class GenerationRoutes:
                 job = Job(
                     id=request_id,
                     kind=kind,
-                    model=self.engine.model_name,
+                    # the name the request used (an alias too), as vLLM answers
+                    model=req.model or self.engine.model_name,
                     created=created,
                     spans=prompt.spans,
                     stream=self.admission.admit(engine_request),  # 429 when the queue is full
