@@ -11,12 +11,14 @@ what ``PREFIXCACHE_CPU_KERNELS=0`` runs for the same step (the torch reference b
 - decode: B sequences, one query each, over their scattered pages: gathered, then one padded
   call.
 
-Shapes are SmolLM2's (9 query / 3 KV heads of 64) and Gemma 3's (4 / 1 of 256). Prints
+Shapes are SmolLM2's (9 query / 3 KV heads of 64), Gemma 3's (4 / 1 of 256) and Phi-3 mini's
+(32 / 32 of 96; ``--head-dim 96`` runs those alone). Prints
 milliseconds (median of wall time) and the ratio row / torch (below 1: the row kernel is
 faster), with the CPU named. ``--softcap CAP`` also times the row kernel with Gemma 2's score
 softcap (``CAP * tanh(s / CAP)`` on every score) and prints its cost: capped / plain.
 
-    .venv/bin/python bench/row_attention.py [--threads 2] [--scale 1.0] [--softcap 50] [--json]
+    .venv/bin/python bench/row_attention.py [--threads 2] [--scale 1.0] [--softcap 50]
+        [--head-dim 96] [--json]
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ CASES = [
     ("decode", 1, 1, 16000, 9, 3, 64),
     ("decode", 16, 1, 2048, 4, 1, 256),
     ("decode", 1, 1, 8000, 4, 1, 256),  # one KV head: its key partitions split over threads
+    ("prefill", 1, 1024, 0, 32, 32, 96),  # Phi-3 mini: 32 heads of 96, no GQA
+    ("warm suffix", 1, 64, 2048, 32, 32, 96),
+    ("decode", 8, 1, 2048, 32, 32, 96),
 ]
 
 
@@ -136,6 +141,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies every token count")
     ap.add_argument("--reps", type=int, default=5, help="calls per timed run")
     ap.add_argument("--softcap", type=float, default=0.0, help="also time this score softcap")
+    ap.add_argument("--head-dim", type=int, nargs="*", help="only the cases of these head dims")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if (reason := row_kernels.row_unavailable_reason()) or row_kernels.load_rows() is None:
@@ -149,7 +155,8 @@ def main() -> None:
     # where it is native, which is where the engine picks bf16 by default.
     dtypes = [torch.float32] + ([torch.bfloat16] if native_bf16 else [])
     gen = torch.Generator().manual_seed(0)
-    jobs = [(dt, c) for dt in dtypes for c in CASES]
+    cases = [c for c in CASES if not args.head_dim or c[-1] in args.head_dim]
+    jobs = [(dt, c) for dt in dtypes for c in cases]
     rows = []
     for dt, case in progress_iter(jobs, "row kernel vs torch"):
         r = measure(dt, case, gen, args.scale, args.reps, args.softcap)

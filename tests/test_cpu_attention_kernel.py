@@ -78,6 +78,8 @@ def test_unavailable_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
         (64, 1000, 8, 2, 64, True),  # bottom-right causal: queries at the end of the keys
         (5, 300, 8, 2, 64, False),
         (1, 17, 4, 4, 64, False),  # no GQA
+        (150, 150, 4, 4, 96, True),  # Phi-3 mini's head dim: three column chunks of two
+        (3, 300, 6, 2, 96, False),
         (100, 100, 4, 4, 128, True),
         (200, 200, 12, 4, 32, True),
         (129, 257, 9, 3, 64, False),  # g = 3: tiles of 4 rows mix tokens
@@ -168,7 +170,9 @@ def test_bf16_engine_caching_never_changes_greedy_outputs(
 
 
 @needs_kernel
-@pytest.mark.parametrize(("hq", "hk", "d"), [(8, 2, 64), (9, 3, 64), (4, 4, 128), (12, 2, 32)])
+@pytest.mark.parametrize(
+    ("hq", "hk", "d"), [(8, 2, 64), (9, 3, 64), (4, 4, 128), (12, 2, 32), (6, 2, 96)]
+)
 def test_paged_decode_reads_pages_in_place(hq: int, hk: int, d: int) -> None:
     """Ragged lengths (1 token, mid-block, whole blocks), shuffled page ids, padded tables."""
     gen = torch.Generator().manual_seed(hq * d)
@@ -187,7 +191,9 @@ def test_paged_decode_reads_pages_in_place(hq: int, hk: int, d: int) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize(("hq", "hk", "d"), [(8, 2, 64), (9, 3, 64), (4, 4, 128), (12, 2, 32)])
+@pytest.mark.parametrize(
+    ("hq", "hk", "d"), [(8, 2, 64), (9, 3, 64), (4, 4, 128), (12, 2, 32), (6, 2, 96)]
+)
 def test_paged_decode_reads_a_cascade_groups_shared_pages_once(hq: int, hk: int, d: int) -> None:
     """Sequences 1-11 share 5 blocks (more members than one task takes: the group is split),
     13-14 share 2; 0, 12 and 15 stand alone. Each output is attention over all its keys."""

@@ -372,3 +372,46 @@ def test_qwen2_5_vl_serves_its_text_decoder(tmp_path: Path) -> None:
     prompts = random_prompts(3, (9, 70))
     got = [t for t, _ in greedy(engine_for(folder, "float32"), prompts, "q")]
     assert got == [hf_greedy(hf, p) for p in prompts]
+
+
+def test_phi3_mini_head_dim_runs_on_the_cpu_kernels(tmp_path: Path) -> None:
+    """Phi-3 mini's heads of 96 and its sliding window on every layer: the CPU kernels take
+    them (once the torch reference's, neither fast nor batch-invariant). At fp32 the engine's
+    greedy tokens are transformers' past the window; at bf16, cold, warm, chunked and batched
+    greedy tokens are the same."""
+    from prefixcache.engine.attention import cpu_kernels
+    from prefixcache.engine.config import EngineConfig
+    from prefixcache.engine.engine import LLMEngine
+    from prefixcache.engine.request import SamplingParams
+
+    if cpu_kernels.unavailable_reason() is not None:
+        pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable_reason()}")
+    hf = make_hf("phi3", seed=13, hidden_size=192, num_attention_heads=2, num_key_value_heads=2, sliding_window=40)  # fmt: skip
+    folder = save_checkpoint(hf, tmp_path)
+    gen = torch.Generator().manual_seed(2)
+    prefix = torch.randint(3, 256, (90,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 30, 17)]
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+
+    def engine(dtype: str, **overrides: object) -> LLMEngine:
+        loaded = load_model(str(folder), dtype=dtype, device="cpu")
+        assert loaded.config.head_dim == 96 and set(loaded.config.layer_windows) == {40}
+        config = EngineConfig(model=str(folder), dtype=dtype, device="cpu", num_blocks=128, **overrides)  # fmt: skip
+        made = LLMEngine(config, loaded)
+        assert made.runner.invariance_gaps == []  # no torch reference anywhere
+        return made
+
+    exact = engine("float32").generate(prompts[:1], greedy)[0].token_ids
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=10, do_sample=False)
+    assert exact == ref[0, len(prompts[0]) :].tolist()
+
+    cold = [engine("bfloat16", enable_prefix_caching=False).generate([p], greedy)[0].token_ids for p in prompts]  # fmt: skip
+    warm_engine = engine("bfloat16")
+    warm_engine.generate([prefix], SamplingParams(max_tokens=1))
+    warm = [warm_engine.generate([p], greedy)[0] for p in prompts]
+    assert all(out.usage.cached_tokens >= 80 for out in warm)
+    assert [out.token_ids for out in warm] == cold
+    chunked = engine("bfloat16", max_num_batched_tokens=32).generate(prompts, greedy)
+    assert [out.token_ids for out in chunked] == cold
+    assert [out.token_ids for out in engine("bfloat16").generate(prompts, greedy)] == cold

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(
 
 BS = 16
 PART_KEYS = 1024  # kPartBlocks * kKeyBlock in cpu_row_attention.cpp
-SHAPES = [(9, 3, 64), (4, 1, 256), (8, 2, 64)]  # SmolLM2's, Gemma 3's, the bench model's heads
+SHAPES = [(9, 3, 64), (4, 1, 256), (8, 2, 64), (4, 4, 96)]  # SmolLM2's, Gemma 3's, the bench
+# model's heads, and Phi-3 mini's head dim
 
 
 class Sequences:

@@ -28,6 +28,14 @@ inline __mmask16 seen(int64_t valid, int64_t skip, int64_t c) {
 template <typename T>
 constexpr bool kF32 = std::is_same_v<T, float>;
 
+// Vectors of 16 output columns per pass: the most, up to `most`, that divide the row's `nd`
+// evenly (head dim 96 at four rows: 3 of its 6).
+constexpr int column_chunk(int nd, int most) {
+  for (int ch = nd < most ? nd : most; ch > 1; --ch)
+    if (nd % ch == 0) return ch;
+  return 1;
+}
+
 // 32-bit words per packed key block, K and V alike: kKeyBlock keys x D elements.
 template <int D, typename T>
 constexpr int64_t kBlockWords = kKeyBlock * D * static_cast<int64_t>(sizeof(T)) / 4;
@@ -328,7 +336,7 @@ void attend_packed(const uint32_t* kblk, const uint32_t* vblk, int64_t k0, int64
     // accumulators stay in registers: CH columns of 16 at a time (R x CH accumulators, CH
     // V vectors), all keys per chunk; each output element takes the same FMAs in the same
     // order whatever CH (D = 256 at R = 4 would otherwise hold 64 accumulators and spill).
-    constexpr int CH = ND < 16 / R ? ND : 16 / R;
+    constexpr int CH = column_chunk(ND, 16 / R);
     static_assert(ND % CH == 0, "column chunks divide the head dim");
     alignas(64) float spare[D];
     float* orow[R];

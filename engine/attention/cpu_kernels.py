@@ -22,7 +22,7 @@ SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 ROW_SOURCE = Path(__file__).with_name("cpu_row_attention.cpp")
 _LOCAL_HEADERS = ("cpu_simd.h", "cpu_flash_block.h", "cpu_flash_block_amx.h")
 HEADERS = (*(Path(__file__).with_name(h) for h in _LOCAL_HEADERS), cpu_library.AMX_HEADER)
-HEAD_DIMS = frozenset({32, 64, 128, 256})
+HEAD_DIMS = frozenset({32, 64, 96, 128, 256})
 ROW_DTYPES = (torch.bfloat16, torch.float32)  # what row_attention takes (q and output)
 # Pages row_attention reads besides q's dtype: fp8, read through exactly (kv_dtype.py)
 FP8_SUFFIX = {torch.float8_e4m3fn: "_e4m3", torch.float8_e5m2: "_e5m2"}

@@ -64,6 +64,9 @@ int with_head_dim(int64_t d, Fn&& fn) {
     case 64:
       fn(std::integral_constant<int, 64>{});
       return 0;
+    case 96:  // Phi-3 and Phi-3.5 mini
+      fn(std::integral_constant<int, 96>{});
+      return 0;
     case 128:
       fn(std::integral_constant<int, 128>{});
       return 0;
