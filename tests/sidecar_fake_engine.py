@@ -224,3 +224,29 @@ class FakeEngine:
         self.pinned |= digests
         n = len(digests)
         return LoadResult(str(path), n, n, n - reused, reused, 0, n)
+
+
+class ScriptedEngine(FakeEngine):
+    """Replies with ``script`` (three characters an output, finishing "stop"), whatever the
+    prompt; ``tokenizer`` replaces the byte tokenizer (one that renders tools, say)."""
+
+    def __init__(self, tokenizer: FakeTokenizer | None = None) -> None:
+        super().__init__(max_model_len=8192)
+        if tokenizer is not None:
+            self.tokenizer = tokenizer
+        self.script = ""
+
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
+        self.received.append(request)
+        pieces = [self.script[i : i + 3] for i in range(0, len(self.script), 3)] or [""]
+        n = len(request.prompt_token_ids)
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            yield RequestOutput(
+                request.request_id,
+                [5],
+                piece,
+                finished=last,
+                finish_reason="stop" if last else None,
+                usage=Usage(n, 0, n, len(pieces)) if last else None,
+            )

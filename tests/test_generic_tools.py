@@ -5,7 +5,7 @@ under any chunking, and the official ``openai`` client's calls over a scripted e
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,10 +15,10 @@ import pytest
 from conftest import ServerLoop, demo_engine, serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sidecar_fake_engine import FakeEngine
+from sidecar_fake_engine import ScriptedEngine
 
 from prefixcache.engine.grammar import compiled_grammar
-from prefixcache.engine.request import EngineRequest, GrammarSpec, RequestOutput, Usage
+from prefixcache.engine.request import GrammarSpec
 from prefixcache.sdk.canonical import canonical_json
 from prefixcache.sidecar.chat.generic_tools import (
     GenericParser,
@@ -179,29 +179,6 @@ def test_a_structured_response_streams_its_json_text(value: dict, cuts: list[int
     whole, seen = chunked(GenericParser(structured=True), text, cuts)
     assert whole == raw
     assert all(raw.startswith(s) for s in seen)
-
-
-class ScriptedEngine(FakeEngine):
-    """The fake engine's template renders no tools; its replies are a script."""
-
-    def __init__(self) -> None:
-        super().__init__(max_model_len=8192)
-        self.script = ""
-
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
-        self.received.append(request)
-        pieces = [self.script[i : i + 3] for i in range(0, len(self.script), 3)] or [""]
-        for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
-            n = len(request.prompt_token_ids)
-            yield RequestOutput(
-                request.request_id,
-                [5],
-                piece,
-                finished=last,
-                finish_reason="stop" if last else None,
-                usage=Usage(n, 0, n, len(pieces)) if last else None,
-            )
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,15 @@ valid and malformed (plain content, never an error); and the official ``openai``
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import Iterator
 
 import openai
 import pytest
 from conftest import ServerLoop, serve
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sidecar_fake_engine import FakeEngine, FakeTokenizer
+from sidecar_fake_engine import FakeTokenizer, ScriptedEngine
 
-from prefixcache.engine.request import EngineRequest, RequestOutput, Usage
 from prefixcache.sidecar.chat.tool_calls import (
     ForcedParser,
     HermesParser,
@@ -215,34 +214,9 @@ class ToolTokenizer(FakeTokenizer):
         return head + body + ("<assistant>" if add_generation_prompt else "")
 
 
-class ScriptedEngine(FakeEngine):
-    def __init__(self) -> None:
-        super().__init__(max_model_len=8192)
-        self.tokenizer = ToolTokenizer()
-        self.script = ""
-
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
-        self.received.append(request)
-        text = self.script
-        pieces = [text[i : i + 3] for i in range(0, len(text), 3)] or [""]
-        for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
-            usage = Usage(
-                len(request.prompt_token_ids), 0, len(request.prompt_token_ids), len(pieces)
-            )
-            yield RequestOutput(
-                request.request_id,
-                [5],
-                piece,
-                finished=last,
-                finish_reason="stop" if last else None,
-                usage=usage if last else None,
-            )
-
-
 @pytest.fixture(scope="module")
 def scripted(server_loop: ServerLoop) -> Iterator[tuple[ScriptedEngine, openai.OpenAI]]:
-    engine = ScriptedEngine()
+    engine = ScriptedEngine(ToolTokenizer())
     server_loop.run(engine.start())
     server = serve(server_loop, create_app(engine, SidecarSettings(manage_engine=False)))
     yield engine, openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)

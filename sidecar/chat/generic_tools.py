@@ -24,7 +24,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .tool_calls import ParsedOutput, ToolCall, ToolCallParser, call_of, content_of, cut_calls
+from .tool_calls import (
+    ParsedOutput,
+    ToolCall,
+    WholeOutputParser,
+    call_of,
+    content_of,
+    cut_calls,
+)
 
 _INSTRUCTIONS = (
     "Reply with one JSON object and nothing else: "
@@ -172,7 +179,7 @@ _CALLS = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*\[')
 _DECODER = json.JSONDecoder()
 
 
-class GenericParser(ToolCallParser):
+class GenericParser(WholeOutputParser):
     """The generic format's reply: ``{"tool_calls": [...]}`` or ``{"response": ...}``.
 
     ``structured``: the response is a JSON value (response_format), whose text is the
@@ -180,16 +187,9 @@ class GenericParser(ToolCallParser):
     one) is the response as far as it came."""
 
     name = "generic"
-    rewrites_content = True
 
     def __init__(self, structured: bool = False) -> None:
         self.structured = structured
-
-    def section_start(self, text: str) -> int | None:
-        return 0
-
-    def held_back(self, text: str) -> int:
-        return 0
 
     def parse_calls(self, section: str) -> list[ToolCall]:
         value = json.loads(section)

@@ -197,22 +197,28 @@ class Llama3JsonParser(ToolCallParser):
         return calls
 
 
-class ForcedParser(ToolCallParser):
-    """``tool_choice`` required or named: the output is JSON the grammar forced, not the
-    model's own format. Named: the arguments object; required: a list of
-    ``{"name", "parameters"}`` (as vLLM forces them)."""
+class WholeOutputParser(ToolCallParser):
+    """Formats a grammar forced on the whole output (a forced call's JSON, the generic
+    format's envelope): it is all one section, and a reply's content is never its raw text."""
 
-    name = "forced"
     rewrites_content = True
-
-    def __init__(self, function: str | None) -> None:
-        self.function = function  # the named function, or None for "required"
 
     def section_start(self, text: str) -> int | None:
         return 0
 
     def held_back(self, text: str) -> int:
         return 0
+
+
+class ForcedParser(WholeOutputParser):
+    """``tool_choice`` required or named: the output is JSON the grammar forced, not the
+    model's own format. Named: the arguments object; required: a list of
+    ``{"name", "parameters"}`` (as vLLM forces them)."""
+
+    name = "forced"
+
+    def __init__(self, function: str | None) -> None:
+        self.function = function  # the named function, or None for "required"
 
     def parse_calls(self, section: str) -> list[ToolCall]:
         value = json.loads(section)
