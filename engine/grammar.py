@@ -18,7 +18,13 @@ from typing import Any
 
 from .request import GrammarSpec
 
-REFUSED = "the JSON schema cannot be used for constrained output"
+REFUSED = {
+    "json": "the JSON schema cannot be used for constrained output",
+    "json_schema": "the JSON schema cannot be used for constrained output",
+    "regex": "the regular expression cannot be used for constrained output",
+    "choice": "the choices cannot be used for constrained output",
+    "grammar": "the grammar cannot be used for constrained output",
+}
 JSON_OPTIONS = {"whitespace_flexible": False}
 # Keys whose value is one schema, a list of schemas, or a map of name -> schema.
 _ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
@@ -119,16 +125,30 @@ def compiled_grammar(spec: GrammarSpec) -> str:
 
     try:
         if spec.kind == "json":  # OpenAI's json_object: any JSON object
-            schema: Any = {"type": "object"}
-        else:
-            schema = closed_objects(json.loads(spec.schema))
-        grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)  # fmt: skip
+        elif spec.kind == "json_schema":
+            schema = closed_objects(json.loads(spec.text))
+            grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        elif spec.kind == "choice":
+            grammar = llg.grammar_from("choice", _choices(spec.text))
+        else:  # regex; grammar: Lark or GBNF, which llguidance tells apart
+            grammar = llg.grammar_from(spec.kind, spec.text)
         error = llg.LLMatcher.validate_grammar(grammar, None) or _no_value(grammar)
     except (RuntimeError, ValueError, TypeError) as exc:
         error = str(exc)
     if error:
-        raise ValueError(f"{REFUSED}: {error}")
+        raise ValueError(f"{REFUSED[spec.kind]}: {error}")
     return grammar
+
+
+def _choices(text: str) -> str:
+    """A choice list's JSON, checked: one or more strings, at least one of them not empty."""
+    choices = json.loads(text)
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise ValueError("the choices must be a non-empty list of strings")
+    if not any(choices):
+        raise ValueError("the choices must hold a non-empty string")
+    return text
 
 
 class _ByteVocabulary:

@@ -6,23 +6,27 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Literal
 
+GrammarKind = Literal["json", "json_schema", "regex", "choice", "grammar"]
+
 
 @dataclass(slots=True, frozen=True)
 class GrammarSpec:
-    """What a constrained request's output must be: a JSON object (``json``), or JSON valid
-    against ``schema`` (JSON text in the client's key order, the order its properties are
-    generated in: the same text always has the same digest)."""
+    """What a constrained request's output must be: a JSON object (``json``, no text), JSON
+    valid against a schema (``json_schema``: its text in the client's key order, the order its
+    properties are generated in), a match of a regular expression (``regex``, Rust's syntax),
+    one of several strings (``choice``: a JSON list of them), or a grammar (``grammar``: Lark
+    or GBNF, as llguidance reads them). The same text always has the same digest."""
 
-    kind: Literal["json", "json_schema"]
-    schema: str = ""
+    kind: GrammarKind
+    text: str = ""
 
     def __post_init__(self) -> None:
-        if (self.kind == "json_schema") != bool(self.schema):
-            raise ValueError("a json_schema grammar needs a schema, and only it takes one")
+        if (self.kind != "json") != bool(self.text):
+            raise ValueError(f"a {self.kind} grammar needs its text, and only json has none")
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(f"{self.kind}\0{self.schema}".encode()).hexdigest()
+        return hashlib.sha256(f"{self.kind}\0{self.text}".encode()).hexdigest()
 
 
 @dataclass(slots=True)

@@ -207,7 +207,7 @@ def test_openai_client_calls_tools_through_the_generic_format(
     request = engine.received[-1]
     prompt = engine.tokenizer.decode(request.prompt_token_ids)
     assert prompt.startswith(f"<system>{TOOLS.system_text()}</system>")
-    grammar = json.loads(request.sampling.grammar.schema)
+    grammar = json.loads(request.sampling.grammar.text)
     assert [list(o["properties"]) for o in grammar["anyOf"]] == [["tool_calls"], ["response"]]
     # The result goes back; the next prompt starts with this one's and the call as generated.
     history = [
@@ -247,7 +247,7 @@ def test_a_response_format_is_the_answers_json(
         model="fake", messages=QUESTION, tools=[WEATHER], response_format=fmt
     )
     assert reply.choices[0].message.content == '{"answer": "sunny"}'
-    grammar = json.loads(engine.received[-1].sampling.grammar.schema)
+    grammar = json.loads(engine.received[-1].sampling.grammar.text)
     assert grammar["anyOf"][1]["properties"] == {"response": {"type": "object"}}
     assert "tool_calls" in grammar["anyOf"][0]["properties"]
 

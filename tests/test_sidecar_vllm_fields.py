@@ -25,11 +25,6 @@ USER = [{"role": "user", "content": "What is a radix tree?"}]
 PREFILLED = [*USER, {"role": "assistant", "content": "A trie whose"}]
 CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
 ASKING = {  # a value of each unserved field that asks for something
-    "guided_json": {"type": "object"},
-    "guided_regex": "a+",
-    "guided_choice": ["a", "b"],
-    "guided_grammar": "root ::= 'a'",
-    "structured_outputs": {"json": {"type": "object"}},
     "use_beam_search": True,
     "include_stop_str_in_output": True,
     "bad_words": ["radix"],

@@ -256,7 +256,7 @@ def test_a_schema_compiles_off_the_event_loop_once_per_namespace(
     calls: list[str] = []
 
     def slow_refusal(spec: Any) -> str:
-        calls.append(spec.schema)
+        calls.append(spec.text)
         time.sleep(1.5)  # blocks whatever thread runs it
         raise ValueError("the JSON schema cannot be used for constrained output: slow")
 

@@ -181,7 +181,7 @@ async def test_a_template_without_tools_support_gets_them_as_text() -> None:
     assert response.status_code == 200, response.text
     (request,) = engine.received
     assert '"get_weather"' in engine.tokenizer.decode(request.prompt_token_ids)
-    assert '"tool_calls"' in request.sampling.grammar.schema
+    assert '"tool_calls"' in request.sampling.grammar.text
 
 
 async def test_tool_choice_none_on_a_template_without_tools_is_the_plain_prompt() -> None:

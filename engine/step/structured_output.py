@@ -1,7 +1,8 @@
 """Constrained decoding: a request's ``GrammarSpec`` masks its logits row at every step.
 
-llguidance (Rust, no torch or GPU compiler) turns a grammar (JSON, or JSON valid against a
-schema) into a grammar string once; ``StructuredOutput`` keeps those by digest (LRU) and one
+llguidance (Rust, no torch or GPU compiler) turns a grammar (JSON, JSON valid against a
+schema, a regular expression, a choice of strings, a Lark or GBNF grammar) into a grammar
+string once; ``StructuredOutput`` keeps those by digest (LRU) and one
 matcher per constrained request. Each step the engine asks it to ``mask`` the rows of
 constrained requests (unconstrained rows are untouched, so they sample what they would
 alone) and then ``accept`` the sampled tokens. The grammar's end allows only the stop
@@ -62,7 +63,7 @@ class StructuredOutput:
         except (RuntimeError, ValueError, TypeError) as exc:
             error = str(exc)
         if error:
-            raise ValueError(f"{REFUSED}: {error}")
+            raise ValueError(f"{REFUSED[spec.kind]}: {error}")
         self.num_compiled += 1
         return grammar
 
@@ -71,9 +72,7 @@ class StructuredOutput:
 
         matcher = llg.LLMatcher(self._tokenizer(), self.compile(spec, namespace), log_level=0)
         if matcher.is_error():
-            raise ValueError(
-                f"the JSON schema cannot be used for constrained output: {matcher.get_error()}"
-            )
+            raise ValueError(f"{REFUSED[spec.kind]}: {matcher.get_error()}")
         self._matchers[request_id] = matcher
 
     def forget(self, request_id: str) -> None:

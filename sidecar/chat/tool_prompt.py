@@ -38,10 +38,14 @@ def canonical_tools(tools: list[p.ToolDef]) -> list[dict[str, Any]]:
 
 
 def grammar_for(req: p.ChatCompletionRequest, generic: bool = False) -> GrammarSpec | None:
-    """What the output must be: a response_format, or a forced tool call's JSON; ``generic``
+    """What the output must be: vLLM's structured_outputs (or guided_*), a response_format, or
+    a forced tool call's JSON; ``generic``
     (tools on a template that does not render them): under tool_choice auto, the generic
     format's envelope, its response a string or the response_format's JSON.
     ValueError for tools whose schemas cannot share one grammar."""
+    vllm = p.structured_output_of(req)  # vLLM's fields: alone (check_chat refuses others)
+    if vllm is not None:
+        return vllm[0]
     fmt = req.response_format
     mode = req.tool_mode
     if generic and req.tools and mode == "auto":

@@ -171,6 +171,9 @@ class GenerationRoutes:
         n = req.n or 1
         prompts = p.completion_prompts(req)
         self._check_choices(len(prompts) * n)
+        grammar = None
+        if (vllm := p.structured_output_of(req)) is not None:  # vLLM's structured_outputs
+            grammar = await compiled_or_400(vllm[0], self.grammars, namespace, vllm[1])
         rendered: list[RenderedPrompt] = []
         jobs: list[Job] = []
         try:
@@ -183,7 +186,7 @@ class GenerationRoutes:
             for i, prompt in enumerate(rendered):  # choice i * n + j: prompt i's choice j
                 jobs += self._submit(
                     "completion", request_id, req, tenant, prompt, max_tokens, req.logprobs,
-                    first_index=i * n, batch=len(rendered) > 1,
+                    grammar=grammar, first_index=i * n, batch=len(rendered) > 1,
                     echo=echo_text(prompt, prompts[i], self.engine.tokenizer) if req.echo else None,
                     skip_special_tokens=bool(req.skip_special_tokens),
                 )  # fmt: skip
@@ -394,17 +397,32 @@ async def checked_grammar(
     is a 400 naming the field, not an error inside a stream that has begun."""
     try:
         grammar = grammar_for(req, generic)
-        if grammar is None:
-            return None
+    except ValueError as exc:
+        raise bad_request(str(exc), "tools") from None
+    if grammar is None:
+        return None
+    vllm = p.structured_output_of(req)
+    if vllm is not None:
+        param = vllm[1]
+    elif req.response_format is not None and req.response_format.type != "text":
+        param = "response_format"
+    else:
+        named = req.tool_choice.function.name if req.tool_mode == "named" else None  # type: ignore[union-attr]
+        where = [i for i, t in enumerate(req.tools or ()) if t.function.name == named]
+        param = f"tools[{where[0]}].function.parameters" if where else "tools"
+    return await compiled_or_400(grammar, cache, namespace, param)
+
+
+async def compiled_or_400(
+    grammar: GrammarSpec, cache: GrammarCache, namespace: str, param: str
+) -> GrammarSpec:
+    """``grammar`` once compiled (cached per namespace, off the event loop), or a 400 naming
+    ``param`` with llguidance's reason."""
+    try:
         if cache.lookup(grammar, namespace) is None:
             await anyio.to_thread.run_sync(
                 cache.get_or_compile, grammar, compiled_grammar, namespace, limiter=_COMPILES
             )
     except ValueError as exc:
-        param = "response_format"
-        if req.response_format is None:
-            named = req.tool_choice.function.name if req.tool_mode == "named" else None  # type: ignore[union-attr]
-            where = [i for i, t in enumerate(req.tools or ()) if t.function.name == named]
-            param = f"tools[{where[0]}].function.parameters" if where else "tools"
         raise bad_request(str(exc), param) from None
     return grammar

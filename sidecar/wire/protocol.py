@@ -34,6 +34,7 @@ from .prompt_parts import (
 )
 from .prompt_parts import MAX_OPENAI_BREAKPOINTS as MAX_OPENAI_BREAKPOINTS
 from .prompt_parts import order_segments as order_segments
+from .structured_outputs import structured_output_of as structured_output_of
 from .tool_requests import MAX_TOOLS, NamedToolChoice, ResponseFormat, ToolChoice, ToolDef
 from .tool_requests import check_response_format as check_response_format
 
@@ -93,13 +94,14 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # truncated), so the field is honoured wherever it truncates nothing. -1: the context.
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     truncation_side: Literal["left", "right"] | None = None
-    # vLLM's options that change the output and are not implemented here: decoded so that
-    # check_sampling refuses them by name (see UNSERVED_SAMPLING; inert values pass)
+    # vLLM's constrained output (structured_outputs.py reads them into one grammar)
+    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
+    # vLLM's options that change the output and are not implemented here: decoded so that
+    # check_sampling refuses them by name (see UNSERVED_SAMPLING; inert values pass)
     use_beam_search: Any = None
     include_stop_str_in_output: Any = None
     bad_words: Any = None
@@ -261,11 +263,6 @@ def logit_bias_of(req: SamplingFields) -> dict[int, float] | None:
 # ignoring would change the tokens or the reply's shape: each a 400 naming it (with why, or
 # what to use instead) unless its value asks for nothing (null, false, "", [] or {}).
 UNSERVED_SAMPLING = {
-    "guided_json": "use response_format",
-    "guided_regex": "",
-    "guided_choice": "",
-    "guided_grammar": "",
-    "structured_outputs": "use response_format (json_schema or json_object)",
     "use_beam_search": "",
     "include_stop_str_in_output": "a matched stop string is always left out of the text",
     "bad_words": "",
@@ -286,7 +283,8 @@ UNSERVED_CHAT = {
     "return_prompt_text": "/tokenize and /detokenize give the prompt's ids and text",
 }
 UNSERVED_COMPLETION = {
-    "response_format": "structured output is /v1/chat/completions' (its response_format)",
+    "response_format": "send vLLM's structured_outputs here, or use /v1/chat/completions' "
+    "response_format",
     "prompt_embeds": "send the prompt as text or token ids",
 }
 
@@ -312,6 +310,7 @@ def check_unserved(req: msgspec.Struct, table: dict[str, str]) -> None:
 def check_sampling(req: SamplingFields) -> None:
     logit_bias_of(req)
     check_unserved(req, UNSERVED_SAMPLING)
+    structured_output_of(req)  # its shape (one constraint, well formed)
     logprobs = getattr(req, "logprobs", None)  # chat's true, or completions' count (0 too)
     asked = (logprobs is not None and logprobs is not False) or req.prompt_logprobs is not None
     if req.return_tokens_as_token_ids and asked:
@@ -411,6 +410,10 @@ def check_chat(req: ChatCompletionRequest) -> None:
             "function: both constrain the output",
             "response_format",
         )
+    vllm = structured_output_of(req)
+    if vllm is not None and (constrained or (req.tools and req.tool_mode != "none")):
+        other = "response_format" if constrained else "tools (unless tool_choice is 'none')"
+        raise Error(f"{vllm[1]} cannot be combined with {other}: both constrain the output", vllm[1])  # fmt: skip
 
 
 def check_tools(req: ChatCompletionRequest) -> None:
