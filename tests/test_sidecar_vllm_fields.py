@@ -30,7 +30,6 @@ ASKING = {  # a value of each unserved field that asks for something
     "bad_words": ["radix"],
     "allowed_token_ids": [5, 6],
     "logprob_token_ids": [5],
-    "return_token_ids": True,
     "watermarking": True,
     "repetition_detection": {"max_pattern_size": 4},
     "thinking_token_budget": 0,
@@ -40,7 +39,6 @@ ASKING = {  # a value of each unserved field that asks for something
     "media_io_kwargs": {"image": {"x": 1}},
     "mm_processor_kwargs": {"num_crops": 4},
     "return_prompt_text": True,
-    "response_format": {"type": "json_object"},
     "prompt_embeds": "AAAA",
 }
 # vLLM fields ignored here because ignoring them changes nothing the client gets

@@ -165,3 +165,22 @@ def test_combined_or_refused_constraints_are_400s_naming_the_field(client: opena
         chat(client, {"guided_choice": ["a"]}, tools=[tool])
     text, _ = chat(client, {"guided_choice": ["a", "b"]}, tools=[tool], tool_choice="none")
     assert text in ("a", "b")
+
+
+def test_completions_take_a_response_format_too(client: openai.OpenAI) -> None:
+    """vLLM's completions take json_object and json_schema formats; with structured_outputs
+    too it is a 400, as on chat."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+    out = client.completions.create(
+        model="demo", prompt="Answer:", max_tokens=16, temperature=0,
+        extra_body={"response_format": fmt},
+    )  # fmt: skip
+    assert out.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(out.choices[0].text)["ok"], bool)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
+            model="demo", prompt="x", max_tokens=4,
+            extra_body={"response_format": fmt, "guided_regex": "a"},
+        )  # fmt: skip
+    assert caught.value.body["param"] == "guided_regex"  # type: ignore[index]

@@ -58,11 +58,8 @@ def grammar_for(req: p.ChatCompletionRequest, generic: bool = False) -> GrammarS
         tools = [(t.function.name, _parameters(t)) for t in req.tools]
         schema = envelope_schema(tools, req.parallel_tool_calls is False, response)
         return GrammarSpec("json_schema", schema_text(schema))
-    if fmt is not None and fmt.type == "json_object":
-        return GrammarSpec("json")
-    if fmt is not None and fmt.type == "json_schema":
-        assert fmt.json_schema is not None and fmt.json_schema.schema is not None
-        return GrammarSpec("json_schema", schema_text(fmt.json_schema.schema))
+    if (formatted := format_grammar(fmt)) is not None:
+        return formatted
     if mode == "named":
         assert isinstance(req.tool_choice, p.NamedToolChoice)
         (tool,) = [t for t in req.tools or () if t.function.name == req.tool_choice.function.name]
@@ -84,6 +81,16 @@ def grammar_for(req: p.ChatCompletionRequest, generic: bool = False) -> GrammarS
         if req.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return GrammarSpec("json_schema", schema_text(defs.into(schema)))
+    return None
+
+
+def format_grammar(fmt: p.ResponseFormat | None) -> GrammarSpec | None:
+    """A ``response_format``'s grammar (None for text or none)."""
+    if fmt is not None and fmt.type == "json_object":
+        return GrammarSpec("json")
+    if fmt is not None and fmt.type == "json_schema":
+        assert fmt.json_schema is not None and fmt.json_schema.schema is not None
+        return GrammarSpec("json_schema", schema_text(fmt.json_schema.schema))
     return None
 
 

@@ -19,7 +19,7 @@ from prefixcache.engine.grammar import GrammarCache, compiled_grammar
 from prefixcache.engine.request import EngineRequest, GrammarSpec, RetentionHint, SamplingParams
 
 from ..chat.rendering import PromptRenderer, RenderedPrompt
-from ..chat.tool_prompt import ToolTemplate, canonical_tools, grammar_for
+from ..chat.tool_prompt import ToolTemplate, canonical_tools, format_grammar, grammar_for
 from ..http.errors import bad_request
 from ..http.streaming import SSEResponse
 from ..http.tenancy import Tenant
@@ -171,9 +171,11 @@ class GenerationRoutes:
         n = req.n or 1
         prompts = p.completion_prompts(req)
         self._check_choices(len(prompts) * n)
-        grammar = None
-        if (vllm := p.structured_output_of(req)) is not None:  # vLLM's structured_outputs
+        grammar = None  # vLLM's structured_outputs, or a response_format (vLLM takes it here)
+        if (vllm := p.structured_output_of(req)) is not None:
             grammar = await compiled_or_400(vllm[0], self.grammars, namespace, vllm[1])
+        elif (formatted := format_grammar(req.response_format)) is not None:
+            grammar = await compiled_or_400(formatted, self.grammars, namespace, "response_format")
         rendered: list[RenderedPrompt] = []
         jobs: list[Job] = []
         try:
@@ -331,6 +333,7 @@ class GenerationRoutes:
                     choices=n,
                     echo=echo,
                     prompt_logprobs=asked,
+                    return_token_ids=bool(req.return_token_ids),
                 )
                 jobs.append(job)
             return jobs

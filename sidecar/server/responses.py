@@ -149,6 +149,11 @@ class Job:
     message_echo: str = ""  # chat's echo (vLLM's): the last message's text before the content
     prompt_only: bool = False  # echo with max_tokens 0: its one generated token is not shown
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs=k: shown as vLLM shows them
+    return_token_ids: bool = False  # vLLM's: the prompt's and the choice's token ids shown
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return list(self.stream.request.prompt_token_ids)
 
 
 @dataclass(slots=True)
@@ -213,11 +218,14 @@ def reply_body(jobs: list[Job], results: list[Collected], tokenizer: TokenizerAP
             message, finish = _chat_message(j, result)
             if j.message_echo:
                 message.content = j.message_echo + (message.content or "")
-            chat_choices.append(
-                rt.ChatChoice(j.index, message, finish, logprobs, result.stop_reason)
-            )
+            choice = rt.ChatChoice(j.index, message, finish, logprobs, result.stop_reason)
+            if j.return_token_ids:
+                choice.token_ids = result.token_ids
+            chat_choices.append(choice)
         body = rt.ChatCompletion(*head, chat_choices, usage_info(usage), report, job.fingerprint)
         body.prompt_logprobs = _vllm_prompt_logprobs(job, tokenizer, results[0])
+        if job.return_token_ids:
+            body.prompt_token_ids = job.prompt_token_ids
     else:
         text_choices = []
         for j, result in zip(jobs, results, strict=True):
@@ -231,6 +239,8 @@ def reply_body(jobs: list[Job], results: list[Collected], tokenizer: TokenizerAP
                 j.index, echo + result.text, result.finish_reason, logprobs, result.stop_reason
             )
             choice.prompt_logprobs = _vllm_prompt_logprobs(j, tokenizer, result)
+            if j.return_token_ids:
+                choice.token_ids, choice.prompt_token_ids = result.token_ids, j.prompt_token_ids
             text_choices.append(choice)
         body = rt.Completion(*head, text_choices, usage_info(usage), report, job.fingerprint)
     return body
@@ -362,6 +372,7 @@ async def stream_events(jobs: list[Job], tokenizer: TokenizerAPI) -> AsyncIterat
         return sse_event(chunk)
 
     usages: dict[int, Usage] = {}
+    started: set[int] = set()  # choices whose first frame is out
     try:
         async for index, (choices, usage, tokens) in interleave(
             [choice_frames(j, tokenizer) for j in jobs]
@@ -369,6 +380,14 @@ async def stream_events(jobs: list[Job], tokenizer: TokenizerAPI) -> AsyncIterat
             extra: dict[str, Any] = {}
             if job.continuous_usage:
                 extra["usage"] = running_usage(jobs[index], usage, tokens)
+            if job.return_token_ids and index not in started and choices:
+                prompt_ids = jobs[index].prompt_token_ids  # once, as vLLM: chat's on the chunk
+                if job.kind == "chat":
+                    extra["prompt_token_ids"] = prompt_ids
+                else:
+                    choices[0].prompt_token_ids = prompt_ids
+            if choices:
+                started.add(index)
             if usage is None:
                 yield frame(choices, **extra)
                 continue
@@ -407,6 +426,15 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
     offsets = None  # the completion's token offsets, carried from one output to the next
     calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
     first = True
+    pending: list[int] = []  # return_token_ids: generated ids no chunk has carried yet
+
+    def with_ids(choices: list[Any]) -> list[Any]:
+        """vLLM's return_token_ids: the chunk carries the ids generated since the last one."""
+        if job.return_token_ids:
+            choices[0].token_ids = pending[:]
+            pending.clear()
+        return choices
+
     async for out in job.stream:
         raise_engine_error(out.error, out.finish_reason)
         if first and job.kind == "chat":
@@ -438,6 +466,8 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
                 yield [_delta_choice(job, None, "length", None)], usage, num_tokens
                 return
         num_tokens += len(out.new_token_ids)
+        if job.return_token_ids:
+            pending.extend(out.new_token_ids)
         logprobs = None
         if job.want_logprobs and out.logprobs:
             if offsets is None:
@@ -447,13 +477,13 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
         if out.finished and calls is None:  # the finish on the last token's own chunk
             usage = out.usage or fallback_usage(job, num_tokens)
             last = _delta_choice(job, text, out.finish_reason or "stop", logprobs, out.stop_reason)
-            yield [last], usage, num_tokens
+            yield with_ids([last]), usage, num_tokens
             return
         # A chunk per token, as vLLM streams them (one whose characters are not complete yet,
         # or held back as a possible stop string, has empty text): clients count tokens and
         # time their gaps by chunks. A tool call's text is held back whole: no empty chunks.
         if text or logprobs is not None or (calls is None and out.new_token_ids):
-            yield [_delta_choice(job, text, None, logprobs)], None, num_tokens
+            yield with_ids([_delta_choice(job, text, None, logprobs)]), None, num_tokens
         if out.finished:
             usage = out.usage or fallback_usage(job, num_tokens)
             reason = out.finish_reason or "stop"
@@ -465,7 +495,7 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
                     yield [choice], None, num_tokens
                 cut = reason == "length" or forced_call_cut(calls.parser, calls.text)
                 reason = "tool_calls" if rest.tool_calls and not cut and not _named(job) else reason
-            yield [_delta_choice(job, None, reason, None, out.stop_reason)], usage, num_tokens
+            yield with_ids([_delta_choice(job, None, reason, None, out.stop_reason)]), usage, num_tokens  # fmt: skip
             return
 
 

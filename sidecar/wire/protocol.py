@@ -85,6 +85,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ) = None  # vLLM's field
     # vLLM's: each prompt token's logprob and rank, and the top k at its position (not streamed)
     prompt_logprobs: int | None = None
+    # vLLM's: the prompt's and each choice's token ids in the reply (streamed: as they come)
+    return_token_ids: bool | None = None
     # vLLM's: false keeps special tokens in the text (a tool parser that reads them keeps them)
     skip_special_tokens: bool | None = True
     # vLLM's: false (with special tokens kept) drops a decoder's space between two of them;
@@ -107,7 +109,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     bad_words: Any = None
     allowed_token_ids: Any = None
     logprob_token_ids: Any = None
-    return_token_ids: Any = None
     return_tokens_as_token_ids: Any = None  # refused with logprobs only (it renames theirs)
     watermarking: Any = None
     repetition_detection: Any = None
@@ -232,8 +233,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     suffix: str | None = None
     best_of: PositiveInt | None = None
     add_special_tokens: bool | None = True  # vLLM's: false encodes a text prompt without them
+    response_format: ResponseFormat | None = None  # vLLM's: json_object or json_schema here too
     # vLLM's completion fields this server does not honour: refused by name
-    response_format: Any = None  # structured output is chat's (response_format there)
     prompt_embeds: Any = None
 
     def __post_init__(self) -> None:
@@ -268,7 +269,6 @@ UNSERVED_SAMPLING = {
     "bad_words": "",
     "allowed_token_ids": "",
     "logprob_token_ids": "use logprobs with top_logprobs",
-    "return_token_ids": "",
     "watermarking": "",
     "repetition_detection": "",
     "thinking_token_budget": "",
@@ -283,8 +283,6 @@ UNSERVED_CHAT = {
     "return_prompt_text": "/tokenize and /detokenize give the prompt's ids and text",
 }
 UNSERVED_COMPLETION = {
-    "response_format": "send vLLM's structured_outputs here, or use /v1/chat/completions' "
-    "response_format",
     "prompt_embeds": "send the prompt as text or token ids",
 }
 
@@ -554,6 +552,10 @@ def check_completion(req: CompletionRequest) -> None:
     check_sampling(req)
     check_unserved(req, UNSERVED_COMPLETION)
     completion_prompts(req)
+    check_response_format(req.response_format)
+    vllm = structured_output_of(req)
+    if vllm is not None and req.response_format is not None and req.response_format.type != "text":
+        raise Error(f"{vllm[1]} cannot be combined with response_format: both constrain the output", vllm[1])  # fmt: skip
     if req.max_tokens == 0 and not req.echo:
         raise Error(
             "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens"

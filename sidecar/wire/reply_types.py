@@ -75,6 +75,7 @@ class ChatChoice(msgspec.Struct):
     finish_reason: str | None
     logprobs: dict | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id matched
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # vLLM's return_token_ids
 
 
 class ChatCompletion(msgspec.Struct):
@@ -88,6 +89,7 @@ class ChatCompletion(msgspec.Struct):
     object: str = "chat.completion"
     # vLLM's, where the request asked for them: per prompt token, null for the first
     prompt_logprobs: list[dict | None] | msgspec.UnsetType = msgspec.UNSET
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # vLLM's return_token_ids
 
 
 class FunctionDelta(msgspec.Struct, omit_defaults=True):
@@ -116,6 +118,7 @@ class ChatChunkChoice(msgspec.Struct):
     finish_reason: str | None = None
     logprobs: dict | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # the chunk's, with return_token_ids
 
 
 class CompletionChoice(msgspec.Struct):
@@ -125,6 +128,9 @@ class CompletionChoice(msgspec.Struct):
     logprobs: dict | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id matched
     prompt_logprobs: list[dict | None] | msgspec.UnsetType = msgspec.UNSET  # vLLM's
+    # vLLM's return_token_ids: the choice's tokens (a chunk's, streamed), its prompt's (once)
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class Completion(msgspec.Struct):
@@ -150,6 +156,7 @@ class StreamChunk(msgspec.Struct):
     choices: list  # ChatChunkChoice or CompletionChoice
     usage: UsageInfo | msgspec.UnsetType | None = msgspec.UNSET
     prefixcache: CacheReport | msgspec.UnsetType = msgspec.UNSET
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # chat's first, if asked
 
 
 class ModelCard(msgspec.Struct):

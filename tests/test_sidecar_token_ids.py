@@ -1,0 +1,87 @@
+"""vLLM's ``return_token_ids``: the prompt's ids and each choice's generated ids in the reply
+(what RL and agent frameworks read instead of tokenizing the text again), on chat and
+completions; streamed, the prompt's once and each chunk's own ids, which add up to the whole
+reply's."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from conftest import ServerLoop, demo_engine, serve
+
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
+
+
+@pytest.fixture(scope="module")
+def url(server_loop: ServerLoop, demo_loaded: Any) -> Iterator[str]:
+    server = serve(server_loop, create_app(demo_engine(demo_loaded), SidecarSettings()))
+    yield server.url
+    server.stop()
+
+
+def post(url: str, path: str, body: dict) -> dict:
+    response = httpx.post(f"{url}{path}", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def streamed(url: str, path: str, body: dict) -> list[dict]:
+    chunks = []
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=120) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def tokenized(url: str, text: str) -> list[int]:
+    root = url.removesuffix("/v1")
+    return httpx.post(f"{root}/tokenize", json={"prompt": text}).json()["tokens"]
+
+
+def test_chat_replies_carry_the_prompt_and_the_choice_ids(url: str) -> None:
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 9,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    whole = post(url, "/chat/completions", body)
+    prompt = whole["prompt_token_ids"]
+    assert len(prompt) == whole["usage"]["prompt_tokens"]
+    render = post(url.removesuffix("/v1"), "/tokenize", {"messages": body["messages"]})
+    assert prompt == render["tokens"]
+    ids = whole["choices"][0]["token_ids"]
+    assert len(ids) == whole["usage"]["completion_tokens"]
+    chunks = streamed(url, "/chat/completions", body)
+    assert [c.get("prompt_token_ids") for c in chunks if "prompt_token_ids" in c] == [prompt]
+    assert "prompt_token_ids" in chunks[0]  # the first chunk, as vLLM
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == ids
+    plain = post(url, "/chat/completions", {**body, "return_token_ids": False})
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_completion_choices_carry_their_own_prompt(url: str) -> None:
+    body = {
+        "model": "demo",
+        "prompt": ["Once upon", "The cache"],
+        "n": 2,
+        "max_tokens": 6,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    whole = post(url, "/completions", body)
+    for choice in whole["choices"]:
+        text = body["prompt"][choice["index"] // 2]
+        assert choice["prompt_token_ids"][-len(tokenized(url, text)) :] == tokenized(url, text)
+        assert len(choice["token_ids"]) == 6
+    chunks = streamed(url, "/completions", {**body, "prompt": "Once upon", "n": 1})
+    firsts = [ch["prompt_token_ids"] for c in chunks for ch in c["choices"] if "prompt_token_ids" in ch]  # fmt: skip
+    assert firsts == [whole["choices"][0]["prompt_token_ids"]]
+    ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+    assert ids == whole["choices"][0]["token_ids"]
