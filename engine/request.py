@@ -56,6 +56,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # OpenAI's: added to those tokens' logits
     grammar: GrammarSpec | None = None  # constrained decoding (engine/step/structured_output.py)
     skip_special_tokens: bool = True  # False: the text keeps e.g. [TOOL_CALLS] for parsers
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

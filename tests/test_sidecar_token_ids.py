@@ -85,3 +85,18 @@ def test_completion_choices_carry_their_own_prompt(url: str) -> None:
     assert firsts == [whole["choices"][0]["prompt_token_ids"]]
     ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
     assert ids == whole["choices"][0]["token_ids"]
+
+
+def test_include_stop_str_in_output_keeps_the_matched_stop(url: str) -> None:
+    """vLLM's ``include_stop_str_in_output``: the text ends after the stop string, streamed
+    alike; without it, before."""
+    body = {"model": "demo", "prompt": "Once upon", "max_tokens": 24, "temperature": 0}
+    free = post(url, "/completions", body)["choices"][0]["text"]
+    stop = free[3:5]  # two characters of what greedy decoding writes anyway
+    cut = post(url, "/completions", {**body, "stop": [stop]})["choices"][0]
+    kept = post(url, "/completions", {**body, "stop": [stop], "include_stop_str_in_output": True})
+    kept_choice = kept["choices"][0]
+    assert cut["stop_reason"] == kept_choice["stop_reason"] == stop
+    assert kept_choice["text"] == cut["text"] + stop == free[: free.index(stop) + len(stop)]
+    chunks = streamed(url, "/completions", {**body, "stop": [stop], "include_stop_str_in_output": True})  # fmt: skip
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == kept_choice["text"]

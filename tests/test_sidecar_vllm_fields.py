@@ -26,7 +26,6 @@ PREFILLED = [*USER, {"role": "assistant", "content": "A trie whose"}]
 CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
 ASKING = {  # a value of each unserved field that asks for something
     "use_beam_search": True,
-    "include_stop_str_in_output": True,
     "bad_words": ["radix"],
     "allowed_token_ids": [5, 6],
     "logprob_token_ids": [5],

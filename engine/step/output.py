@@ -105,13 +105,14 @@ def usage_of(seq: Sequence) -> Usage:
 
 def _cut_at_stop(seq: Sequence) -> bool:
     """If a stop string appears in the held-back text, cut the text before the first one (it
-    becomes the sequence's ``stop_reason``)."""
-    stops = seq.request.sampling.stop
-    hits = [(at, s) for s in stops if s and (at := seq.pending_text.find(s)) >= 0]
+    becomes the sequence's ``stop_reason``), or after it with ``include_stop_str_in_output``."""
+    sampling = seq.request.sampling
+    hits = [(at, s) for s in sampling.stop if s and (at := seq.pending_text.find(s)) >= 0]
     if not hits:
         return False
-    at, seq.stop_reason = min(hits, key=lambda hit: hit[0])
-    seq.pending_text = seq.pending_text[:at]
+    at, stop = min(hits, key=lambda hit: hit[0])
+    seq.stop_reason = stop
+    seq.pending_text = seq.pending_text[: at + len(stop) if sampling.include_stop_str_in_output else at]  # fmt: skip
     return True
 
 

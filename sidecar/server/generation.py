@@ -298,6 +298,7 @@ class GenerationRoutes:
                     logit_bias=self.gate.logit_bias(p.logit_bias_of(req)),
                     grammar=grammar,
                     skip_special_tokens=skip_special_tokens,
+                    include_stop_str_in_output=bool(req.include_stop_str_in_output),
                 )
             except ValueError as exc:
                 raise bad_request(str(exc)) from None

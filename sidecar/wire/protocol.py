@@ -87,6 +87,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None
     # vLLM's: the prompt's and each choice's token ids in the reply (streamed: as they come)
     return_token_ids: bool | None = None
+    include_stop_str_in_output: bool | None = None  # vLLM's: a matched stop string kept
     # vLLM's: false keeps special tokens in the text (a tool parser that reads them keeps them)
     skip_special_tokens: bool | None = True
     # vLLM's: false (with special tokens kept) drops a decoder's space between two of them;
@@ -105,7 +106,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM's options that change the output and are not implemented here: decoded so that
     # check_sampling refuses them by name (see UNSERVED_SAMPLING; inert values pass)
     use_beam_search: Any = None
-    include_stop_str_in_output: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
     logprob_token_ids: Any = None
@@ -265,7 +265,6 @@ def logit_bias_of(req: SamplingFields) -> dict[int, float] | None:
 # what to use instead) unless its value asks for nothing (null, false, "", [] or {}).
 UNSERVED_SAMPLING = {
     "use_beam_search": "",
-    "include_stop_str_in_output": "a matched stop string is always left out of the text",
     "bad_words": "",
     "allowed_token_ids": "",
     "logprob_token_ids": "use logprobs with top_logprobs",
