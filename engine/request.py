@@ -57,6 +57,8 @@ class SamplingParams:
     grammar: GrammarSpec | None = None  # constrained decoding (engine/step/structured_output.py)
     skip_special_tokens: bool = True  # False: the text keeps e.g. [TOOL_CALLS] for parsers
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string
+    # vLLM's: only these tokens may be sampled (logprobs stay the model's)
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

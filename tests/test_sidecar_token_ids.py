@@ -100,3 +100,17 @@ def test_include_stop_str_in_output_keeps_the_matched_stop(url: str) -> None:
     assert kept_choice["text"] == cut["text"] + stop == free[: free.index(stop) + len(stop)]
     chunks = streamed(url, "/completions", {**body, "stop": [stop], "include_stop_str_in_output": True})  # fmt: skip
     assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == kept_choice["text"]
+
+
+def test_allowed_token_ids_are_the_only_ones_sampled(url: str) -> None:
+    """vLLM's ``allowed_token_ids``, greedy and sampled: every generated id is one of them
+    (an end of sequence only if listed, so the reply runs to max_tokens)."""
+    allowed = tokenized(url, " red green blue")
+    for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        body = {"model": "demo", "prompt": "Colours:", "max_tokens": 8, "return_token_ids": True,
+                "allowed_token_ids": allowed, **extra}  # fmt: skip
+        choice = post(url, "/completions", body)["choices"][0]
+        assert set(choice["token_ids"]) <= set(allowed) and len(choice["token_ids"]) == 8
+        assert choice["finish_reason"] == "length"
+    refused = httpx.post(f"{url}/completions", json={**body, "allowed_token_ids": [10**7]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids"

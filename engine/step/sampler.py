@@ -177,8 +177,13 @@ class Sampler:
         chosen_from = logits
         penalize = histories is not None and any(p.penalized for p in params)
         biased = any(p.logit_bias for p in params)
-        if penalize or self.processors or biased or (banned and any(banned)):
+        allowed = any(p.allowed_token_ids for p in params)
+        if penalize or self.processors or biased or allowed or (banned and any(banned)):
             chosen_from = logits.clone()
+        if allowed:  # vLLM's allowed_token_ids: every other token out of reach
+            for row, p in enumerate(params):
+                if p.allowed_token_ids:
+                    self._guard(errors, row, request_ids, keep_only, chosen_from[row], p.allowed_token_ids)  # fmt: skip
         if biased:  # before penalties, as vLLM's processors run (logprobs are the model's)
             for row, p in enumerate(params):
                 if p.logit_bias:
@@ -260,6 +265,17 @@ class Sampler:
             gen = torch.Generator().manual_seed(p.seed)
             self._generators[request_id] = gen
         return gen
+
+
+def keep_only(row: torch.Tensor, ids: tuple[int, ...]) -> None:
+    """Every logit of ``row`` but those of ``ids`` to -inf (ids past the vocabulary: a
+    ValueError, that row fails)."""
+    if ids[-1] >= row.shape[-1]:
+        raise ValueError(f"allowed_token_ids: a token id over the vocabulary ({row.shape[-1]})")
+    index = torch.tensor(ids, dtype=torch.int64)
+    kept = row.index_select(0, index)
+    row.fill_(float("-inf"))
+    row.index_copy_(0, index, kept)
 
 
 def add_bias(row: torch.Tensor, bias: dict[int, float]) -> None:

@@ -183,12 +183,14 @@ class RequestGate:
         return bias
 
     def stop_token_ids(self, ids: list[int] | None) -> list[int]:
+        return list(self.token_ids(ids, "stop_token_ids") or ())
+
+    def token_ids(self, ids: list[int] | None, param: str) -> list[int] | None:
+        """Token ids a request names, each in the vocabulary (else a 400 naming ``param``)."""
         vocab = self.engine.tokenizer.vocab_size
         if ids and max(ids) >= vocab:
-            raise bad_request(
-                f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids"
-            )
-        return list(ids or ())
+            raise bad_request(f"{param} must be below the vocabulary size {vocab}", param)
+        return ids
 
 
 def _namespace_entry_bytes(key: tuple[str, str | None]) -> int:

@@ -299,6 +299,9 @@ class GenerationRoutes:
                     grammar=grammar,
                     skip_special_tokens=skip_special_tokens,
                     include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                    allowed_token_ids=_allowed(
+                        self.gate.token_ids(req.allowed_token_ids, "allowed_token_ids")
+                    ),
                 )
             except ValueError as exc:
                 raise bad_request(str(exc)) from None
@@ -358,6 +361,11 @@ def _most(*ks: int | None) -> int | None:
     """The largest of the top-k counts asked for (None if none is)."""
     given = [k for k in ks if k is not None]
     return max(given) if given else None
+
+
+def _allowed(ids: list[int] | None) -> tuple[int, ...] | None:
+    """vLLM's allowed_token_ids, sorted and once each; [] (as null) restricts nothing."""
+    return tuple(sorted(set(ids))) if ids else None
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:

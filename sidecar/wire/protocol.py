@@ -88,6 +88,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM's: the prompt's and each choice's token ids in the reply (streamed: as they come)
     return_token_ids: bool | None = None
     include_stop_str_in_output: bool | None = None  # vLLM's: a matched stop string kept
+    # vLLM's: only these tokens may be generated (an end of sequence too only if listed)
+    allowed_token_ids: (
+        Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=65536)] | None
+    ) = None
     # vLLM's: false keeps special tokens in the text (a tool parser that reads them keeps them)
     skip_special_tokens: bool | None = True
     # vLLM's: false (with special tokens kept) drops a decoder's space between two of them;
@@ -107,7 +111,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # check_sampling refuses them by name (see UNSERVED_SAMPLING; inert values pass)
     use_beam_search: Any = None
     bad_words: Any = None
-    allowed_token_ids: Any = None
     logprob_token_ids: Any = None
     return_tokens_as_token_ids: Any = None  # refused with logprobs only (it renames theirs)
     watermarking: Any = None
@@ -266,7 +269,6 @@ def logit_bias_of(req: SamplingFields) -> dict[int, float] | None:
 UNSERVED_SAMPLING = {
     "use_beam_search": "",
     "bad_words": "",
-    "allowed_token_ids": "",
     "logprob_token_ids": "use logprobs with top_logprobs",
     "watermarking": "",
     "repetition_detection": "",
