@@ -59,6 +59,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string
     # vLLM's: only these tokens may be sampled (logprobs stay the model's)
     allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's bad_words, tokenized: a sequence's last token is banned wherever the output so far
+    # ends with the rest of it (a one-token word: always)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

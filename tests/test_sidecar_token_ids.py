@@ -5,6 +5,7 @@ reply's."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -114,3 +115,26 @@ def test_allowed_token_ids_are_the_only_ones_sampled(url: str) -> None:
         assert choice["finish_reason"] == "length"
     refused = httpx.post(f"{url}/completions", json={**body, "allowed_token_ids": [10**7]})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_bad_words_never_end_in_the_output(url: str) -> None:
+    """vLLM's ``bad_words``: a word the greedy output wrote is never written once banned, and
+    a two-token word's second token never follows its first."""
+    body = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
+    free = post(url, "/completions", body)["choices"][0]["token_ids"]
+    root = url.removesuffix("/v1")
+    text_of = {t: httpx.post(f"{root}/detokenize", json={"tokens": [t]}).json()["prompt"] for t in free}  # fmt: skip
+    single = [t for t in free if text_of[t].strip() and tokenized(url, text_of[t]) == [t]]
+    assert single, "the greedy output has a token that is a word of its own"
+    banned = post(url, "/completions", {**body, "bad_words": [text_of[single[0]]]})
+    assert single[0] not in banned["choices"][0]["token_ids"]
+    pair = next(
+        (a, b)
+        for a, b in itertools.pairwise(free)
+        if tokenized(url, text_of[a] + text_of[b]) == [a, b]
+    )  # a pair that reads back as itself: banning it bans its second token after its first
+    word = text_of[pair[0]] + text_of[pair[1]]
+    out = post(url, "/completions", {**body, "bad_words": [word]})["choices"][0]["token_ids"]
+    assert pair not in itertools.pairwise(out)
+    assert out != free  # the greedy output had the pair: it changed

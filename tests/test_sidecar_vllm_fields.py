@@ -26,7 +26,6 @@ PREFILLED = [*USER, {"role": "assistant", "content": "A trie whose"}]
 CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
 ASKING = {  # a value of each unserved field that asks for something
     "use_beam_search": True,
-    "bad_words": ["radix"],
     "logprob_token_ids": [5],
     "watermarking": True,
     "repetition_detection": {"max_pattern_size": 4},

@@ -147,9 +147,10 @@ class Sampler:
                 for s, p in zip(seqs, params, strict=True)
             ]
         banned = None
-        if any(p.min_tokens for p in params):  # its stop ids masked until min_tokens are out
-            banned = [
-                self._stop_ids(p) if s.num_output_tokens < p.min_tokens else []
+        if any(p.min_tokens or p.bad_words_token_ids for p in params):
+            banned = [  # stop ids until min_tokens are out; the bad words' next tokens
+                (self._stop_ids(p) if s.num_output_tokens < p.min_tokens else [])
+                + bad_word_ends(p.bad_words_token_ids, s.token_ids[s.num_prompt_tokens :])
                 for s, p in zip(seqs, params, strict=True)
             ]
         return self.sample(logits, params, [s.request_id for s in seqs], histories, banned)
@@ -265,6 +266,16 @@ class Sampler:
             gen = torch.Generator().manual_seed(p.seed)
             self._generators[request_id] = gen
         return gen
+
+
+def bad_word_ends(words: tuple[tuple[int, ...], ...], output: Sequence[int]) -> list[int]:
+    """vLLM's bad_words: the last token of each word whose other tokens end ``output``."""
+    ends = []
+    for word in words:
+        head = word[:-1]
+        if not head or (len(output) >= len(head) and tuple(output[-len(head) :]) == head):
+            ends.append(word[-1])
+    return ends
 
 
 def keep_only(row: torch.Tensor, ids: tuple[int, ...]) -> None:

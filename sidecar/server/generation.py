@@ -302,6 +302,7 @@ class GenerationRoutes:
                     allowed_token_ids=_allowed(
                         self.gate.token_ids(req.allowed_token_ids, "allowed_token_ids")
                     ),
+                    bad_words_token_ids=self._bad_words(req.bad_words, prompt.namespace),
                 )
             except ValueError as exc:
                 raise bad_request(str(exc)) from None
@@ -346,6 +347,19 @@ class GenerationRoutes:
                 job.stream.discard()
             self.gate.forget(prompt)
             raise
+
+    def _bad_words(self, words: list[str] | None, namespace: str) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token sequences: each word as written and after a space (how it
+        reads mid-sentence), stripped of leading spaces first, as vLLM tokenizes them."""
+        encode = self.engine.tokenizer.encode
+        sequences: dict[tuple[int, ...], None] = {}
+        for word in words or ():
+            word = word.lstrip()
+            for text in (word, " " + word) if word else ():
+                ids = tuple(encode(text, add_special_tokens=False, namespace=namespace))
+                if ids:
+                    sequences[ids] = None
+        return tuple(sequences)
 
     def sampling_value(self, value: float | None, name: str) -> float:
         """A request's value, else the model's generation_config.json one, else OpenAI's."""

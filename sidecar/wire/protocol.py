@@ -92,6 +92,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     allowed_token_ids: (
         Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=65536)] | None
     ) = None
+    # vLLM's: words the output must not contain (each word's last token banned after the rest)
+    bad_words: (
+        Annotated[list[Annotated[str, msgspec.Meta(max_length=256)]], msgspec.Meta(max_length=128)]
+        | None
+    ) = None
     # vLLM's: false keeps special tokens in the text (a tool parser that reads them keeps them)
     skip_special_tokens: bool | None = True
     # vLLM's: false (with special tokens kept) drops a decoder's space between two of them;
@@ -110,7 +115,6 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM's options that change the output and are not implemented here: decoded so that
     # check_sampling refuses them by name (see UNSERVED_SAMPLING; inert values pass)
     use_beam_search: Any = None
-    bad_words: Any = None
     logprob_token_ids: Any = None
     return_tokens_as_token_ids: Any = None  # refused with logprobs only (it renames theirs)
     watermarking: Any = None
@@ -268,7 +272,6 @@ def logit_bias_of(req: SamplingFields) -> dict[int, float] | None:
 # what to use instead) unless its value asks for nothing (null, false, "", [] or {}).
 UNSERVED_SAMPLING = {
     "use_beam_search": "",
-    "bad_words": "",
     "logprob_token_ids": "use logprobs with top_logprobs",
     "watermarking": "",
     "repetition_detection": "",
