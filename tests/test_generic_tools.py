@@ -79,9 +79,41 @@ def test_history_is_written_as_the_reply_format() -> None:
         {"tool_response": {"name": "get_weather", "content": "19 C"}},
     ]
     assert results[2] == "Thanks."
-    assert json.loads(out[4]["content"]) == {"response": "You're welcome."}
+    assert out[4]["content"] == '{"response":"You\'re welcome."}'  # compact, as generated
     unmerged = TOOLS.messages(history, merge=False)
     assert [m["role"] for m in unmerged] == ["system", "user", "assistant", "user", "user", "user", "assistant"]  # fmt: skip
+    # The arguments as the client sent them back (the reply's own text) are kept as they are.
+    sent = [None, ['{"city":"Lyon"}', '{"city":  "Paris"}'], None, None, None, None]
+    again = TOOLS.messages(history, arguments=sent)
+    assert again[2]["content"] == (
+        '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Lyon"}},'
+        '{"name":"get_weather","arguments":{"city":  "Paris"}}]}'
+    )
+
+
+def test_a_tool_result_is_named_by_the_latest_call_with_its_id() -> None:
+    """Clients that number their calls per turn reuse ids: each result belongs to the call
+    of the latest assistant turn that made one with its id."""
+    time_call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {}}}  # fmt: skip
+    history = [
+        {"role": "user", "content": "Weather, then time?"},
+        {"role": "assistant", "content": "", "tool_calls": [{**CALL, "id": "c1"}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "20C"},
+        {"role": "assistant", "content": "", "tool_calls": [time_call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+    ]
+    out = TOOLS.messages(history)
+    assert json.loads(out[3]["content"])["tool_response"]["name"] == "get_weather"
+    assert json.loads(out[5]["content"])["tool_response"]["name"] == "get_time"
+
+
+def test_arguments_holding_a_lone_surrogate_still_render() -> None:
+    """``"\\ud800"`` in a call's arguments reads as a lone surrogate, which no tokenizer
+    takes: the history keeps it escaped rather than failing the request."""
+    call = {**CALL, "function": {"name": "get_weather", "arguments": {"city": "\ud800"}}}
+    out = TOOLS.messages([{"role": "assistant", "content": "", "tool_calls": [call]}])
+    out[1]["content"].encode()  # valid UTF-8
+    assert "\\ud800" in out[1]["content"]
 
 
 def test_the_envelope_lifts_each_schemas_definitions_to_its_root() -> None:
@@ -99,7 +131,13 @@ def test_the_envelope_lifts_each_schemas_definitions_to_its_root() -> None:
     with pytest.raises(ValueError, match="City"):
         envelope_schema([("f", params), ("g", other)], False, {"type": "string"})
     defs = SchemaDefs()
-    assert defs.lift({"type": "string"}) == {"type": "string"} and defs.into({}) == {}
+    assert defs.lift({"type": "string"}, "#") == {"type": "string"} and defs.into({}) == {}
+    # Other local references point where the schema now lies (OpenAI's tools may use them).
+    local = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}}}  # fmt: skip
+    nested = envelope_schema([("f", local)], False, {"type": "string"})
+    arguments = nested["anyOf"][0]["properties"]["tool_calls"]["items"]["anyOf"][0]["properties"]["arguments"]  # fmt: skip
+    assert arguments["properties"]["b"]["$ref"] == "#/anyOf/0/properties/tool_calls/items/anyOf/0/properties/arguments/properties/a"  # fmt: skip
+    compiled_grammar(GrammarSpec("json_schema", json.dumps(nested)))
 
 
 PARSED = [
@@ -191,7 +229,7 @@ def scripted(server_loop: ServerLoop) -> Iterator[tuple[ScriptedEngine, openai.O
 
 
 QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
-ENVELOPE_CALL = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}'
+ENVELOPE_CALL = '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris"}}]}'  # compact
 
 
 def test_openai_client_calls_tools_through_the_generic_format(
@@ -362,3 +400,36 @@ def test_a_real_model_replies_in_the_format_streamed_alike(
     second = demo.chat.completions.create(**body, max_tokens=4)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens - 16  # whole blocks of the first prompt
+
+
+def test_a_call_a_stop_string_cut_is_not_a_finished_call(
+    scripted: tuple[ScriptedEngine, openai.OpenAI],
+) -> None:
+    """The envelope cut inside a call's arguments (a stop string, max_tokens): the call as far
+    as it came, and the finish says what cut it, never "tool_calls"."""
+    engine, client = scripted
+    engine.script = '{"tool_calls":[{"name":"get_weather","arguments":{"city":"'
+    reply = client.chat.completions.create(model="fake", messages=QUESTION, tools=[WEATHER])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.tool_calls[0].function.arguments == '{"city":"'  # fmt: skip
+
+
+def test_non_object_parameters_and_none_with_a_prefill(
+    scripted: tuple[ScriptedEngine, openai.OpenAI],
+) -> None:
+    """Parameters that are no object schema are refused (as OpenAI); tool_choice "none" is the
+    plain prompt, so a prefilled final message may be continued."""
+    engine, client = scripted
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="fake", messages=QUESTION, tools=[bad])
+    assert caught.value.body["param"] == "tools[0].function.parameters"  # type: ignore[index]
+    engine.script = " sunny."
+    reply = client.chat.completions.create(
+        model="fake",
+        messages=[*QUESTION, {"role": "assistant", "content": "It is"}],
+        tools=[WEATHER],
+        tool_choice="none",
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert reply.choices[0].message.content == " sunny."

@@ -72,3 +72,12 @@ def test_messages_render_whole_so_re_rendering_templates_work_but_segments_are_r
     assert prompt.token_ids == tokenizer.encode(text) and prompt.spans == []
     with pytest.raises(TemplateError, match="does not render segments incrementally"):
         renderer.render_chat(None, [seg("s", "static", "S", "system"), seg("u", "dynamic", "U")])
+
+
+def test_text_parts_join_with_newlines_as_vllm_joins_them() -> None:
+    """A message's text parts reach the template as one string, joined by newlines (vLLM's
+    "string" content format), so their ids equal vLLM's."""
+    from prefixcache.sidecar.wire.prompt_parts import Message, TextPart
+
+    message = Message("user", [TextPart("text", "Be brief."), TextPart("text", "Really.")])
+    assert message.text == "Be brief.\nReally."

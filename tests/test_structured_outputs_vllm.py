@@ -184,3 +184,24 @@ def test_completions_take_a_response_format_too(client: openai.OpenAI) -> None:
             extra_body={"response_format": fmt, "guided_regex": "a"},
         )  # fmt: skip
     assert caught.value.body["param"] == "guided_regex"  # type: ignore[index]
+
+
+def test_logprobs_under_a_grammar_are_numbers(client: openai.OpenAI) -> None:
+    """A grammar rules tokens out (-inf): they show vLLM's floor -9999.0, never null (no
+    JSON number), in chat's and completions' logprobs."""
+    reply = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Pick."}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=5,
+        extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}},
+    )  # fmt: skip
+    entries = reply.choices[0].logprobs.content
+    values = [e.logprob for e in entries] + [t.logprob for e in entries for t in e.top_logprobs]
+    assert all(isinstance(v, float) and v >= -9999.0 for v in values)
+    assert any(v == -9999.0 for v in values)  # past the first token, the choice is forced
+    out = client.completions.create(
+        model="demo", prompt="Pick:", max_tokens=4, temperature=0, logprobs=3,
+        extra_body={"guided_choice": ["alpha", "beta"]},
+    )  # fmt: skip
+    lp = out.choices[0].logprobs
+    assert all(isinstance(v, float) for v in lp.token_logprobs)
+    assert all(isinstance(v, float) for top in lp.top_logprobs for v in top.values())

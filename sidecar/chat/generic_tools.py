@@ -6,10 +6,12 @@ as text, in the spirit of llama.cpp's "generic" format:
 
 - the tools and the reply format join the first system message (a new one if there is none);
   the same tools always give the same text (canonical JSON), so that prefix is cached;
-- the history is rewritten into that format: an assistant's calls become
-  ``{"tool_calls": [...]}``, its answers ``{"response": ...}`` (what it generated, so a
-  conversation's next turn starts with the tokens of the last), a tool's result a user turn of
-  ``{"tool_response": ...}`` (tool roles the template may not know; a run of them one turn);
+- the history is rewritten into that format, compact as the grammar writes it: an
+  assistant's calls become ``{"tool_calls":[...]}`` (their arguments as the client sent them
+  back: the reply's own text), its answers ``{"response":...}``, so a conversation's next turn
+  holds the last reply's tokens as generated; a tool's result becomes a user turn of
+  ``{"tool_response":...}``, named by the call of the latest assistant turn with its id (tool
+  roles the template may not know; a run of them one turn);
 - a grammar holds the reply to one of the two envelopes (``tool_choice`` auto); required and
   named calls keep vLLM's forced JSON. ``none`` is the plain prompt, as before: no call is
   wanted, and the answer is the model's own text (what LangChain sends with tools bound);
@@ -31,6 +33,7 @@ from .tool_calls import (
     call_of,
     content_of,
     cut_calls,
+    json_text,
 )
 
 _INSTRUCTIONS = (
@@ -55,18 +58,20 @@ class GenericTools:
         lines.append(_INSTRUCTIONS)
         return "\n".join(lines)
 
-    def messages(self, messages: list[dict[str, Any]], merge: bool = True) -> list[dict[str, Any]]:
+    def messages(
+        self,
+        messages: list[dict[str, Any]],
+        merge: bool = True,
+        arguments: list[list[str] | None] | None = None,
+    ) -> list[dict[str, Any]]:
         """``messages`` (the template's dicts) in the generic format. ``merge``: a run of
         user turns that tool results joined becomes one (templates that need roles to
-        alternate); off for tagged segments, whose pieces stay one per segment."""
-        names = {
-            call["id"]: call["function"]["name"]
-            for m in messages
-            for call in m.get("tool_calls") or ()
-            if "id" in call
-        }
+        alternate); off for tagged segments, whose pieces stay one per segment.
+        ``arguments``: per message, its calls' arguments as the client sent them (JSON text:
+        the reply's own, so the history reads as the model wrote it)."""
         out: list[dict[str, Any]] = []
         joined = False  # whether out[-1] is a user turn a tool result made or joined
+        names: dict[str, str] = {}  # call id -> function, the latest assistant turn's first
         for i, m in enumerate(messages):
             role = m["role"]
             if i == 0 and role == "system":
@@ -75,11 +80,13 @@ class GenericTools:
             if i == 0:
                 out.append({"role": "system", "content": self.system_text()})
             if role == "assistant":
-                out.append({"role": "assistant", "content": assistant_envelope(m)})
+                sent = arguments[i] if arguments is not None else None
+                out.append({"role": "assistant", "content": assistant_envelope(m, sent)})
+                names.update({c["id"]: c["function"]["name"] for c in m.get("tool_calls") or ()})
                 joined = False
             elif role == "tool":
-                result = {"name": names.get(m.get("tool_call_id", ""), m.get("name")), "content": m["content"]}  # fmt: skip
-                text = json.dumps({"tool_response": result}, ensure_ascii=False)
+                name = names.get(m.get("tool_call_id") or "", m.get("name"))
+                text = json_text({"tool_response": {"name": name, "content": m["content"]}}, COMPACT)  # fmt: skip
                 if merge and joined:
                     out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{text}"}
                 else:
@@ -93,18 +100,24 @@ class GenericTools:
         return out
 
 
-def assistant_envelope(message: dict[str, Any]) -> str:
-    """A past assistant turn as the generic format writes it."""
+COMPACT = (",", ":")  # how the grammar writes JSON (no free whitespace)
+
+
+def assistant_envelope(message: dict[str, Any], arguments: list[str] | None = None) -> str:
+    """A past assistant turn as the generic format writes it: compact, the calls' arguments
+    as sent (``arguments``; else their objects), so a reply sent back reads as generated."""
     calls = message.get("tool_calls")
     if not calls:
-        return json.dumps({"response": message.get("content") or ""}, ensure_ascii=False)
-    envelope: dict[str, Any] = {}
-    if message.get("content"):
-        envelope["response"] = message["content"]
-    envelope["tool_calls"] = [
-        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls
-    ]
-    return json.dumps(envelope, ensure_ascii=False)
+        return json_text({"response": message.get("content") or ""}, COMPACT)
+    items = []
+    for k, call in enumerate(calls):
+        name = json_text(call["function"]["name"], COMPACT)
+        args = arguments[k] if arguments is not None and arguments[k].strip() else None
+        if args is None:
+            args = json_text(call["function"]["arguments"], COMPACT)
+        items.append(f'{{"name":{name},"arguments":{args}}}')
+    head = f'"response":{json_text(message["content"], COMPACT)},' if message.get("content") else ""
+    return f'{{{head}"tool_calls":[{",".join(items)}]}}'
 
 
 def envelope_schema(
@@ -114,15 +127,21 @@ def envelope_schema(
     at most one call with ``single``) or ``{"response": <response>}``. ValueError if two of
     them define a ``$defs`` name differently."""
     defs = SchemaDefs()
-    answer = _object("response", defs.lift(response))
+    answer = _object("response", defs.lift(response, "#/anyOf/1/properties/response"))
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": name}, "arguments": defs.lift(parameters)},
+            "properties": {
+                "name": {"const": name},
+                "arguments": defs.lift(
+                    parameters,
+                    f"#/anyOf/0/properties/tool_calls/items/anyOf/{i}/properties/arguments",
+                ),
+            },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for name, parameters in tools
+        for i, (name, parameters) in enumerate(tools)
     ]
     array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if single:
@@ -140,8 +159,11 @@ class SchemaDefs:
     def __init__(self) -> None:
         self.found: dict[str, dict[str, Any]] = {}
 
-    def lift(self, schema: dict[str, Any]) -> dict[str, Any]:
-        """``schema`` without its definitions, which join the root's."""
+    def lift(self, schema: dict[str, Any], at: str) -> dict[str, Any]:
+        """``schema``, placed at the JSON pointer ``at`` of the whole, without its definitions
+        (they join the root's); its other local references (``#``, ``#/properties/...``) now
+        point where it lies."""
+        schema = _rebased(schema, at)
         if not any(key in schema for key in self.KEYWORDS):
             return schema
         rest = dict(schema)
@@ -160,6 +182,20 @@ class SchemaDefs:
 
     def into(self, schema: dict[str, Any]) -> dict[str, Any]:
         return {**schema, **self.found} if self.found else schema
+
+
+def _rebased(value: Any, at: str) -> Any:
+    """``value`` with each local ``$ref`` outside the definitions made relative to ``at``."""
+    if isinstance(value, list):
+        return [_rebased(v, at) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {key: _rebased(v, at) for key, v in value.items()}
+    ref = out.get("$ref")
+    local = isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
+    if local and not ref.startswith(("#/$defs/", "#/definitions/")):
+        out["$ref"] = at + ref[1:]
+    return out
 
 
 def _object(key: str, value: dict[str, Any]) -> dict[str, Any]:
@@ -199,7 +235,7 @@ class GenericParser(WholeOutputParser):
         for item in value["tool_calls"]:
             if not isinstance(item, dict):
                 raise ValueError("a tool call must be a JSON object")
-            calls.append(call_of(item.get("name"), item.get("arguments")))
+            calls.append(call_of(item.get("name"), item.get("arguments"), COMPACT))
         return calls
 
     def parse(self, text: str) -> ParsedOutput:
@@ -209,7 +245,7 @@ class GenericParser(WholeOutputParser):
             pass
         calls = _CALLS.match(text)
         if calls is not None:  # cut inside its calls: the whole ones, the last as far as it came
-            return ParsedOutput(None, cut_calls(text[calls.end() - 1 :], "arguments"))
+            return ParsedOutput(None, cut_calls(text[calls.end() - 1 :], "arguments", COMPACT))
         return ParsedOutput(content_of(self.streamed_content(text, final=True)))
 
     def streamed_content(self, text: str, final: bool = False) -> str:

@@ -295,7 +295,15 @@ def _dicts(
     messages: list[Message] | list[Segment], generic_tools: GenericTools | None = None
 ) -> list[dict[str, Any]]:
     dicts = [_dict(m) for m in messages]
-    return dicts if generic_tools is None else generic_tools.messages(dicts)
+    if generic_tools is None:
+        return dicts
+    sent = [
+        [c.function.arguments for c in m.tool_calls]
+        if isinstance(m, Message) and m.tool_calls
+        else None
+        for m in messages
+    ]
+    return generic_tools.messages(dicts, arguments=sent)
 
 
 def _dict(m: Message | Segment) -> dict[str, Any]:

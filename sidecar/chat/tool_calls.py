@@ -41,7 +41,18 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def call_of(name: Any, arguments: Any) -> ToolCall:
+def json_text(value: Any, separators: tuple[str, str] = (", ", ": ")) -> str:
+    """``value`` as JSON text, its characters as they are; escaped where it holds a lone
+    surrogate (``"\\ud800"`` read from JSON text), which no UTF-8 encoder takes."""
+    text = json.dumps(value, ensure_ascii=False, separators=separators)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=separators)
+    return text
+
+
+def call_of(name: Any, arguments: Any, separators: tuple[str, str] = (", ", ": ")) -> ToolCall:
     """One call from decoded JSON; ValueError unless a name and an object of arguments."""
     if not isinstance(name, str) or not name:
         raise ValueError("a tool call needs a name")
@@ -51,7 +62,7 @@ def call_of(name: Any, arguments: Any) -> ToolCall:
         arguments = json.loads(arguments)
     if not isinstance(arguments, dict):
         raise ValueError("tool call arguments must be a JSON object")
-    return ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
+    return ToolCall(new_call_id(), name, json_text(arguments, separators))
 
 
 def content_of(text: str) -> str | None:
@@ -265,9 +276,10 @@ class FirstCallOnly(ToolCallParser):
 
 
 def forced_call_cut(parser: ToolCallParser | None, text: str) -> bool:
-    """Whether ``text`` is forced calls cut before their JSON ended (by max_tokens or a stop
-    string): the reply says what cut it (length, stop), not that the calls were made."""
-    if not isinstance(parser, ForcedParser):
+    """Whether ``text`` is calls a grammar forced (a forced call's JSON, the generic format's
+    envelope) cut before their JSON ended (by max_tokens or a stop string): the reply says
+    what cut it (length, stop), not that the calls were made."""
+    if not isinstance(parser, WholeOutputParser):
         return False
     try:
         return not parser.parse_calls(text)
@@ -284,7 +296,9 @@ _CUT_CALL = re.compile(
 )
 
 
-def cut_calls(text: str, key: str = "parameters") -> list[ToolCall]:
+def cut_calls(
+    text: str, key: str = "parameters", separators: tuple[str, str] = (", ", ": ")
+) -> list[ToolCall]:
     """The calls of a ``[{"name", key}, ...]`` list that max_tokens cut (a forced one's,
     or the generic format's with "arguments")."""
     rest = text.strip().removeprefix("[")
@@ -302,7 +316,7 @@ def cut_calls(text: str, key: str = "parameters") -> list[ToolCall]:
         if not isinstance(item, dict):
             break
         try:
-            calls.append(call_of(item.get("name"), item.get(key)))
+            calls.append(call_of(item.get("name"), item.get(key), separators))
         except ValueError:  # not a call: what came so far is all there is
             break
         rest = rest.lstrip()[end:].lstrip().removeprefix(",")

@@ -71,11 +71,13 @@ def grammar_for(req: p.ChatCompletionRequest, generic: bool = False) -> GrammarS
                 "type": "object",
                 "properties": {
                     "name": {"const": t.function.name},
-                    "parameters": defs.lift(_parameters(t)),
+                    "parameters": defs.lift(
+                        _parameters(t), f"#/items/anyOf/{i}/properties/parameters"
+                    ),
                 },
                 "required": ["name", "parameters"],
             }
-            for t in req.tools or ()
+            for i, t in enumerate(req.tools or ())
         ]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if req.parallel_tool_calls is False:

@@ -120,7 +120,7 @@ def _text(content: str | list[w.ContentPart], index: int) -> str | list[TextPart
         parts.append(TextPart("text", text, prompt_cache_breakpoint=part.prompt_cache_breakpoint))
     if any(part.prompt_cache_breakpoint is not None for part in parts):
         return parts
-    return "".join(part.text for part in parts)
+    return "\n".join(part.text for part in parts)
 
 
 def _without_values(message: str) -> str:

@@ -60,20 +60,21 @@ def item_status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def call_status(arguments: str, finish_reason: str | None) -> str:
-    """A call cut off is ``incomplete`` while its arguments are no JSON object yet."""
+def call_status(arguments: str) -> str:
+    """A call whose arguments are no JSON object yet (cut by the limit or a stop string) is
+    ``incomplete``."""
     try:
         whole = isinstance(json.loads(arguments), dict)
     except ValueError:
         whole = False
-    return "completed" if whole else item_status(finish_reason)
+    return "completed" if whole else "incomplete"
 
 
-def function_calls(calls: list[ToolCall], finish_reason: str | None) -> list[w.OutputFunctionCall]:
-    """The calls as items; only the last can be one the limit cut."""
+def function_calls(calls: list[ToolCall]) -> list[w.OutputFunctionCall]:
+    """The calls as items; only the last can be one the limit or a stop string cut."""
     items = [function_call(call) for call in calls]
     if items:
-        items[-1].status = call_status(items[-1].arguments, finish_reason)
+        items[-1].status = call_status(items[-1].arguments)
     return items
 
 
@@ -106,7 +107,7 @@ def output_items(job: Job, text: str, finish_reason: str) -> list[w.OutputItem]:
     if text:
         status = "completed" if calls else item_status(finish_reason)
         items.append(w.OutputMessage(new_id("msg"), status, [w.OutputText(text)]))
-    items.extend(function_calls(calls, finish_reason))
+    items.extend(function_calls(calls))
     return items
 
 
@@ -120,7 +121,7 @@ def _arguments_delta(
         item.arguments += delta
         frames.append(event("response.function_call_arguments.delta", **ids, delta=delta))
     if finish_reason is not None:
-        item.status = call_status(item.arguments, finish_reason)
+        item.status = call_status(item.arguments)
         done = "response.function_call_arguments.done"
         frames.append(event(done, **ids, name=item.name, arguments=item.arguments))
         frames.append(event("response.output_item.done", output_index=0, item=item))
@@ -206,7 +207,7 @@ async def stream_events(
                 rest = calls.finish()
                 for frame in text_delta(rest.content) if rest.content else ():
                     yield frame
-                items = function_calls(rest.tool_calls, out.finish_reason)
+                items = function_calls(rest.tool_calls)
             if message is not None:
                 whole = w.OutputText("".join(texts))
                 message.content = [whole]

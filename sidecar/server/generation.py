@@ -143,7 +143,7 @@ class GenerationRoutes:
             template_kwargs = {**template_kwargs, "documents": req.documents}
         if req.tools:
             if not self.tool_template.supports_tools:  # written into the messages instead
-                if req.continue_final_message:
+                if req.continue_final_message and req.tool_mode != "none":
                     raise bad_request(
                         "continue_final_message cannot be used with tools here: the chat "
                         f"template of {self.engine.model_name!r} does not render tools, so they "

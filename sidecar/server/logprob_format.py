@@ -62,6 +62,13 @@ class TokenOffsets:
         return at
 
 
+LOWEST = -9999.0  # vLLM's floor: a token the grammar or a mask ruled out has -inf, no JSON
+
+
+def floored(logprob: float) -> float:
+    return max(logprob, LOWEST)
+
+
 def chat_logprobs(
     entries: list[TokenLogprob],
     decode: Decode,
@@ -75,7 +82,7 @@ def chat_logprobs(
     def item(token_id: int, logprob: float) -> dict:
         return {
             "token": decode([token_id]),
-            "logprob": logprob,
+            "logprob": floored(logprob),
             "bytes": list(token_bytes(token_id)),
         }
 
@@ -115,12 +122,12 @@ def completion_logprobs(
         else:
             text_offset.append(offsets.here())
         tokens.append(text(token_id))
-        token_logprobs.append(None if entry is None else entry.logprob)
+        token_logprobs.append(None if entry is None else floored(entry.logprob))
         if entry is None:
             top_logprobs.append(None)
             continue
-        top = {text(t): lp for t, lp in entry.top}
-        top.setdefault(text(token_id), entry.logprob)
+        top = {text(t): floored(lp) for t, lp in entry.top}
+        top.setdefault(text(token_id), floored(entry.logprob))
         top_logprobs.append(top)
     return {
         "tokens": tokens,
@@ -148,7 +155,7 @@ def vllm_prompt_logprobs(
     text = token_texts(decode)
 
     def item(token_id: int, logprob: float, rank: int | None) -> dict:
-        return {"logprob": logprob, "rank": rank, "decoded_token": text(token_id)}
+        return {"logprob": floored(logprob), "rank": rank, "decoded_token": text(token_id)}
 
     out: list[dict | None] = []
     for entry in entries:

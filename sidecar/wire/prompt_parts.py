@@ -105,7 +105,7 @@ class Message(msgspec.Struct):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)  # as vLLM joins text parts
 
 
 class Segment(msgspec.Struct):

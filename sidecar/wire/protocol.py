@@ -422,6 +422,14 @@ def check_tools(req: ChatCompletionRequest) -> None:
     names = [t.function.name for t in req.tools or ()]
     if len(set(names)) != len(names):
         raise Error("tool function names must be unique", "tools")
+    for i, tool in enumerate(req.tools or ()):  # arguments are an object (OpenAI refuses else)
+        kind = (tool.function.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise Error(
+                f"a function's parameters must be a JSON Schema of type 'object', not "
+                f"{str(kind)[:40]!r}",
+                f"tools[{i}].function.parameters",
+            )
     mode = req.tool_mode
     if mode in ("required", "named") and not names:
         raise Error(f"tool_choice {mode!r} needs 'tools'", "tool_choice")
