@@ -309,16 +309,31 @@ def test_tool_choice_none_is_the_plain_prompt(
     )
 
 
-def test_required_keeps_the_forced_calls_and_continuing_a_message_is_refused(
+def test_required_and_named_calls_take_the_envelope_too(
     scripted: tuple[ScriptedEngine, openai.OpenAI],
 ) -> None:
+    """Every turn reads alike: a required call is the envelope's calls alone, a named one its
+    one call of that function (finishing "stop", as OpenAI's named calls do); continuing a
+    final message cannot start the format."""
     engine, client = scripted
-    engine.script = '[{"name": "get_weather", "parameters": {"city": "Lyon"}}]'
+    engine.script = '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Lyon"}}]}'
     reply = client.chat.completions.create(
         model="fake", messages=QUESTION, tools=[WEATHER], tool_choice="required"
     )
+    assert reply.choices[0].finish_reason == "tool_calls"
     assert json.loads(reply.choices[0].message.tool_calls[0].function.arguments) == {"city": "Lyon"}
-    assert TOOLS.system_text() in engine.tokenizer.decode(engine.received[-1].prompt_token_ids)
+    request = engine.received[-1]
+    assert TOOLS.system_text() in engine.tokenizer.decode(request.prompt_token_ids)
+    assert list(json.loads(request.sampling.grammar.text)["properties"]) == ["tool_calls"]
+    other = {"type": "function", "function": {"name": "other", "parameters": {"type": "object"}}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = client.chat.completions.create(
+        model="fake", messages=QUESTION, tools=[other, WEATHER], tool_choice=named
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    schema = json.loads(engine.received[-1].sampling.grammar.text)["properties"]["tool_calls"]
+    assert schema["maxItems"] == 1
+    assert [c["properties"]["name"] for c in schema["items"]["anyOf"]] == [{"const": "get_weather"}]
     with pytest.raises(openai.BadRequestError, match="continue_final_message"):
         client.chat.completions.create(
             model="fake",

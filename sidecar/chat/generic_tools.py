@@ -12,9 +12,10 @@ as text, in the spirit of llama.cpp's "generic" format:
   holds the last reply's tokens as generated; a tool's result becomes a user turn of
   ``{"tool_response":...}``, named by the call of the latest assistant turn with its id (tool
   roles the template may not know; a run of them one turn);
-- a grammar holds the reply to one of the two envelopes (``tool_choice`` auto); required and
-  named calls keep vLLM's forced JSON. ``none`` is the plain prompt, as before: no call is
-  wanted, and the answer is the model's own text (what LangChain sends with tools bound);
+- a grammar holds the reply to one of the two envelopes (``tool_choice`` auto), or to the
+  calls alone (required; named: one call of that function), so every turn reads alike.
+  ``none`` is the plain prompt, as before: no call is wanted, and the answer is the model's
+  own text (what LangChain sends with tools bound);
 - ``GenericParser`` reads the envelope back as tool calls or content, and a stream releases
   the response's text as it decodes.
 """
@@ -121,22 +122,20 @@ def assistant_envelope(message: dict[str, Any], arguments: list[str] | None = No
 
 
 def envelope_schema(
-    tools: list[tuple[str, dict[str, Any]]], single: bool, response: dict[str, Any]
+    tools: list[tuple[str, dict[str, Any]]], single: bool, response: dict[str, Any] | None
 ) -> dict[str, Any]:
     """The reply's JSON Schema: ``{"tool_calls": [...]}`` of ``tools`` (name, parameters;
-    at most one call with ``single``) or ``{"response": <response>}``. ValueError if two of
-    them define a ``$defs`` name differently."""
+    at most one call with ``single``) or, where ``response`` is given (tool_choice auto),
+    ``{"response": <response>}``. ValueError if two of them define a ``$defs`` name
+    differently."""
     defs = SchemaDefs()
-    answer = _object("response", defs.lift(response, "#/anyOf/1/properties/response"))
+    at = "#/anyOf/0/properties/tool_calls/items/anyOf" if response is not None else "#/properties/tool_calls/items/anyOf"  # fmt: skip
     calls = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": name},
-                "arguments": defs.lift(
-                    parameters,
-                    f"#/anyOf/0/properties/tool_calls/items/anyOf/{i}/properties/arguments",
-                ),
+                "arguments": defs.lift(parameters, f"{at}/{i}/properties/arguments"),
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
@@ -146,6 +145,9 @@ def envelope_schema(
     array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if single:
         array["maxItems"] = 1
+    if response is None:  # a call is required (or named)
+        return defs.into(_object("tool_calls", array))
+    answer = _object("response", defs.lift(response, "#/anyOf/1/properties/response"))
     return defs.into({"anyOf": [_object("tool_calls", array), answer]})
 
 
@@ -224,8 +226,9 @@ class GenericParser(WholeOutputParser):
 
     name = "generic"
 
-    def __init__(self, structured: bool = False) -> None:
+    def __init__(self, structured: bool = False, function: str | None = None) -> None:
         self.structured = structured
+        self.function = function  # tool_choice named this function (its call finishes "stop")
 
     def parse_calls(self, section: str) -> list[ToolCall]:
         value = json.loads(section)

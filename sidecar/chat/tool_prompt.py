@@ -40,23 +40,27 @@ def canonical_tools(tools: list[p.ToolDef]) -> list[dict[str, Any]]:
 def grammar_for(req: p.ChatCompletionRequest, generic: bool = False) -> GrammarSpec | None:
     """What the output must be: vLLM's structured_outputs (or guided_*), a response_format, or
     a forced tool call's JSON; ``generic``
-    (tools on a template that does not render them): under tool_choice auto, the generic
-    format's envelope, its response a string or the response_format's JSON.
+    (tools on a template that does not render them): the generic format's envelope, under
+    tool_choice auto its response a string or the response_format's JSON, else calls only.
     ValueError for tools whose schemas cannot share one grammar."""
     vllm = p.structured_output_of(req)  # vLLM's fields: alone (check_chat refuses others)
     if vllm is not None:
         return vllm[0]
     fmt = req.response_format
     mode = req.tool_mode
-    if generic and req.tools and mode == "auto":
-        response: dict[str, Any] = {"type": "string"}
-        if fmt is not None and fmt.type == "json_object":
-            response = {"type": "object"}
-        elif fmt is not None and fmt.type == "json_schema":
-            assert fmt.json_schema is not None and fmt.json_schema.schema is not None
-            response = fmt.json_schema.schema
-        tools = [(t.function.name, _parameters(t)) for t in req.tools]
-        schema = envelope_schema(tools, req.parallel_tool_calls is False, response)
+    if generic and req.tools and mode != "none":
+        response: dict[str, Any] | None = None  # auto: calls or an answer; else calls only
+        if mode == "auto":
+            response = {"type": "string"}
+            if fmt is not None and fmt.type == "json_object":
+                response = {"type": "object"}
+            elif fmt is not None and fmt.type == "json_schema":
+                assert fmt.json_schema is not None and fmt.json_schema.schema is not None
+                response = fmt.json_schema.schema
+        named = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
+        tools = [(t.function.name, _parameters(t)) for t in req.tools if named in (None, t.function.name)]  # fmt: skip
+        single = req.parallel_tool_calls is False or named is not None
+        schema = envelope_schema(tools, single, response)
         return GrammarSpec("json_schema", schema_text(schema))
     if (formatted := format_grammar(fmt)) is not None:
         return formatted
@@ -143,14 +147,15 @@ class ToolTemplate:
         mode = req.tool_mode
         if mode == "none" or not req.tools:
             return None
+        if not self.supports_tools:  # the generic format, whatever the choice
+            fmt = req.response_format
+            named = req.tool_choice.function.name if mode == "named" else None  # type: ignore[union-attr]
+            return GenericParser(fmt is not None and fmt.type != "text", named)
         if mode == "named":
             assert isinstance(req.tool_choice, p.NamedToolChoice)
             return ForcedParser(req.tool_choice.function.name)
         if mode == "required":
             return ForcedParser(None)
-        if not self.supports_tools:
-            fmt = req.response_format
-            return GenericParser(structured=fmt is not None and fmt.type != "text")
         if req.parallel_tool_calls is False:
             return FirstCallOnly(self.model_parser)
         return self.model_parser

@@ -27,6 +27,7 @@ from prefixcache.engine.request import (
     Usage,
 )
 
+from ..chat.generic_tools import GenericParser
 from ..chat.tool_calls import (
     ForcedParser,
     ToolCall,
@@ -298,7 +299,8 @@ def _chat_message(job: Job, result: Collected) -> tuple[rt.ChatMessage, str]:
 def _named(job: Job) -> bool:
     """A call ``tool_choice`` named: it finishes "stop", as OpenAI's and vLLM's do (theirs
     "tool_calls" for auto and required)."""
-    return isinstance(job.tool_parser, ForcedParser) and job.tool_parser.function is not None
+    parser = job.tool_parser
+    return isinstance(parser, (ForcedParser, GenericParser)) and parser.function is not None
 
 
 def _tool_call_reply(call: ToolCall) -> rt.ToolCallReply:
