@@ -320,12 +320,13 @@ def test_last_output_carries_the_request_timeline(loaded) -> None:
 
 def test_streamed_text_is_the_decoded_output(loaded) -> None:
     """Text deltas, including what the detokenizer held back at the end, add up to the
-    decoded output: nothing is lost or doubled."""
+    decoded output: nothing is lost or doubled; only a last character max_tokens cut before
+    its last byte (its U+FFFD) is left out."""
     engine = make_engine(loaded)
     rng = random.Random(12)
     prompts = [random_tokens(rng, 20, loaded.config.vocab_size) for _ in range(4)]
     for result in engine.generate(prompts, greedy(12)):
-        assert result.text == loaded.tokenizer.decode(result.token_ids)
+        assert result.text == loaded.tokenizer.decode(result.token_ids).removesuffix("\ufffd")
 
 
 def test_decodes_sharing_a_prefix_run_as_one_cascade_group(loaded) -> None:

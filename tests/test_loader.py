@@ -247,6 +247,11 @@ def test_incremental_detokenizer_never_splits_characters(tmp_path: Path) -> None
     assert len(emoji) > 1
     det = IncrementalDetokenizer(tok)
     assert [det.push(i) for i in emoji][:-1] == [""] * (len(emoji) - 1)
+    # Cut before its last byte (max_tokens): the text ends before it, no U+FFFD.
+    cut = tok.encode("ok") + emoji[:-1]
+    assert tok.decode(cut).endswith("\ufffd")
+    det = IncrementalDetokenizer(tok)
+    assert "".join(det.push(i) for i in cut) + det.flush() == "ok"
 
 
 def test_no_bos_is_invented_from_config_json(tmp_path: Path) -> None:

@@ -29,11 +29,15 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """Text still held back (e.g. an incomplete character at the end of the stream)."""
+        """Text still held back at the end of the stream, less a last character whose bytes
+        did not all come (max_tokens cut it: its one U+FFFD would stand for bytes the text does
+        not have; vLLM's detokenizer never emits it either). Its tokens, and their logprobs'
+        bytes, keep them."""
         before = self._decode(self.ids[self._prefix : self._read])
         after = self._decode(self.ids[self._prefix :])
         self._prefix = self._read = len(self.ids)
-        return after[len(before) :] if len(after) > len(before) else ""
+        held = after[len(before) :] if len(after) > len(before) else ""
+        return held.removesuffix("\ufffd")
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
