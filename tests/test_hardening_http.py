@@ -3,13 +3,19 @@ half-closed clients. Each failed on the code before its fix."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
+from collections.abc import AsyncGenerator
 
 import httpx
 import pytest
 from conftest import Server, ServerLoop, health_gaps_while, serve
+from sidecar_fake_engine import FakeEngine
+
+from prefixcache.engine.request import EngineRequest, RequestOutput
+from prefixcache.sidecar.server.app import SidecarSettings, create_app
 
 USER = {"role": "user", "content": "hello"}
 
@@ -80,6 +86,67 @@ def test_half_closed_client_on_the_real_engine(sidecar_server: Server) -> None:
     assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
     payload = json.loads(raw.split(b"\r\n\r\n", 1)[1])
     assert payload["usage"]["completion_tokens"] >= 1
+
+
+class HeldEngine(FakeEngine):
+    """A fake engine whose requests wait (queued, say) until ``release``; it notes which of
+    them were closed, as a disconnect closes them (an abort)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.held: list[str] = []
+        self.closed: list[str] = []
+
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
+        self.held.append(request.request_id)
+        try:
+            await self.release.wait()
+            async for out in super().generate(request):
+                yield out
+        finally:
+            self.closed.append(request.request_id)
+
+
+def test_a_stream_whose_client_left_while_queued_is_aborted_before_its_first_token(
+    server_loop: ServerLoop,
+) -> None:
+    """An event stream's headers go out before its request is even queued, so a client that
+    closes then is not a half close to wait out: the server's SSE comment meets its reset and
+    the request is aborted while still queued (before, it ran its prefill first)."""
+    engine = HeldEngine()
+    server_loop.run(engine.start())
+    server = serve(server_loop, create_app(engine, SidecarSettings(manage_engine=False)))
+    try:
+        host, port = server.root.removeprefix("http://").split(":")
+        body = json.dumps({"messages": [USER], "max_tokens": 4, "stream": True}).encode()
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # the stream has started
+            deadline = time.monotonic() + 10
+            while not engine.held and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert engine.held, "the request never reached the engine"
+        deadline = time.monotonic() + 10  # closed (a full close): the reset tells
+        while not engine.closed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.closed == engine.held
+    finally:
+        server_loop.loop.call_soon_threadsafe(engine.release.set)
+        server.stop()
+
+
+def test_a_half_closed_stream_reader_skips_the_probe(fake_server: Server) -> None:
+    """The SSE comment is harmless to a client that only half closed: its stream is whole."""
+    body = json.dumps({"messages": [USER], "max_tokens": 8, "stream": True}).encode()
+    raw = half_closed_exchange(fake_server.root, "/v1/chat/completions", body)
+    events = [line for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]" and len(events) > 2
 
 
 def test_health_reports_an_engine_that_broke_after_serving(fake_server: Server) -> None:

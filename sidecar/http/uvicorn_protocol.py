@@ -11,7 +11,11 @@ the response has not started, an HTTP/1.1 client is sent an interim ``100 Contin
 HTTP/1.1 client must skip 1xx responses): a client that is gone for good answers it with a
 reset, which the socket then reports; the connection is dropped and the app sees
 ``http.disconnect`` (its request is aborted) as before. A half-closed client reads the 100
-and then its response. An idle connection that ends closes at once, as before.
+and then its response. An idle connection that ends closes at once, as before. An event
+stream has started at once (its headers go before the request is even queued), so there the
+probe is an SSE comment (``:``, a line every SSE reader skips) in a chunk of its own: a stream
+whose client left while it waited in the queue is aborted then, not after its prefill, when
+its first token would meet the reset.
 
 Slow clients (with uvicorn's httptools parser, the one ``uvicorn[standard]`` brings): a
 connection must finish a request's headers within ``HEADERS_TIMEOUT_S`` of opening (or of
@@ -35,6 +39,7 @@ except ImportError:  # no httptools: h11, whose parser calls none of the hooks b
     HttpToolsProtocol = None
 
 _PROBE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_STREAM_PROBE = b"2\r\n:\n\r\n"  # a chunk holding an SSE comment line
 _CHECKS_S = (0.02, 0.1, 0.3, 1.0, 3.0)  # after the probe: when to look for a reset
 HEADERS_TIMEOUT_S = 20.0
 BODY_TIMEOUT_S = 120.0  # a 4 MiB body at 35 KB/s
@@ -62,6 +67,18 @@ class HalfCloseHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     def on_headers_complete(self) -> None:
         self._arm(BODY_TIMEOUT_S, self._body_too_slow)
         super().on_headers_complete()
+        cycle = self.cycle
+        send = cycle.send  # the app is handed cycle.send when its task starts, after this
+
+        async def noting_event_streams(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                cycle.event_stream = any(
+                    name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+                    for name, value in message.get("headers", ())
+                )
+            await send(message)
+
+        cycle.send = noting_event_streams
 
     def on_message_complete(self) -> None:
         self._arm(None)
@@ -99,10 +116,17 @@ class HalfCloseHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
             return None  # between requests: close, as uvicorn does
         self._input_ended = True
         if not cycle.response_started and cycle.scope.get("http_version") == "1.1":
-            self.transport.write(_PROBE)
-            for delay in _CHECKS_S:
-                self.loop.call_later(delay, self._drop_if_reset)
+            self._probe(_PROBE)
+        elif getattr(cycle, "event_stream", False) and cycle.chunked_encoding:
+            self._probe(_STREAM_PROBE)
         return True  # keep the transport open for the response
+
+    def _probe(self, data: bytes) -> None:
+        """Write ``data``, which a live client skips, and then look for the reset of one that
+        is gone."""
+        self.transport.write(data)
+        for delay in _CHECKS_S:
+            self.loop.call_later(delay, self._drop_if_reset)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
