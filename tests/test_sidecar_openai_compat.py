@@ -532,13 +532,16 @@ async def test_model_aliases_are_accepted_and_others_are_not(engine: FakeEngine)
             assert response.json()["model"] == name  # the name used, as vLLM answers
         other = await c.post(CHAT, json={"messages": USER, "model": "/models/other"})
         assert other.status_code == 404
-        # listed too, the model's own name first, each card rooted at it (vLLM lists each of
-        # its served names); one retrieved by an alias is that alias's card
+        # listed too, in vLLM's order (the served names, here the --model value, then the
+        # model's own), each card rooted at the model's own; one retrieved by an alias is
+        # that alias's card; a request naming none is answered in the first's name
         cards = (await c.get("/v1/models")).json()["data"]
         assert [(m["id"], m["root"]) for m in cards] == [
-            (engine.model_name, engine.model_name),
             ("/models/my-model", engine.model_name),
+            (engine.model_name, engine.model_name),
         ]
+        unnamed = await c.post(CHAT, json={"messages": USER, "max_tokens": 1})
+        assert unnamed.json()["model"] == "/models/my-model"
         card = (await c.get("/v1/models//models/my-model")).json()
         assert card["id"] == "/models/my-model"
 

@@ -128,7 +128,7 @@ def serve(args: argparse.Namespace, environment: SidecarEnvironment | None = Non
         secret=secret,
         max_body_bytes=int(args.max_body_mib * MIB),
         max_waiting=args.queue_limit,
-        model_aliases=(args.model, *args.served_model_name),
+        model_aliases=(*args.served_model_name, args.model),  # vLLM's order: served names first
         cache_dir=args.cache_dir,
         load_on_start=tuple(args.load_cache),
         use_generation_config=args.generation_config == "auto",

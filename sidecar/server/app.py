@@ -152,10 +152,11 @@ class Sidecar:
         return metrics_reply(self.engine.registry, self.metrics_registry)
 
     async def models(self, request: Request) -> Response:
-        """A card per name requests may use, the model's own first (as vLLM lists each of its
-        served names): clients that discover models here see the aliases too."""
+        """A card per name requests may use, in vLLM's order: the served names first (the
+        ``--model`` value where none is given), then the model's own: clients that take the
+        first card (guidellm, as a tokenizer id) take what vLLM would show them."""
         self.gate.caller(request)
-        names = dict.fromkeys((self.engine.model_name, *self.settings.model_aliases))
+        names = self.gate.model_names
         return json_response(rt.ModelList(data=[self._model_card(n) for n in names]))
 
     async def model(self, request: Request) -> Response:

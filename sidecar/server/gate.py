@@ -69,9 +69,14 @@ class RequestGate:
             raise not_ready(self.settings.retry_after_s)
 
     def check_model(self, model: str | None) -> None:
-        name = self.engine.model_name
-        if model and model != name and model not in self.settings.model_aliases:
-            raise model_not_found(name)
+        if model and model not in self.model_names:
+            raise model_not_found(self.model_names[0])
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name requests may use: the aliases (served names, then the --model value),
+        then the model's own; the first is what a reply names when its request named none."""
+        return list(dict.fromkeys((*self.settings.model_aliases, self.engine.model_name)))
 
     def namespace(self, tenant: str, salt: str | None) -> str:
         """The HMAC-derived cache namespace, remembered (bounded in bytes, oldest out)."""

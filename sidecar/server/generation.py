@@ -325,7 +325,7 @@ class GenerationRoutes:
                     id=request_id,
                     kind=kind,
                     # the name the request used (an alias too), as vLLM answers
-                    model=req.model or self.engine.model_name,
+                    model=req.model or self.gate.model_names[0],
                     created=created,
                     spans=prompt.spans,
                     stream=self.admission.admit(engine_request),  # 429 when the queue is full
