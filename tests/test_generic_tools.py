@@ -448,3 +448,57 @@ def test_non_object_parameters_and_none_with_a_prefill(
         extra_body={"continue_final_message": True, "add_generation_prompt": False},
     )
     assert reply.choices[0].message.content == " sunny."
+
+
+def streamed_calls(parser: GenericParser, text: str, cuts: list[int]) -> tuple[dict, list]:
+    """The calls a stream sends (id, name, arguments by index), pushed at ``cuts``, and the
+    calls its finish gives."""
+    stream = ToolCallStream(parser)
+    sent: dict[int, list] = {}
+    last = 0
+
+    def take(deltas: list) -> None:
+        for d in deltas:
+            if d.id is not None:
+                assert d.index == len(sent) and d.arguments == ""  # a call begins whole-named
+                sent[d.index] = [d.id, d.name, ""]
+            else:
+                sent[d.index][2] += d.arguments
+
+    for cut in sorted({c % (len(text) + 1) for c in cuts}) + [len(text)]:
+        stream.push(text[last:cut])
+        take(stream.call_deltas())
+        last = cut
+    calls = stream.finish().tool_calls
+    take(stream.remaining(calls))
+    return sent, calls
+
+
+ARGUMENT_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.dictionaries(st.text(max_size=4), ARGUMENT_VALUES, max_size=3), min_size=1, max_size=3
+    ),
+    st.lists(st.integers(min_value=0, max_value=10_000), max_size=16),
+    st.booleans(),
+)
+def test_calls_stream_as_they_are_generated(arguments: list[dict], cuts: list[int], cut: bool) -> None:  # fmt: skip
+    """Under any chunking the streamed pieces add up to the finished calls, ids included, and
+    a call's arguments are sent as they come; cut short, the last call as far as it came."""
+    items = [f'{{"name":"f{i}","arguments":{json.dumps(a, separators=(",", ":"))}}}' for i, a in enumerate(arguments)]  # fmt: skip
+    text = '{"tool_calls":[' + ",".join(items) + "]}"
+    if cut:
+        text = text[: len(text) * 2 // 3]
+    sent, calls = streamed_calls(GenericParser(), text, cuts)
+    assert [tuple(sent[i]) for i in range(len(sent))] == [(c.id, c.name, c.arguments) for c in calls]  # fmt: skip
+    if not cut:
+        assert [json.loads(c.arguments) for c in calls] == arguments

@@ -33,8 +33,8 @@ from .tool_calls import (
     WholeOutputParser,
     call_of,
     content_of,
-    cut_calls,
     json_text,
+    new_call_id,
 )
 
 _INSTRUCTIONS = (
@@ -214,7 +214,41 @@ def _object(key: str, value: dict[str, Any]) -> dict[str, Any]:
 _RESPONSE_STRING = re.compile(r'\s*\{\s*"response"\s*:\s*"')
 _RESPONSE_VALUE = re.compile(r'\s*\{\s*"response"\s*:\s*')
 _CALLS = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*\[')
+_CALL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_CALL_ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*')
+_CALL_END = re.compile(r"\s*\}\s*([,\]])")  # after the arguments: the call's end, then , or ]
 _DECODER = json.JSONDecoder()
+
+
+def calls_in(text: str) -> list[tuple[str, str]]:
+    """The calls of an envelope (whole or cut) that have begun: each one's name, once whole,
+    and its arguments' text as far as it came; an argument object's end ends its text, so a
+    longer output only adds to it."""
+    start = _CALLS.match(text)
+    if start is None:
+        return []
+    out: list[tuple[str, str]] = []
+    at = start.end()
+    while (head := _CALL_NAME.match(text, at)) is not None:
+        try:
+            name = json.loads(head.group(1))
+        except ValueError:  # a name the grammar never writes
+            return out
+        arguments = _CALL_ARGUMENTS.match(text, head.end())
+        if arguments is None:  # cut before its arguments began
+            out.append((name, ""))
+            return out
+        try:
+            _, end = _DECODER.raw_decode(text, arguments.end())
+        except ValueError:  # the arguments still coming
+            out.append((name, text[arguments.end() :]))
+            return out
+        out.append((name, text[arguments.end() : end]))
+        tail = _CALL_END.match(text, end)
+        if tail is None or tail.group(1) == "]":
+            return out
+        at = tail.end()
+    return out
 
 
 class GenericParser(WholeOutputParser):
@@ -231,24 +265,32 @@ class GenericParser(WholeOutputParser):
         self.function = function  # tool_choice named this function (its call finishes "stop")
 
     def parse_calls(self, section: str) -> list[ToolCall]:
+        """The envelope's calls, each one's arguments as generated (the text the stream sent
+        and the history will hold)."""
         value = json.loads(section)
         if not isinstance(value, dict) or not isinstance(value.get("tool_calls"), list):
             raise ValueError("not a tool call envelope")
+        begun = calls_in(section)
+        if len(begun) != len(value["tool_calls"]):
+            raise ValueError("not the envelope the grammar writes")
         calls = []
-        for item in value["tool_calls"]:
+        for item, (_, text) in zip(value["tool_calls"], begun, strict=True):
             if not isinstance(item, dict):
                 raise ValueError("a tool call must be a JSON object")
-            calls.append(call_of(item.get("name"), item.get("arguments"), COMPACT))
+            call = call_of(item.get("name"), item.get("arguments"))  # checked: an object
+            calls.append(ToolCall(call.id, call.name, text))
         return calls
+
+    def calls_so_far(self, text: str) -> list[tuple[str, str]]:
+        return calls_in(text)
 
     def parse(self, text: str) -> ParsedOutput:
         try:
             return ParsedOutput(None, self.parse_calls(text))
         except ValueError:
             pass
-        calls = _CALLS.match(text)
-        if calls is not None:  # cut inside its calls: the whole ones, the last as far as it came
-            return ParsedOutput(None, cut_calls(text[calls.end() - 1 :], "arguments", COMPACT))
+        if _CALLS.match(text) is not None:  # cut in its calls: the whole ones, the last so far
+            return ParsedOutput(None, [ToolCall(new_call_id(), n, a) for n, a in calls_in(text)])
         return ParsedOutput(content_of(self.streamed_content(text, final=True)))
 
     def streamed_content(self, text: str, final: bool = False) -> str:

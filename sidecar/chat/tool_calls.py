@@ -84,6 +84,12 @@ class ToolCallParser:
         ``section_start`` and ``held_back`` allow."""
         return None
 
+    def calls_so_far(self, text: str) -> list[tuple[str, str]] | None:
+        """Formats whose calls stream (the generic envelope): each call ``text`` has begun,
+        as (its name, its arguments' text so far: more text only adds to it); None: the
+        calls come whole once the output ends."""
+        return None
+
     def section_start(self, text: str) -> int | None:
         """Where the tool-call section begins in ``text`` (so far), or None."""
         raise NotImplementedError
@@ -287,20 +293,15 @@ def forced_call_cut(parser: ToolCallParser | None, text: str) -> bool:
         return True
 
 
-# A cut list's last call: its name whole, then its arguments' text as far as they came (none
-# if the cut fell before them); the key is "parameters" in a forced list, "arguments" in the
-# generic format's.
+# The forced list's last, cut call: its name whole, then its parameters' text as far as they
+# came (none if the cut fell before them).
 _CUT_CALL = re.compile(
-    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)+)"\s*(?:,\s*"(?:parameters|arguments)"\s*:(.*))?',
-    re.S,
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)+)"\s*(?:,\s*"parameters"\s*:(.*))?', re.S
 )
 
 
-def cut_calls(
-    text: str, key: str = "parameters", separators: tuple[str, str] = (", ", ": ")
-) -> list[ToolCall]:
-    """The calls of a ``[{"name", key}, ...]`` list that max_tokens cut (a forced one's,
-    or the generic format's with "arguments")."""
+def cut_calls(text: str) -> list[ToolCall]:
+    """The calls of a forced ``[{"name", "parameters"}, ...]`` list that max_tokens cut."""
     rest = text.strip().removeprefix("[")
     calls: list[ToolCall] = []
     while rest.strip():
@@ -316,7 +317,7 @@ def cut_calls(
         if not isinstance(item, dict):
             break
         try:
-            calls.append(call_of(item.get("name"), item.get(key), separators))
+            calls.append(call_of(item.get("name"), item.get("parameters")))
         except ValueError:  # not a call: what came so far is all there is
             break
         rest = rest.lstrip()[end:].lstrip().removeprefix(",")
@@ -356,6 +357,8 @@ class ToolCallStream:
         self.text = ""
         self.emitted = 0  # characters of ``text`` released as content
         self.in_section = False
+        self.call_ids: list[str] = []  # the calls streamed so far
+        self.sent: list[int] = []  # characters of each one's arguments streamed
 
     def push(self, delta: str) -> str:
         """The content that can be released now."""
@@ -377,15 +380,59 @@ class ToolCallStream:
         self.emitted = max(self.emitted, upto)
         return out
 
+    def call_deltas(self) -> list[CallDelta]:
+        """Where the format streams its calls: what is new since the last time, a call begun
+        (its id and name, as OpenAI streams them first) and its arguments' next characters."""
+        begun = self.parser.calls_so_far(self.text)
+        out: list[CallDelta] = []
+        for i, (name, arguments) in enumerate(begun or ()):
+            if i == len(self.call_ids):
+                self.call_ids.append(new_call_id())
+                self.sent.append(0)
+                out.append(CallDelta(i, self.call_ids[i], name, ""))
+            if len(arguments) > self.sent[i]:
+                out.append(CallDelta(i, None, None, arguments[self.sent[i] :]))
+                self.sent[i] = len(arguments)
+        return out
+
     def finish(self) -> ParsedOutput:
-        """The rest: content not yet released, and the tool calls (as ``parse`` would)."""
+        """The rest: content not yet released, and the tool calls (as ``parse`` would; those
+        already streamed keep their ids)."""
         parsed = self.parser.parse(self.text)
         if not parsed.tool_calls and self.parser.rewrites_content:
             return ParsedOutput((parsed.content or "")[self.emitted :] or None)
         if not parsed.tool_calls:  # content, unless the whole reply has none (as parse says)
             rest = self.text[self.emitted :] if parsed.content is not None else ""
             return ParsedOutput(rest or None)
-        return ParsedOutput(None, parsed.tool_calls)
+        calls = [
+            ToolCall(self.call_ids[i], call.name, call.arguments)
+            if i < len(self.call_ids)
+            else call
+            for i, call in enumerate(parsed.tool_calls)
+        ]
+        return ParsedOutput(None, calls)
+
+    def remaining(self, calls: list[ToolCall]) -> list[CallDelta]:
+        """``finish``'s calls as the deltas not streamed yet: a call not begun, its id and
+        name then its arguments; one begun, the rest of its arguments."""
+        out: list[CallDelta] = []
+        for i, call in enumerate(calls):
+            sent = self.sent[i] if i < len(self.sent) else None
+            if sent is None:
+                out += [CallDelta(i, call.id, call.name, ""), CallDelta(i, None, None, call.arguments)]  # fmt: skip
+            elif len(call.arguments) > sent:
+                out.append(CallDelta(i, None, None, call.arguments[sent:]))
+        return out
+
+
+@dataclass(slots=True, frozen=True)
+class CallDelta:
+    """A piece of a streamed call: its start (``id`` and ``name``), or more ``arguments``."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
 
 
 # Used to probe a template: a conversation with one assistant tool call and its result.

@@ -29,6 +29,7 @@ from prefixcache.engine.request import (
 
 from ..chat.generic_tools import GenericParser
 from ..chat.tool_calls import (
+    CallDelta,
     ForcedParser,
     ToolCall,
     ToolCallParser,
@@ -307,15 +308,14 @@ def _tool_call_reply(call: ToolCall) -> rt.ToolCallReply:
     return rt.ToolCallReply(call.id, rt.FunctionCallReply(call.name, call.arguments))
 
 
-def _tool_call_deltas(calls: list[ToolCall], choice: int) -> list[rt.ChatChunkChoice]:
-    """Each call as two deltas, as OpenAI streams them: its id and name, then its arguments."""
-    choices = []
-    for index, call in enumerate(calls):
-        head = rt.ToolCallDelta(index, call.id, "function", rt.FunctionDelta(call.name, ""))
-        body = rt.ToolCallDelta(index, function=rt.FunctionDelta(arguments=call.arguments))
-        choices.append(rt.ChatChunkChoice(choice, rt.ChatDelta(tool_calls=[head])))
-        choices.append(rt.ChatChunkChoice(choice, rt.ChatDelta(tool_calls=[body])))
-    return choices
+def _call_delta_choice(delta: CallDelta, choice: int) -> rt.ChatChunkChoice:
+    """A piece of a call as OpenAI streams it: its id and name (arguments ""), or more of its
+    arguments."""
+    if delta.id is not None:
+        piece = rt.ToolCallDelta(delta.index, delta.id, "function", rt.FunctionDelta(delta.name, ""))  # fmt: skip
+    else:
+        piece = rt.ToolCallDelta(delta.index, function=rt.FunctionDelta(arguments=delta.arguments))
+    return rt.ChatChunkChoice(choice, rt.ChatDelta(tool_calls=[piece]))
 
 
 async def collect(job: Job) -> Collected:
@@ -486,6 +486,9 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
         # time their gaps by chunks. A tool call's text is held back whole: no empty chunks.
         if text or logprobs is not None or (calls is None and out.new_token_ids):
             yield with_ids([_delta_choice(job, text, None, logprobs)]), None, num_tokens
+        if calls is not None and job.kind == "chat" and not out.finished:
+            for delta in calls.call_deltas():  # formats whose calls stream (the generic one)
+                yield with_ids([_call_delta_choice(delta, job.index)]), None, num_tokens
         if out.finished:
             usage = out.usage or fallback_usage(job, num_tokens)
             reason = out.finish_reason or "stop"
@@ -493,8 +496,8 @@ async def choice_frames(job: Job, tokenizer: TokenizerAPI) -> AsyncIterator[Choi
                 rest = calls.finish()
                 if rest.content:
                     yield [_delta_choice(job, rest.content, None, None)], None, num_tokens
-                for choice in _tool_call_deltas(rest.tool_calls, job.index):
-                    yield [choice], None, num_tokens
+                for delta in calls.remaining(rest.tool_calls):
+                    yield [_call_delta_choice(delta, job.index)], None, num_tokens
                 cut = reason == "length" or forced_call_cut(calls.parser, calls.text)
                 reason = "tool_calls" if rest.tool_calls and not cut and not _named(job) else reason
             yield with_ids([_delta_choice(job, None, reason, None, out.stop_reason)]), usage, num_tokens  # fmt: skip
