@@ -23,7 +23,7 @@ import msgspec
 
 from prefixcache.engine.request import Usage
 
-from ..chat.tool_calls import ForcedParser, ToolCall, ToolCallStream, new_call_id
+from ..chat.tool_calls import CallDelta, ForcedParser, ToolCall, ToolCallStream, new_call_id
 from ..http.errors import APIError
 from ..server.responses import (
     Job,
@@ -176,6 +176,21 @@ async def stream_events(
         frames.append(event("response.output_text.delta", **ids, delta=text, logprobs=[]))
         return frames
 
+    opened: list[w.OutputFunctionCall] = []  # the calls begun so far (streamed as generated)
+
+    def call_frames(delta: CallDelta) -> list[bytes]:
+        """A call begun (its item added), or more of its arguments."""
+        if delta.id is not None:
+            item = w.OutputFunctionCall(new_id("fc"), delta.id, delta.name or "", "", "in_progress")  # fmt: skip
+            opened.append(item)
+            response.output.append(item)
+            index = len(response.output) - 1
+            return [event("response.output_item.added", output_index=index, item=item)]
+        item = opened[delta.index]
+        item.arguments += delta.arguments
+        ids = {"item_id": item.id, "output_index": response.output.index(item)}
+        return [event("response.function_call_arguments.delta", **ids, delta=delta.arguments)]
+
     parser = job.tool_parser
     forced: w.OutputFunctionCall | None = None
     if isinstance(parser, ForcedParser) and parser.function is not None:
@@ -200,14 +215,20 @@ async def stream_events(
                 text = out.text_delta if calls is None else calls.push(out.text_delta)
                 for frame in text_delta(text) if text else ():
                     yield frame
+                if calls is not None and not out.finished:
+                    for delta in calls.call_deltas():  # formats whose calls stream (generic)
+                        for frame in call_frames(delta):
+                            yield frame
             if not out.finished:
                 continue
             items: list[w.OutputFunctionCall] = []
+            rest_calls: list[ToolCall] = []
             if calls is not None:
                 rest = calls.finish()
                 for frame in text_delta(rest.content) if rest.content else ():
                     yield frame
                 items = function_calls(rest.tool_calls)
+                rest_calls = rest.tool_calls
             if message is not None:
                 whole = w.OutputText("".join(texts))
                 message.content = [whole]
@@ -216,20 +237,20 @@ async def stream_events(
                 yield event("response.output_text.done", **ids, text=whole.text, logprobs=[])
                 yield event("response.content_part.done", **ids, part=whole)
                 yield event("response.output_item.done", output_index=0, item=message)
-            for item in items:
-                index = len(response.output)
-                added = msgspec.structs.replace(item, arguments="", status="in_progress")
-                yield event("response.output_item.added", output_index=index, item=added)
-                ids = {"item_id": item.id, "output_index": index}
-                yield event("response.function_call_arguments.delta", **ids, delta=item.arguments)
+            if calls is not None:
+                for delta in calls.remaining(rest_calls):  # what was not streamed yet
+                    for frame in call_frames(delta):
+                        yield frame
+            for item, final in zip(opened, items, strict=True):
+                item.arguments, item.status = final.arguments, final.status
+                ids = {"item_id": item.id, "output_index": response.output.index(item)}
                 yield event(
                     "response.function_call_arguments.done",
                     **ids,
                     name=item.name,
                     arguments=item.arguments,
                 )
-                yield event("response.output_item.done", output_index=index, item=item)
-                response.output.append(item)
+                yield event("response.output_item.done", output_index=ids["output_index"], item=item)  # fmt: skip
             usage = out.usage or fallback_usage(job, num_tokens)
             finish(response, out.finish_reason or "stop", usage, job)
             on_done(response)
