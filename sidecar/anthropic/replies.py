@@ -32,6 +32,7 @@ import msgspec
 from prefixcache.engine.request import RequestOutput, RetentionHint, Usage
 
 from ..chat.tool_calls import (
+    CallDelta,
     ForcedParser,
     ToolCall,
     ToolCallStream,
@@ -247,12 +248,33 @@ async def _chain(
 async def _content_events(
     job: Job, outputs: AsyncIterator[RequestOutput], block_size: int
 ) -> AsyncIterator[bytes]:
-    """Text as it comes (less what could start a tool call), then any parsed tool calls."""
+    """Text as it comes (less what could start a tool call), then the tool calls: as they
+    are generated where the format streams them (the generic one), else once parsed."""
     calls = None if job.tool_parser is None else ToolCallStream(job.tool_parser)
     index = 0
     text_open = False
+    call_open = False  # a tool_use block is open (at ``index``)
     released: list[str] = []
     token_ids: list[int] = []
+
+    def call_events(delta: CallDelta) -> list[bytes]:
+        """A call begun (the open block stopped, its tool_use block started) or more of its
+        input JSON."""
+        nonlocal index, text_open, call_open
+        frames = []
+        if delta.id is not None:
+            if text_open or call_open:
+                frames.append(event("content_block_stop", index=index))
+                index += 1
+                text_open = False
+            head = ToolUseContent(tool_use_id(ToolCall(delta.id, "", "")), delta.name or "", {})
+            frames.append(_block_start(index, head))
+            call_open = True
+        elif delta.arguments:
+            json_delta = {"type": "input_json_delta", "partial_json": delta.arguments}
+            frames.append(event("content_block_delta", index=index, delta=json_delta))
+        return frames
+
     async for out in outputs:
         raise_engine_error(out.error, out.finish_reason)
         token_ids.extend(out.new_token_ids)
@@ -263,6 +285,10 @@ async def _content_events(
                 text_open = True
             released.append(text)
             yield event("content_block_delta", index=index, delta=_text_delta(text))
+        if calls is not None and not out.finished:
+            for delta in calls.call_deltas():  # formats whose calls stream (the generic one)
+                for frame in call_events(delta):
+                    yield frame
         if not out.finished:
             continue
         tool_calls: list[ToolCall] = []
@@ -275,14 +301,10 @@ async def _content_events(
                 released.append(rest.content)
                 yield event("content_block_delta", index=index, delta=_text_delta(rest.content))
             tool_calls = rest.tool_calls
-        if text_open:
-            yield event("content_block_stop", index=index)
-            index += 1
-        for call in tool_calls:
-            head = ToolUseContent(tool_use_id(call), call.name, {})
-            yield _block_start(index, head)
-            delta = {"type": "input_json_delta", "partial_json": call.arguments}
-            yield event("content_block_delta", index=index, delta=delta)
+            for delta in calls.remaining(tool_calls):
+                for frame in call_events(delta):
+                    yield frame
+        if text_open or call_open:
             yield event("content_block_stop", index=index)
             index += 1
         finish = out.finish_reason or "stop"
