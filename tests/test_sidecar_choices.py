@@ -422,10 +422,11 @@ def test_echo_without_generation_returns_the_prompt_alone(sidecar_server: Server
     wait_for_idle_blocks(sidecar_server.root)
 
 
-def test_logprobs_name_the_end_of_turn_in_completions_only(sidecar_server: Server) -> None:
-    """An end-of-turn token ends the reply but is not in its text. Chat's entries leave it
-    out (OpenAI's), so their bytes join into the text exactly; completions list it last by
-    name at the text's end (vLLM's, OpenAI's end of text), one entry per completion token."""
+def test_logprobs_name_the_end_of_turn(sidecar_server: Server) -> None:
+    """An end-of-turn token ends the reply but is not in its text. Chat and completions list
+    it last by name (vLLM's, OpenAI's completions' end of text), one entry per completion
+    token, so the entries align with the token ids (what RL frameworks pair them with); the
+    other entries' bytes join into the text exactly."""
     client = openai.OpenAI(base_url=sidecar_server.url, api_key="x")
     (eot,) = httpx.post(
         f"{sidecar_server.root}/tokenize", json={"prompt": "<|eot_id|>"}, timeout=30
@@ -448,7 +449,8 @@ def test_logprobs_name_the_end_of_turn_in_completions_only(sidecar_server: Serve
             text, entries = choice.message.content or "", choice.logprobs.content
             finish = choice.finish_reason
         assert finish == "stop" and text
-        assert b"".join(bytes(e.bytes) for e in entries).decode() == text
+        assert entries[-1].token == "<|eot_id|>"
+        assert b"".join(bytes(e.bytes) for e in entries[:-1]).decode() == text
     done = client.completions.create(**common, prompt=PROMPT, logprobs=0)
     choice = done.choices[0]
     assert choice.finish_reason == "stop" and choice.text

@@ -138,3 +138,18 @@ def test_bad_words_never_end_in_the_output(url: str) -> None:
     out = post(url, "/completions", {**body, "bad_words": [word]})["choices"][0]["token_ids"]
     assert pair not in itertools.pairwise(out)
     assert out != free  # the greedy output had the pair: it changed
+
+
+def test_include_stop_str_in_output_keeps_a_stop_tokens_text(url: str) -> None:
+    """With ``include_stop_str_in_output`` a ``stop_token_ids`` token's text stays too, as
+    vLLM keeps it; without, it is left out."""
+    body = {"model": "demo", "prompt": "Once upon", "max_tokens": 12, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
+    free = post(url, "/completions", body)["choices"][0]
+    stop_id = free["token_ids"][2]
+    root = url.removesuffix("/v1")
+    stop_text = httpx.post(f"{root}/detokenize", json={"tokens": [stop_id]}).json()["prompt"]
+    cut = post(url, "/completions", {**body, "stop_token_ids": [stop_id]})["choices"][0]
+    kept = post(url, "/completions", {**body, "stop_token_ids": [stop_id], "include_stop_str_in_output": True})["choices"][0]  # fmt: skip
+    assert cut["stop_reason"] == kept["stop_reason"] == stop_id
+    assert kept["text"] == cut["text"] + stop_text

@@ -26,10 +26,13 @@ def finish_reason(
     elif token in eos_token_ids and not params.ignore_eos:
         reason = "stop"
     else:
+        reason = None
+    if reason is not None and params.include_stop_str_in_output:
+        seq.pending_text += detokenizer.push(token)  # vLLM's: the stop token's text kept too
+    elif reason is None:
         seq.pending_text += detokenizer.push(token)
         if params.stop and stoppable and _cut_at_stop(seq):
             return "stop"
-        reason = None
     if reason is None and (
         seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_seq_len
     ):

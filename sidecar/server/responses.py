@@ -525,10 +525,9 @@ def _logprobs(
     job: Job, tokenizer: TokenizerAPI, entries: list[TokenLogprob], offsets: TokenOffsets
 ) -> dict:
     decode = _decoder(tokenizer)
-    shown = _shown(job, tokenizer)
-    if job.kind == "chat":
-        return chat_logprobs(entries, decode, tokenizer.token_bytes, shown)
-    return completion_logprobs(entries, decode, offsets, shown=shown)
+    if job.kind == "chat":  # every generated token, as vLLM lists them (token_ids align)
+        return chat_logprobs(entries, decode, tokenizer.token_bytes)
+    return completion_logprobs(entries, decode, offsets, shown=_shown(job, tokenizer))
 
 
 def _shown(job: Job, tokenizer: TokenizerAPI) -> Callable[[int], bool] | None:
