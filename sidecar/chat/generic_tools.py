@@ -16,8 +16,8 @@ as text, in the spirit of llama.cpp's "generic" format:
   calls alone (required; named: one call of that function), so every turn reads alike.
   ``none`` is the plain prompt, as before: no call is wanted, and the answer is the model's
   own text (what LangChain sends with tools bound);
-- ``GenericParser`` reads the envelope back as tool calls or content, and a stream releases
-  the response's text as it decodes.
+- ``GenericParser`` reads the envelope back as tool calls or content; a stream releases the
+  response's text as it decodes, and each call (``calls_in``) as it is generated.
 """
 
 from __future__ import annotations
